@@ -1,0 +1,23 @@
+"""Quantization methods. Importing this package registers every built-in method.
+
+To add a method: one new module here with a :func:`~kvqbench.quantizers.base.register`-decorated
+:class:`~kvqbench.quantizers.base.Quantizer` subclass, imported below (see docs/ADDING_METHODS.md).
+"""
+
+from kvqbench.quantizers.base import (  # noqa: F401
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    StreamPolicy,
+    UnknownMethodError,
+    available,
+    create,
+    get,
+    register,
+    registry,
+)
+
+# built-in methods, in the leaderboard's canonical order
+from kvqbench.quantizers import fp16  # noqa: F401,E402
+from kvqbench.quantizers import rtn  # noqa: F401,E402
+from kvqbench.quantizers import kivi  # noqa: F401,E402

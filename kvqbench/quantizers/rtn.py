@@ -1,0 +1,116 @@
+"""Round-to-nearest baselines at three granularities, and the shared grouped-RTN machinery.
+
+Asymmetric min/max RTN (METHODS.md "RTN family"): one (scale, zero-point) per whole tensor
+(``rtn_tensor``), per token over head_dim (``rtn_token``) or per channel over the sequence
+(``rtn_channel``). Classical uniform quantization; no paper-specific deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvqbench.numerics.rtn import (
+    Granularity,
+    PerChannel,
+    PerTensor,
+    PerToken,
+    rtn_dequantize,
+    rtn_quantize,
+)
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
+
+__all__ = ["GroupedRTNQuantizer", "RTNTensor", "RTNToken", "RTNChannel"]
+
+#: benchmark budget for one group's metadata: FP8 scale + FP16 zero-point
+AUX_BITS_NOMINAL = 8 + 16
+#: as stored: fp16 scale + fp16 zero-point
+AUX_BITS_EFFECTIVE = 16 + 16
+
+
+def _group_elems(gran: Granularity, shape: tuple[int, int, int, int]) -> int:
+    b, h, t, d = shape
+    if isinstance(gran, PerTensor):
+        return b * h * t * d
+    if isinstance(gran, PerToken):
+        return d if gran.group_size is None else min(gran.group_size, d)
+    if isinstance(gran, PerChannel):
+        return t if gran.group_size is None else min(gran.group_size, t)
+    raise TypeError(gran)
+
+
+class GroupedRTNQuantizer(Quantizer):
+    """Asym RTN with one granularity for K and one for V.
+
+    Stores packed ``b``-bit codes, one fp16-billed scale and one fp16-billed zero-point (the float
+    group minimum, as KIVI) per group. Nominal bits = ``b + 24 / group_elements``.
+    """
+
+    def granularity(self, kind: Kind) -> Granularity:  # pragma: no cover - abstract-ish
+        raise NotImplementedError
+
+    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        gran = self.granularity(kind)
+        codes, lo, scale = rtn_quantize(x, bits, gran)
+        qt = self._new_qt(x, kind, bits)
+        qt.add_codes("codes", codes, bits)
+        qt.fields["scale"] = Stored(scale, 16)
+        qt.fields["zero"] = Stored(lo, 16)
+        return qt
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        gran = self.granularity(qt.kind)  # type: ignore[arg-type]
+        return rtn_dequantize(qt.codes("codes"), qt["zero"], qt["scale"], gran)
+
+    def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        return bits + AUX_BITS_NOMINAL / _group_elems(self.granularity(kind), shape)
+
+
+@register
+class RTNTensor(GroupedRTNQuantizer):
+    """RTN with one asymmetric (scale, zero-point) for the whole K (or V) tensor."""
+
+    id = "rtn_tensor"
+    name = "RTN per-tensor"
+    paper = "Uniform round-to-nearest baseline"
+    k_granularity = "per-tensor"
+    v_granularity = "per-tensor"
+    local_stats = True
+
+    def granularity(self, kind: Kind) -> Granularity:
+        return PerTensor()
+
+
+@register
+class RTNToken(GroupedRTNQuantizer):
+    """RTN with one (scale, zero-point) per token over head_dim, for K and V."""
+
+    id = "rtn_token"
+    name = "RTN per-token"
+    paper = "Uniform round-to-nearest baseline"
+    k_granularity = "per-token"
+    v_granularity = "per-token"
+
+    def granularity(self, kind: Kind) -> Granularity:
+        return PerToken()
+
+
+@register
+class RTNChannel(GroupedRTNQuantizer):
+    """RTN with one (scale, zero-point) per channel over the whole sequence, for K and V."""
+
+    id = "rtn_channel"
+    name = "RTN per-channel"
+    paper = "Uniform round-to-nearest baseline"
+    k_granularity = "per-channel"
+    v_granularity = "per-channel"
+
+    def granularity(self, kind: Kind) -> Granularity:
+        return PerChannel()
+
+
+def _check_group_size(group_size: Any) -> int:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    return group_size
