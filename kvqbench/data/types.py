@@ -1,0 +1,114 @@
+"""The container every data source returns.
+
+All tensors use the layout ``(batch, kv_heads, seq_len, head_dim)``; for real captures the batch axis
+holds the model's layers (``[L, H_kv, T, D]``, queries ``[L, H_q, T, D]``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["KVData", "apply_rope", "rotate_half"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x2, x1]`` for ``x = [x1, x2]`` split at ``head_dim/2`` (the Llama/NeoX RoPE convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply rotary position embedding: ``x·cos + rotate_half(x)·sin``.
+
+    Args:
+        x: ``(batch, heads, seq_len, head_dim)``.
+        cos, sin: ``(seq_len, head_dim)`` for the positions of ``x``'s tokens.
+    Returns:
+        Tensor of ``x``'s shape and dtype. RoPE is orthogonal per rotate-half pair, so
+        ``‖apply_rope(a) − apply_rope(b)‖ == ‖a − b‖`` per token.
+    """
+    c = cos.to(device=x.device, dtype=torch.float32)
+    s = sin.to(device=x.device, dtype=torch.float32)
+    xf = x.to(torch.float32)
+    return (xf * c + rotate_half(xf) * s).to(x.dtype)
+
+
+@dataclass
+class KVData:
+    """K/V/Q tensors of one data source.
+
+    Attributes:
+        source: ``"synthetic"`` or ``"real"``.
+        k: keys as cached (post-RoPE for real data), ``(batch, kv_heads, seq_len, head_dim)`` fp32.
+        v: values, same shape.
+        q: queries (post-RoPE), ``(batch, q_heads, seq_len, head_dim)``; ``q_heads`` is a multiple of
+            ``kv_heads`` (GQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``).
+        k_pre: pre-RoPE keys (from ``k_proj``) or ``None`` (synthetic: no RoPE, ``k`` is used).
+        cos, sin: RoPE tables ``(seq_len, head_dim)`` for the captured positions, or ``None``.
+        k_grad2, v_grad2: squared gradients of the LM loss w.r.t. pre-RoPE K and V (Fisher
+            information, KVQuant), same shapes as ``k_pre``/``v``, or ``None``.
+        meta: provenance (model file, layers, text, seed, generator parameters …), JSON-able.
+    """
+
+    source: str
+    k: torch.Tensor
+    v: torch.Tensor
+    q: torch.Tensor
+    k_pre: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    k_grad2: torch.Tensor | None = None
+    v_grad2: torch.Tensor | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self.k.shape)  # type: ignore[return-value]
+
+    @property
+    def has_rope(self) -> bool:
+        return self.cos is not None and self.sin is not None
+
+    def k_for(self, pre_rope: bool) -> torch.Tensor:
+        """The keys a method quantizes: pre-RoPE when it asks and the source has them, else cached K."""
+        if pre_rope and self.k_pre is not None:
+            return self.k_pre
+        return self.k
+
+    def to_cached_k(self, k_hat: torch.Tensor, pre_rope: bool) -> torch.Tensor:
+        """Map a method's K output back to the cached (post-RoPE) space for comparison with ``k``."""
+        if pre_rope and self.k_pre is not None and self.has_rope:
+            return apply_rope(k_hat, self.cos, self.sin)  # type: ignore[arg-type]
+        return k_hat
+
+    def truncate(self, seq_len: int) -> "KVData":
+        """The first ``seq_len`` tokens of every tensor (for context-length sweeps)."""
+        t = slice(0, seq_len)
+
+        def cut(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x[..., t, :]
+
+        return KVData(
+            self.source,
+            self.k[..., t, :],
+            self.v[..., t, :],
+            self.q[..., t, :],
+            cut(self.k_pre),
+            None if self.cos is None else self.cos[t],
+            None if self.sin is None else self.sin[t],
+            cut(self.k_grad2),
+            cut(self.v_grad2),
+            dict(self.meta),
+        )
+
+    def to(self, device: torch.device | str) -> "KVData":
+        def mv(x: torch.Tensor | None) -> torch.Tensor | None:
+            return None if x is None else x.to(device)
+
+        return KVData(
+            self.source, mv(self.k), mv(self.v), mv(self.q), mv(self.k_pre), mv(self.cos),  # type: ignore[arg-type]
+            mv(self.sin), mv(self.k_grad2), mv(self.v_grad2), dict(self.meta),
+        )
