@@ -1,0 +1,1 @@
+"""Experiments: each module computes one experiment's metrics for one cell (method × data)."""

@@ -1,0 +1,73 @@
+"""Experiment 1 — reconstruction (SPEC §4.1).
+
+For K and V separately: MSE, relative MSE, the per-token split ``E_T = E_M + E_D`` (magnitude vs
+direction) summarized as ``E_M/E_T`` at the p50/p90/p99 of ``E_T``, the signed relative norm bias, and
+the nominal/effective bits per element. Every value is computed per layer (index of dim 0; the synthetic
+source has one) and summarized as the mean over layers, with the per-layer list kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvqbench.data.types import KVData
+from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.numerics import metrics as M
+from kvqbench.quantizers.base import Quantizer
+
+__all__ = ["CellResult", "run_reconstruction"]
+
+EXPERIMENT = "exp1"
+
+
+@dataclass
+class CellResult:
+    """What a cell records: summary metrics, per-layer values and extra JSON-able detail."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    per_layer: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    def add(self, name: str, layer_values: list[float]) -> None:
+        self.per_layer[name] = [float(v) for v in layer_values]
+        self.metrics[name] = float(sum(layer_values) / len(layer_values))
+
+
+def _tensor_metrics(res: CellResult, kv: str, x: torch.Tensor, x_hat: torch.Tensor) -> None:
+    layers = range(x.shape[0])
+    res.add(f"{kv}_mse", M.per_layer(M.mse, x, x_hat))
+    res.add(f"{kv}_rel_mse", M.per_layer(M.rel_mse, x, x_hat))
+    shares = [M.em_share_at_quantiles(x[i : i + 1], x_hat[i : i + 1]) for i in layers]
+    for q, tag in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+        res.add(f"{kv}_em_share_{tag}", [s[q] for s in shares])
+    res.add(f"{kv}_norm_bias", M.per_layer(M.norm_bias, x, x_hat))
+
+
+@torch.no_grad()
+def run_reconstruction(method: Quantizer, data: KVData) -> CellResult:
+    """Run experiment 1 for one method on one data source.
+
+    Args:
+        method: a configured quantizer (its ``k_bits``/``v_bits`` set the cell's bit-widths).
+        data: K/V ``(batch|layers, kv_heads, seq_len, head_dim)``.
+    Returns:
+        :class:`CellResult` with the metrics named in :mod:`kvqbench.metrics` (experiment ``exp1``).
+    """
+    rt = roundtrip_kv(method, data)
+    res = CellResult()
+    _tensor_metrics(res, "k", data.k, rt.k_hat)
+    _tensor_metrics(res, "v", data.v, rt.v_hat)
+    shape = tuple(data.k.shape)
+    res.metrics["k_bits_nominal"] = method.nominal_bits("k", shape)
+    res.metrics["v_bits_nominal"] = method.nominal_bits("v", tuple(data.v.shape))
+    res.metrics["k_bits_effective"] = rt.k_bits_effective
+    res.metrics["v_bits_effective"] = rt.v_bits_effective
+    res.metrics["rel_mse"] = 0.5 * (res.metrics["k_rel_mse"] + res.metrics["v_rel_mse"])
+    res.per_layer["rel_mse"] = [
+        0.5 * (a + b) for a, b in zip(res.per_layer["k_rel_mse"], res.per_layer["v_rel_mse"])
+    ]
+    res.metrics["bits_effective"] = 0.5 * (rt.k_bits_effective + rt.v_bits_effective)
+    res.metrics["bits_nominal"] = 0.5 * (res.metrics["k_bits_nominal"] + res.metrics["v_bits_nominal"])
+    return res
