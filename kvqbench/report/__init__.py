@@ -1,0 +1,1 @@
+"""Reporting: assemble cell records into rankings/leaderboards and render them. Torch-free."""

@@ -1,0 +1,309 @@
+"""Assemble cell records into statistics, rankings, Pareto fronts, matched-budget tables and
+data-quality flags (SPEC §5). Torch-free: works from saved JSON.
+
+A *record* is the dict a benchmark cell writes (see :mod:`kvqbench.plugin`): identity (experiment,
+method, bits, seed, source, size, variant), ``status``, ``metrics`` (name → float), ``per_layer``
+(name → list), ``series``/``extra`` detail, ``method_info`` and ``data`` provenance.
+
+Multi-seed: each (source, experiment, method, bits, variant) *setting* aggregates its seeds into
+mean ± 95% Student-t confidence half-width; rankings order methods by mean in each metric's
+better-direction and mark methods whose CIs overlap as ties.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+from kvqbench.metrics import rank_key
+
+__all__ = [
+    "setting_key",
+    "aggregate",
+    "rankings",
+    "pareto",
+    "matched_budget",
+    "data_quality",
+    "DATA_QUALITY_CHECKS",
+    "assemble",
+    "BUDGETS",
+    "mean_ci",
+]
+
+BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0, 4.25, 8.25)
+#: quality metric and bits metric of the Pareto front and the matched-budget selector
+PARETO_QUALITY = "rel_mse"
+PARETO_BITS = "bits_effective"
+EXACT_TOL = 0.0
+
+
+def mean_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float | None]:
+    """Mean and Student-t half-width of the ``confidence`` interval (``None`` for one value)."""
+    n = len(values)
+    m = math.fsum(values) / n
+    if n < 2:
+        return m, None
+    var = math.fsum((v - m) ** 2 for v in values) / (n - 1)
+    from scipy.stats import t as student_t
+
+    return m, float(student_t.ppf(0.5 + confidence / 2, n - 1) * math.sqrt(var / n))
+
+
+def _variant_tag(variant: dict[str, Any]) -> str:
+    return "".join(f"-{k}{v}" for k, v in sorted(variant.items()))
+
+
+def setting_key(rec: dict[str, Any]) -> str:
+    """``"k2v2"`` plus any variant axes, e.g. ``"k2v2-group_size64"``."""
+    return f"k{rec['k_bits']}v{rec['v_bits']}" + _variant_tag(rec.get("variant") or {})
+
+
+def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Group passed records by source → experiment → method → setting and aggregate over seeds.
+
+    Returns ``stats[source][experiment][method][setting][metric] = {mean, ci95, n, seeds, values,
+    worst_layer, worst_layer_index}``.
+    """
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("status") != "passed":
+            continue
+        groups[(r["source"], r["experiment"], r["method"], setting_key(r))].append(r)
+    stats: dict[str, Any] = {}
+    for (src, exp, meth, setting), recs in sorted(groups.items()):
+        recs = sorted(recs, key=lambda r: r["seed"])
+        names = sorted(set().union(*(r.get("metrics", {}) for r in recs)))
+        out: dict[str, Any] = {}
+        for name in names:
+            vals = [float(r["metrics"][name]) for r in recs if name in r.get("metrics", {})]
+            vals = [v for v in vals if math.isfinite(v)]
+            if not vals:
+                continue
+            m, ci = mean_ci(vals)
+            entry: dict[str, Any] = {
+                "mean": m,
+                "ci95": ci,
+                "n": len(vals),
+                "seeds": [r["seed"] for r in recs if name in r.get("metrics", {})],
+                "values": vals,
+            }
+            layers = [r.get("per_layer", {}).get(name) for r in recs]
+            layers = [lst for lst in layers if lst]
+            if layers and len(layers[0]) > 1 and all(len(x) == len(layers[0]) for x in layers):
+                per = [math.fsum(col) / len(col) for col in zip(*layers)]
+                entry["per_layer_mean"] = per
+                entry["worst_layer_index"] = max(range(len(per)), key=lambda i: per[i])
+                entry["worst_layer"] = per[entry["worst_layer_index"]]
+            out[name] = entry
+        stats.setdefault(src, {}).setdefault(exp, {}).setdefault(meth, {})[setting] = out
+    return stats
+
+
+def _interval(entry: dict[str, Any], better: str) -> tuple[float, float]:
+    m, ci = entry["mean"], entry["ci95"] or 0.0
+    lo, hi = m - ci, m + ci
+    if better == "zero":
+        if lo <= 0 <= hi:
+            return 0.0, max(abs(lo), abs(hi))
+        return min(abs(lo), abs(hi)), max(abs(lo), abs(hi))
+    return lo, hi
+
+
+def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
+    """Per metric, per setting: every method that ran, best first.
+
+    Returns ``{metric: {"better", "unit", "by_setting": {setting: [{method, mean, ci95, n, rank,
+    ties}]}}}``. ``rank`` is competition ranking where a method whose CI overlaps the previous
+    (better) method's CI shares its rank; ``ties`` lists every method whose CI overlaps its own.
+    Metrics not in ``catalog`` are not ranked.
+    """
+    table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
+    for exp, by_method in stats_src.items():
+        for meth, by_setting in by_method.items():
+            for setting, metrics in by_setting.items():
+                for name, entry in metrics.items():
+                    if name in catalog:
+                        table[name][setting].append((meth, entry))
+    out: dict[str, Any] = {}
+    for name in sorted(table):
+        spec = catalog[name]
+        better = spec["better"]
+        by_setting = {}
+        for setting in sorted(table[name], key=_setting_sort):
+            rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
+            ivs = {m: _interval(e, better) for m, e in rows}
+            ranked = []
+            for i, (m, e) in enumerate(rows):
+                lo, hi = ivs[m]
+                ties = [m2 for m2, _ in rows if m2 != m and not (ivs[m2][1] < lo or ivs[m2][0] > hi)]
+                if i > 0 and rows[i - 1][0] in ties:
+                    rank = ranked[-1]["rank"]
+                else:
+                    rank = i + 1
+                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
+                               "rank": rank, "ties": ties,
+                               **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})
+            by_setting[setting] = ranked
+        out[name] = {"better": better, "unit": spec["unit"], "experiment": spec["experiment"],
+                     "by_setting": by_setting}
+    return out
+
+
+def _setting_sort(setting: str) -> tuple:
+    import re
+
+    nums = [int(x) for x in re.findall(r"\d+", setting)]
+    return (nums, setting)
+
+
+def _exp1_points(stats_src: dict[str, Any]) -> list[dict[str, Any]]:
+    pts = []
+    for meth, by_setting in stats_src.get("exp1", {}).items():
+        for setting, metrics in by_setting.items():
+            if "-" in setting:  # variant axes (e.g. group-size sweeps) are not budget points
+                continue
+            if PARETO_QUALITY in metrics and PARETO_BITS in metrics:
+                pts.append({"method": meth, "setting": setting,
+                            "bits_effective": metrics[PARETO_BITS]["mean"],
+                            "bits_nominal": metrics.get("bits_nominal", {}).get("mean"),
+                            PARETO_QUALITY: metrics[PARETO_QUALITY]["mean"],
+                            "ci95": metrics[PARETO_QUALITY]["ci95"]})
+    return sorted(pts, key=lambda p: (p["bits_effective"], p[PARETO_QUALITY], p["method"]))
+
+
+def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
+    """Every (method, bits) point as (effective bits/element, relative MSE) and the non-dominated front
+    (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly)."""
+    pts = _exp1_points(stats_src)
+    front = []
+    for p in pts:
+        dominated = any(
+            q is not p and q["bits_effective"] <= p["bits_effective"] and q[PARETO_QUALITY] <= p[PARETO_QUALITY]
+            and (q["bits_effective"] < p["bits_effective"] or q[PARETO_QUALITY] < p[PARETO_QUALITY])
+            for q in pts
+        )
+        p["on_front"] = not dominated
+        if not dominated:
+            front.append({"method": p["method"], "setting": p["setting"],
+                          "bits_effective": p["bits_effective"], PARETO_QUALITY: p[PARETO_QUALITY]})
+    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts, "front": front}
+
+
+def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
+    """The best (lowest relative MSE) (method, bits) at each effective-bits budget ``≤ b``."""
+    pts = _exp1_points(stats_src)
+    out = []
+    for b in budgets:
+        ok = [p for p in pts if p["bits_effective"] <= b + 1e-9]
+        if not ok:
+            out.append({"budget": b, "method": None, "setting": None, "bits_effective": None, PARETO_QUALITY: None})
+            continue
+        best = min(ok, key=lambda p: (p[PARETO_QUALITY], p["bits_effective"], p["method"]))
+        runner = sorted(ok, key=lambda p: (p[PARETO_QUALITY], p["bits_effective"], p["method"]))[1:2]
+        out.append({"budget": b, "method": best["method"], "setting": best["setting"],
+                    "bits_effective": best["bits_effective"], PARETO_QUALITY: best[PARETO_QUALITY],
+                    "runner_up": runner[0]["method"] if runner else None})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# data-quality flags — sanity checks on the measurement, never a verdict on a method
+def _flag(name: str, ok: bool | None, detail: str, offenders: list | None = None) -> dict[str, Any]:
+    return {"name": name, "ok": ok, "detail": detail, "offenders": offenders or []}
+
+
+def _check_fp16_exact(records: list[dict]) -> dict:
+    cells = [r for r in records if r["method"] == "fp16" and r["experiment"] == "exp1" and r.get("status") == "passed"]
+    if not cells:
+        return _flag("fp16_roundtrip_exact", None, "fp16 control did not run")
+    bad = [r["nodeid"] for r in cells if r["metrics"].get("k_mse", 0) != 0 or r["metrics"].get("v_mse", 0) != 0]
+    return _flag("fp16_roundtrip_exact", not bad, "fp16 control reconstructs K and V with MSE 0", bad)
+
+
+def _check_exact_at_16(records: list[dict]) -> dict:
+    cells = [r for r in records if r["experiment"] == "exp1" and r.get("status") == "passed"
+             and r["k_bits"] >= 16 and r["v_bits"] >= 16 and not r.get("variant")]
+    if not cells:
+        return _flag("exact_at_16_bits", None, "no 16-bit cells ran")
+    bad = [r["nodeid"] for r in cells if r["metrics"].get("k_mse", 0) != 0 or r["metrics"].get("v_mse", 0) != 0]
+    return _flag("exact_at_16_bits", not bad, "every method is an exact passthrough at 16 bits", bad)
+
+
+def _check_monotone(records: list[dict]) -> dict:
+    by: dict[tuple, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        if r["experiment"] != "exp1" or r.get("status") != "passed" or r.get("variant") or r["k_bits"] != r["v_bits"]:
+            continue
+        for kv in ("k", "v"):
+            if f"{kv}_mse" in r["metrics"]:
+                by[(r["source"], r["method"], kv, r["seed"])][r["k_bits"]].append(r["metrics"][f"{kv}_mse"])
+    if not by:
+        return _flag("mse_monotone_in_bits", None, "no exp1 bit sweep ran")
+    bad = []
+    for (src, meth, kv, seed), per_bits in sorted(by.items()):
+        seq = [per_bits[b][0] for b in sorted(per_bits)]
+        for a, b_, bits_a, bits_b in zip(seq, seq[1:], sorted(per_bits), sorted(per_bits)[1:]):
+            if b_ > a * (1 + 1e-9) + 1e-30:
+                bad.append(f"{src}/{meth}/{kv}/seed{seed}: {bits_a}→{bits_b} bits MSE {a:.4g}→{b_:.4g}")
+    return _flag("mse_monotone_in_bits", not bad, "MSE does not increase with bits (per method, K and V, seed)", bad)
+
+
+#: checks run on a source's records; experiments add theirs here
+DATA_QUALITY_CHECKS: list[Callable[[list[dict]], dict]] = [_check_fp16_exact, _check_exact_at_16, _check_monotone]
+
+
+def data_quality(records: list[dict]) -> list[dict]:
+    return [chk(records) for chk in DATA_QUALITY_CHECKS]
+
+
+# ------------------------------------------------------------------------------------------------
+def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance: dict[str, Any]) -> dict[str, Any]:
+    """Build the leaderboard document from every record of a session.
+
+    Returns ``{"provenance", "metrics_catalog", "methods", "sources": {source: {stats, rankings,
+    pareto, matched_budget, data_quality, cells: {passed, failed, skipped}, failures, data}}}``.
+    """
+    stats = aggregate(records)
+    methods: dict[str, Any] = {}
+    for r in records:
+        info = r.get("method_info")
+        if info and r["method"] not in methods:
+            methods[r["method"]] = {k: v for k, v in info.items() if k != "params"}
+    sources: dict[str, Any] = {}
+    for src in sorted({r["source"] for r in records}):
+        recs = [r for r in records if r["source"] == src]
+        st = stats.get(src, {})
+        sizes = sorted({r.get("size") for r in recs if r.get("size")})
+        data_meta = next((r.get("data") for r in recs if r.get("data")), None)
+        sources[src] = {
+            "sizes": sizes,
+            "data": data_meta,
+            "seeds": sorted({r["seed"] for r in recs}),
+            "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in ("passed", "failed", "skipped")},
+            "failures": [{"nodeid": r["nodeid"], "error": r.get("error", "")} for r in recs if r.get("status") == "failed"],
+            "stats": st,
+            "rankings": rankings(st, catalog),
+            "pareto": pareto(st),
+            "matched_budget": matched_budget(st),
+            "data_quality": data_quality(recs),
+        }
+    return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources}
+
+
+def summary_of(board: dict[str, Any]) -> dict[str, Any]:
+    """The compact ``summary.json``: rankings, data-quality flags, Pareto, matched budget, method
+    fidelity and provenance (no per-seed values)."""
+    return {
+        "provenance": board["provenance"],
+        "methods": {m: {"fidelity": i.get("fidelity"), "deltas": i.get("deltas", []), "arxiv": i.get("arxiv")}
+                    for m, i in board["methods"].items()},
+        "sources": {
+            s: {"rankings": d["rankings"], "data_quality": d["data_quality"], "pareto": d["pareto"]["front"],
+                "matched_budget": d["matched_budget"], "cells": d["cells"], "failures": d["failures"]}
+            for s, d in board["sources"].items()
+        },
+    }
+
+
+__all__.append("summary_of")

@@ -1,0 +1,185 @@
+"""Render a leaderboard document as Markdown and as a short terminal table (tabulate). Torch-free.
+
+Rendering is a pure function of the document, so ``kvqbench report DIR`` regenerates byte-identical
+Markdown from the saved ``leaderboard.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+__all__ = ["render_markdown", "render_terminal", "fmt"]
+
+HEADLINE_BITS_ORDER = ("k2v2", "k3v3", "k4v4", "k8v8", "k16v16")
+
+
+def fmt(x: Any, ci: Any = None, digits: int = 4) -> str:
+    """``1.234e-03 ± 5.6e-05`` style; ``—`` for missing."""
+    if x is None:
+        return "—"
+    if isinstance(x, str):
+        return x
+    if x == 0:
+        s = "0"
+    elif 1e-3 <= abs(x) < 1e4:
+        s = f"{x:.{digits}g}"
+    else:
+        s = f"{x:.{digits - 1}e}"
+    if ci:
+        s += f" ± {ci:.2g}"
+    return s
+
+
+def _settings(stats_exp1: dict[str, Any]) -> list[str]:
+    from kvqbench.report.leaderboard import _setting_sort
+
+    found = {s for by in stats_exp1.values() for s in by if "-" not in s}
+    return sorted(found, key=_setting_sort)
+
+
+def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
+    order = list(board.get("methods", {}))
+    for by in src["stats"].values():
+        for m in by:
+            if m not in order:
+                order.append(m)
+    return order
+
+
+def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) -> str:
+    exp1 = src["stats"].get("exp1", {})
+    settings = _settings(exp1)
+    rows = []
+    for m in _method_order(src, board):
+        if m not in exp1:
+            continue
+        fid = board["methods"].get(m, {}).get("fidelity", "")
+        row = [f"`{m}`", fid]
+        for s in settings:
+            e = exp1[m].get(s, {}).get(metric)
+            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+        rows.append(row)
+    return tabulate(rows, headers=["method", "fidelity", *settings], tablefmt="github")
+
+
+def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
+    out = []
+    rk = src["rankings"]
+    cols = [("rel_mse", "rel. MSE (K,V mean)"), ("k_rel_mse", "K rel. MSE"), ("v_rel_mse", "V rel. MSE"),
+            ("bits_nominal", "bits nominal"), ("bits_effective", "bits effective")]
+    for s in settings:
+        if "rel_mse" not in rk or s not in rk["rel_mse"]["by_setting"]:
+            continue
+        ranked = rk["rel_mse"]["by_setting"][s]
+        rows = []
+        for r in ranked:
+            row = [r["rank"], f"`{r['method']}`"]
+            for name, _ in cols:
+                e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
+                row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+            row.append(", ".join(r["ties"]) if r["ties"] else "")
+            rows.append(row)
+        out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (95% CI)"],
+                                              tablefmt="github"))
+    return out
+
+
+def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
+    rows = []
+    for name, r in sorted(src["rankings"].items(), key=lambda kv: (kv[1]["experiment"], kv[0])):
+        ranked = r["by_setting"].get(setting)
+        if not ranked:
+            continue
+        order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked)
+        rows.append([r["experiment"], f"`{name}`", r["unit"], r["better"], order])
+    if not rows:
+        return ""
+    return tabulate(rows, headers=["exp", "metric", "unit", "better", f"ranking at {setting} (best first; = tie)"],
+                    tablefmt="github")
+
+
+def render_markdown(board: dict[str, Any]) -> str:
+    """The full ``LEADERBOARD.md``."""
+    prov = board.get("provenance", {})
+    lines = ["# kvqbench leaderboard", ""]
+    lines.append(
+        f"kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
+        f"torch {prov.get('torch_version', '?')} · device {prov.get('device_name', '?')} · "
+        f"seeds {prov.get('seeds', '?')} · started {prov.get('start_time', '?')}"
+    )
+    lines += ["", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width over seeds. "
+              "Real and synthetic results are kept apart. Ranks are shared when 95% CIs overlap.", ""]
+    for src_name, src in board.get("sources", {}).items():
+        data = src.get("data") or {}
+        lines += [f"## {src_name}", ""]
+        desc = data.get("description") or ", ".join(f"{k}={v}" for k, v in sorted(data.items())
+                                                   if isinstance(v, (int, float, str)) and k != "description")
+        lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
+                  + ", ".join(f"{k} {v}" for k, v in src["cells"].items()), ""]
+        exp1 = src["stats"].get("exp1", {})
+        if exp1:
+            lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
+            lines += ["### Effective bits per element (K and V mean)", "", _headline_matrix(src, board, "bits_effective"), ""]
+            settings = _settings(exp1)
+            lines += ["### Rankings at each bit-width", ""]
+            for t in _ranking_tables(src, settings):
+                lines += [t, ""]
+            pf = src.get("pareto", {})
+            if pf.get("front"):
+                lines += ["### Pareto front (effective bits vs relative MSE)", ""]
+                lines += [tabulate([[f"`{p['method']}`", p["setting"], fmt(p["bits_effective"]), fmt(p["rel_mse"])]
+                                    for p in pf["front"]], headers=["method", "bits", "bits effective", "rel. MSE"],
+                                   tablefmt="github"), ""]
+            mb = src.get("matched_budget") or []
+            if mb:
+                lines += ["### Best method at a matched budget (effective bits ≤ budget)", ""]
+                lines += [tabulate([[f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
+                                     fmt(b["bits_effective"]), fmt(b["rel_mse"]), b.get("runner_up") or "—"] for b in mb],
+                                   headers=["budget", "best", "bits", "bits effective", "rel. MSE", "runner-up"],
+                                   tablefmt="github"), ""]
+            low = settings[0] if settings else None
+            if low:
+                t = _all_metrics_table(src, low)
+                if t:
+                    lines += [f"### Every ranked metric at {low}", "", t, ""]
+        dq = src.get("data_quality") or []
+        if dq:
+            lines += ["### Data-quality flags (sanity checks on the measurement, not verdicts on methods)", ""]
+            lines += [tabulate([[d["name"], {True: "ok", False: "FLAGGED", None: "n/a"}[d["ok"]], d["detail"],
+                                 "; ".join(map(str, d["offenders"][:5])) + (" …" if len(d["offenders"]) > 5 else "")]
+                                for d in dq], headers=["flag", "status", "check", "offenders"], tablefmt="github"), ""]
+        if src.get("failures"):
+            lines += ["### Failed cells", ""]
+            lines += [f"- `{f['nodeid']}`: {f['error'].splitlines()[0] if f['error'] else ''}" for f in src["failures"]]
+            lines += [""]
+    if board.get("methods"):
+        lines += ["## Methods", ""]
+        rows = [[f"`{m}`", i.get("name", ""), i.get("arxiv") or "—", i.get("fidelity", ""),
+                 len(i.get("deltas", []))] for m, i in board["methods"].items()]
+        lines += [tabulate(rows, headers=["id", "method", "arXiv", "fidelity", "deltas"], tablefmt="github"), "",
+                  "Every delta is listed in `docs/PAPERS.md` and in `leaderboard.json` under `methods`.", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
+    """A short table per source: methods ranked by relative MSE at the lowest bit-width that ran."""
+    out = []
+    for src_name, src in board.get("sources", {}).items():
+        rk = src["rankings"].get("rel_mse")
+        if not rk:
+            continue
+        settings = [s for s in sorted(rk["by_setting"], key=lambda s: __import__("kvqbench.report.leaderboard",
+                    fromlist=["_setting_sort"])._setting_sort(s)) if "-" not in s]
+        if not settings:
+            continue
+        s = settings[0]
+        eff = {x["method"]: x for x in src["rankings"].get("bits_effective", {}).get("by_setting", {}).get(s, [])}
+        rows = [[r["rank"], r["method"], fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
+                for r in rk["by_setting"][s][:max_rows]]
+        flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
+        out.append(f"kvqbench [{src_name}] relative MSE at {s} (cells: {src['cells']})"
+                   + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
+        out.append(tabulate(rows, headers=["rank", "method", "rel. MSE", "bits eff."], tablefmt="simple"))
+    return "\n".join(out)
