@@ -114,6 +114,12 @@ def pytest_configure(config: pytest.Config) -> None:
         _check_real_deps(s.model)
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
+    if _is_worker(config):
+        # share the cores between xdist workers instead of oversubscribing them
+        import torch
+
+        n = int(config.workerinput.get("workercount", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(n, 1)))
 
 
 def _resolve_device(dev: str) -> str:
