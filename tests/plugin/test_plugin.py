@@ -1,0 +1,114 @@
+"""The kvqbench pytest plugin, tested with pytester: it records metrics from cells, survives
+pytest-xdist with identical values, writes valid JSON and keeps failed cells."""
+
+import json
+import math
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+CELL_TEST = '''
+import pytest
+from kvqbench.experiments.reconstruction import run_reconstruction
+
+pytestmark = pytest.mark.kvq(experiment="exp1")
+
+def test_reconstruction(cell, kvq_method, kvq_data, kvq_record):
+    res = run_reconstruction(kvq_method, kvq_data)
+    kvq_record(res)
+    assert res.metrics["k_mse"] >= 0
+'''
+
+ARGS = ["-p", "no:cacheprovider", "-m", "smoke", "--kvq-methods", "fp16,rtn_token,kivi", "--kvq-bits", "2,4,16",
+        "--kvq-seeds", "2"]
+
+
+def _load(path):
+    with open(path) as fh:
+        return json.load(fh)
+
+
+@pytest.fixture
+def plugin_loaded_once():
+    """Arguments for a pytester subprocess: the installed ``pytest11`` entry point loads the plugin;
+    from an uninstalled source tree it is loaded explicitly (never both: that double-registers)."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
+        return list(ARGS)
+    return [*ARGS, "-p", "kvqbench.plugin"]
+
+
+def test_records_and_writes_valid_json(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    res = pytester.runpytest_subprocess(*plugin_loaded_once, "--kvq-out", str(pytester.path / "out"))
+    res.assert_outcomes(passed=3 * 3 * 2)
+    out = pytester.path / "out"
+    for name in ("exp1_synthetic.json", "leaderboard.json", "summary.json", "LEADERBOARD.md"):
+        assert (out / name).exists(), name
+    exp1 = _load(out / "exp1_synthetic.json")
+    assert len(exp1["cells"]) == 18
+    assert {c["method"] for c in exp1["cells"]} == {"fp16", "rtn_token", "kivi"}
+    assert all(c["status"] == "passed" and c["metrics"]["k_mse"] >= 0 for c in exp1["cells"])
+    assert exp1["provenance"]["kvqbench_version"] and exp1["provenance"]["seeds"] == [0, 1]
+    board = _load(out / "leaderboard.json")
+    syn = board["sources"]["synthetic"]
+    # multi-seed stats: mean of the two seeds' values, Student-t CI with n=2
+    st = syn["stats"]["exp1"]["kivi"]["k2v2"]["rel_mse"]
+    assert st["n"] == 2 and st["mean"] == pytest.approx(sum(st["values"]) / 2)
+    t975_df1 = 12.706204736174703
+    sd = math.sqrt(sum((v - st["mean"]) ** 2 for v in st["values"]))
+    assert st["ci95"] == pytest.approx(t975_df1 * sd / math.sqrt(2))
+    # rankings hold every method; fp16 (lossless) ranks first on rel_mse
+    ranked = syn["rankings"]["rel_mse"]["by_setting"]["k2v2"]
+    assert [r["method"] for r in ranked][0] == "fp16" and len(ranked) == 3
+    flags = {d["name"]: d["ok"] for d in syn["data_quality"]}
+    assert flags["fp16_roundtrip_exact"] is True and flags["exact_at_16_bits"] is True
+    assert "kivi" in (out / "LEADERBOARD.md").read_text()
+    res.stdout.fnmatch_lines(["*kvqbench summary*", "*relative MSE at k2v2*"])
+
+
+def test_xdist_gives_identical_metrics(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    r1 = pytester.runpytest_subprocess(*plugin_loaded_once, "--kvq-out", str(pytester.path / "serial"))
+    r2 = pytester.runpytest_subprocess(*plugin_loaded_once, "-n", "2", "--kvq-out", str(pytester.path / "xdist"))
+    r1.assert_outcomes(passed=18)
+    r2.assert_outcomes(passed=18)
+    a = _load(pytester.path / "serial" / "exp1_synthetic.json")["cells"]
+    b = _load(pytester.path / "xdist" / "exp1_synthetic.json")["cells"]
+    assert [c["nodeid"] for c in a] == [c["nodeid"] for c in b]
+    assert [c["metrics"] for c in a] == [c["metrics"] for c in b]
+    la = _load(pytester.path / "serial" / "leaderboard.json")["sources"]["synthetic"]["rankings"]
+    lb = _load(pytester.path / "xdist" / "leaderboard.json")["sources"]["synthetic"]["rankings"]
+    assert la == lb
+
+
+def test_failed_cell_is_recorded_and_others_survive(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST.replace(
+        "    kvq_record(res)\n",
+        "    kvq_record(res)\n    if cell.method == 'kivi' and cell.k_bits == 2:\n        raise RuntimeError('boom in kivi')\n"))
+    res = pytester.runpytest_subprocess(*plugin_loaded_once, "--kvq-out", str(pytester.path / "out"))
+    res.assert_outcomes(passed=16, failed=2)
+    board = _load(pytester.path / "out" / "leaderboard.json")
+    syn = board["sources"]["synthetic"]
+    assert syn["cells"]["failed"] == 2 and syn["cells"]["passed"] == 16
+    assert all("boom in kivi" in f["error"] for f in syn["failures"])
+    assert "k2v2" not in syn["stats"]["exp1"]["kivi"] and "k4v4" in syn["stats"]["exp1"]["kivi"]
+
+
+def test_bad_options_give_clear_errors(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    r = pytester.runpytest_subprocess(*plugin_loaded_once, "--kvq-methods", "kivi,nosuch")
+    assert r.ret != 0
+    r.stderr.fnmatch_lines(["*unknown method id(s) nosuch*registered:*kivi*"])
+    r = pytester.runpytest_subprocess(*plugin_loaded_once, "--kvq-seeds", "zero")
+    assert r.ret != 0
+    r.stderr.fnmatch_lines(["*--kvq-seeds*"])
+
+
+def test_node_ids_name_method_bits_seed_source(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    r = pytester.runpytest_subprocess(*plugin_loaded_once, "--collect-only", "-q", "-k", "kivi")
+    r.stdout.fnmatch_lines(["*test_reconstruction?kivi-k2v2-seed0-synthetic-smoke?*"])
+    assert "rtn_token" not in r.stdout.str()
