@@ -21,3 +21,6 @@ from kvqbench.quantizers.base import (  # noqa: F401
 from kvqbench.quantizers import fp16  # noqa: F401,E402
 from kvqbench.quantizers import rtn  # noqa: F401,E402
 from kvqbench.quantizers import kivi  # noqa: F401,E402
+from kvqbench.quantizers import quarot  # noqa: F401,E402
+from kvqbench.quantizers import kvquant  # noqa: F401,E402
+from kvqbench.quantizers import kvarn  # noqa: F401,E402

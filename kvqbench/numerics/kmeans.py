@@ -1,0 +1,160 @@
+"""Seeded, deterministic 1-D (weighted) k-means (Lloyd iterations) for scalar codebooks.
+
+Used by KVQuant's non-uniform codebooks (arXiv:2401.18079, §3.4: sensitivity-weighted k-means on
+normalized activations, weights = Fisher information ≈ squared gradients).
+
+Invariants (tested):
+  * the returned centroids are sorted ascending and each lies in ``[min x, max x]``;
+  * every Lloyd step does not increase the weighted squared error ``Σ w (x − c[assign(x)])²``;
+  * on data drawn from well separated clusters the centroids converge to the cluster means.
+
+In 1-D the nearest-centroid cells are intervals between consecutive centroid midpoints, so once the
+data are sorted every cluster is a contiguous run: cluster sums are differences of prefix sums and a
+Lloyd step costs ``O(k log N)``. Accumulation is fp64 (fp32 on devices without fp64) and uses no
+atomics, so results are deterministic on every device. Randomness (only the optional subsample of
+large inputs) comes from an explicit ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["kmeans_1d", "assign_nearest", "weighted_quantile_init", "weighted_sse"]
+
+
+def _acc_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest centroid for every element of ``x``.
+
+    Args:
+        x: ``[..., N]`` values.
+        centroids: ``[..., k]`` sorted ascending (same leading dims as ``x``, or 1-D ``[k]``).
+    Returns:
+        int64 ``[..., N]`` in ``[0, k)``; a value exactly on a midpoint goes to the lower centroid.
+    """
+    c = centroids.to(x.dtype)
+    mids = (c[..., 1:] + c[..., :-1]) / 2
+    if mids.dim() == 1:
+        return torch.bucketize(x, mids, right=False)
+    mids = mids.expand(*x.shape[:-1], mids.shape[-1]).contiguous()
+    return torch.searchsorted(mids, x.contiguous(), right=False)
+
+
+def weighted_sse(x: torch.Tensor, centroids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``Σ w (x − nearest centroid)²`` over the last dim (``w = 1`` when ``weights`` is None)."""
+    idx = assign_nearest(x, centroids)
+    c = centroids.to(x.dtype)
+    rec = torch.gather(c.expand(*x.shape[:-1], c.shape[-1]), -1, idx)
+    err = (x - rec) ** 2
+    if weights is not None:
+        err = err * weights
+    return err.sum(-1)
+
+
+def weighted_quantile_init(xs: torch.Tensor, cw: torch.Tensor, k: int) -> torch.Tensor:
+    """Centroids at the weighted quantiles ``(j + 0.5)/k`` of sorted data.
+
+    Args:
+        xs: ``[L, N]`` sorted ascending.
+        cw: ``[L, N]`` cumulative weights of ``xs`` (last column = total weight, > 0).
+        k: number of centroids.
+    Returns:
+        ``[L, k]`` (non-decreasing).
+    """
+    total = cw[:, -1:]
+    targets = (torch.arange(k, device=xs.device, dtype=cw.dtype) + 0.5) / k * total
+    pos = torch.searchsorted(cw.contiguous(), targets.contiguous(), right=False).clamp_max(xs.shape[1] - 1)
+    return torch.gather(xs, 1, pos)
+
+
+@torch.no_grad()
+def kmeans_1d(
+    x: torch.Tensor,
+    k: int,
+    *,
+    weights: torch.Tensor | None = None,
+    n_iter: int = 100,
+    tol: float = 1e-7,
+    max_samples: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Weighted 1-D k-means on each row of ``x``.
+
+    Initialization: weighted quantiles (deterministic). Lloyd iterations until the largest centroid
+    move is below ``tol × (max − min)`` or ``n_iter`` steps. An empty cluster keeps its centroid.
+
+    Args:
+        x: ``[N]`` or ``[L, N]`` values (one independent problem per row); computed in fp32/fp64.
+        k: number of centroids (>= 1).
+        weights: same shape as ``x``, ``>= 0`` (e.g. Fisher information); ``None`` = unweighted. A row
+            whose weights sum to 0 falls back to unweighted.
+        n_iter: maximum Lloyd iterations.
+        tol: relative convergence tolerance.
+        max_samples: if set and ``N`` exceeds it, each row is subsampled (uniformly with replacement,
+            the same positions for every row) to this many points using ``generator``.
+        generator: the source of the subsample (required for reproducibility when subsampling;
+            a ``torch.Generator`` seeded by the caller). Unused otherwise.
+
+    Returns:
+        Centroids ``[k]`` or ``[L, k]`` (matching ``x``'s rank), sorted ascending, fp32.
+
+    Raises:
+        ValueError: bad ``k``/shapes, negative or non-finite weights, or empty ``x``.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    squeeze = x.dim() == 1
+    if x.dim() not in (1, 2):
+        raise ValueError(f"x must be [N] or [L, N], got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError("x is empty")
+    acc = _acc_dtype(x.device)
+    xx = x.reshape(1, -1) if squeeze else x
+    xx = xx.to(acc)
+    if weights is not None:
+        if weights.shape != x.shape:
+            raise ValueError(f"weights shape {tuple(weights.shape)} != x shape {tuple(x.shape)}")
+        ww = (weights.reshape(1, -1) if squeeze else weights).to(acc)
+        if not bool(torch.isfinite(ww).all()) or bool((ww < 0).any()):
+            raise ValueError("weights must be finite and >= 0")
+    else:
+        ww = torch.ones_like(xx)
+
+    n = xx.shape[1]
+    if max_samples is not None and n > max_samples:
+        perm = torch.randint(0, n, (max_samples,), generator=generator, device="cpu").to(xx.device)
+        xx, ww = xx[:, perm], ww[:, perm]
+        n = max_samples
+
+    # rows with zero total weight -> unweighted
+    zero_rows = ww.sum(1, keepdim=True) <= 0
+    ww = torch.where(zero_rows, torch.ones_like(ww), ww)
+
+    xs, order = torch.sort(xx, dim=1)
+    ws = torch.gather(ww, 1, order)
+    zeros = xs.new_zeros(xs.shape[0], 1)
+    cw = torch.cat([zeros, torch.cumsum(ws, 1)], 1)  # [L, N+1]
+    cwx = torch.cat([zeros, torch.cumsum(ws * xs, 1)], 1)
+
+    c = weighted_quantile_init(xs, cw[:, 1:], k)
+    span = (xs[:, -1] - xs[:, 0]).clamp_min(torch.finfo(acc).tiny)
+    for _ in range(n_iter):
+        mids = (c[:, 1:] + c[:, :-1]) / 2  # [L, k-1]
+        # cluster j holds sorted positions [pos[j], pos[j+1])
+        cut = torch.searchsorted(xs.contiguous(), mids.contiguous(), right=True)
+        first = torch.zeros(cut.shape[0], 1, dtype=cut.dtype, device=cut.device)
+        pos = torch.cat([first, cut, first + n], 1)
+        w_sum = torch.gather(cw, 1, pos[:, 1:]) - torch.gather(cw, 1, pos[:, :-1])
+        wx_sum = torch.gather(cwx, 1, pos[:, 1:]) - torch.gather(cwx, 1, pos[:, :-1])
+        new = torch.where(w_sum > 0, wx_sum / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum)), c)
+        new = torch.minimum(torch.maximum(new, xs[:, :1]), xs[:, -1:])  # guard prefix-sum rounding
+        new, _ = torch.sort(new, dim=1)
+        moved = (new - c).abs().amax(1) / span
+        c = new
+        if bool((moved <= tol).all()):
+            break
+    c = c.to(torch.float32)
+    return c[0] if squeeze else c

@@ -1,0 +1,183 @@
+"""KVarN — Hadamard rotation, variance normalization (VarN), per-row RTN and scale absorption.
+
+Based on Müller et al., arXiv:2606.03458, §3 (tiles of G tokens per KV head; steps 1–4 below) and
+its reference vLLM fork (runtime policy: 128 fp16 sink tokens, a partly filled tile stays fp16).
+
+Per KV head, the sequence is cut into tiles of ``G`` tokens. The K tile is laid out ``[D, G]``
+(rows = channels), the V tile ``[G, D]`` (rows = tokens); rows are always the rounding axis.
+
+1. Sylvester Hadamard along head_dim, scaled 1/√D, no random signs (self-inverse).
+2. VarN (:func:`kvqbench.numerics.varn.varn`, 16 iterations): row scales ``s_row`` and column
+   scales ``s_col`` with the tile ≈ ``B · s_row · s_col`` and ``B`` balanced.
+3. Asym RTN of ``B`` per row over the whole tile width: ``lo, hi`` per row,
+   ``scale = max((hi − lo)/(2^b − 1), 1e-10)``, ``q = clamp(round((B − lo)/scale), 0, 2^b − 1)``.
+4. Scale absorption — three vectors per tile, all billed fp16: per row ``a = s_row·scale`` and
+   ``z = s_row·lo``, per column ``t = s_col``; decode ``x̂[r, c] = (q[r, c]·a[r] + z[r])·t[c]``.
+   For K the rows are channels (``a``, ``z`` per channel, ``t`` per token); for V the rows are tokens
+   (``a``, ``z`` per token, ``t`` = ``s_chan`` per channel).
+
+Bits at k2v2, G = 128, D = 128: effective ``2 + (2·128 + 128)·16 / 128² = 2.375``; nominal (the
+per-row scale and per-column scale billed FP8, the per-row zero FP16) ``2 + (128·24 + 128·8)/128² = 2.25``.
+
+Static tensors whose length is not a multiple of G: the last ``T mod G`` tokens form one shorter tile
+(``[D, T mod G]`` for K, ``[T mod G, D]`` for V) that goes through the same steps (VarN, RTN,
+absorption) and is billed for its own three vectors. In the pseudo-decode regime the reference keeps
+such a partly filled tile in fp16 instead (:meth:`KVarN.stream_policy`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvqbench.numerics.hadamard import hadamard_transform
+from kvqbench.numerics.varn import DEFAULT_ITERS, varn
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register
+
+__all__ = ["KVarN", "rtn_rows", "SCALE_FLOOR", "SINK_TOKENS"]
+
+SCALE_FLOOR = 1e-10
+#: fp16 attention-sink tokens of the reference runtime (pseudo-decode regime)
+SINK_TOKENS = 128
+
+
+def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asym RTN of ``b`` ``[..., R, C]`` per row over the last dim (KVarN step 3).
+
+    Returns ``(codes int64 [..., R, C], lo [..., R, 1], scale [..., R, 1])`` with
+    ``scale = max((hi − lo)/(2^b − 1), 1e-10)`` (a constant row gets codes 0 and decodes to ``lo``).
+    """
+    lo = b.amin(-1, keepdim=True)
+    hi = b.amax(-1, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).clamp_min(SCALE_FLOOR)
+    q = torch.clamp(torch.round((b - lo) / scale), 0, 2**bits - 1).to(torch.int64)
+    return q, lo, scale
+
+
+@register
+class KVarN(Quantizer):
+    """KVarN (arXiv:2606.03458 §3): Hadamard → VarN → per-row RTN → scale absorption, per tile of G tokens.
+
+    Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16;
+    computation in fp32; ``dequantize`` returns the input's shape, dtype and device.
+
+    Args:
+        k_bits, v_bits: code widths (1..8; >= 16 = exact passthrough). Default 2 (k2v2).
+        group_size: G, tokens per tile (paper: 128; 64 also used). Any positive int is accepted.
+        varn_iters: VarN iterations (paper: 16; later reference code: 8).
+        sink_tokens: fp16 sink tokens of the pseudo-decode regime (reference: 128).
+        seed: unused (the method is deterministic); recorded.
+
+    Raises:
+        ValueError: bad ``group_size``/``varn_iters``/``sink_tokens``, or bit widths 9..15.
+    """
+
+    id = "kvarn"
+    name = "KVarN"
+    paper = "Müller et al., KVarN (arXiv 2606.03458)"
+    arxiv = "2606.03458"
+    k_granularity = "Hadamard → VarN on [D, G] tiles → per-channel RTN over G tokens, per-token scale"
+    v_granularity = "Hadamard → VarN on [G, D] tiles → per-token RTN over head_dim, per-channel scale"
+    rotation = True
+    grouped = True
+    fidelity = "faithful"
+    deltas = (
+        "The three absorbed scale vectors are held at working precision (fp32) and billed as fp16; the "
+        "reference rounds them to fp16.",
+        "Static tensors: a last tile of T mod G tokens is quantized as a shorter tile (its own VarN, RTN "
+        "and three vectors); the reference runtime keeps a partly filled tile fp16 (pseudo-decode).",
+        "Static cells quantize every token; the 128 fp16 sink tokens of the reference runtime apply in "
+        "the pseudo-decode regime only (stream_policy).",
+        "VarN: a standard deviation over a single sample (a 1-token tile) is taken as 1 instead of NaN.",
+        "head_dim not a power of two: block-diagonal Sylvester Hadamard (binary decomposition of D).",
+    )
+
+    def __init__(
+        self,
+        k_bits: int = 2,
+        v_bits: int | None = None,
+        *,
+        seed: int = 0,
+        group_size: int = 128,
+        varn_iters: int = DEFAULT_ITERS,
+        sink_tokens: int = SINK_TOKENS,
+    ) -> None:
+        super().__init__(k_bits, v_bits, seed=seed)
+        for nm, b in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if 8 < b < 16:
+                raise ValueError(f"{nm}: code widths 1..8 (or >= 16 for passthrough) are supported, got {b}")
+        for nm, val, lo in (("group_size", group_size, 1), ("varn_iters", varn_iters, 0), ("sink_tokens", sink_tokens, 0)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+                raise ValueError(f"{nm} must be an int >= {lo}, got {val!r}")
+        self.group_size = group_size
+        self.varn_iters = varn_iters
+        self.sink_tokens = sink_tokens
+
+    def params(self) -> dict[str, Any]:
+        return {
+            **super().params(),
+            "group_size": self.group_size,
+            "varn_iters": self.varn_iters,
+            "sink_tokens": self.sink_tokens,
+        }
+
+    def stream_policy(self, kind: Kind) -> StreamPolicy:
+        """The reference runtime: ``sink_tokens`` fp16 sink tokens; a partly filled tile of G tokens
+        stays fp16 until it is full."""
+        return StreamPolicy(sink_tokens=self.sink_tokens, tile_tokens=self.group_size)
+
+    # ------------------------------------------------------------------------------------------
+    def _spans(self, t: int) -> list[tuple[str, int, int]]:
+        """``(name, start, n_tokens)`` of the full-tile block and the partial tile, if any."""
+        g = self.group_size
+        n_full = t // g
+        spans = []
+        if n_full:
+            spans.append(("full", 0, n_full * g))
+        if t % g:
+            spans.append(("tail", n_full * g, t % g))
+        return spans
+
+    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        b_, h, t, d = x.shape
+        xr = hadamard_transform(x.to(torch.float32))
+        qt = self._new_qt(x, kind, bits)
+        spans = self._spans(t)
+        qt.meta["spans"] = spans
+        for name, start, n in spans:
+            g = min(self.group_size, n)
+            blk = xr[:, :, start : start + n, :].reshape(b_, h, n // g, g, d)  # [B, H, nt, G, D]
+            tiles = blk.transpose(-1, -2) if kind == "k" else blk  # rows: K channels, V tokens
+            res = varn(tiles, self.varn_iters)
+            bal = tiles / res.s_col / res.s_row
+            q, lo, scale = rtn_rows(bal, bits)
+            qt.add_codes(f"{name}.codes", q, bits)
+            qt.fields[f"{name}.row_scale"] = Stored((res.s_row * scale).squeeze(-1), 16)
+            qt.fields[f"{name}.row_zero"] = Stored((res.s_row * lo).squeeze(-1), 16)
+            qt.fields[f"{name}.col_scale"] = Stored(res.s_col.squeeze(-2), 16)
+        return qt
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        b_, h, t, d = qt.shape
+        parts = []
+        for name, _start, n in qt.meta["spans"]:
+            q = qt.codes(f"{name}.codes")
+            a = qt[f"{name}.row_scale"].unsqueeze(-1)
+            z = qt[f"{name}.row_zero"].unsqueeze(-1)
+            c = qt[f"{name}.col_scale"].unsqueeze(-2)
+            tiles = (q.to(a.dtype) * a + z) * c
+            blk = tiles.transpose(-1, -2) if qt.kind == "k" else tiles  # [B, H, nt, G, D]
+            parts.append(blk.reshape(b_, h, n, d))
+        xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        return hadamard_transform(xr)
+
+    def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        """``b`` + per tile (rows·(8 + 16) + cols·8) bits / elements: FP8 absorbed scales, FP16 zero."""
+        b_, h, t, d = shape
+        aux = 0
+        for _name, _start, n in self._spans(t):
+            g = min(self.group_size, n)
+            rows, cols = (d, g) if kind == "k" else (g, d)
+            aux += (n // g) * (rows * (8 + 16) + cols * 8)
+        return bits + aux / (t * d)

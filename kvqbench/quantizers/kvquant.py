@@ -1,0 +1,357 @@
+"""KVQuant — pre-RoPE per-channel keys, per-token values, non-uniform codebooks, dense-and-sparse outliers.
+
+Based on Hooper et al., "KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache
+Quantization", arXiv:2401.18079: §3.1 per-channel key quantization, §3.2 pre-RoPE keys, §3.3
+non-uniform quantization (sensitivity-weighted k-means codebooks, one per layer), §3.4 per-vector
+dense-and-sparse quantization, attention-sink-aware fp16 first token.
+
+A *vector* is one K channel over the tokens (``[T]`` per batch, head and channel) or one V token over
+head_dim (``[D]``). Per vector:
+
+1. outliers: the ``n_tail = round(outlier_frac/2 · n)`` smallest and ``n_tail`` largest entries
+   (0.5 % per tail at the default 1 %) are kept exactly in a sparse side store;
+2. the dense range ``[lo, hi]`` is taken over the remaining entries; midpoint ``m = (hi + lo)/2``,
+   half-range ``r = (hi − lo)/2``; normalized ``y = (x − m)/r`` lies in ``[−1, 1]``;
+3. ``y`` snaps to the nearest of ``2^b`` centroids of the layer's codebook (layer = index of dim 0);
+   decode ``x̂ = c[q]·r + m``, then the outliers are written back.
+
+Codebooks: weighted 1-D k-means (:func:`kvqbench.numerics.kmeans.kmeans_1d`) on the normalized dense
+calibration values of each layer, weighted by Fisher information (squared gradients) when
+:meth:`KVQuant.fit` receives ``k_grad2``/``v_grad2``, unweighted otherwise. If :meth:`~KVQuant.quantize`
+is called for a kind that was never fitted, the codebook is fitted in-sample (unweighted) on the tensor
+being quantized, for that call only (the instance is not modified).
+
+Stored (effective bits), per tensor: packed codes (``b`` bits per dense-quantized element); per vector
+midpoint and half-range (fp16 each); per outlier its value (fp16) and its index inside the vector
+(16 bits; 32 if a vector is longer than 65 536); a CSR pointer per vector (+1), 32 bits; the codebook,
+``2^b`` fp16 centroids per layer; the fp16 sink token if enabled. For K of shape (1, 1, 4096, 128) at
+nuq2 1 %: ``2 + 32/4096 + 40·32/4096 + 32·129/(4096·128) + …`` ≈ **2.33**. For V at D = 128 one
+outlier per tail is 1.56 % of the vector and the per-token midpoint/half-range and pointer each cost
+0.25 bits: ≈ 3.0 bits at nuq2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register, validate_kv
+
+__all__ = ["KVQuant", "outlier_count_per_tail"]
+
+POINTER_BITS = 32
+VALUE_BITS = 16
+
+
+def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
+    """Outliers kept per tail of a vector of ``n`` entries: ``round_half_up(outlier_frac/2 · n)``,
+    capped so at least one dense entry remains (``2·n_tail <= n − 1``)."""
+    if n <= 0:
+        return 0
+    return max(0, min(int(math.floor(outlier_frac / 2 * n + 0.5)), (n - 1) // 2))
+
+
+def _index_bits(n: int) -> int:
+    return 16 if n <= 1 << 16 else 32
+
+
+@register
+class KVQuant(Quantizer):
+    """KVQuant (arXiv:2401.18079): NUQ codebooks + per-vector dense-and-sparse outliers.
+
+    Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16; the
+    batch axis is the layer axis (one codebook per index of dim 0); computation in fp32;
+    ``dequantize`` returns the input's shape, dtype and device. K is expected pre-RoPE
+    (``k_pre_rope = True``: the harness supplies pre-RoPE K and re-applies RoPE to the output).
+
+    Args:
+        k_bits, v_bits: code widths (1..8; >= 16 = exact passthrough). Default 3 (nuq3).
+        outlier_frac: fraction of each vector kept as sparse outliers, split evenly between the two
+            tails (paper: 1 %). 0 disables the sparse store.
+        attention_sink: keep the first token fp16 for K and V (paper's attention-sink-aware variant).
+        kmeans_iters: maximum Lloyd iterations for the codebooks.
+        calib_samples: per layer, at most this many normalized values feed k-means (a seeded
+            subsample, ``torch.Generator().manual_seed(seed)``); ``None`` = all.
+        seed: seed of the k-means subsample.
+
+    Raises:
+        ValueError: bad parameters, bit widths 9..15; in :meth:`quantize`, a fitted codebook whose
+            layer count does not match dim 0 of the tensor.
+    """
+
+    id = "kvquant"
+    name = "KVQuant"
+    paper = (
+        "Hooper et al., KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache "
+        "Quantization (NeurIPS 2024)"
+    )
+    arxiv = "2401.18079"
+    k_granularity = "per-channel (pre-RoPE) NUQ codebook per layer + 1% sparse outliers per channel"
+    v_granularity = "per-token NUQ codebook per layer + 1% sparse outliers per token"
+    rotation = False
+    fidelity = "approximate"
+    k_pre_rope = True
+    local_stats = False
+    deltas = (
+        "Without squared gradients passed to fit() (synthetic data), the codebooks come from unweighted "
+        "k-means instead of Fisher-weighted k-means.",
+        "If quantize() is called for a kind that was never fitted, the codebook is fitted in-sample "
+        "(unweighted) on the tensor being quantized.",
+        "K's per-channel outlier thresholds and dense ranges are computed on the tensor being quantized "
+        "(the paper calibrates K's per-channel thresholds offline); outliers are chosen by count "
+        "(round(0.5% · n) per tail, by rank) rather than by a value threshold, so each vector holds "
+        "exactly the outliers it is billed for.",
+        "Outlier values and normalization parameters are held at working precision and billed as fp16; "
+        "outlier positions therefore reconstruct the input exactly.",
+        "k-means: weighted-quantile initialization, at most calib_samples values per layer (seeded "
+        "subsample), Lloyd iterations to convergence.",
+        "Q-Norm (re-normalizing the dequantized distribution) is not implemented.",
+        "Attention-sink fp16 first token is an option, off by default.",
+    )
+
+    def __init__(
+        self,
+        k_bits: int = 3,
+        v_bits: int | None = None,
+        *,
+        seed: int = 0,
+        outlier_frac: float = 0.01,
+        attention_sink: bool = False,
+        kmeans_iters: int = 100,
+        calib_samples: int | None = 1 << 18,
+    ) -> None:
+        super().__init__(k_bits, v_bits, seed=seed)
+        for nm, b in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
+            if 8 < b < 16:
+                raise ValueError(f"{nm}: code widths 1..8 (or >= 16 for passthrough) are supported, got {b}")
+        if not isinstance(outlier_frac, (int, float)) or not 0 <= float(outlier_frac) < 1:
+            raise ValueError(f"outlier_frac must be in [0, 1), got {outlier_frac!r}")
+        if not isinstance(attention_sink, bool):
+            raise ValueError(f"attention_sink must be a bool, got {attention_sink!r}")
+        if not isinstance(kmeans_iters, int) or kmeans_iters < 0:
+            raise ValueError(f"kmeans_iters must be an int >= 0, got {kmeans_iters!r}")
+        if calib_samples is not None and (not isinstance(calib_samples, int) or calib_samples < 1):
+            raise ValueError(f"calib_samples must be a positive int or None, got {calib_samples!r}")
+        self.outlier_frac = float(outlier_frac)
+        self.attention_sink = attention_sink
+        self.kmeans_iters = kmeans_iters
+        self.calib_samples = calib_samples
+        self._codebooks: dict[str, torch.Tensor] = {}
+        self._fisher: dict[str, bool] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {
+            **super().params(),
+            "outlier_frac": self.outlier_frac,
+            "attention_sink": self.attention_sink,
+            "kmeans_iters": self.kmeans_iters,
+            "calib_samples": self.calib_samples,
+        }
+
+    def stream_policy(self, kind: Kind) -> StreamPolicy:
+        """The first token stays fp16 when ``attention_sink`` is on; nothing else."""
+        return StreamPolicy(sink_tokens=1 if self.attention_sink else 0)
+
+    @property
+    def fitted(self) -> dict[str, bool]:
+        """kind → whether a codebook was fitted (value: Fisher-weighted or not is in ``fisher_weighted``)."""
+        return {k: k in self._codebooks for k in ("k", "v")}
+
+    @property
+    def fisher_weighted(self) -> dict[str, bool]:
+        """kind → whether its fitted codebook used squared gradients."""
+        return dict(self._fisher)
+
+    def codebook(self, kind: Kind) -> torch.Tensor | None:
+        """The fitted codebook ``[layers, 2^b]`` for ``kind`` (sorted), or ``None``."""
+        return self._codebooks.get(kind)
+
+    # --- layout helpers -----------------------------------------------------------------------
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens that are quantized (drops the fp16 sink token)."""
+        return x[:, :, 1:, :] if self.attention_sink else x
+
+    @staticmethod
+    def _vectors(x: torch.Tensor, kind: str) -> torch.Tensor:
+        """``[B, n_vec, n]``: K channels over tokens, or V tokens over head_dim."""
+        b_, h, t, d = x.shape
+        if kind == "k":
+            return x.transpose(-1, -2).reshape(b_, h * d, t)
+        return x.reshape(b_, h * t, d)
+
+    @staticmethod
+    def _unvectors(vec: torch.Tensor, kind: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        b_, h, t, d = shape
+        if kind == "k":
+            return vec.reshape(b_, h, d, t).transpose(-1, -2)
+        return vec.reshape(b_, h, t, d)
+
+    def _split(self, vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense-and-sparse split of ``vec`` ``[B, N, n]`` (fp32).
+
+        Returns ``(out_idx [B, N, 2·n_tail] sorted, dense_mask [B, N, n], mid [B, N, 1], half [B, N, 1])``.
+        """
+        n = vec.shape[-1]
+        n_tail = outlier_count_per_tail(n, self.outlier_frac)
+        if n_tail:
+            # largest n_tail, then smallest n_tail among the rest (disjoint even with ties)
+            top = torch.topk(vec, n_tail, dim=-1, largest=True, sorted=False).indices
+            rest = vec.scatter(-1, top, float("inf"))
+            bottom = torch.topk(rest, n_tail, dim=-1, largest=False, sorted=False).indices
+            out_idx, _ = torch.sort(torch.cat([bottom, top], -1), -1)
+            dense = torch.ones_like(vec, dtype=torch.bool).scatter(-1, out_idx, False)
+        else:
+            out_idx = torch.zeros(*vec.shape[:-1], 0, dtype=torch.int64, device=vec.device)
+            dense = torch.ones_like(vec, dtype=torch.bool)
+        inf = torch.tensor(float("inf"), dtype=vec.dtype, device=vec.device)
+        lo = torch.where(dense, vec, inf).amin(-1, keepdim=True)
+        hi = torch.where(dense, vec, -inf).amax(-1, keepdim=True)
+        return out_idx, dense, (hi + lo) / 2, (hi - lo) / 2
+
+    @staticmethod
+    def _normalize(vec: torch.Tensor, mid: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(half > 0, half, torch.ones_like(half))
+        return torch.where(half > 0, (vec - mid) / safe, torch.zeros_like(vec))
+
+    # --- calibration -------------------------------------------------------------------------
+    def _kmeans(self, y: torch.Tensor, dense: torch.Tensor, bits: int, w: torch.Tensor | None) -> torch.Tensor:
+        """Per-layer codebook from normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions."""
+        n_layers = y.shape[0]
+        y_dense = y[dense].reshape(n_layers, -1)  # every vector has the same dense count
+        w_dense = None if w is None else w[dense].reshape(n_layers, -1)
+        gen = torch.Generator().manual_seed(self.seed)
+        return kmeans_1d(
+            y_dense, 2**bits, weights=w_dense, n_iter=self.kmeans_iters,
+            max_samples=self.calib_samples, generator=gen,
+        )
+
+    def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None) -> torch.Tensor:
+        vec = self._vectors(self._body(x).to(torch.float32), kind)
+        _, dense, mid, half = self._split(vec)
+        w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
+        return self._kmeans(self._normalize(vec, mid, half), dense, bits, w)
+
+    @torch.no_grad()
+    def fit(
+        self,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        *,
+        k_grad2: torch.Tensor | None = None,
+        v_grad2: torch.Tensor | None = None,
+        **calib: Any,
+    ) -> "KVQuant":
+        """Fit one codebook per layer for K (pre-RoPE) and/or V on calibration tensors.
+
+        Args:
+            k, v: ``(layers, kv_heads, seq_len, head_dim)`` calibration tensors (either may be None).
+            k_grad2, v_grad2: squared gradients of the loss w.r.t. ``k``/``v`` (Fisher information),
+                same shapes; when given, k-means is weighted by them (arXiv:2401.18079 §3.3).
+            **calib: other calibration data is ignored.
+        Returns:
+            ``self``.
+        Raises:
+            TypeError / ValueError: invalid tensors, or a gradient whose shape differs from its tensor.
+        """
+        for kind, x, g in (("k", k, k_grad2), ("v", v, v_grad2)):
+            if x is None:
+                continue
+            validate_kv(x, name=kind.upper())
+            if g is not None:
+                validate_kv(g, name=f"{kind}_grad2")
+                if g.shape != x.shape:
+                    raise ValueError(f"{kind}_grad2 shape {tuple(g.shape)} != {kind} shape {tuple(x.shape)}")
+                g = g.abs()
+            bits = self.bits_for(kind)  # type: ignore[arg-type]
+            if bits >= 16 or (self.attention_sink and x.shape[2] < 2):
+                continue
+            self._codebooks[kind] = self._fit_codebook(x, kind, bits, g)
+            self._fisher[kind] = g is not None
+        return self
+
+    # --- quantize / dequantize ----------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        qt = self._new_qt(x, kind, bits)
+        xf = x.to(torch.float32)
+        if self.attention_sink:
+            qt.fields["sink"] = Stored(xf[:, :, :1, :].clone(), 16)
+        body = self._body(xf)
+        qt.meta["body_shape"] = tuple(body.shape)
+        if body.shape[2] == 0:
+            return qt
+        vec = self._vectors(body, kind)
+        b_, n_vec, n = vec.shape
+        out_idx, dense, mid, half = self._split(vec)
+        y = self._normalize(vec, mid, half)
+        cb = self._codebooks.get(kind)
+        if cb is None:
+            cb = self._kmeans(y, dense, bits, None)
+            qt.meta["codebook"] = "in-sample"
+        else:
+            qt.meta["codebook"] = "fisher" if self._fisher.get(kind) else "calibrated"
+        cb = cb.to(device=x.device, dtype=torch.float32)
+        if cb.shape[-1] != 2**bits:
+            raise ValueError(f"fitted {kind} codebook has {cb.shape[-1]} centroids, need {2**bits}; refit")
+        if cb.shape[0] == 1 and x.shape[0] > 1:
+            cb = cb.expand(x.shape[0], -1)
+        if cb.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{kind} codebook was fitted on {cb.shape[0]} layers but the tensor has {x.shape[0]} "
+                "(dim 0 is the layer axis); fit on tensors with the same number of layers"
+            )
+        codes = assign_nearest(y.reshape(b_, -1), cb).reshape(vec.shape)
+        qt.add_codes("codes", codes, bits)
+        qt.fields["mid"] = Stored(mid, 16)
+        qt.fields["half"] = Stored(half, 16)
+        qt.fields["codebook"] = Stored(cb.clone(), 16)
+        if out_idx.shape[-1]:
+            per_vec = out_idx.shape[-1]
+            qt.fields["outlier_value"] = Stored(torch.gather(vec, -1, out_idx).reshape(-1), VALUE_BITS)
+            qt.fields["outlier_index"] = Stored(out_idx.reshape(-1).to(torch.int32), _index_bits(n))
+            ptr = torch.arange(b_ * n_vec + 1, device=x.device, dtype=torch.int64) * per_vec
+            qt.fields["outlier_ptr"] = Stored(ptr, POINTER_BITS)
+        return qt
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        parts = []
+        if "sink" in qt.fields:
+            parts.append(qt["sink"])
+        body_shape = qt.meta["body_shape"]
+        if body_shape[2] > 0:
+            codes = qt.codes("codes")  # [B, n_vec, n]
+            b_, n_vec, n = codes.shape
+            cb = qt["codebook"]
+            c = torch.gather(cb, 1, codes.reshape(b_, -1)).reshape(codes.shape)
+            vec = c * qt["half"] + qt["mid"]
+            if "outlier_ptr" in qt.fields:
+                ptr = qt["outlier_ptr"]
+                counts = ptr[1:] - ptr[:-1]
+                vec_id = torch.repeat_interleave(torch.arange(b_ * n_vec, device=ptr.device), counts)
+                flat = vec.reshape(-1).clone()
+                flat[vec_id * n + qt["outlier_index"].to(torch.int64)] = qt["outlier_value"].to(flat.dtype)
+                vec = flat.reshape(vec.shape)
+            parts.append(self._unvectors(vec, qt.kind, body_shape))
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+
+    def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        """Codes ``b`` + per vector FP8 half-range + FP16 midpoint + per outlier (fp16 value + index)
+        + 32-bit CSR pointers + the fp16 codebook + the fp16 sink token, over all elements."""
+        b_, h, t, d = shape
+        total = b_ * h * t * d
+        tb = t - 1 if self.attention_sink else t
+        bits_sum = 0.0
+        if self.attention_sink:
+            bits_sum += b_ * h * d * 16
+        if tb > 0:
+            n_vec, n = (h * d, tb) if kind == "k" else (h * tb, d)
+            n_tail = outlier_count_per_tail(n, self.outlier_frac)
+            bits_sum += b_ * n_vec * n * bits  # codes
+            bits_sum += b_ * n_vec * (8 + 16)  # half-range (scale, FP8) + midpoint (zero, FP16)
+            bits_sum += b_ * 2**bits * 16  # codebook
+            if n_tail:
+                bits_sum += b_ * n_vec * 2 * n_tail * (VALUE_BITS + _index_bits(n))
+                bits_sum += (b_ * n_vec + 1) * POINTER_BITS
+        return bits_sum / total

@@ -1,0 +1,172 @@
+"""QuaRot — Walsh–Hadamard rotation of K and V followed by groupwise asymmetric RTN.
+
+Based on Ashkboos et al., "QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs", arXiv:2404.00456,
+§4 (online Hadamard on the KV cache, Fig. 4 / §4.2 "KV cache quantization": asymmetric groupwise
+quantization, group = head_dim, clip ratio 0.95) and its public reference simulation (fake-quant of
+K/V after the rotation; K forces 0 into the range).
+
+Per group ``x`` of the rotated head (one group = one token of one head by default)::
+
+    lo = min x, hi = max x             (K: lo = min(lo, 0), hi = max(hi, 0))
+    lo, hi = 0.95·lo, 0.95·hi          (clip ratio)
+    scale = (hi − lo) / (2^b − 1)
+    z = round(−lo / scale)             (integer zero-point)
+    q = clamp(round(x / scale) + z, 0, 2^b − 1)
+    x̂ = scale · (q − z)
+
+then the inverse rotation (the normalized Hadamard is its own inverse).
+
+Stored per group: one scale and one integer zero-point, both billed fp16 (16 + 16 bits); codes packed.
+Effective bits = ``b + 32/G`` (``b + 0.25`` at G = head_dim = 128); nominal (FP8 scale, FP16 zero)
+= ``b + 24/G``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvqbench.numerics.hadamard import hadamard_transform
+from kvqbench.numerics.rtn import compute_dtype, to_groups
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
+
+__all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "CLIP_RATIO"]
+
+CLIP_RATIO = 0.95
+
+
+def _check_code_bits(bits: int) -> None:
+    if 8 < bits < 16:
+        raise ValueError(f"code widths 1..8 (or >= 16 for passthrough) are supported, got {bits}")
+
+
+def quarot_qparams(
+    xg: torch.Tensor, bits: int, *, include_zero: bool, clip_ratio: float = CLIP_RATIO
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QuaRot's asymmetric parameters over the last dim of ``xg`` ``[..., G]`` (fp32).
+
+    Returns ``(scale, zero)``, each ``[..., 1]``; ``zero`` holds integers (as floats).
+
+    Constant-group guard (the reference clamps the scale at 1e-5 and then saturates): a group whose
+    clipped range is 0 (possible only when ``include_zero`` is False, or for an all-zero K group)
+    gets ``scale = |c|`` and ``zero = 1`` if ``c < 0`` else ``0``, so that ``x̂ = c`` exactly; an
+    all-zero group gets ``scale = 0`` and decodes to 0. Never NaN.
+    """
+    lo = xg.amin(-1, keepdim=True)
+    hi = xg.amax(-1, keepdim=True)
+    if include_zero:
+        lo = lo.clamp(max=0.0)
+        hi = hi.clamp(min=0.0)
+    lo_c, hi_c = lo * clip_ratio, hi * clip_ratio
+    scale = (hi_c - lo_c) / (2**bits - 1)
+    degenerate = scale <= 0
+    safe = torch.where(degenerate, torch.ones_like(scale), scale)
+    zero = torch.round(-lo_c / safe)
+    # constant group: lo == hi == c (raw, unclipped value)
+    scale = torch.where(degenerate, lo.abs(), scale)
+    zero = torch.where(degenerate, (lo < 0).to(zero.dtype), zero)
+    return scale, zero
+
+
+def quarot_quantize(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``clamp(round(x/scale) + z, 0, 2^b − 1)`` (int64); a zero scale gives code ``z``."""
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.where(scale > 0, torch.round(xg / safe), torch.zeros_like(xg)) + zero
+    return torch.clamp(q, 0, 2**bits - 1).to(torch.int64)
+
+
+def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``scale · (q − z)`` in ``scale``'s dtype."""
+    return scale * (codes.to(scale.dtype) - zero)
+
+
+@register
+class QuaRot(Quantizer):
+    """QuaRot (arXiv:2404.00456 §4): Hadamard(head_dim) on K and V → asym groupwise RTN over head_dim.
+
+    Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16;
+    computation in fp32 (fp64 inputs stay fp64); ``dequantize`` returns the input's shape, dtype and device.
+
+    Args:
+        k_bits, v_bits: code widths (1..8; >= 16 = exact passthrough). Default 4 (the paper's KV4).
+        group_size: channels per group along the rotated head_dim; ``None`` (default) = the whole
+            head_dim (the paper's setting). A partial last group is allowed.
+        clip_ratio: range multiplier before computing the scale (paper: 0.95).
+        seed: unused (the rotation is deterministic); recorded.
+
+    Raises:
+        ValueError: bad ``group_size``/``clip_ratio``, or bit widths 9..15.
+    """
+
+    id = "quarot"
+    name = "QuaRot"
+    paper = "Ashkboos et al., QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs (NeurIPS 2024)"
+    arxiv = "2404.00456"
+    k_granularity = "Hadamard(head_dim) → per-token groups over head_dim, asym, clip 0.95, 0 in range"
+    v_granularity = "Hadamard(head_dim) → per-token groups over head_dim, asym, clip 0.95"
+    rotation = True
+    grouped = True
+    fidelity = "faithful"
+    deltas = (
+        "The query-side Hadamard that cancels K's rotation inside q·kᵀ is not modelled; K is "
+        "dequantized and rotated back instead (mathematically equivalent at tensor level).",
+        "V's rotation is applied to the V tensor and undone after dequantization instead of being "
+        "fused offline into v_proj/o_proj (numerically equivalent up to rounding).",
+        "K is quantized in whatever space the harness provides (post-RoPE for real captures, as QuaRot).",
+        "Constant-group guard: a group with zero clipped range is stored with scale = |c| and an exact "
+        "zero-point (reference: scale clamped at 1e-5, which saturates); no NaN.",
+        "Scale and integer zero-point are held at working precision and billed as fp16 (16 + 16 bits per "
+        "group; the zero-point is an integer and is not clamped to [0, 2^b − 1], as in the reference).",
+        "head_dim not a power of two: block-diagonal Sylvester Hadamard (binary decomposition of D, e.g. "
+        "96 = 64 + 32) instead of the reference's non-Sylvester Hadamard matrices.",
+    )
+
+    def __init__(
+        self,
+        k_bits: int = 4,
+        v_bits: int | None = None,
+        *,
+        seed: int = 0,
+        group_size: int | None = None,
+        clip_ratio: float = CLIP_RATIO,
+    ) -> None:
+        super().__init__(k_bits, v_bits, seed=seed)
+        _check_code_bits(self.k_bits)
+        _check_code_bits(self.v_bits)
+        if group_size is not None and (
+            not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0
+        ):
+            raise ValueError(f"group_size must be a positive int or None, got {group_size!r}")
+        if not isinstance(clip_ratio, (int, float)) or not 0 < float(clip_ratio) <= 1:
+            raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio!r}")
+        self.group_size = group_size
+        self.clip_ratio = float(clip_ratio)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "group_size": self.group_size, "clip_ratio": self.clip_ratio}
+
+    def _group(self, d: int) -> int:
+        return d if self.group_size is None else self.group_size
+
+    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        xr = hadamard_transform(x.to(compute_dtype(x.dtype)))
+        g = self._group(int(x.shape[-1]))
+        xg, restore = to_groups(xr, -1, g)
+        scale, zero = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio)
+        codes = restore(quarot_quantize(xg, scale, zero, bits))
+        qt = self._new_qt(x, kind, bits, group_size=g)
+        qt.add_codes("codes", codes, bits)
+        qt.fields["scale"] = Stored(scale, 16)
+        qt.fields["zero"] = Stored(zero, 16)
+        return qt
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        cg, restore = to_groups(qt.codes("codes"), -1, qt.meta["group_size"])
+        xr = restore(quarot_dequantize(cg, qt["scale"], qt["zero"]))
+        return hadamard_transform(xr)
+
+    def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        d = shape[-1]
+        n_groups = -(-d // self._group(d))
+        return bits + n_groups * (8 + 16) / d

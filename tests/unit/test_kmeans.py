@@ -1,0 +1,119 @@
+"""Seeded 1-D weighted k-means: planted mixtures, closed forms, Fisher weighting, determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d, weighted_sse
+
+CENTERS = torch.tensor([-3.0, 0.0, 2.0, 5.0])
+
+
+def _mixture(seed: int = 0, n_per: int = 2000, sd: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.arange(4).repeat_interleave(n_per)
+    x = CENTERS[labels] + sd * torch.randn(labels.numel(), generator=g)
+    perm = torch.randperm(x.numel(), generator=g)
+    return x[perm], labels[perm]
+
+
+def test_converges_to_planted_centroids() -> None:
+    x, labels = _mixture()
+    c = kmeans_1d(x, 4)
+    assert torch.all(c[1:] > c[:-1])
+    torch.testing.assert_close(c, CENTERS, rtol=0, atol=0.01)
+    # at convergence every centroid is the mean of its cluster (here = the planted components)
+    means = torch.stack([x[labels == j].mean() for j in range(4)])
+    torch.testing.assert_close(c, means, rtol=0, atol=1e-5)
+
+
+def test_one_centroid_is_the_weighted_mean() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(500, generator=g)
+    w = torch.rand(500, generator=g)
+    torch.testing.assert_close(kmeans_1d(x, 1), x.mean().reshape(1), rtol=0, atol=1e-6)
+    torch.testing.assert_close(kmeans_1d(x, 1, weights=w), ((w * x).sum() / w.sum()).reshape(1), rtol=0, atol=1e-6)
+
+
+def test_fisher_weighting_moves_centroids_toward_heavy_points() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(4000, generator=g) * 2 - 1  # uniform on [-1, 1]
+    heavy = (x > 0.55) & (x < 0.6)
+    w = torch.where(heavy, torch.full_like(x, 1e4), torch.ones_like(x))
+    plain = kmeans_1d(x, 4)
+    weighted = kmeans_1d(x, 4, weights=w)
+    target = float(x[heavy].mean())
+    assert (weighted - target).abs().min() < (plain - target).abs().min()
+    assert (weighted - target).abs().min() < 0.02
+    assert weighted_sse(x, weighted, w) < weighted_sse(x, plain, w)
+
+
+def test_lloyd_does_not_increase_error() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3000, generator=g) * torch.exp(torch.randn(3000, generator=g))  # heavy-tailed
+    errs = [float(weighted_sse(x, kmeans_1d(x, 8, n_iter=i))) for i in (0, 1, 2, 5, 20, 100)]
+    assert all(b <= a * (1 + 1e-6) for a, b in zip(errs, errs[1:]))
+    assert errs[-1] < errs[0]
+
+
+def test_rows_are_independent_problems() -> None:
+    x1, _ = _mixture(0, 500)
+    x2 = torch.randn(2000, generator=torch.Generator().manual_seed(5))
+    both = kmeans_1d(torch.stack([x1, x2]), 4)
+    torch.testing.assert_close(both[0], kmeans_1d(x1, 4))
+    torch.testing.assert_close(both[1], kmeans_1d(x2, 4))
+
+
+def test_centroids_sorted_and_inside_data_range() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(9)) ** 3
+    c = kmeans_1d(x, 16)
+    assert torch.all(c[1:] >= c[:-1])
+    assert c.min() >= x.min() and c.max() <= x.max()
+
+
+def test_subsample_is_seeded_and_deterministic() -> None:
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(6))
+    a = kmeans_1d(x, 4, max_samples=1000, generator=torch.Generator().manual_seed(0))
+    b = kmeans_1d(x, 4, max_samples=1000, generator=torch.Generator().manual_seed(0))
+    c = kmeans_1d(x, 4, max_samples=1000, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert torch.equal(kmeans_1d(x, 4), kmeans_1d(x, 4))
+
+
+def test_degenerate_inputs() -> None:
+    c = kmeans_1d(torch.full((100,), 2.5), 4)
+    assert torch.equal(c, torch.full((4,), 2.5))
+    zero_w = kmeans_1d(torch.tensor([0.0, 1.0, 2.0, 3.0]), 1, weights=torch.zeros(4))
+    torch.testing.assert_close(zero_w, torch.tensor([1.5]))  # all-zero weights fall back to unweighted
+
+
+def test_assign_nearest_matches_brute_force() -> None:
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 1000, generator=g) * 2
+    c, _ = torch.sort(torch.randn(2, 8, generator=g), dim=-1)
+    brute = (x[..., None] - c[:, None, :]).abs().argmin(-1)
+    assert torch.equal(assign_nearest(x, c), brute)
+    assert torch.equal(assign_nearest(x[0], c[0]), brute[0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err"),
+    [
+        ({"k": 0}, ValueError),
+        ({"k": 2, "weights": -torch.ones(10)}, ValueError),
+        ({"k": 2, "weights": torch.ones(3)}, ValueError),
+        ({"k": 2, "weights": torch.full((10,), float("nan"))}, ValueError),
+    ],
+)
+def test_bad_arguments_raise(kwargs: dict, err: type) -> None:
+    with pytest.raises(err):
+        kmeans_1d(torch.randn(10), **kwargs)
+
+
+def test_rejects_empty_and_high_rank() -> None:
+    with pytest.raises(ValueError):
+        kmeans_1d(torch.empty(0), 2)
+    with pytest.raises(ValueError):
+        kmeans_1d(torch.randn(2, 2, 2), 2)
