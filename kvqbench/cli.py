@@ -1,10 +1,12 @@
 """The ``kvqbench`` console command, for people who do not think in pytest.
 
     kvqbench run [--smoke|--full] [--no-real] [pytest args…]   run the benchmark cells (calls pytest)
-    kvqbench report DIR                                        re-render tables from saved JSON (no torch)
+    kvqbench report DIR [--no-figures]                         re-render tables and figures from saved JSON
     kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets
+    kvqbench publish RESULTS [DEST]                            write the committed leaderboard/ + README digest
+    kvqbench methods [--changed FILE…] [--k-expr]             method ids (or those a set of changed files touch)
 
-``report`` and ``compare`` never import torch.
+``report``, ``compare`` and ``publish`` never import torch.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  kvqbench compare leaderboard/ results/ --fail-on rel_mse:5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", metavar="{run,report,compare}")
+    sub = p.add_subparsers(dest="cmd", metavar="{run,report,compare,publish,methods}")
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells. Unknown arguments are passed to pytest "
                                    "(e.g. -k kvarn, -n auto, --kvq-seeds 5, --device cuda, --kvq-out DIR).")
@@ -37,11 +39,31 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tests", default="tests/bench", help="folder of the benchmark cells (default tests/bench)")
     rep = sub.add_parser("report", help="re-render LEADERBOARD.md and the terminal table from saved JSON (no torch)")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
+    rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
+    rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
     cmp_ = sub.add_parser("compare", help="compare two result sets; exit 1 when a metric regresses past a threshold")
     cmp_.add_argument("base", type=Path, help="baseline results folder or leaderboard.json")
     cmp_.add_argument("new", type=Path, help="new results folder or leaderboard.json")
     cmp_.add_argument("--fail-on", action="append", default=[], metavar="METRIC:PERCENT",
-                      help="fail when METRIC gets worse by more than PERCENT %% (repeatable; METRIC may be 'any')")
+                      help="fail when METRIC gets worse by more than PERCENT %% (repeatable; METRIC may be 'any', "
+                           "which skips timing metrics)")
+    cmp_.add_argument("--show", type=float, default=1.0, metavar="PERCENT",
+                      help="list changes of at least PERCENT %% (default 1)")
+    cmp_.add_argument("--max-rows", type=int, default=40, help="rows per table (default 40)")
+    pub = sub.add_parser("publish", help="publish a run as the committed, provenance-clean leaderboard/ "
+                                         "and regenerate the README digest")
+    pub.add_argument("results", type=Path, help="a results folder written by a run")
+    pub.add_argument("dest", type=Path, nargs="?", default=Path("leaderboard"), help="destination (default leaderboard/)")
+    pub.add_argument("--readme", type=Path, default=Path("README.md"),
+                     help="README whose digest block is regenerated (default README.md)")
+    pub.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    pub.add_argument("--no-figures", action="store_true", help="skip the figures")
+    me = sub.add_parser("methods", help="list registered method ids, or those that changed files define")
+    me.add_argument("--changed", nargs="*", default=None, metavar="FILE",
+                    help="changed paths (e.g. from git diff --name-only); prints the method ids they affect "
+                         "(every method when the shared base/registry changes)")
+    me.add_argument("--k-expr", action="store_true",
+                    help="print a pytest -k expression selecting exactly those methods' cells ('[kivi- or …')")
     return p
 
 
@@ -67,7 +89,7 @@ def _report(args: argparse.Namespace) -> int:
     from kvqbench.report.render import render_dir
 
     try:
-        written = render_dir(args.dir)
+        written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out)
     except FileNotFoundError as e:
         print(f"kvqbench report: {e}", file=sys.stderr)
         return 2
@@ -79,7 +101,63 @@ def _report(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from kvqbench.report.compare import main as compare_main
 
-    return compare_main(args.base, args.new, args.fail_on)
+    return compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows)
+
+
+def _publish(args: argparse.Namespace) -> int:
+    from kvqbench.report.publish import publish
+
+    try:
+        written = publish(args.results, args.dest, readme=None if args.no_readme else args.readme,
+                          figures=not args.no_figures)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvqbench publish: {e}", file=sys.stderr)
+        return 2
+    for w in written:
+        print(f"wrote {w}")
+    return 0
+
+
+def changed_methods(paths: list[str]) -> list[str]:
+    """Method ids affected by changed files: a module under ``kvqbench/quantizers/`` affects the ids
+    registered from it; a module there that registers none (``base.py``, a shared helper) affects every
+    method; ``__init__.py`` alone (the import list) affects none — a new method's own file names it.
+    Other paths affect none. Imports the registry (torch)."""
+    from kvqbench.quantizers import registry
+
+    reg = registry()
+    mods: dict[str, list[str]] = {}
+    for mid, cls in reg.items():
+        mods.setdefault(cls.__module__.rsplit(".", 1)[-1], []).append(mid)
+    out: list[str] = []
+    for p in paths:
+        parts = Path(p).parts
+        if len(parts) < 3 or parts[0] != "kvqbench" or parts[1] != "quantizers" or not p.endswith(".py"):
+            continue
+        stem = Path(p).stem
+        if stem == "__init__":
+            continue
+        ids = mods.get(stem) or list(reg)
+        out += [i for i in ids if i not in out]
+    return [m for m in reg if m in out]
+
+
+def k_expr(ids: list[str]) -> str:
+    """A pytest ``-k`` expression matching exactly the cells of ``ids``: node ids read
+    ``test_x[<method>-k2v2-…]``, so ``[kivi-`` cannot match another method whose id merely contains
+    ``kivi``."""
+    return " or ".join(f"[{i}-" for i in ids)
+
+
+def _methods(args: argparse.Namespace) -> int:
+    if args.changed is not None:
+        ids = changed_methods(args.changed)
+    else:
+        from kvqbench.quantizers import available
+
+        ids = list(available())
+    print(k_expr(ids) if args.k_expr else " ".join(ids))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args, extra)
     if args.cmd == "report":
         return _report(args)
+    if args.cmd == "publish":
+        return _publish(args)
+    if args.cmd == "methods":
+        return _methods(args)
     return _compare(args)
 
 

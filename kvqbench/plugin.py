@@ -65,19 +65,22 @@ class Progress:
     Every ``interval_s`` seconds (``--kvq-progress``, default 10; 0 = off) at most one line
     ``kvqbench: 120/660 tests, elapsed 1m30s, ETA 6m10s`` is written, counted from finished tests
     (one teardown report per test, which xdist forwards to the controller). The total comes from
-    collection (``session.items``, or the first xdist node's collected ids). The ETA assumes the
-    remaining tests take as long on average as the finished ones.
+    collection (``session.items``, or the first xdist node's collected ids). *elapsed* counts from the
+    session start; the ETA assumes the remaining tests take as long on average as the finished ones
+    did since collection ended (so start-up and xdist worker spawn do not inflate it).
     """
 
     interval_s: float = 10.0
     total: int = 0
     done: int = 0
     t0: float = 0.0
+    t_run: float = 0.0
     last: float = 0.0
 
     def line(self, now: float) -> str:
         el = now - self.t0
-        eta = el / self.done * (self.total - self.done) if self.done else 0.0
+        run = now - (self.t_run or self.t0)
+        eta = run / self.done * (self.total - self.done) if self.done else 0.0
         return (f"kvqbench: {self.done}/{self.total} tests, elapsed {_hms(el)}, "
                 f"ETA {_hms(eta) if self.done else '?'}")
 
@@ -113,6 +116,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     prog = session.config.stash.get(PROGRESS_KEY, None)
     if prog is not None and not _is_worker(session.config):
         prog.total = len(session.items)
+        prog.t_run = time.time()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -121,6 +125,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
     if prog is not None and not prog.total:
         prog.total = len(ids)
+        prog.t_run = time.time()
 
 
 def _progress_tick(report: pytest.TestReport) -> None:
@@ -137,6 +142,8 @@ def _progress_tick(report: pytest.TestReport) -> None:
     prog.last = now
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None:
+        if getattr(getattr(tr, "_tw", None), "width_of_current_line", 1):
+            tr.write("\n")  # after the progress dots of -q / xdist
         tr.write_line(prog.line(now))
 
 

@@ -1,0 +1,309 @@
+"""Compare two result sets metric by metric (``kvqbench compare BASE NEW``). Torch-free.
+
+For every data source, experiment, method, setting (``k2v2`` …) and metric present in either set,
+the change from BASE to NEW is classified with the metric's better-direction, read from the saved
+``metrics_catalog`` (BASE's, completed by NEW's): ``lower``/``higher`` as named, ``zero`` by distance
+from 0. The *worsening* of a metric is ``(bad(new) − bad(base)) / |bad(base)|`` in percent, where
+``bad`` is the value itself (lower), its negation (higher) or its absolute value (zero); a change from
+exactly 0 to non-zero counts as an infinite percentage. Where both sides have ≥ 2 seeds the change
+is *outside the CIs* when the two 95% intervals do not overlap.
+
+``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
+:func:`main` return 1 when that metric worsens by more than PERCENT % in any (source, method,
+setting). Timing metrics (unit ``s``/``ms``/``us``/``ns``, ``GB/s``, or a name with ``latency``,
+``throughput``, ``time`` or ``peak_mem``) are skipped unless named explicitly, because CPU timings are
+noise. Methods, settings and sources present on one side only are listed, never an error.
+
+Exit status of :func:`main`: 0 no threshold crossed, 1 a threshold crossed, 2 unreadable input or a
+malformed ``--fail-on``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from kvqbench.report.io import read_json
+
+__all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "parse_fail_on", "is_timing",
+           "main", "render_comparison"]
+
+_TIME_UNITS = {"s", "ms", "us", "µs", "ns", "gb/s", "bytes", "mib", "gib", "mb"}
+_TIME_NAME = re.compile(r"(latency|throughput|(^|_)time(_|$)|peak_mem|_(ms|us|ns|s)$|gbps|gb_s)")
+#: changes smaller than this (relative) are "unchanged" — float noise, not a result
+REL_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class FailRule:
+    """``metric`` (or ``"any"``) may worsen by at most ``percent`` %."""
+
+    metric: str
+    percent: float
+
+
+@dataclass
+class Change:
+    """One (source, experiment, method, setting, metric) compared."""
+
+    source: str
+    experiment: str
+    method: str
+    setting: str
+    metric: str
+    better: str
+    base: float
+    new: float
+    base_ci: float | None
+    new_ci: float | None
+    base_n: int
+    new_n: int
+
+    @property
+    def delta(self) -> float:
+        return self.new - self.base
+
+    @property
+    def worsening_pct(self) -> float:
+        """Percent by which NEW is worse than BASE (negative: better)."""
+        b, n = _badness(self.better, self.base), _badness(self.better, self.new)
+        if b == n:
+            return 0.0
+        if b == 0:
+            return math.inf if n > b else -math.inf
+        return (n - b) / abs(b) * 100.0
+
+    @property
+    def status(self) -> str:
+        w = self.worsening_pct
+        scale = max(abs(self.base), abs(self.new), 1e-300)
+        if abs(self.new - self.base) <= REL_EPS * scale or w == 0:
+            return "unchanged"
+        return "regressed" if w > 0 else "improved"
+
+    @property
+    def outside_ci(self) -> bool | None:
+        """``None`` unless both sides have ≥ 2 seeds; else whether the 95% intervals are disjoint."""
+        if self.base_n < 2 or self.new_n < 2 or self.base_ci is None or self.new_ci is None:
+            return None
+        return (self.new - self.new_ci > self.base + self.base_ci) or (self.new + self.new_ci < self.base - self.base_ci)
+
+
+@dataclass
+class Comparison:
+    """Every change plus what exists on one side only."""
+
+    changes: list[Change] = field(default_factory=list)
+    only_base: list[str] = field(default_factory=list)
+    only_new: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _badness(better: str, v: float) -> float:
+    if better == "higher":
+        return -v
+    if better == "zero":
+        return abs(v)
+    return v
+
+
+def is_timing(name: str, spec: dict[str, Any] | None) -> bool:
+    """A timing/throughput/memory metric (skipped by ``any:`` rules)."""
+    spec = spec or {}
+    if spec.get("timing"):
+        return True
+    unit = str(spec.get("unit", "")).strip().lower()
+    return unit in _TIME_UNITS or bool(_TIME_NAME.search(name.lower()))
+
+
+def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
+    """``["rel_mse:5", "any:10"]`` → rules.
+
+    Raises:
+        ValueError: an item is not ``METRIC:PERCENT`` with a non-negative number.
+    """
+    rules = []
+    for it in items:
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.\-]+)\s*:\s*([0-9]*\.?[0-9]+)\s*%?\s*", str(it))
+        if not m:
+            raise ValueError(f"--fail-on expects METRIC:PERCENT (e.g. rel_mse:5 or any:10); got {it!r}")
+        rules.append(FailRule(m.group(1), float(m.group(2))))
+    return rules
+
+
+def load_board(path: str | Path) -> dict[str, Any]:
+    """Read ``path/leaderboard.json`` (a results folder) or ``path`` itself (a JSON file).
+
+    Raises:
+        FileNotFoundError: naming the missing file.
+        ValueError: the file is not a kvqbench leaderboard (no ``sources``).
+    """
+    p = Path(path)
+    f = p / "leaderboard.json" if p.is_dir() else p
+    if not f.exists():
+        raise FileNotFoundError(f"{f} not found (expected a results folder or a leaderboard.json)")
+    doc = read_json(f)
+    if not isinstance(doc, dict) or "sources" not in doc:
+        raise ValueError(f"{f} is not a kvqbench leaderboard.json (no 'sources')")
+    return doc
+
+
+def _num(x: Any) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
+    """Compare two leaderboard documents (see module doc)."""
+    catalog = {**(new.get("metrics_catalog") or {}), **(base.get("metrics_catalog") or {})}
+    out = Comparison()
+    bs, ns = base.get("sources") or {}, new.get("sources") or {}
+    for src in sorted(set(bs) | set(ns)):
+        if src not in ns:
+            out.only_base.append(f"source {src}")
+            continue
+        if src not in bs:
+            out.only_new.append(f"source {src}")
+            continue
+        if bs[src].get("sizes") != ns[src].get("sizes"):
+            out.notes.append(f"{src}: cell sizes differ (base {bs[src].get('sizes')}, new {ns[src].get('sizes')}) — "
+                             "deltas mix sizes")
+        bst, nst = bs[src].get("stats") or {}, ns[src].get("stats") or {}
+        for exp in sorted(set(bst) | set(nst)):
+            be, ne = bst.get(exp) or {}, nst.get(exp) or {}
+            for meth in sorted(set(be) | set(ne)):
+                if meth not in ne:
+                    out.only_base.append(f"{src}/{exp}/{meth}")
+                    continue
+                if meth not in be:
+                    out.only_new.append(f"{src}/{exp}/{meth}")
+                    continue
+                for setting in sorted(set(be[meth]) | set(ne[meth])):
+                    if setting not in ne[meth]:
+                        out.only_base.append(f"{src}/{exp}/{meth}/{setting}")
+                        continue
+                    if setting not in be[meth]:
+                        out.only_new.append(f"{src}/{exp}/{meth}/{setting}")
+                        continue
+                    bm, nm = be[meth][setting], ne[meth][setting]
+                    for name in sorted(set(bm) & set(nm)):
+                        spec = catalog.get(name)
+                        if spec is None:
+                            continue  # not a ranked metric: no direction to judge by
+                        b, n = _num(bm[name].get("mean")), _num(nm[name].get("mean"))
+                        if not (math.isfinite(b) and math.isfinite(n)):
+                            continue
+                        out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
+                                                  bm[name].get("ci95"), nm[name].get("ci95"),
+                                                  int(bm[name].get("n", 1)), int(nm[name].get("n", 1))))
+    return out
+
+
+def violations(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) -> list[tuple[FailRule, Change]]:
+    """Every (rule, change) where the change worsens past the rule's percent."""
+    hits = []
+    for rule in rules:
+        for c in cmp.changes:
+            if rule.metric == "any":
+                if is_timing(c.metric, catalog.get(c.metric)):
+                    continue
+            elif c.metric != rule.metric:
+                continue
+            if c.worsening_pct > rule.percent:
+                hits.append((rule, c))
+    return hits
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "—"
+    if x == 0:
+        return "0"
+    return f"{x:.4g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.3e}"
+
+
+def _pct(w: float) -> str:
+    if math.isinf(w):
+        return "+inf %" if w > 0 else "-inf %"
+    return f"{w:+.2f} %"
+
+
+def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[FailRule] | None = None,
+                      show_percent: float = 1.0, max_rows: int = 40) -> str:
+    """The text ``kvqbench compare`` prints: a summary line, then regressions and improvements (worst
+    first, at least ``show_percent`` % worse/better, timing metrics only when a rule names them)."""
+    from tabulate import tabulate
+
+    named = {r.metric for r in (rules or [])}
+
+    def shown(c: Change) -> bool:
+        return not is_timing(c.metric, catalog.get(c.metric)) or c.metric in named
+
+    changes = [c for c in cmp.changes if shown(c)]
+    reg = sorted((c for c in changes if c.status == "regressed" and c.worsening_pct >= show_percent),
+                 key=lambda c: (-c.worsening_pct, c.source, c.method, c.setting, c.metric))
+    imp = sorted((c for c in changes if c.status == "improved" and -c.worsening_pct >= show_percent),
+                 key=lambda c: (c.worsening_pct, c.source, c.method, c.setting, c.metric))
+    n_unch = sum(1 for c in changes if c.status == "unchanged")
+    lines = [f"kvqbench compare: {len(changes)} metric values compared — "
+             f"{sum(1 for c in changes if c.status == 'regressed')} worse, "
+             f"{sum(1 for c in changes if c.status == 'improved')} better, {n_unch} unchanged"
+             + (f" (timing metrics ignored unless named in --fail-on)" if len(changes) < len(cmp.changes) else "")]
+    lines += [f"note: {n}" for n in cmp.notes]
+    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "outside CI"]
+
+    def rows(cs: list[Change]) -> list[list[str]]:
+        return [[c.source, c.method, c.setting, c.metric, c.better, _fmt(c.base), _fmt(c.new),
+                 _pct(c.worsening_pct).replace("+", "worse +", 1) if c.worsening_pct > 0 else
+                 _pct(-c.worsening_pct).replace("+", "better +", 1),
+                 {None: "n/a (<2 seeds)", True: "yes", False: "no"}[c.outside_ci]] for c in cs[:max_rows]]
+
+    for title, cs in (("Regressions", reg), ("Improvements", imp)):
+        lines.append("")
+        lines.append(f"{title} (≥ {show_percent:g} %): {len(cs)}" + (f", showing {max_rows}" if len(cs) > max_rows else ""))
+        if cs:
+            lines.append(tabulate(rows(cs), headers=headers, tablefmt="simple"))
+    for label, items in (("only in BASE", cmp.only_base), ("only in NEW", cmp.only_new)):
+        if items:
+            lines.append("")
+            shown_items = items[:30]
+            lines.append(f"{label} ({len(items)}): " + ", ".join(shown_items) + (" …" if len(items) > 30 else ""))
+    return "\n".join(lines)
+
+
+def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show_percent: float = 1.0,
+         max_rows: int = 40, out: Any = None) -> int:
+    """Compare two result sets, print the table, and return the exit status (see module doc)."""
+    out = out or sys.stdout
+    try:
+        rules = parse_fail_on(fail_on)
+        b, n = load_board(base), load_board(new)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvqbench compare: {e}", file=sys.stderr)
+        return 2
+    catalog = {**(n.get("metrics_catalog") or {}), **(b.get("metrics_catalog") or {})}
+    cmp = compare_boards(b, n)
+    print(render_comparison(cmp, catalog, rules=rules, show_percent=show_percent, max_rows=max_rows), file=out)
+    for r in rules:
+        if r.metric != "any" and not any(c.metric == r.metric for c in cmp.changes):
+            print(f"kvqbench compare: warning: --fail-on {r.metric}: no such metric in both sets", file=out)
+    hits = violations(cmp, rules, catalog)
+    if hits:
+        print("", file=out)
+        print(f"FAILED: {len(hits)} value(s) worsened past a --fail-on threshold:", file=out)
+        for rule, c in hits[:max_rows]:
+            print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
+                  f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g})",
+                  file=out)
+        return 1
+    if rules:
+        print("", file=out)
+        print("OK: no --fail-on threshold crossed (" + ", ".join(f"{r.metric}:{r.percent:g}" for r in rules) + ")",
+              file=out)
+    return 0

@@ -1,0 +1,617 @@
+"""Figures rendered from saved JSON only (``leaderboard.json`` + ``exp*_*.json``). Torch-free.
+
+One set of PNGs per data source, written next to the JSON (real and synthetic never share a figure):
+
+==========================================  ====================================================
+``pareto_{source}.png``                     rel. MSE vs effective bits/element, one marker per
+                                            method, the non-dominated front drawn as a black step
+``mse_vs_bits_{source}.png``                K and V relative MSE vs bit-width, one line per method
+``attn_error_vs_context_{source}.png``      exp2: attention-output error vs context length,
+                                            panels *static* and *pseudo-decode*
+``attn_kl_vs_context_{source}.png``         exp2: attention KL(p‖p̂) vs context length, same panels
+``norm_diff_density_{source}.png``          exp3: density of ‖k̂‖−‖k‖ per method (small multiples)
+``cost_{source}.png``                       exp4: latency bars and bits/element bars per method
+==========================================  ====================================================
+
+A figure whose data is absent (an experiment that did not run) is simply not drawn. matplotlib is
+optional: without it :func:`write_figures` logs one line and returns ``[]``; it never raises for a
+rendering problem of one figure either (that figure is skipped with one line of explanation).
+
+How experiment series are found (so experiments need not register anything here). A cell record's
+``series`` is walked recursively:
+
+* a *curve* is a list of numbers under a dict that also holds an x list named one of
+  :data:`X_KEYS` (``context_len``, ``context``, ``ctx`` …; inherited by nested dicts), or a dict
+  ``{"x": [...], "y": [...]}``. Per-layer curves (list of lists) are averaged over layers.
+* a *histogram* is a dict holding ``edges``/``bin_edges``/``bins`` and ``density``/``counts``/``hist``
+  with one value fewer than edges (or ``centers`` with as many values).
+
+The joined path of names (``series`` keys, lower-cased) classifies a curve: ``kl`` → attention KL
+(``rev``/``reverse`` → reverse KL, drawn only when no forward KL exists); otherwise the first of
+``mse``, ``mae``, ``cos`` is the attention error; ``decode``/``pseudo``/``stream`` → pseudo-decode
+regime, else static. Histogram paths containing ``norm`` are norm-difference densities, ``v_``/``v``
+segments select the V panel. Scalar metrics named ``<name>_ctx<N>`` in an experiment's stats are
+read as curve points too. Seeds are averaged; the headline setting is the lowest ``kXvX`` bit-width
+that ran (k2v2 in the default sweep). Output is deterministic (Agg backend, fixed DPI, no timestamp
+or version metadata in the PNG).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kvqbench.report.io import read_json
+
+__all__ = ["write_figures", "figure_names", "iter_curves", "iter_histograms", "X_KEYS", "DPI"]
+
+X_KEYS: tuple[str, ...] = ("context_len", "context_lens", "context_length", "context_lengths", "context",
+                           "ctx_len", "ctx", "lengths", "tokens", "positions", "seq_lens", "x")
+EDGE_KEYS = ("edges", "bin_edges", "bins")
+VALUE_KEYS = ("density", "counts", "hist", "values")
+DPI = 110
+TIME_UNITS = {"s", "ms", "us", "µs", "ns"}
+
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+           "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#843c39"]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p", "8", "d"]
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# series discovery (pure, testable without matplotlib)
+def _is_num_list(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                      for x in v)
+
+
+def _is_nested_num_list(v: Any) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(_is_num_list(x) for x in v) \
+        and len({len(x) for x in v}) == 1
+
+
+def _as_curve(v: Any) -> list[float] | None:
+    if _is_num_list(v):
+        return [float(x) for x in v]
+    if _is_nested_num_list(v):  # per layer → mean over layers
+        return [math.fsum(col) / len(col) for col in zip(*v)]
+    return None
+
+
+def iter_curves(series: Any, path: tuple[str, ...] = (), x: list[float] | None = None
+                ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
+    """Yield ``(path, x, y)`` for every curve in a record's ``series`` (see module doc)."""
+    if not isinstance(series, dict):
+        return
+    if _is_num_list(series.get("x")) and _as_curve(series.get("y")) is not None:
+        y = _as_curve(series["y"])
+        if y is not None and len(y) == len(series["x"]):
+            yield path, [float(v) for v in series["x"]], y
+        return
+    here = next((series[k] for k in X_KEYS if k in series and _is_num_list(series[k])), None)
+    xs = [float(v) for v in here] if here is not None else x
+    for key in sorted(series):
+        if key in X_KEYS:
+            continue
+        val = series[key]
+        if isinstance(val, dict):
+            yield from iter_curves(val, path + (str(key),), xs)
+            continue
+        y = _as_curve(val)
+        if xs is not None and y is not None and len(y) == len(xs):
+            yield path + (str(key),), xs, y
+
+
+def iter_histograms(series: Any, path: tuple[str, ...] = ()
+                    ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
+    """Yield ``(path, centers, density)`` for every histogram in ``series`` (see module doc).
+
+    Counts are normalised to a density (integral 1) so seeds and methods are comparable.
+    """
+    if not isinstance(series, dict):
+        return
+    edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
+    vals = next((_as_curve(series[k]) for k in VALUE_KEYS if k in series and _as_curve(series[k])), None)
+    centers = series.get("centers") if _is_num_list(series.get("centers")) else None
+    if vals is not None and (edges is not None or centers is not None):
+        if edges is not None and len(edges) == len(vals) + 1:
+            e = [float(v) for v in edges]
+            widths = [b - a for a, b in zip(e, e[1:])]
+            c = [(a + b) / 2 for a, b in zip(e, e[1:])]
+        elif centers is not None and len(centers) == len(vals):
+            c = [float(v) for v in centers]
+            step = (c[-1] - c[0]) / max(len(c) - 1, 1) or 1.0
+            widths = [step] * len(c)
+        else:
+            c = None
+        if c is not None:
+            area = math.fsum(v * w for v, w in zip(vals, widths))
+            yield path, c, [v / area if area > 0 else 0.0 for v in vals]
+            return
+    for key in sorted(series):
+        if isinstance(series[key], dict):
+            yield from iter_histograms(series[key], path + (str(key),))
+
+
+def _regime(name: str) -> str:
+    return "pseudo-decode" if any(w in name for w in ("decode", "pseudo", "stream")) else "static"
+
+
+def _error_kind(name: str) -> str | None:
+    if "kl" in re.split(r"[^a-z0-9]+", name) or re.search(r"(^|[^a-z])kl([^a-z]|$)", name):
+        return "kl_rev" if re.search(r"rev", name) else "kl"
+    if any(w in name for w in ("signed", "gap", "bias", "var", "slope", "weighted", "logit")):
+        return None
+    for w in ("mse", "mae", "cos"):
+        if w in name:
+            return w
+    return None
+
+
+_CTX_METRIC = re.compile(r"^(?P<name>.+?)_(?:ctx|context|T)(?P<n>\d+)$")
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+def _load_dir(d: Path) -> tuple[dict[str, Any] | None, dict[tuple[str, str], dict[str, Any]]]:
+    board = read_json(d / "leaderboard.json") if (d / "leaderboard.json").exists() else None
+    exps: dict[tuple[str, str], dict[str, Any]] = {}
+    for p in sorted(d.glob("exp*_*.json")):
+        m = re.match(r"^(exp\d+)_(\w+)\.json$", p.name)
+        if not m:
+            continue
+        try:
+            exps[(m.group(1), m.group(2))] = read_json(p)
+        except (OSError, ValueError):
+            continue
+    return board, exps
+
+
+def _setting_bits(setting: str) -> tuple[int, int] | None:
+    m = re.fullmatch(r"k(\d+)v(\d+)", setting)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _headline_setting(settings: Iterable[str]) -> str | None:
+    sym = sorted({s for s in settings if (b := _setting_bits(s)) and b[0] == b[1] and b[0] < 16},
+                 key=lambda s: _setting_bits(s))
+    return sym[0] if sym else None
+
+
+def _method_order(board: dict[str, Any] | None, extra: Iterable[str]) -> list[str]:
+    order = list((board or {}).get("methods", {}))
+    for m in sorted(set(extra)):
+        if m not in order:
+            order.append(m)
+    return order
+
+
+class _Style:
+    def __init__(self, methods: list[str]) -> None:
+        self.idx = {m: i for i, m in enumerate(methods)}
+
+    def __call__(self, m: str) -> dict[str, Any]:
+        i = self.idx.setdefault(m, len(self.idx))
+        if m == "fp16":
+            return {"color": "black", "marker": "o", "linestyle": "--"}
+        return {"color": _COLORS[i % len(_COLORS)], "marker": _MARKERS[i % len(_MARKERS)], "linestyle": "-"}
+
+
+def _mean_curves(cells: list[dict[str, Any]], setting: str, kind: Callable[[str], Any],
+                 hist: bool = False) -> dict[tuple[str, Any], tuple[list[float], list[float]]]:
+    """``{(method, key): (x, mean y over seeds)}`` for cells at ``setting`` (key from ``kind(path)``)."""
+    from kvqbench.report.leaderboard import setting_key
+
+    acc: dict[tuple[str, Any], list[tuple[list[float], list[float]]]] = defaultdict(list)
+    for c in cells:
+        if c.get("status") != "passed" or setting_key(c) != setting:
+            continue
+        found: dict[Any, tuple[list[float], list[float]]] = {}
+        walker = iter_histograms if hist else iter_curves
+        for path, xs, ys in walker(c.get("series") or {}):
+            key = kind("/".join(path).lower())
+            if key is not None and key not in found:
+                found[key] = (xs, ys)
+        for key, xy in found.items():
+            acc[(c["method"], key)].append(xy)
+    out = {}
+    for k, xys in acc.items():
+        xs = xys[0][0]
+        same = [ys for x, ys in xys if x == xs]
+        out[k] = (xs, [math.fsum(col) / len(col) for col in zip(*same)])
+    return out
+
+
+def _ctx_metric_curves(stats_exp: dict[str, Any], setting: str, kind: Callable[[str], Any]
+                       ) -> dict[tuple[str, Any], tuple[list[float], list[float]]]:
+    pts: dict[tuple[str, Any], dict[float, float]] = defaultdict(dict)
+    for meth, by_setting in stats_exp.items():
+        for name, e in (by_setting.get(setting) or {}).items():
+            m = _CTX_METRIC.match(name)
+            if not m:
+                continue
+            key = kind(m.group("name").lower())
+            if key is not None:
+                pts[(meth, key)][float(m.group("n"))] = e["mean"]
+    return {k: (sorted(v), [v[x] for x in sorted(v)]) for k, v in pts.items() if len(v) >= 2}
+
+
+# ------------------------------------------------------------------------------------------------
+# drawing helpers
+def _span_decades(vals: Iterable[float]) -> float:
+    pos = [v for v in vals if v > 0 and math.isfinite(v)]
+    if len(pos) < 2:
+        return 0.0
+    return math.log10(max(pos) / min(pos))
+
+
+def _finish(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, metadata={"Software": None}, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _legend_outside(ax: Any, **kw: Any) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, **kw)
+
+
+def _bits_axis(ax: Any, ticks: list[float]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+
+
+# ------------------------------------------------------------------------------------------------
+# figures
+def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path) -> Path | None:
+    pf = sd.get("pareto") or {}
+    pts = [p for p in pf.get("points", []) if p.get("bits_effective") is not None and p.get("rel_mse") is not None]
+    if not pts:
+        return None
+    pos = [p["rel_mse"] for p in pts if p["rel_mse"] > 0]
+    floor = (min(pos) / 4) if pos else 1e-6
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    by_m: dict[str, list[dict]] = defaultdict(list)
+    for p in pts:
+        by_m[p["method"]].append(p)
+    for m in sorted(by_m, key=lambda m: style.idx.get(m, 99)):
+        ps = sorted(by_m[m], key=lambda p: p["bits_effective"])
+        st = style(m)
+        xs = [p["bits_effective"] for p in ps]
+        ys = [p["rel_mse"] if p["rel_mse"] > 0 else floor for p in ps]
+        ax.plot(xs, ys, color=st["color"], linestyle=":", linewidth=0.8, alpha=0.6)
+        ax.scatter(xs, ys, color=st["color"], marker=st["marker"], s=42, label=m, zorder=3)
+    front = sorted(pf.get("front", []), key=lambda p: p["bits_effective"])
+    if front:
+        fx = [p["bits_effective"] for p in front]
+        fy = [p["rel_mse"] if p["rel_mse"] > 0 else floor for p in front]
+        ax.step(fx, fy, where="post", color="black", linewidth=1.6, label="Pareto front", zorder=2)
+        ax.scatter(fx, fy, s=150, facecolors="none", edgecolors="black", linewidths=1.4, zorder=4)
+        # one label per distinct front point (identical points, e.g. every method exact at 16 bits, merged)
+        labels: dict[tuple[float, float], list[str]] = {}
+        for p, y in zip(front, fy):
+            labels.setdefault((round(p["bits_effective"], 6), y), []).append(f"{p['method']} {p['setting']}")
+        for (x, y), names in labels.items():
+            text = names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else \
+                f"{names[0]} +{len(names) - 1}"
+            right = x >= 12
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(-9 if right else 9, 3), fontsize=7,
+                        ha="right" if right else "left", va="bottom")
+    ax.set_yscale("log")
+    if not all(p["rel_mse"] > 0 for p in pts):
+        ax.axhline(floor, color="grey", linewidth=0.6, linestyle="--")
+        ax.annotate("MSE = 0 (exact) drawn on this line", (min(p["bits_effective"] for p in pts), floor),
+                    textcoords="offset points", xytext=(2, -11), fontsize=7, color="grey")
+    lo, hi = min(p["bits_effective"] for p in pts), max(p["bits_effective"] for p in pts)
+    _bits_axis(ax, [t for t in (1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32) if lo * 0.9 <= t <= hi * 1.1])
+    ax.set_xlabel("effective bits per element (K and V mean, log₂ scale)")
+    ax.set_ylabel("relative MSE, K and V mean (log scale)")
+    ax.set_title(f"Quality vs bits — Pareto front ({src})")
+    ax.grid(True, which="major", alpha=0.3)
+    _legend_outside(ax)
+    return _finish(fig, out / f"pareto_{src}.png")
+
+
+def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path) -> Path | None:
+    exp1 = (sd.get("stats") or {}).get("exp1") or {}
+    panels = [("k", "K"), ("v", "V")]
+    data: dict[str, dict[str, list[tuple[int, float, float]]]] = {kv: {} for kv, _ in panels}
+    for m, by in exp1.items():
+        for setting, metrics in by.items():
+            b = _setting_bits(setting)
+            if not b or b[0] != b[1]:
+                continue
+            for kv, _ in panels:
+                e = metrics.get(f"{kv}_rel_mse")
+                if e is not None:
+                    data[kv].setdefault(m, []).append((b[0], e["mean"], e.get("ci95") or 0.0))
+    if not any(data[kv] for kv, _ in panels):
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
+    bits = sorted({b for kv, _ in panels for pts in data[kv].values() for b, y, _ in pts if y > 0})
+    zero_note = False
+    for ax, (kv, KV) in zip(axes, panels):
+        for m in sorted(data[kv], key=lambda m: style.idx.get(m, 99)):
+            pts = sorted(p for p in data[kv][m] if p[1] > 0)
+            zero_note |= len(pts) < len(data[kv][m])
+            if not pts:
+                continue
+            st = style(m)
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[min(p[2], p[1] * 0.999) for p in pts],
+                        label=m, color=st["color"], marker=st["marker"], linestyle=st["linestyle"],
+                        markersize=5, capsize=2, linewidth=1.2)
+        ax.set_yscale("log")
+        _bits_axis(ax, [float(b) for b in bits])
+        ax.set_xlabel("bits per element (nominal bit-width of the setting)")
+        ax.set_title(f"{KV} reconstruction")
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0].set_ylabel("relative MSE = MSE / mean(x²) (log scale)")
+    _legend_outside(axes[1])
+    fig.suptitle(f"Reconstruction error vs bit-width ({src}; mean ± 95% CI over seeds"
+                 + ("; exact 0 not drawn" if zero_note else "") + ")", fontsize=11)
+    return _finish(fig, out / f"mse_vs_bits_{src}.png")
+
+
+def _exp2_curves(sd: dict[str, Any], exp2: dict[str, Any] | None, quantity: str
+                 ) -> tuple[str | None, str | None, dict[tuple[str, str], tuple[list[float], list[float]]]]:
+    """``(setting, kind, {(method, regime): (x, y)})`` for one exp2 quantity (``"err"`` or ``"kl"``)."""
+    stats_exp = (sd.get("stats") or {}).get("exp2") or {}
+    cells = (exp2 or {}).get("cells") or []
+    from kvqbench.report.leaderboard import setting_key
+
+    settings = {setting_key(c) for c in cells if c.get("status") == "passed"} | {
+        s for by in stats_exp.values() for s in by}
+    setting = _headline_setting(settings)
+    if setting is None:
+        return None, None, {}
+
+    def kind(name: str) -> Any:
+        k = _error_kind(name)
+        if k is None:
+            return None
+        if quantity == "kl" and k in ("kl", "kl_rev"):
+            return (_regime(name), k)
+        if quantity == "err" and k in ("mse", "mae", "cos"):
+            return (_regime(name), k)
+        return None
+
+    curves = _mean_curves(cells, setting, kind)
+    for k, v in _ctx_metric_curves(stats_exp, setting, kind).items():
+        curves.setdefault(k, v)
+    # one quantity per figure: the preferred kind that exists
+    prefs = ("kl", "kl_rev") if quantity == "kl" else ("mse", "mae", "cos")
+    chosen = next((p for p in prefs if any(key[1] == p for _, key in curves)), None)
+    return setting, chosen, {(m, key[0]): xy for (m, key), xy in curves.items() if key[1] == chosen}
+
+
+_ERR_LABEL = {"mse": "attention-output MSE", "mae": "attention-output MAE", "cos": "cosine drift 1−cos(O, Ô)",
+              "kl": "attention KL(p‖p̂) [nats]", "kl_rev": "reverse attention KL(p̂‖p) [nats]"}
+
+
+def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any] | None, style: _Style,
+                    out: Path, quantity: str) -> Path | None:
+    setting, kind, curves = _exp2_curves(sd, exp2, quantity)
+    if not curves or kind is None:
+        return None
+    regimes = [r for r in ("static", "pseudo-decode") if any(k[1] == r for k in curves)]
+    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True, squeeze=False)
+    allv = [y for xs, ys in curves.values() for y in ys]
+    log = _span_decades(allv) >= 1.5
+    zero_methods = []
+    for ax, reg in zip(axes[0], regimes):
+        for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
+            if r != reg:
+                continue
+            pts = [(x, y) for x, y in zip(xs, ys) if (y > 0 or not log)]
+            if not pts:
+                zero_methods.append(m)
+                continue
+            st = style(m)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, color=st["color"], marker=st["marker"],
+                    linestyle=st["linestyle"], markersize=4, linewidth=1.3)
+        if log:
+            ax.set_yscale("log")
+        xs_all = sorted({x for (m, r), (xs, _) in curves.items() if r == reg for x in xs})
+        if xs_all and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 8:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(f"{reg}" + (" (whole prefix quantized at once)" if reg == "static" else
+                                  " (quantized block by block as it arrives)"), fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(_ERR_LABEL.get(kind, kind) + (" (log scale)" if log else ""))
+    _legend_outside(axes[0][-1])
+    what = "Attention KL" if quantity == "kl" else "Attention error"
+    note = f"; exact 0 not drawn: {', '.join(sorted(set(zero_methods)))}" if zero_methods else ""
+    fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds{note})", fontsize=11)
+    name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
+    return _finish(fig, out / f"{name}_{src}.png")
+
+
+def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, Any] | None, style: _Style,
+                      out: Path) -> Path | None:
+    cells = (exp3 or {}).get("cells") or []
+    from kvqbench.report.leaderboard import setting_key
+
+    setting = _headline_setting({setting_key(c) for c in cells if c.get("status") == "passed"})
+    if setting is None:
+        return None
+
+    def kind(name: str) -> Any:
+        if "norm" not in name and "diff" not in name:
+            return None
+        segs = re.split(r"[^a-z0-9]+", name)
+        return "V" if ("v" in segs or any(s.startswith("v_") for s in name.split("/")) or name.startswith("v_")) else "K"
+
+    curves = _mean_curves(cells, setting, kind, hist=True)
+    if not curves:
+        return None
+    methods = sorted({m for m, _ in curves}, key=lambda m: style.idx.get(m, 99))
+    kvs = [kv for kv in ("K", "V") if any(k == kv for _, k in curves)]
+    ncol = min(4, len(methods))
+    nrow = math.ceil(len(methods) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol + 0.5, 2.5 * nrow + 0.8), sharex=True, squeeze=False)
+    for i, m in enumerate(methods):
+        ax = axes[i // ncol][i % ncol]
+        st = style(m)
+        for kv in kvs:
+            if (m, kv) not in curves:
+                continue
+            xs, ys = curves[(m, kv)]
+            ax.fill_between(xs, ys, step="mid", alpha=0.35 if kv == "K" else 0.15, color=st["color"])
+            ax.step(xs, ys, where="mid", color=st["color"], linewidth=1.0,
+                    linestyle="-" if kv == "K" else "--", label=kv)
+        ax.axvline(0, color="grey", linewidth=0.6)
+        ax.set_title(m, fontsize=9, color=st["color"])
+        ax.tick_params(labelsize=7)
+        ax.grid(True, alpha=0.25)
+        if len(kvs) > 1 and i == 0:
+            ax.legend(fontsize=7, frameon=False)
+    for j in range(len(methods), nrow * ncol):
+        axes[j // ncol][j % ncol].axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("‖k̂‖ − ‖k‖ (norm units)", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("density", fontsize=8)
+    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; 0 = norm preserved)", fontsize=11)
+    fig.tight_layout()
+    return _finish(fig, out / f"norm_diff_density_{src}.png")
+
+
+def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], style: _Style,
+              out: Path) -> Path | None:
+    stats = sd.get("stats") or {}
+    exp4 = stats.get("exp4") or {}
+    if not exp4:
+        return None
+    settings = {s for by in exp4.values() for s in by}
+    setting = _headline_setting(settings) or (sorted(settings)[0] if settings else None)
+    if setting is None:
+        return None
+    names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
+    lat = [n for n in names if (catalog.get(n, {}).get("unit") in TIME_UNITS) or re.search(r"(latency|_ms$|_s$)", n)]
+    lat = sorted((n for n in lat if "throughput" not in n), key=lambda n: ("dequant" in n, n))
+    bit_names = [n for n in names if "bits" in n and n not in lat]
+    bit_src = exp4
+    if not bit_names:  # fall back to the reconstruction experiment's bits accounting
+        bit_src = stats.get("exp1") or {}
+        bit_names = [n for n in ("bits_nominal", "bits_effective") if any(n in (by.get(setting) or {})
+                                                                          for by in bit_src.values())]
+    methods = [m for m in style.idx if m in exp4] + sorted(m for m in exp4 if m not in style.idx)
+    panels = [p for p in (("latency", lat), ("bits", bit_names)) if p[1]]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.6), squeeze=False)
+    unreliable = any((v.get("unreliable_timing") or {}).get("mean") for by in exp4.values()
+                     for v in [by.get(setting) or {}])
+    for ax, (kind, metric_names) in zip(axes[0], panels):
+        w = 0.8 / len(metric_names)
+        vals_all = []
+        for j, n in enumerate(metric_names):
+            xs, ys, es = [], [], []
+            src_stats = exp4 if kind == "latency" else bit_src
+            for i, m in enumerate(methods):
+                e = ((src_stats.get(m) or {}).get(setting) or {}).get(n)
+                if e is None:
+                    continue
+                xs.append(i + (j - (len(metric_names) - 1) / 2) * w)
+                ys.append(e["mean"])
+                es.append(e.get("ci95") or 0.0)
+            vals_all += ys
+            unit = catalog.get(n, {}).get("unit", "")
+            ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=f"{n} [{unit}]" if unit else n,
+                   color=_COLORS[j % len(_COLORS)], alpha=0.85)
+        ax.set_xticks(range(len(methods)))
+        ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
+        if kind == "latency":
+            if _span_decades(vals_all) >= 1.5:
+                ax.set_yscale("log")
+            units = sorted({catalog.get(n, {}).get("unit", "") for n in metric_names} - {""})
+            ax.set_ylabel(f"latency [{', '.join(units) or 'time'}]" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+            ax.set_title("Quantize / dequantize latency (median of repeats)"
+                         + ("\nCPU timing: indicative only (unreliable_timing)" if unreliable else ""), fontsize=10)
+        else:
+            ax.set_ylabel("bits per element")
+            ax.set_title("Bits per element (nominal vs effective)", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7, frameon=False)
+    fig.suptitle(f"Cost at {setting} ({src}; mean ± 95% CI over seeds)", fontsize=11)
+    fig.tight_layout()
+    return _finish(fig, out / f"cost_{src}.png")
+
+
+def figure_names(source: str) -> list[str]:
+    """Every figure file name this module may write for ``source``."""
+    return [f"{n}_{source}.png" for n in ("pareto", "mse_vs_bits", "attn_error_vs_context", "attn_kl_vs_context",
+                                          "norm_diff_density", "cost")]
+
+
+def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *, log: Log | None = None
+                  ) -> list[Path]:
+    """Render every figure that the saved JSON in ``results_dir`` supports; return the written paths.
+
+    Args:
+        results_dir: a folder holding ``leaderboard.json`` and optionally ``exp*_{source}.json``.
+        out_dir: where the PNGs go (default ``results_dir``).
+        log: one-line messages (missing matplotlib, a figure that failed); default stderr.
+
+    Never raises for a missing matplotlib or a figure that fails to render; raises
+    ``FileNotFoundError`` only when ``results_dir`` has no ``leaderboard.json``.
+    """
+    log = log or _stderr
+    d = Path(results_dir)
+    out = Path(out_dir) if out_dir is not None else d
+    if not (d / "leaderboard.json").exists():
+        raise FileNotFoundError(f"{d / 'leaderboard.json'} not found; point at a folder written by a kvqbench run")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except Exception as e:  # ImportError, or a broken install
+        log(f"kvqbench: figures skipped — matplotlib unavailable ({type(e).__name__}); pip install 'kvqbench[plots]'")
+        return []
+    board, exps = _load_dir(d)
+    assert board is not None
+    catalog = board.get("metrics_catalog") or {}
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    rc = {"font.size": 9, "axes.titlesize": 10, "figure.dpi": DPI, "savefig.dpi": DPI, "path.simplify": False,
+          "svg.hashsalt": "kvqbench", "axes.spines.top": False, "axes.spines.right": False}
+    with matplotlib.rc_context(rc):
+        for src, sd in sorted((board.get("sources") or {}).items()):
+            extra_methods = {m for exp in (sd.get("stats") or {}).values() for m in exp}
+            style = _Style(_method_order(board, extra_methods))
+            jobs: list[tuple[str, Callable[[], Path | None]]] = [
+                ("pareto", lambda: _fig_pareto(plt, src, sd, style, out)),
+                ("mse_vs_bits", lambda: _fig_mse_vs_bits(plt, src, sd, style, out)),
+                ("attn_error_vs_context",
+                 lambda: _fig_vs_context(plt, src, sd, exps.get(("exp2", src)), style, out, "err")),
+                ("attn_kl_vs_context",
+                 lambda: _fig_vs_context(plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
+                ("norm_diff_density", lambda: _fig_norm_density(plt, src, sd, exps.get(("exp3", src)), style, out)),
+                ("cost", lambda: _fig_cost(plt, src, sd, catalog, style, out)),
+            ]
+            for name, job in jobs:
+                try:
+                    p = job()
+                except Exception as e:  # one broken figure never blocks the others or the run
+                    plt.close("all")
+                    log(f"kvqbench: figure {name}_{src}.png skipped: {type(e).__name__}: {e}")
+                    continue
+                if p is not None:
+                    written.append(p)
+    return written
