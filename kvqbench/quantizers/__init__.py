@@ -24,3 +24,6 @@ from kvqbench.quantizers import kivi  # noqa: F401,E402
 from kvqbench.quantizers import quarot  # noqa: F401,E402
 from kvqbench.quantizers import kvquant  # noqa: F401,E402
 from kvqbench.quantizers import kvarn  # noqa: F401,E402
+from kvqbench.quantizers import polarquant  # noqa: F401,E402
+from kvqbench.quantizers import turboquant  # noqa: F401,E402
+from kvqbench.quantizers import kitty  # noqa: F401,E402

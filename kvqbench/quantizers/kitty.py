@@ -1,0 +1,249 @@
+"""Kitty — 2-bit KV cache with a dynamic channel-wise precision boost for keys.
+
+Based on Xia et al., "Kitty: Accurate and Efficient 2-bit KV Cache Quantization with Dynamic
+Channel-wise Precision Boost", arXiv:2511.18643 (§3: channel-wise sensitivity and the boost, §4: the
+paged layout with a low-bit plane, a high-bit plane and a per-page channel index), and its reference
+code (MIT), whose storage layout and rounding this module follows.
+
+Keys (post-RoPE, ``(batch, kv_heads, seq_len, head_dim)``) are cut into pages of ``group_size``
+(default 128) tokens. Per page, head and channel: asym RTN over the page's tokens,
+``scale = max((hi − lo)/(2**bits − 1), eps)``, ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)``
+(round half up, as the reference), ``x̂ = q·scale + lo``. Per page and head, the
+``n_boost = floor(boost_fraction·D + 1e-6)`` channels with the largest mean ``|K|`` over the page get
+``b + 2`` bits instead of ``b``. Stored:
+
+* the low plane: ``b`` bits for every element (the full code of a plain channel, the low ``b`` bits of a
+  boosted one);
+* the high plane: the top 2 bits of every boosted element;
+* per page, head and channel a uint8 channel map (the boosted channel's slot in the high plane, or
+  ``n_boost`` for a plain channel), and an fp16 scale and fp16 minimum.
+
+At D = 128, G = 128, 25 % boost, k2: ``2 + 2·0.25 + (16 + 16 + 8)/128 = 2.8125`` bits/element.
+Values: per token over head_dim, ``b``-bit asym with the same rounding: ``b + 32/D`` (2.25 at k2v2).
+
+Streaming (pseudo-decode, :meth:`Kitty.stream_policy`): the first 32 tokens stay fp16 (attention
+sink) for K and V; K's partly filled page stays fp16 until full; V keeps a sliding fp16 window of the
+newest 128 tokens, and tokens leaving it wait fp16 in a partial page until it is full.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvqbench.numerics.rtn import compute_dtype
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register
+from kvqbench.quantizers.rtn import _check_group_size
+
+__all__ = ["Kitty", "boost_count"]
+
+#: the reference's scale floor (avoids dividing by zero on a constant channel)
+EPS = 1e-6
+BOOST_EXTRA_BITS = 2
+MAX_BITS = 8
+SINK_TOKENS = 32
+V_WINDOW = 128
+_AUX_NOMINAL = 8 + 16  # FP8 scale + FP16 zero-point
+_AUX_EFFECTIVE = 16 + 16
+_INDEX_BITS = 8
+
+
+def boost_count(head_dim: int, boost_fraction: float) -> int:
+    """Channels boosted per page and head: ``floor(boost_fraction·head_dim + 1e-6)`` (the reference's
+    rounding: 25 % of 128 → 32, 15 % of 128 → 19)."""
+    return int(math.floor(boost_fraction * head_dim + 1e-6))
+
+
+def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    """``clamp(floor((x − lo)/scale + ½), 0, levels)`` as int64 (``scale > 0`` always, by ``EPS``)."""
+    q = torch.floor((x - lo) / scale + 0.5)
+    q = torch.clamp(q, min=0)
+    return torch.minimum(q, torch.as_tensor(levels, dtype=q.dtype, device=q.device)).to(torch.int64)
+
+
+def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    return torch.clamp((hi - lo) / levels, min=EPS)
+
+
+@register
+class Kitty(Quantizer):
+    """Kitty (arXiv:2511.18643): K per channel within pages of ``group_size`` tokens, the top
+    ``boost_fraction`` of channels (by mean |K| over the page) at ``b + 2`` bits; V per token at ``b``.
+
+    Args:
+        k_bits, v_bits: ``b`` (paper: 2); 1..8.
+        group_size: page size in tokens (paper: 128).
+        boost_fraction: share of channels boosted per page and head, in [0, 1] (reference system
+            code: 0.25; the paper's simulator explores 0.1–0.2).
+
+    Raises:
+        ValueError: bad option; from :meth:`quantize`, bits in 9..15, or more than 255 boosted
+            channels (the channel map is uint8).
+    """
+
+    id = "kitty"
+    name = "Kitty"
+    paper = (
+        "Xia et al., Kitty: Accurate and Efficient 2-bit KV Cache Quantization with Dynamic "
+        "Channel-wise Precision Boost (2025)"
+    )
+    arxiv = "2511.18643"
+    k_granularity = "per-channel within pages of G tokens; top channels by mean |K| boosted to b+2 bits"
+    v_granularity = "per-token asym over head_dim"
+    rotation = False
+    fidelity = "faithful"
+    grouped = True
+    local_stats = True
+    deltas = (
+        "Static cells quantize every token (no fp16 sink or partial page); the 32-token sink, the "
+        "fp16 partial page and V's 128-token window apply in the pseudo-decode regime (stream_policy).",
+        "Bit widths other than 2 generalize the scheme: b-bit low plane, boosted channels at b + 2 bits "
+        "(the paper and reference fix 2 → 4).",
+        "Scales and minima are held at working precision and billed as fp16 (reference stores fp16).",
+        "Channel map billed as the reference stores it: one uint8 per channel per page and head "
+        "(0.0625 bits/element at D = G = 128), not one index per boosted channel.",
+    )
+
+    def __init__(
+        self,
+        k_bits: int = 2,
+        v_bits: int | None = None,
+        *,
+        seed: int = 0,
+        group_size: int = 128,
+        boost_fraction: float = 0.25,
+    ) -> None:
+        super().__init__(k_bits, v_bits, seed=seed)
+        self.group_size = _check_group_size(group_size)
+        if isinstance(boost_fraction, bool) or not isinstance(boost_fraction, (int, float)) or not (
+            0.0 <= float(boost_fraction) <= 1.0
+        ):
+            raise ValueError(f"boost_fraction must be a number in [0, 1], got {boost_fraction!r}")
+        self.boost_fraction = float(boost_fraction)
+
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "group_size": self.group_size, "boost_fraction": self.boost_fraction}
+
+    def stream_policy(self, kind: Kind) -> StreamPolicy:
+        """K: 32 fp16 sink tokens, the partly filled page (``group_size``) fp16 until full. V: 32 sink
+        tokens, a sliding fp16 window of the newest 128 tokens, and tokens that left the window wait
+        fp16 in a partial page until it is full (reference ``quantize_prefill``/``update``)."""
+        if kind == "k":
+            return StreamPolicy(sink_tokens=SINK_TOKENS, tile_tokens=self.group_size)
+        return StreamPolicy(
+            sink_tokens=SINK_TOKENS, residual_tokens=V_WINDOW, residual_mode="sliding",
+            tile_tokens=self.group_size,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        if bits > MAX_BITS:
+            raise ValueError(f"kitty supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
+        xf = x.to(compute_dtype(x.dtype))
+        if kind == "v":
+            lo = xf.amin(dim=-1, keepdim=True)
+            hi = xf.amax(dim=-1, keepdim=True)
+            levels = (1 << bits) - 1
+            scale = _scale(lo, hi, levels)
+            qt = self._new_qt(x, kind, bits)
+            qt.add_codes("codes", _asym_codes(xf, lo, scale, levels), bits)
+            qt.fields["scale"] = Stored(scale, 16)
+            qt.fields["zero"] = Stored(lo, 16)
+            return qt
+        return self._quantize_k(x, xf, bits)
+
+    def _pages(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B, H, T, D)`` → pages ``(B, H, nP, D, G)`` (channel-major; a partial last page padded by
+        repeating its last token, so min/max are unchanged) and the valid-token mask ``(nP, G)``."""
+        b, h, t, d = xf.shape
+        g = self.group_size
+        n_pages = math.ceil(t / g)
+        pad = n_pages * g - t
+        if pad:
+            xf = torch.cat([xf, xf[:, :, -1:].expand(b, h, pad, d)], dim=2)
+        pages = xf.reshape(b, h, n_pages, g, d).transpose(-1, -2)
+        valid = (torch.arange(n_pages * g, device=xf.device) < t).reshape(n_pages, g)
+        return pages, valid
+
+    def _quantize_k(self, x: torch.Tensor, xf: torch.Tensor, bits: int) -> QuantizedTensor:
+        b, h, t, d = x.shape
+        n_boost = boost_count(d, self.boost_fraction)
+        if n_boost > 255:
+            raise ValueError(
+                f"{n_boost} boosted channels do not fit the uint8 channel map; lower boost_fraction"
+            )
+        pages, valid = self._pages(xf)  # (B, H, nP, D, G), (nP, G)
+        n_pages, g = valid.shape
+        vmask = valid.to(pages.dtype)
+        score = (pages.abs() * vmask[:, None, :]).sum(-1) / vmask.sum(-1)[:, None]  # (B, H, nP, D)
+        top = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
+        cmap = torch.full(score.shape, n_boost, dtype=torch.int64, device=x.device)
+        cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
+        boosted = (cmap < n_boost).unsqueeze(-1)  # (B, H, nP, D, 1)
+
+        lo = pages.amin(-1, keepdim=True)
+        hi = pages.amax(-1, keepdim=True)
+        levels = torch.where(boosted, (1 << (bits + BOOST_EXTRA_BITS)) - 1, (1 << bits) - 1).to(pages.dtype)
+        scale = _scale(lo, hi, levels)
+        q = _asym_codes(pages, lo, scale, levels)  # (B, H, nP, D, G)
+
+        qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)
+        low = (q & ((1 << bits) - 1)).transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
+        qt.add_codes("low", low, bits)
+        # high plane: the top 2 bits of the boosted channels, in slot order, valid tokens only
+        hi_bits = torch.gather(q >> bits, 3, top.unsqueeze(-1).expand(-1, -1, -1, -1, g))  # (B,H,nP,nb,G)
+        high = hi_bits.permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)[..., :t]
+        qt.add_codes("high", high, BOOST_EXTRA_BITS)
+        qt.add_codes("channel_map", cmap, _INDEX_BITS)
+        qt.fields["scale"] = Stored(scale.squeeze(-1), 16)
+        qt.fields["zero"] = Stored(lo.squeeze(-1), 16)
+        return qt
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        if qt.kind == "v":
+            return qt.codes("codes").to(qt["zero"].dtype) * qt["scale"] + qt["zero"]
+        b, h, t, d = qt.shape
+        g, n_boost, bits = qt.meta["group_size"], qt.meta["n_boost"], qt.bits
+        scale, lo = qt["scale"], qt["zero"]  # (B, H, nP, D)
+        n_pages = scale.shape[2]
+        pad = n_pages * g - t
+        low = qt.codes("low").to(scale.device)
+        if pad:
+            low = torch.cat([low, low.new_zeros(b, h, pad, d)], dim=2)
+        q = low.reshape(b, h, n_pages, g, d).transpose(-1, -2)  # (B, H, nP, D, G)
+        if n_boost:
+            cmap = qt.codes("channel_map").to(scale.device)
+            high = qt.codes("high").to(scale.device)
+            if pad:
+                high = torch.cat([high, high.new_zeros(b, h, n_boost, pad)], dim=-1)
+            high = high.reshape(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4)  # (B, H, nP, nb, G)
+            slot = torch.clamp(cmap, max=n_boost - 1).unsqueeze(-1).expand(-1, -1, -1, -1, g)
+            extra = torch.gather(high, 3, slot) * (cmap < n_boost).unsqueeze(-1)
+            q = q + (extra << bits)
+        x = q.to(scale.dtype) * scale.unsqueeze(-1) + lo.unsqueeze(-1)
+        return x.transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
+
+    # ------------------------------------------------------------------------------------------
+    def _k_bits(self, bits: int, shape: tuple[int, int, int, int], aux: int) -> float:
+        _, _, t, d = shape
+        n_pages = math.ceil(t / self.group_size)
+        n_boost = boost_count(d, self.boost_fraction)
+        per_head = bits * t * d + BOOST_EXTRA_BITS * n_boost * t + n_pages * d * (aux + _INDEX_BITS)
+        return per_head / (t * d)
+
+    def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        """K: ``b + 2·n_boost/D + (24 + 8)·n_pages/T`` (low plane, high plane, FP8 scale + FP16 zero and
+        the uint8 map per channel and page) — 2.75 at k2, D = G = 128, 25 %. V: ``b + 24/D``."""
+        if kind == "v":
+            return bits + _AUX_NOMINAL / shape[-1]
+        return self._k_bits(bits, shape, _AUX_NOMINAL)
+
+    def effective_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        """What :meth:`quantize` stores, as a formula (fp16 scale and zero): K 2.8125, V 2.25 at k2v2,
+        D = G = 128, 25 %."""
+        if kind == "v":
+            return bits + _AUX_EFFECTIVE / shape[-1]
+        return self._k_bits(bits, shape, _AUX_EFFECTIVE)
+
