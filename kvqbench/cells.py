@@ -91,11 +91,11 @@ def parse_bits(text: str) -> list[int]:
     """
     try:
         bits = [int(b) for b in str(text).split(",") if b.strip()]
-        if not bits or any(b < 1 or b > 16 for b in bits):
+        if not bits or any(b < 1 or b > 16 or 8 < b < 16 for b in bits):
             raise ValueError
         return sorted(set(bits))
     except ValueError:
-        raise ValueError(f"--kvq-bits expects a comma list of ints in 1..16 (e.g. 2,4,16); got {text!r}") from None
+        raise ValueError(f"--kvq-bits expects a comma list of ints in 1..8 or 16 (e.g. 2,4,16); got {text!r}") from None
 
 
 def parse_methods(text: str | None, known: list[str]) -> list[str]:

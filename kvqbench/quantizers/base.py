@@ -206,6 +206,11 @@ class Quantizer(ABC):
         for nm, b in (("k_bits", k_bits), ("v_bits", v_bits)):
             if not isinstance(b, int) or isinstance(b, bool) or b < 1:
                 raise ValueError(f"{nm} must be a positive int, got {b!r}")
+            if 8 < b < 16:
+                raise ValueError(
+                    f"{nm}={b} is not supported: codes are packed up to 8 bits, and 16 or more is the exact "
+                    "fp16 passthrough; use 1..8 or >= 16"
+                )
         self.k_bits = int(k_bits)
         self.v_bits = int(v_bits)
         self.seed = int(seed)
@@ -264,7 +269,8 @@ class Quantizer(ABC):
     def fit(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None, **calib: Any) -> "Quantizer":
         """Fit data-dependent state (codebooks …) on calibration tensors; no-op for local methods.
 
-        Extra keyword calibration data (e.g. ``k_grad``/``v_grad`` squared gradients) may be used.
+        Extra keyword calibration data (``k_grad2``/``v_grad2``: squared gradients of the loss w.r.t. K and V,
+        the Fisher information) may be used; methods ignore keywords they do not know.
         Returns ``self``.
         """
         return self
