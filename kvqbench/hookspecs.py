@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-
 __all__ = ["pytest_kvqbench_update_leaderboard", "pytest_kvqbench_write_extra"]
 
 

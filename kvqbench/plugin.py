@@ -109,7 +109,9 @@ def _progress_interval(text: str) -> float:
             raise ValueError
         return v
     except ValueError:
-        raise ValueError(f"--kvq-progress expects seconds >= 0 (0 = off); got {text!r}") from None
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"--kvq-progress expects seconds >= 0 (0 = off); got {text!r}") from None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

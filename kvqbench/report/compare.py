@@ -254,7 +254,7 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
     lines = [f"kvqbench compare: {len(changes)} metric values compared — "
              f"{sum(1 for c in changes if c.status == 'regressed')} worse, "
              f"{sum(1 for c in changes if c.status == 'improved')} better, {n_unch} unchanged"
-             + (f" (timing metrics ignored unless named in --fail-on)" if len(changes) < len(cmp.changes) else "")]
+             + (" (timing metrics ignored unless named in --fail-on)" if len(changes) < len(cmp.changes) else "")]
     lines += [f"note: {n}" for n in cmp.notes]
     headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "outside CI"]
 

@@ -1,16 +1,32 @@
 """Render a leaderboard document as Markdown and as a short terminal table (tabulate). Torch-free.
 
-Rendering is a pure function of the document, so ``kvqbench report DIR`` regenerates byte-identical
-Markdown from the saved ``leaderboard.json``.
+Rendering is a pure function of the document's *content*: the document is first put in its saved
+form (:func:`canonical`: strict JSON with sorted keys), so the Markdown a run writes from the in-memory
+board and the one ``kvqbench report DIR`` writes from the saved ``leaderboard.json`` are byte-identical.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tabulate import tabulate
 
-__all__ = ["render_markdown", "render_terminal", "fmt"]
+from kvqbench.report.io import to_jsonable
+
+__all__ = ["render_markdown", "render_terminal", "fmt", "canonical"]
+
+CELL_STATES = ("passed", "failed", "skipped")
+
+
+def canonical(board: dict[str, Any]) -> dict[str, Any]:
+    """``board`` as it reads back from ``leaderboard.json`` (sorted keys, strict JSON values)."""
+    return json.loads(json.dumps(to_jsonable(board), sort_keys=True, allow_nan=False))
+
+
+def _cells_text(cells: dict[str, Any]) -> str:
+    keys = [k for k in CELL_STATES if k in cells] + sorted(k for k in cells if k not in CELL_STATES)
+    return ", ".join(f"{k} {cells[k]}" for k in keys)
 
 HEADLINE_BITS_ORDER = ("k2v2", "k3v3", "k4v4", "k8v8", "k16v16")
 
@@ -102,6 +118,7 @@ def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
 
 def render_markdown(board: dict[str, Any]) -> str:
     """The full ``LEADERBOARD.md``."""
+    board = canonical(board)
     prov = board.get("provenance", {})
     lines = ["# kvqbench leaderboard", ""]
     lines.append(
@@ -117,7 +134,7 @@ def render_markdown(board: dict[str, Any]) -> str:
         desc = data.get("description") or ", ".join(f"{k}={v}" for k, v in sorted(data.items())
                                                    if isinstance(v, (int, float, str)) and k != "description")
         lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
-                  + ", ".join(f"{k} {v}" for k, v in src["cells"].items()), ""]
+                  + _cells_text(src["cells"]), ""]
         exp1 = src["stats"].get("exp1", {})
         if exp1:
             lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
@@ -165,13 +182,15 @@ def render_markdown(board: dict[str, Any]) -> str:
 
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     """A short table per source: methods ranked by relative MSE at the lowest bit-width that ran."""
+    from kvqbench.report.leaderboard import _setting_sort
+
+    board = canonical(board)
     out = []
     for src_name, src in board.get("sources", {}).items():
         rk = src["rankings"].get("rel_mse")
         if not rk:
             continue
-        settings = [s for s in sorted(rk["by_setting"], key=lambda s: __import__("kvqbench.report.leaderboard",
-                    fromlist=["_setting_sort"])._setting_sort(s)) if "-" not in s]
+        settings = [s for s in sorted(rk["by_setting"], key=_setting_sort) if "-" not in s]
         if not settings:
             continue
         s = settings[0]
@@ -179,7 +198,7 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         rows = [[r["rank"], r["method"], fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
                 for r in rk["by_setting"][s][:max_rows]]
         flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
-        out.append(f"kvqbench [{src_name}] relative MSE at {s} (cells: {src['cells']})"
+        out.append(f"kvqbench [{src_name}] relative MSE at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
         out.append(tabulate(rows, headers=["rank", "method", "rel. MSE", "bits eff."], tablefmt="simple"))
     return "\n".join(out)

@@ -83,7 +83,7 @@ def _as_curve(v: Any) -> list[float] | None:
     if _is_num_list(v):
         return [float(x) for x in v]
     if _is_nested_num_list(v):  # per layer → mean over layers
-        return [math.fsum(col) / len(col) for col in zip(*v)]
+        return [math.fsum(col) / len(col) for col in zip(*v, strict=False)]
     return None
 
 
@@ -125,8 +125,8 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
     if vals is not None and (edges is not None or centers is not None):
         if edges is not None and len(edges) == len(vals) + 1:
             e = [float(v) for v in edges]
-            widths = [b - a for a, b in zip(e, e[1:])]
-            c = [(a + b) / 2 for a, b in zip(e, e[1:])]
+            widths = [b - a for a, b in zip(e, e[1:], strict=False)]
+            c = [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)]
         elif centers is not None and len(centers) == len(vals):
             c = [float(v) for v in centers]
             step = (c[-1] - c[0]) / max(len(c) - 1, 1) or 1.0
@@ -134,7 +134,7 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
         else:
             c = None
         if c is not None:
-            area = math.fsum(v * w for v, w in zip(vals, widths))
+            area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
             yield path, c, [v / area if area > 0 else 0.0 for v in vals]
             return
     for key in sorted(series):
@@ -227,7 +227,7 @@ def _mean_curves(cells: list[dict[str, Any]], setting: str, kind: Callable[[str]
     for k, xys in acc.items():
         xs = xys[0][0]
         same = [ys for x, ys in xys if x == xs]
-        out[k] = (xs, [math.fsum(col) / len(col) for col in zip(*same)])
+        out[k] = (xs, [math.fsum(col) / len(col) for col in zip(*same, strict=False)])
     return out
 
 
@@ -303,7 +303,7 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
         ax.scatter(fx, fy, s=150, facecolors="none", edgecolors="black", linewidths=1.4, zorder=4)
         # one label per distinct front point (identical points, e.g. every method exact at 16 bits, merged)
         labels: dict[tuple[float, float], list[str]] = {}
-        for p, y in zip(front, fy):
+        for p, y in zip(front, fy, strict=False):
             labels.setdefault((round(p["bits_effective"], 6), y), []).append(f"{p['method']} {p['setting']}")
         for (x, y), names in labels.items():
             text = names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else \
@@ -344,7 +344,7 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     bits = sorted({b for kv, _ in panels for pts in data[kv].values() for b, y, _ in pts if y > 0})
     zero_note = False
-    for ax, (kv, KV) in zip(axes, panels):
+    for ax, (kv, KV) in zip(axes, panels, strict=False):
         for m in sorted(data[kv], key=lambda m: style.idx.get(m, 99)):
             pts = sorted(p for p in data[kv][m] if p[1] > 0)
             zero_note |= len(pts) < len(data[kv][m])
@@ -412,11 +412,11 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     allv = [y for xs, ys in curves.values() for y in ys]
     log = _span_decades(allv) >= 1.5
     zero_methods = []
-    for ax, reg in zip(axes[0], regimes):
+    for ax, reg in zip(axes[0], regimes, strict=False):
         for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
             if r != reg:
                 continue
-            pts = [(x, y) for x, y in zip(xs, ys) if (y > 0 or not log)]
+            pts = [(x, y) for x, y in zip(xs, ys, strict=False) if (y > 0 or not log)]
             if not pts:
                 zero_methods.append(m)
                 continue
@@ -517,7 +517,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.6), squeeze=False)
     unreliable = any((v.get("unreliable_timing") or {}).get("mean") for by in exp4.values()
                      for v in [by.get(setting) or {}])
-    for ax, (kind, metric_names) in zip(axes[0], panels):
+    for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
         vals_all = []
         for j, n in enumerate(metric_names):
@@ -595,19 +595,17 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
         for src, sd in sorted((board.get("sources") or {}).items()):
             extra_methods = {m for exp in (sd.get("stats") or {}).values() for m in exp}
             style = _Style(_method_order(board, extra_methods))
-            jobs: list[tuple[str, Callable[[], Path | None]]] = [
-                ("pareto", lambda: _fig_pareto(plt, src, sd, style, out)),
-                ("mse_vs_bits", lambda: _fig_mse_vs_bits(plt, src, sd, style, out)),
-                ("attn_error_vs_context",
-                 lambda: _fig_vs_context(plt, src, sd, exps.get(("exp2", src)), style, out, "err")),
-                ("attn_kl_vs_context",
-                 lambda: _fig_vs_context(plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
-                ("norm_diff_density", lambda: _fig_norm_density(plt, src, sd, exps.get(("exp3", src)), style, out)),
-                ("cost", lambda: _fig_cost(plt, src, sd, catalog, style, out)),
+            jobs: list[tuple[str, Callable[..., Path | None], tuple]] = [
+                ("pareto", _fig_pareto, (plt, src, sd, style, out)),
+                ("mse_vs_bits", _fig_mse_vs_bits, (plt, src, sd, style, out)),
+                ("attn_error_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "err")),
+                ("attn_kl_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
+                ("norm_diff_density", _fig_norm_density, (plt, src, sd, exps.get(("exp3", src)), style, out)),
+                ("cost", _fig_cost, (plt, src, sd, catalog, style, out)),
             ]
-            for name, job in jobs:
+            for name, fig_fn, fig_args in jobs:
                 try:
-                    p = job()
+                    p = fig_fn(*fig_args)
                 except Exception as e:  # one broken figure never blocks the others or the run
                     plt.close("all")
                     log(f"kvqbench: figure {name}_{src}.png skipped: {type(e).__name__}: {e}")

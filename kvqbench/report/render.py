@@ -23,6 +23,8 @@ def leaderboard_path(path: str | Path) -> Path:
         FileNotFoundError: the file does not exist (names it).
     """
     d = Path(path)
+    if not d.exists():
+        raise FileNotFoundError(f"{d} does not exist; point at a folder written by a kvqbench run")
     src = d / "leaderboard.json" if d.is_dir() else d
     if not src.exists():
         raise FileNotFoundError(f"{src} not found; point at a folder written by a kvqbench run")

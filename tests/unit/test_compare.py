@@ -1,0 +1,129 @@
+"""``kvqbench compare``: deltas by better-direction, CI significance, --fail-on thresholds, one-sided
+methods/settings, timing metrics ignored unless named. Torch-free inputs built by hand."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+
+import pytest
+from test_report_samples import board, records, write_results
+
+from kvqbench.report.compare import Change, compare_boards, is_timing, main, parse_fail_on
+
+
+def _run(base, new, *rules, **kw):
+    buf = io.StringIO()
+    rc = main(base, new, list(rules), out=buf, **kw)
+    return rc, buf.getvalue()
+
+
+@pytest.fixture
+def base_dir(tmp_path):
+    return write_results(tmp_path / "base")
+
+
+def test_identical_sets_exit_zero_and_report_no_change(base_dir):
+    rc, text = _run(base_dir, base_dir, "rel_mse:5", "any:0")
+    assert rc == 0
+    assert " 0 worse, 0 better" in text
+    assert "OK: no --fail-on threshold crossed" in text
+
+
+def test_degraded_method_fails_past_threshold(tmp_path, base_dir):
+    new = write_results(tmp_path / "new", records(degrade={"kivi": 1.2}))
+    rc, text = _run(base_dir, new, "rel_mse:5")
+    assert rc == 1
+    assert "FAILED" in text and "kivi" in text and "rel_mse" in text
+    # the degradation is +20 %: a looser threshold passes, a file path works as well as a folder
+    rc2, _ = _run(base_dir / "leaderboard.json", new / "leaderboard.json", "rel_mse:25")
+    assert rc2 == 0
+
+
+def test_improvement_never_fails(tmp_path, base_dir):
+    new = write_results(tmp_path / "new", records(degrade={"kvarn": 0.5}))
+    rc, text = _run(base_dir, new, "any:1")
+    assert rc == 0
+    assert "Improvements" in text and "kvarn" in text.split("Improvements")[1]
+
+
+def test_any_rule_catches_other_metrics_and_skips_timing():
+    b = board()
+    n = copy.deepcopy(b)
+    stats = n["sources"]["synthetic"]["stats"]
+    stats["exp1"]["kivi"]["k4v4"]["k_rel_mse"]["mean"] *= 1.5
+    stats["exp4"]["kivi"]["k2v2"]["quantize_ms"]["mean"] *= 10
+    cmp = compare_boards(b, n)
+    from kvqbench.report.compare import violations
+
+    cat = b["metrics_catalog"]
+    hits = violations(cmp, parse_fail_on(["any:10"]), cat)
+    assert [(c.method, c.setting, c.metric) for _, c in hits] == [("kivi", "k4v4", "k_rel_mse")]
+    named = violations(cmp, parse_fail_on(["quantize_ms:50"]), cat)
+    assert [(c.metric, round(c.worsening_pct)) for _, c in named] == [("quantize_ms", 900)]
+
+
+def test_better_direction_from_catalog():
+    higher = Change("s", "e", "m", "k2v2", "x", "higher", 1.0, 0.9, None, None, 1, 1)
+    lower = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 0.9, None, None, 1, 1)
+    zero = Change("s", "e", "m", "k2v2", "x", "zero", -0.1, 0.2, None, None, 1, 1)
+    assert higher.status == "regressed" and higher.worsening_pct == pytest.approx(10.0)
+    assert lower.status == "improved" and lower.worsening_pct == pytest.approx(-10.0)
+    assert zero.status == "regressed" and zero.worsening_pct == pytest.approx(100.0)
+    from_zero = Change("s", "e", "m", "k2v2", "x", "lower", 0.0, 1e-6, None, None, 1, 1)
+    assert math.isinf(from_zero.worsening_pct) and from_zero.status == "regressed"
+
+
+def test_higher_is_better_metric_regresses_when_it_drops(tmp_path):
+    b = board()
+    n = copy.deepcopy(b)
+    n["sources"]["synthetic"]["stats"]["exp2"]["kvarn"]["k2v2"]["attn_cos_gain"]["mean"] *= 0.5
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    (tmp_path / "n.json").write_text(json.dumps(n))
+    rc, text = _run(tmp_path / "b.json", tmp_path / "n.json", "attn_cos_gain:5")
+    assert rc == 1 and "attn_cos_gain" in text
+
+
+def test_ci_significance_needs_two_seeds():
+    wide = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.1, 0.2, 0.2, 3, 3)
+    apart = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 2.0, 0.1, 0.1, 3, 3)
+    single = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 2.0, None, None, 1, 1)
+    assert wide.outside_ci is False and apart.outside_ci is True and single.outside_ci is None
+
+
+def test_missing_methods_settings_and_sources_are_reported(tmp_path, base_dir):
+    recs = [r for r in records(sources=("synthetic", "real")) if r["method"] != "kvarn"
+            and not (r["method"] == "kivi" and r["k_bits"] == 4)]
+    new = write_results(tmp_path / "new", recs)
+    rc, text = _run(base_dir, new, "rel_mse:5")
+    assert rc == 0
+    assert "only in BASE" in text and "synthetic/exp1/kvarn" in text and "synthetic/exp1/kivi/k4v4" in text
+    assert "only in NEW" in text and "source real" in text
+
+
+def test_bad_inputs_exit_two(tmp_path, base_dir, capsys):
+    assert main(base_dir, tmp_path / "nope", []) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(base_dir, base_dir, ["rel_mse"]) == 2
+    assert "METRIC:PERCENT" in capsys.readouterr().err
+    (tmp_path / "x.json").write_text("{}")
+    assert main(base_dir, tmp_path / "x.json", []) == 2
+
+
+def test_parse_fail_on_and_timing_detection():
+    assert [(r.metric, r.percent) for r in parse_fail_on(["rel_mse:5", "any:2.5%"])] == [("rel_mse", 5.0),
+                                                                                         ("any", 2.5)]
+    with pytest.raises(ValueError, match="METRIC:PERCENT"):
+        parse_fail_on(["rel_mse:-1"])
+    assert is_timing("quantize_ms", {"unit": "ms"}) and is_timing("dequant_latency", {})
+    assert not is_timing("k_mse", {"unit": "1"}) and not is_timing("bits_effective", {"unit": "bits/element"})
+
+
+def test_cli_compare_uses_the_same_exit_codes(tmp_path, base_dir):
+    from kvqbench.cli import main as cli_main
+
+    new = write_results(tmp_path / "new", records(degrade={"rtn_token": 1.3}))
+    assert cli_main(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mse:5"]) == 0
+    assert cli_main(["compare", str(base_dir), str(new), "--fail-on", "rel_mse:5", "--fail-on", "any:50"]) == 1

@@ -1,0 +1,95 @@
+"""Figures: every figure the data supports is a valid PNG of sane size, one set per source, missing
+experiments are skipped, output is deterministic, and a missing matplotlib never fails."""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import pytest
+from test_report_samples import records, write_results
+
+from kvqbench.report.plots import figure_names, iter_curves, iter_histograms, write_figures
+
+pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
+
+ALL = ("pareto", "mse_vs_bits", "attn_error_vs_context", "attn_kl_vs_context", "norm_diff_density", "cost")
+
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_every_figure_for_every_source(tmp_path):
+    out = write_results(tmp_path / "r", records(sources=("synthetic", "real")))
+    logs = []
+    written = write_figures(out, log=logs.append)
+    names = sorted(p.name for p in written)
+    assert names == sorted(f"{n}_{s}.png" for n in ALL for s in ("real", "synthetic")), logs
+    for p in written:
+        w, h = png_size(p)
+        assert 400 <= w <= 2500 and 250 <= h <= 2000, (p.name, w, h)
+        assert 10_000 < p.stat().st_size < 1_500_000, p.name
+    assert not logs
+
+
+def test_missing_experiments_are_skipped_not_failed(tmp_path):
+    out = write_results(tmp_path / "r", records(experiments=("exp1",)))
+    logs = []
+    names = sorted(p.name for p in write_figures(out, log=logs.append))
+    assert names == ["mse_vs_bits_synthetic.png", "pareto_synthetic.png"]
+    assert not logs
+
+
+def test_figures_are_deterministic(tmp_path):
+    out = write_results(tmp_path / "r")
+    first = {p.name: p.read_bytes() for p in write_figures(out)}
+    second = {p.name: p.read_bytes() for p in write_figures(out, tmp_path / "again")}
+    assert first == second
+
+
+def test_no_leaderboard_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="leaderboard.json"):
+        write_figures(tmp_path)
+
+
+def test_missing_matplotlib_logs_one_line_and_skips(tmp_path, monkeypatch):
+    out = write_results(tmp_path / "r", records(experiments=("exp1",)))
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
+    logs = []
+    assert write_figures(out, log=logs.append) == []
+    assert len(logs) == 1 and "matplotlib" in logs[0]
+    assert not list(out.glob("*.png"))
+
+
+def test_one_broken_figure_does_not_block_the_rest(tmp_path):
+    recs = records(experiments=("exp1", "exp2"))
+    for r in recs:
+        if r["experiment"] == "exp2":  # x and y disagree in length → that curve is ignored, not a crash
+            r["series"]["static"]["attn_mse"] = [1.0]
+    out = write_results(tmp_path / "r", recs)
+    names = {p.name for p in write_figures(out)}
+    assert {"pareto_synthetic.png", "mse_vs_bits_synthetic.png", "attn_kl_vs_context_synthetic.png"} <= names
+
+
+def test_series_discovery():
+    series = {"context_len": [1, 2, 3], "static": {"attn_mse": [0.1, 0.2, 0.3], "label": "x"},
+              "pseudo_decode": {"attn_kl": [[1, 2, 3], [3, 4, 5]]}, "other": {"x": [1, 2], "y": [5, 6]},
+              "too_short": [1, 2]}
+    got = {"/".join(p): (x, y) for p, x, y in iter_curves(series)}
+    assert got == {"static/attn_mse": ([1, 2, 3], [0.1, 0.2, 0.3]),
+                   "pseudo_decode/attn_kl": ([1, 2, 3], [2.0, 3.0, 4.0]),  # mean over layers
+                   "other": ([1, 2], [5, 6])}
+    hists = list(iter_histograms({"k_norm_diff": {"edges": [0, 1, 2], "counts": [3, 1]}}))
+    assert len(hists) == 1
+    path, centers, dens = hists[0]
+    assert path == ("k_norm_diff",) and centers == [0.5, 1.5] and dens == [0.75, 0.25]
+
+
+def test_figure_names_cover_every_kind():
+    assert figure_names("real") == [f"{n}_real.png" for n in ALL]

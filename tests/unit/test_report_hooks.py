@@ -1,0 +1,111 @@
+"""The plugin's user hooks (``pytest_kvqbench_update_leaderboard``, ``pytest_kvqbench_write_extra``),
+the figures written at session end and the progress/ETA lines — tested with pytester in a subprocess,
+serial and under pytest-xdist."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+CELL_TEST = '''
+import pytest
+from kvqbench.experiments.reconstruction import run_reconstruction
+
+pytestmark = pytest.mark.kvq(experiment="exp1")
+
+def test_reconstruction(cell, kvq_method, kvq_data, kvq_record):
+    kvq_record(run_reconstruction(kvq_method, kvq_data))
+'''
+
+HOOK_CONFTEST = '''
+import json
+
+def pytest_kvqbench_update_leaderboard(config, board):
+    board["custom"] = {"note": "added by conftest"}
+    board["methods"]["kivi"]["name"] = "KIVI (customised)"
+
+def pytest_kvqbench_write_extra(config, board, out_dir):
+    p = out_dir / "extra.json"
+    p.write_text(json.dumps({"methods": sorted(board["methods"]), "custom": board.get("custom")}))
+    return [p]
+'''
+
+ARGS = ["-p", "no:cacheprovider", "-m", "smoke", "--kvq-methods", "fp16,kivi", "--kvq-bits", "2,16",
+        "--kvq-seeds", "2"]
+
+
+@pytest.fixture
+def args():
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
+        return list(ARGS)
+    return [*ARGS, "-p", "kvqbench.plugin"]
+
+
+SLOW = "import time, pytest\n@pytest.fixture(autouse=True)\ndef slow():\n    time.sleep(0.05)\n"
+PROGRESS = re.compile(r"^kvqbench: (\d+)/8 tests, elapsed \d+s, ETA (\d+s|\d+m\d\ds|\?)$")
+
+
+def _progress(res) -> list[int]:
+    lines = [ln for ln in res.outlines if " tests, elapsed " in ln]
+    done = []
+    for ln in lines:
+        m = PROGRESS.match(ln)
+        assert m, f"malformed progress line {ln!r}"
+        done.append(int(m.group(1)))
+    assert done == sorted(done) and all(1 <= d < 8 for d in done), done
+    return done
+
+
+def test_hooks_change_the_written_leaderboard_and_progress_serial(pytester, args):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    pytester.makeconftest(HOOK_CONFTEST + SLOW)
+    out = pytester.path / "out"
+    res = pytester.runpytest_subprocess(*args, "-q", "--kvq-progress", "0.01", "--kvq-out", str(out))
+    res.assert_outcomes(passed=2 * 2 * 2)
+    board = json.loads((out / "leaderboard.json").read_text())
+    assert board["custom"] == {"note": "added by conftest"}
+    assert board["methods"]["kivi"]["name"] == "KIVI (customised)"
+    assert "KIVI (customised)" in (out / "LEADERBOARD.md").read_text()  # Markdown derives from the hooked board
+    extra = json.loads((out / "extra.json").read_text())
+    assert extra == {"methods": ["fp16", "kivi"], "custom": {"note": "added by conftest"}}
+    res.stdout.fnmatch_lines(["*kvqbench: wrote * files to *out*"])
+    assert _progress(res), res.stdout.str()
+
+
+def test_xdist_progress_no_hooks_and_figures(pytester, args):
+    pytest.importorskip("xdist", reason="needs pytest-xdist")
+    pytester.makepyfile(test_cells=CELL_TEST)
+    pytester.makeconftest(SLOW)
+    out = pytester.path / "out"
+    res = pytester.runpytest_subprocess(*args, "-n", "2", "--kvq-progress", "0.01", "--kvq-out", str(out))
+    res.assert_outcomes(passed=8)
+    assert _progress(res), res.stdout.str()
+    assert "custom" not in json.loads((out / "leaderboard.json").read_text())
+    assert not (out / "extra.json").exists()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("figures need matplotlib (the rest of this test passed)")
+    for name in ("pareto_synthetic.png", "mse_vs_bits_synthetic.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG", name
+
+
+def test_progress_line_format():
+    from kvqbench.plugin import Progress
+
+    p = Progress(interval_s=0, total=660, done=120, t0=0.0, t_run=10.0)
+    assert p.line(100.0) == "kvqbench: 120/660 tests, elapsed 1m40s, ETA 6m45s"
+    assert Progress(total=5, t0=0.0).line(3725.0) == "kvqbench: 0/5 tests, elapsed 1h02m05s, ETA ?"
+
+
+def test_bad_progress_value_is_a_usage_error(pytester, args):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    res = pytester.runpytest_subprocess(*args, "--kvq-progress", "soon")
+    assert res.ret != 0
+    res.stderr.fnmatch_lines(["*--kvq-progress expects seconds*"])

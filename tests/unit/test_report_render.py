@@ -1,0 +1,95 @@
+"""``kvqbench report DIR`` re-renders a run's LEADERBOARD.md byte for byte from the saved JSON in a
+process where importing torch fails, and writes the figures there too."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_report_samples import write_results
+
+from kvqbench.report.render import render_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_TORCH = "import sys\nsys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
+
+
+def _env_without_torch(tmp_path: Path) -> dict[str, str]:
+    shim = tmp_path / "shim"
+    shim.mkdir(exist_ok=True)
+    (shim / "sitecustomize.py").write_text(NO_TORCH)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(shim), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> Path:
+    """A real (tiny) benchmark run: two methods, two seeds, 2 and 16 bits."""
+    out = tmp_path_factory.mktemp("run") / "results"
+    cmd = [sys.executable, "-m", "pytest", "tests/bench", "-m", "smoke", "-q", "-p", "no:cacheprovider",
+           "-p", "no:randomly", "--kvq-methods", "fp16,kivi", "--kvq-seeds", "2", "--kvq-bits", "2,16",
+           "--kvq-progress", "0", "--kvq-out", str(out), "-k", "reconstruction"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (out / "LEADERBOARD.md").exists()
+    return out
+
+
+def test_shim_really_blocks_torch(tmp_path):
+    res = subprocess.run([sys.executable, "-c", "import torch"], env=_env_without_torch(tmp_path),
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "import of torch halted" in res.stderr
+
+
+def test_report_without_torch_is_byte_identical(smoke_run, tmp_path):
+    d = tmp_path / "copy"
+    shutil.copytree(smoke_run, d)
+    original = (d / "LEADERBOARD.md").read_bytes()
+    (d / "LEADERBOARD.md").unlink()
+    for png in d.glob("*.png"):
+        png.unlink()
+    res = subprocess.run([sys.executable, "-m", "kvqbench.cli", "report", str(d)], cwd=tmp_path,
+                         env=_env_without_torch(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert (d / "LEADERBOARD.md").read_bytes() == original
+    assert "kvqbench [synthetic] relative MSE at k2v2" in res.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("figures need matplotlib (Markdown part passed)")
+    assert (d / "pareto_synthetic.png").read_bytes()[:4] == b"\x89PNG"
+    assert {p.name for p in d.glob("*.png")} == {p.name for p in smoke_run.glob("*.png")}
+
+
+def test_compare_and_publish_run_without_torch(smoke_run, tmp_path):
+    env = _env_without_torch(tmp_path)
+    res = subprocess.run([sys.executable, "-m", "kvqbench.cli", "compare", str(smoke_run), str(smoke_run),
+                          "--fail-on", "any:0"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n")
+    res = subprocess.run([sys.executable, "-m", "kvqbench.cli", "publish", str(smoke_run), str(tmp_path / "lb"),
+                          "--readme", str(readme), "--no-figures"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "lb" / "leaderboard.json").exists() and "kvqbench-digest:start" in readme.read_text()
+
+
+def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
+    out = write_results(tmp_path / "r")
+    before = (out / "LEADERBOARD.md").read_bytes()
+    written = render_dir(out, figures=False)
+    assert written == [str(out / "LEADERBOARD.md")] and (out / "LEADERBOARD.md").read_bytes() == before
+    assert "relative MSE" in capsys.readouterr().out
+    from kvqbench.cli import main
+
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "missing does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "leaderboard.json not found" in capsys.readouterr().err
