@@ -115,7 +115,10 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
                     ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
     """Yield ``(path, centers, density)`` for every histogram in ``series`` (see module doc).
 
-    Counts are normalised to a density (integral 1) so seeds and methods are comparable.
+    Counts are normalised to a density (integral 1 including any under/overflow bins) so seeds and
+    methods are comparable; values named ``density``/``share`` that already sum to 1 are divided by
+    the bin width. A flat layout is read too: an ``…edges`` list beside ``…density`` lists with one
+    value fewer than the edges, or two more (an underflow and an overflow bin, not drawn).
     """
     if not isinstance(series, dict):
         return
@@ -137,6 +140,23 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
             area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
             yield path, c, [v / area if area > 0 else 0.0 for v in vals]
             return
+    flat_edges = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
+    if flat_edges:
+        e = [float(v) for v in series[flat_edges[0]]]
+        widths = [b - a for a, b in zip(e, e[1:], strict=False)]
+        c = [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)]
+        found = False
+        for key in sorted(series):
+            vals = _as_curve(series[key]) if any(w in str(key) for w in ("density", "counts", "hist")) else None
+            if vals is None or len(vals) not in (len(e) - 1, len(e) + 1):
+                continue
+            total = math.fsum(vals)
+            inner = vals[1:-1] if len(vals) == len(e) + 1 else vals
+            if total > 0:
+                yield path + (str(key),), c, [v / total / w for v, w in zip(inner, widths, strict=True)]
+                found = True
+        if found:
+            return
     for key in sorted(series):
         if isinstance(series[key], dict):
             yield from iter_histograms(series[key], path + (str(key),))
@@ -149,8 +169,10 @@ def _regime(name: str) -> str:
 def _error_kind(name: str) -> str | None:
     if "kl" in re.split(r"[^a-z0-9]+", name) or re.search(r"(^|[^a-z])kl([^a-z]|$)", name):
         return "kl_rev" if re.search(r"rev", name) else "kl"
-    if any(w in name for w in ("signed", "gap", "bias", "var", "slope", "weighted", "logit")):
+    if any(w in name for w in ("signed", "gap", "bias", "var", "slope", "weighted", "logit", "attn_k")):
         return None
+    if "rel_mse" in name:
+        return "rel_mse"
     for w in ("mse", "mae", "cos"):
         if w in name:
             return w
@@ -305,11 +327,16 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
         labels: dict[tuple[float, float], list[str]] = {}
         for p, y in zip(front, fy, strict=False):
             labels.setdefault((round(p["bits_effective"], 6), y), []).append(f"{p['method']} {p['setting']}")
-        for (x, y), names in labels.items():
+        prev_x, stagger = None, 0
+        for (x, y), names in sorted(labels.items()):
             text = names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else \
                 f"{names[0]} +{len(names) - 1}"
             right = x >= 12
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(-9 if right else 9, 3), fontsize=7,
+            # neighbours closer than ~10 % in bits get staggered vertical offsets so labels stay readable
+            stagger = stagger + 1 if prev_x is not None and math.log2(x / prev_x) < 0.15 else 0
+            prev_x = x
+            dy = (3, -12, 14, -22)[stagger % 4]
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(-9 if right else 9, dy), fontsize=7,
                         ha="right" if right else "left", va="bottom")
     ax.set_yscale("log")
     if not all(p["rel_mse"] > 0 for p in pts):
@@ -385,7 +412,7 @@ def _exp2_curves(sd: dict[str, Any], exp2: dict[str, Any] | None, quantity: str
             return None
         if quantity == "kl" and k in ("kl", "kl_rev"):
             return (_regime(name), k)
-        if quantity == "err" and k in ("mse", "mae", "cos"):
+        if quantity == "err" and k in ("rel_mse", "mse", "mae", "cos"):
             return (_regime(name), k)
         return None
 
@@ -393,12 +420,12 @@ def _exp2_curves(sd: dict[str, Any], exp2: dict[str, Any] | None, quantity: str
     for k, v in _ctx_metric_curves(stats_exp, setting, kind).items():
         curves.setdefault(k, v)
     # one quantity per figure: the preferred kind that exists
-    prefs = ("kl", "kl_rev") if quantity == "kl" else ("mse", "mae", "cos")
+    prefs = ("kl", "kl_rev") if quantity == "kl" else ("rel_mse", "mse", "mae", "cos")
     chosen = next((p for p in prefs if any(key[1] == p for _, key in curves)), None)
     return setting, chosen, {(m, key[0]): xy for (m, key), xy in curves.items() if key[1] == chosen}
 
 
-_ERR_LABEL = {"mse": "attention-output MSE", "mae": "attention-output MAE", "cos": "cosine drift 1−cos(O, Ô)",
+_ERR_LABEL = {"rel_mse": "attention-output relative MSE Σ(Ô−O)²/ΣO²", "mse": "attention-output MSE", "mae": "attention-output MAE", "cos": "cosine drift 1−cos(O, Ô)",
               "kl": "attention KL(p‖p̂) [nats]", "kl_rev": "reverse attention KL(p̂‖p) [nats]"}
 
 
@@ -411,12 +438,13 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True, squeeze=False)
     allv = [y for xs, ys in curves.values() for y in ys]
     log = _span_decades(allv) >= 1.5
-    zero_methods = []
+    zero_methods, zero_points = [], False
     for ax, reg in zip(axes[0], regimes, strict=False):
         for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
             if r != reg:
                 continue
             pts = [(x, y) for x, y in zip(xs, ys, strict=False) if (y > 0 or not log)]
+            zero_points |= 0 < len(pts) < len(ys)
             if not pts:
                 zero_methods.append(m)
                 continue
@@ -436,6 +464,8 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     _legend_outside(axes[0][-1])
     what = "Attention KL" if quantity == "kl" else "Attention error"
     note = f"; exact 0 not drawn: {', '.join(sorted(set(zero_methods)))}" if zero_methods else ""
+    if zero_points:
+        note += "; points at exactly 0 (e.g. fp16 residual window) omitted on the log scale"
     fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds{note})", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
@@ -467,14 +497,22 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     for i, m in enumerate(methods):
         ax = axes[i // ncol][i % ncol]
         st = style(m)
+        outside = []
         for kv in kvs:
             if (m, kv) not in curves:
                 continue
             xs, ys = curves[(m, kv)]
+            step = (xs[-1] - xs[0]) / max(len(xs) - 1, 1) if len(xs) > 1 else 1.0
+            share_out = 1.0 - math.fsum(ys) * step
+            if share_out > 0.01:
+                outside.append(f"{kv} {share_out:.0%}")
             ax.fill_between(xs, ys, step="mid", alpha=0.35 if kv == "K" else 0.15, color=st["color"])
             ax.step(xs, ys, where="mid", color=st["color"], linewidth=1.0,
                     linestyle="-" if kv == "K" else "--", label=kv)
         ax.axvline(0, color="grey", linewidth=0.6)
+        if outside:
+            ax.text(0.02, 0.97, "off scale: " + ", ".join(outside), transform=ax.transAxes, fontsize=7,
+                    va="top", color="dimgrey")
         ax.set_title(m, fontsize=9, color=st["color"])
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.25)
@@ -483,16 +521,17 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     for j in range(len(methods), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
     for ax in axes[-1]:
-        ax.set_xlabel("‖k̂‖ − ‖k‖ (norm units)", fontsize=8)
+        ax.set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
-    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; 0 = norm preserved)", fontsize=11)
+    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; "
+                 "0 = norm preserved)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"norm_diff_density_{src}.png")
 
 
 def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], style: _Style,
-              out: Path) -> Path | None:
+              out: Path, exp4_doc: dict[str, Any] | None = None) -> Path | None:
     stats = sd.get("stats") or {}
     exp4 = stats.get("exp4") or {}
     if not exp4:
@@ -504,7 +543,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
     lat = [n for n in names if (catalog.get(n, {}).get("unit") in TIME_UNITS) or re.search(r"(latency|_ms$|_s$)", n)]
     lat = sorted((n for n in lat if "throughput" not in n), key=lambda n: ("dequant" in n, n))
-    bit_names = [n for n in names if "bits" in n and n not in lat]
+    bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
     bit_src = exp4
     if not bit_names:  # fall back to the reconstruction experiment's bits accounting
         bit_src = stats.get("exp1") or {}
@@ -515,8 +554,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.6), squeeze=False)
-    unreliable = any((v.get("unreliable_timing") or {}).get("mean") for by in exp4.values()
-                     for v in [by.get(setting) or {}])
+    unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in (exp4_doc or {}).get("cells", []))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
         vals_all = []
@@ -601,7 +639,7 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
                 ("attn_error_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "err")),
                 ("attn_kl_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
                 ("norm_diff_density", _fig_norm_density, (plt, src, sd, exps.get(("exp3", src)), style, out)),
-                ("cost", _fig_cost, (plt, src, sd, catalog, style, out)),
+                ("cost", _fig_cost, (plt, src, sd, catalog, style, out, exps.get(("exp4", src)))),
             ]
             for name, fig_fn, fig_args in jobs:
                 try:

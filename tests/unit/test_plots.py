@@ -93,3 +93,21 @@ def test_series_discovery():
 
 def test_figure_names_cover_every_kind():
     assert figure_names("real") == [f"{n}_real.png" for n in ALL]
+
+
+def test_flat_histogram_layout_with_under_and_overflow():
+    series = {"norm_diff_edges": [0.0, 1.0, 2.0], "k_norm_diff_density": [0.1, 0.3, 0.4, 0.2],
+              "norm_diff_bins": "[underflow, bins, overflow]"}
+    got = list(iter_histograms(series))
+    assert got == [(("k_norm_diff_density",), [0.5, 1.5], [0.3, 0.4])]  # tails not drawn, not renormalised
+
+
+def test_exp2_series_names_are_classified():
+    from kvqbench.report.plots import _error_kind, _regime
+
+    assert _error_kind("static/out_rel_mse") == "rel_mse"
+    assert _error_kind("static/out_mse") == "mse" and _error_kind("decode/cos_drift") == "cos"
+    assert _error_kind("decode/attn_kl_fwd_nats") == "kl" and _error_kind("decode/attn_kl_rev_nats") == "kl_rev"
+    for ignored in ("static/logit_mse", "static/out_norm_gap", "static/attn_k_rel_err", "decode/bits_effective"):
+        assert _error_kind(ignored) is None, ignored
+    assert _regime("decode/out_mse") == "pseudo-decode" and _regime("static/out_mse") == "static"
