@@ -5,8 +5,10 @@ What lands in the destination folder (the repository's ``leaderboard/``):
 
 * ``leaderboard.json`` — the run's leaderboard document, scrubbed (see :func:`scrub`); synthetic and
   real results stay under separate ``sources`` keys;
-* ``exp{N}_{source}.json`` — the per-experiment cell records, scrubbed, one file per source (so the
-  figures can be re-rendered from ``leaderboard/`` alone: ``kvqbench report leaderboard/``);
+* ``exp{N}_{source}.json`` — the per-experiment cell records, scrubbed and slimmed (per-seed metrics,
+  series and extra kept; per-layer lists, method metadata and data descriptions dropped — their
+  aggregates live in ``leaderboard.json``), one file per source, so the figures can be re-rendered
+  from ``leaderboard/`` alone: ``kvqbench report leaderboard/``;
 * ``LEADERBOARD.md`` — one ``## synthetic`` and one ``## real`` section (the same renderer as a run);
 * ``*_{source}.png`` — the figures, one set per source;
 * ``README.md`` — what these files are and how they were made.
@@ -235,6 +237,18 @@ The README's results digest is generated from `leaderboard.json` (see `kvqbench/
 """
 
 
+#: cell keys dropped from the published experiment files (aggregated in leaderboard.json instead)
+SLIM_DROP = ("per_layer", "method_info", "data")
+
+
+def _slim(doc: Any) -> Any:
+    if isinstance(doc, dict) and isinstance(doc.get("cells"), list):
+        doc = dict(doc)
+        doc["cells"] = [{k: v for k, v in c.items() if k not in SLIM_DROP} if isinstance(c, dict) else c
+                        for c in doc["cells"]]
+    return doc
+
+
 def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme: str | Path | None = "README.md",
             figures: bool = True, identities: dict[str, str] | None = None) -> list[str]:
     """Publish ``results_dir`` into ``dest`` (see module doc) and refresh the README digest.
@@ -256,7 +270,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     docs = {"leaderboard.json": scrub(read_json(src / "leaderboard.json"), identities=identities)}
     for p in sorted(src.glob("exp*_*.json")):
         if re.fullmatch(r"exp\d+_\w+\.json", p.name):
-            docs[p.name] = scrub(read_json(p), identities=identities)
+            docs[p.name] = scrub(_slim(read_json(p)), identities=identities)
     for name, doc in docs.items():
         leaks = find_leaks(doc, identities=identities)
         if leaks:
