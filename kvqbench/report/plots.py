@@ -438,8 +438,10 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True, squeeze=False)
     allv = [y for xs, ys in curves.values() for y in ys]
     log = _span_decades(allv) >= 1.5
-    zero_methods, zero_points = [], False
+    zero_points = False
+    handles: dict[str, Any] = {}
     for ax, reg in zip(axes[0], regimes, strict=False):
+        zero_methods: list[str] = []
         for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
             if r != reg:
                 continue
@@ -449,8 +451,12 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                 zero_methods.append(m)
                 continue
             st = style(m)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, color=st["color"], marker=st["marker"],
-                    linestyle=st["linestyle"], markersize=4, linewidth=1.3)
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, color=st["color"],
+                              marker=st["marker"], linestyle=st["linestyle"], markersize=4, linewidth=1.3)
+            handles.setdefault(m, line)
+        if zero_methods:
+            ax.text(0.01, 0.01, "exactly 0 at every length (not drawn): " + ", ".join(zero_methods),
+                    transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom")
         if log:
             ax.set_yscale("log")
         xs_all = sorted({x for (m, r), (xs, _) in curves.items() if r == reg for x in xs})
@@ -461,11 +467,12 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                                   " (quantized block by block as it arrives)"), fontsize=10)
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(_ERR_LABEL.get(kind, kind) + (" (log scale)" if log else ""))
-    _legend_outside(axes[0][-1])
+    order = sorted(handles, key=lambda m: style.idx.get(m, 99))  # every method drawn in any panel
+    if order:
+        axes[0][-1].legend([handles[m] for m in order], order, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                           fontsize=8, frameon=False)
     what = "Attention KL" if quantity == "kl" else "Attention error"
-    note = f"; exact 0 not drawn: {', '.join(sorted(set(zero_methods)))}" if zero_methods else ""
-    if zero_points:
-        note += "; points at exactly 0 (e.g. fp16 residual window) omitted on the log scale"
+    note = "; points at exactly 0 (e.g. inside an fp16 residual window) omitted on the log scale" if zero_points else ""
     fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds{note})", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
