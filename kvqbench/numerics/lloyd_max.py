@@ -182,7 +182,7 @@ def lloyd_max(density: str, bits: int, params: tuple[float, ...]) -> Codebook:
 
     c = dens.init((np.arange(half) + 0.5) / (2 * half))
     best, best_res, since_best, it = c, math.inf, 0, 0
-    for it in range(1, _MAX_ITER + 1):
+    for it in range(1, _MAX_ITER + 1):  # noqa: B007 (reported after the loop)
         edges = edges_of(c)
         m0, tc = _cell_means(dens.moments, edges)
         res = float(np.max(np.abs(tc - c)))

@@ -38,7 +38,15 @@ from typing import Any
 import torch
 
 from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register, validate_kv
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    StreamPolicy,
+    register,
+    validate_kv,
+)
 
 __all__ = ["KVQuant", "outlier_count_per_tail"]
 

@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from kvqbench.quantizers import available, create
 from kvqbench.numerics.packing import packed_nbytes
+from kvqbench.quantizers import available, create
 
 METHODS = available()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -57,7 +57,7 @@ def _quad_cells(pdf, lo: float, hi: float, centroids, thresholds):
         a, b = edges[i], edges[i + 1]
         m0 = integrate.quad(pdf, a, b, epsabs=1e-15, epsrel=1e-12)[0]
         m1 = integrate.quad(lambda x: x * pdf(x), a, b, epsabs=1e-15, epsrel=1e-12)[0]
-        err = integrate.quad(lambda x: (x - c) ** 2 * pdf(x), a, b, epsabs=1e-15, epsrel=1e-12)[0]
+        err = integrate.quad(lambda x, c=c: (x - c) ** 2 * pdf(x), a, b, epsabs=1e-15, epsrel=1e-12)[0]
         out.append((m0, m1, err))
     return out
 
