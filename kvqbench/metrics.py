@@ -103,3 +103,131 @@ register_metric(Metric("bits_effective", "bits/element", "lower",
                        "mean of K and V effective bits per element", "exp1", headline=True))
 register_metric(Metric("bits_nominal", "bits/element", "lower",
                        "mean of K and V nominal bits per element", "exp1", headline=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Experiment 1 additions — codebook generalization and group-size sensitivity (SPEC §4.1);
+# kvqbench/experiments/generalization.py. Separate cells from the reconstruction sweep.
+for _kv, _KV in (("k", "K"), ("v", "V")):
+    register_metric(Metric(
+        f"{_kv}_codebook_gap", "1 (relative MSE)", "lower",
+        f"{_KV} codebook-generalization gap: relative MSE on an independent shifted batch with state fitted "
+        "on another batch minus fitted on itself (exactly 0 for local per-group statistics)", "exp1"))
+    register_metric(Metric(f"gs_{_kv}_mse", "1 (squared units of the input)", "lower",
+                           f"{_KV} MSE at this group size (group-size sensitivity sweep 32/64/128)", "exp1",
+                           scale_free=False))
+    register_metric(Metric(f"gs_{_kv}_rel_mse", "1", "lower",
+                           f"{_KV} relative MSE at this group size (group-size sensitivity sweep 32/64/128)",
+                           "exp1"))
+register_metric(Metric("codebook_gap", "1 (relative MSE)", "lower",
+                       "mean of the K and V codebook-generalization gaps", "exp1"))
+register_metric(Metric("gs_rel_mse", "1", "lower",
+                       "mean of K and V relative MSE at this group size (group-size sensitivity)", "exp1"))
+register_metric(Metric("gs_bits_effective", "bits/element", "lower",
+                       "mean of K and V effective bits per element at this group size", "exp1"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Experiment 2 — accumulation of the attention error with context length (SPEC §4.2);
+# kvqbench/experiments/accumulation.py. Every metric exists for both regimes: ``static_*`` (the whole
+# prefix quantized at once) and ``decode_*`` (pseudo-decode: blocks quantized as they arrive under the
+# method's streaming rules). Values are at the full context length unless named a slope.
+for _r, _R in (("static", "static"), ("decode", "pseudo-decode")):
+    register_metric(Metric(f"{_r}_out_mae", "1 (units of V)", "lower",
+                           f"{_R}: mean |Ô − O| of the attention output", "exp2", scale_free=False))
+    register_metric(Metric(f"{_r}_out_mse", "1 (squared units of V)", "lower",
+                           f"{_R}: mean (Ô − O)² of the attention output", "exp2", scale_free=False))
+    register_metric(Metric(f"{_r}_out_rel_mse", "1", "lower",
+                           f"{_R}: relative MSE of the attention output Σ(Ô−O)²/ΣO²", "exp2"))
+    register_metric(Metric(f"{_r}_cos_drift", "1", "lower",
+                           f"{_R}: cosine drift 1 − cos(O, Ô) per query, averaged", "exp2",
+                           headline=_r == "decode"))
+    register_metric(Metric(f"{_r}_out_norm_gap", "1", "zero",
+                           f"{_R}: signed output-norm gap (‖Ô‖ − ‖O‖)/‖O‖ per query, averaged (0 = no shrink/grow)",
+                           "exp2"))
+    register_metric(Metric(f"{_r}_attn_kl_fwd_nats", "nats", "lower",
+                           f"{_R}: forward attention KL(p‖p̂), p = softmax(q·Kᵀ/√D), per query averaged", "exp2",
+                           headline=_r == "decode"))
+    register_metric(Metric(f"{_r}_attn_kl_rev_nats", "nats", "lower",
+                           f"{_R}: reverse attention KL(p̂‖p), per query averaged", "exp2"))
+    register_metric(Metric(f"{_r}_logit_bias2", "(q·k units)²", "lower",
+                           f"{_R}: squared mean of the inner-product error e = q·k̂ − q·k over a query's tokens "
+                           "(softmax-invariant part), averaged over queries", "exp2", scale_free=False))
+    register_metric(Metric(f"{_r}_logit_var", "(q·k units)²", "lower",
+                           f"{_R}: variance of the inner-product error e = q·k̂ − q·k over a query's tokens, "
+                           "averaged over queries (bias² + variance = mean e²)", "exp2", scale_free=False))
+    register_metric(Metric(f"{_r}_logit_mse", "(q·k units)²", "lower",
+                           f"{_R}: mean squared inner-product error mean(e²), e = q·k̂ − q·k", "exp2",
+                           scale_free=False))
+    register_metric(Metric(f"{_r}_attn_k_err", "1 (squared units of K)", "lower",
+                           f"{_R}: attention-weighted K error Σ_t a_t‖k̂_t − k_t‖² (a = exact attention), "
+                           "averaged over queries", "exp2", scale_free=False))
+    register_metric(Metric(f"{_r}_attn_k_rel_err", "1", "lower",
+                           f"{_R}: attention-weighted K error relative to Σ_t a_t‖k_t‖²", "exp2"))
+    register_metric(Metric(f"{_r}_err_slope_per_1k", "1 per 1k tokens", "lower",
+                           f"{_R}: accumulation slope — least-squares slope of the output relative MSE "
+                           "against context length", "exp2"))
+    register_metric(Metric(f"{_r}_kl_slope_per_1k", "nats per 1k tokens", "lower",
+                           f"{_R}: least-squares slope of the forward attention KL against context length",
+                           "exp2"))
+for _kv, _KV in (("k_", "K "), ("v_", "V "), ("", "")):
+    register_metric(Metric(f"decode_{_kv}bits_effective", "bits/element", "lower",
+                           f"pseudo-decode: {_KV}effective bits per element at the full length as billed, "
+                           "fp16 sink/residual/partial-tile tokens at 16 bits" + (" (mean of K and V)" if not _kv else ""),
+                           "exp2"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Experiment 3 — outliers (SPEC §4.3); kvqbench/experiments/outliers.py. τ = 0.1; the
+# norm-difference densities (fixed edges) are series, not metrics.
+for _kv, _KV in (("k", "K"), ("v", "V")):
+    register_metric(Metric(f"{_kv}_offdiag_mass", "1", "lower",
+                           f"{_KV}: off-diagonal mass of the (‖x‖, ‖x̂‖) joint density — share of tokens with "
+                           "|‖x̂‖/‖x‖ − 1| > 0.1", "exp3"))
+    for _q, _Q in (("p99", "p99"), ("p999", "p99.9")):
+        register_metric(Metric(f"{_kv}_tail_em_share_{_q}", "1", "lower",
+                               f"{_KV}: magnitude share ΣE_M/ΣE_T over the tokens at or above the {_Q} of the "
+                               "per-token error E_T", "exp3"))
+    register_metric(Metric(f"{_kv}_err_incoherence", "1", "lower",
+                           f"{_KV}: per-channel incoherence of the error x̂ − x (max channel RMS / RMS over "
+                           "channels; 1 = spread evenly, √D = one channel)", "exp3"))
+    register_metric(Metric(f"{_kv}_err_incoherence_hadamard", "1", "lower",
+                           f"{_KV}: per-channel incoherence of the error after a normalized Hadamard rotation "
+                           "along head_dim", "exp3"))
+register_metric(Metric("offdiag_mass", "1", "lower", "mean of the K and V off-diagonal masses (τ = 0.1)",
+                       "exp3", headline=True))
+register_metric(Metric("k_incoherence_shift", "1", "zero",
+                       "incoherence(K̂)/incoherence(K) − 1: whether the reconstruction keeps the key "
+                       "outlier-channel structure (0 = kept)", "exp3"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Experiment 4 — cost (SPEC §4.4); kvqbench/experiments/cost.py. Latency/throughput (and peak memory
+# on CUDA) vary run to run: see NONDETERMINISTIC_METRICS.
+register_metric(Metric("quant_latency_ms", "ms", "lower",
+                       "quantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
+                       "exp4", scale_free=False))
+register_metric(Metric("dequant_latency_ms", "ms", "lower",
+                       "dequantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
+                       "exp4", scale_free=False))
+register_metric(Metric("quant_throughput_gbps", "GB/s", "higher",
+                       "quantize throughput in GB/s (10⁹ B) of fp16 input", "exp4", scale_free=False))
+register_metric(Metric("dequant_throughput_gbps", "GB/s", "higher",
+                       "dequantize throughput in GB/s (10⁹ B) of fp16 output-equivalent input", "exp4",
+                       scale_free=False))
+register_metric(Metric("cost_bits_nominal", "bits/element", "lower",
+                       "mean of K and V nominal bits per element (FP8 scales, FP16 zero-points)", "exp4"))
+register_metric(Metric("cost_bits_effective", "bits/element", "lower",
+                       "mean of K and V effective bits per element as stored", "exp4"))
+register_metric(Metric("compression_ratio", "×", "higher",
+                       "compression vs fp16: 16 / effective bits per element", "exp4", headline=True))
+register_metric(Metric("peak_mem_mib", "MiB", "lower",
+                       "peak memory of quantize + dequantize of K and V incl. the input (CUDA: "
+                       "max_memory_allocated; CPU: input + representation as held + output)", "exp4",
+                       scale_free=False))
+
+#: metrics whose values vary from run to run (wall-clock timing; peak memory on CUDA); determinism
+#: checks leave them out. Each exp4 record also lists its own in ``extra["nondeterministic_metrics"]``.
+NONDETERMINISTIC_METRICS: frozenset[str] = frozenset(
+    {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps"})
+__all__.append("NONDETERMINISTIC_METRICS")

@@ -307,3 +307,42 @@ def summary_of(board: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__.append("summary_of")
+
+
+# ------------------------------------------------------------------------------------------------
+# data-quality flags of experiments 1 (additions) and 2 — appended; see kvqbench/experiments/
+# accumulation.py and generalization.py
+#: |value| at or below which an fp16-control accumulation metric counts as "~0"
+FP16_ACCUMULATION_TOL = 1e-12
+
+
+def _check_fp16_accumulation(records: list[dict]) -> dict:
+    """The fp16 control accumulates ~0 output error and ~0 attention KL in both regimes (exp2)."""
+    cells = [r for r in records if r["method"] == "fp16" and r["experiment"] == "exp2" and r.get("status") == "passed"]
+    if not cells:
+        return _flag("fp16_accumulates_no_error", None, "fp16 control did not run experiment 2")
+    bad = []
+    for r in cells:
+        off = {k: v for k, v in r.get("metrics", {}).items()
+               if k.startswith(("static_", "decode_")) and "bits" not in k and abs(v) > FP16_ACCUMULATION_TOL}
+        if off:
+            bad.append(f"{r['nodeid']}: " + ", ".join(f"{k}={v:.3g}" for k, v in sorted(off.items())))
+    return _flag("fp16_accumulates_no_error", not bad,
+                 f"fp16 control: attention output error, KL and logit error within {FP16_ACCUMULATION_TOL:g} of 0 "
+                 "(static and pseudo-decode)", bad)
+
+
+def _check_local_codebook_gap(records: list[dict]) -> dict:
+    """Methods with purely local per-group statistics show a zero codebook-generalization gap (exp1)."""
+    cells = [r for r in records if r["experiment"] == "exp1" and r.get("status") == "passed"
+             and "codebook_gap" in r.get("metrics", {}) and (r.get("method_info") or {}).get("local_stats")]
+    if not cells:
+        return _flag("local_methods_zero_codebook_gap", None, "no codebook-generalization cell of a local method ran")
+    bad = [f"{r['nodeid']}: k={r['metrics'].get('k_codebook_gap')}, v={r['metrics'].get('v_codebook_gap')}"
+           for r in cells if any(r["metrics"].get(n, 0.0) != 0.0
+                                 for n in ("k_codebook_gap", "v_codebook_gap", "codebook_gap"))]
+    return _flag("local_methods_zero_codebook_gap", not bad,
+                 "methods with local_stats show a codebook-generalization gap of exactly 0", bad)
+
+
+DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap])

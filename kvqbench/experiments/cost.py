@@ -1,0 +1,187 @@
+"""Experiment 4 — cost: latency, throughput, bits and memory of quantize / dequantize (SPEC §4.4).
+
+For K and V of the cell's data (a data-dependent method is fitted first; fitting is calibration and is
+not timed — its one-off time goes to ``extra``):
+
+* **latency** — ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
+  every call is timed with ``torch.cuda.Event`` pairs after a synchronize; on the CPU with
+  ``time.perf_counter`` — recorded, but flagged ``extra["unreliable_timing"] = True`` (shared cores,
+  frequency scaling, Python overhead). ``quant_latency_ms`` / ``dequant_latency_ms`` are K + V.
+* **throughput** — fp16 bytes of the input (2 bytes per element of K and V) per second of latency, GB/s
+  (10⁹ bytes).
+* **bits** — nominal (benchmark budget) and effective (as stored) bits per element, mean of K and V;
+  **compression** = 16 / effective bits.
+* **peak memory** (MiB, 2²⁰ bytes) of one quantize + dequantize of K then V, *including the input*: on
+  CUDA ``torch.cuda.max_memory_allocated`` above the level before the calls, plus the input's bytes; on
+  the CPU torch's allocator keeps no statistics (and ``tracemalloc`` does not see tensor storage), so the
+  figure is the deterministic lower bound of what must coexist at the peak — input + the
+  representation's tensors as held + the dequantized output (``extra["peak_mem_source"]`` says which).
+
+Run-to-run variation: the latency and throughput metrics (and peak memory on CUDA) change from run to run
+and between serial and ``-n`` runs. They are recorded in ``metrics`` so the leaderboard ranks them, and
+again under ``extra["timings"]``; their names are listed in ``extra["nondeterministic_metrics"]`` and in
+:data:`kvqbench.metrics.NONDETERMINISTIC_METRICS` so determinism checks can leave them out.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kvqbench.data.types import KVData
+from kvqbench.experiments.common import fit_method
+from kvqbench.experiments.reconstruction import CellResult
+from kvqbench.metrics import NONDETERMINISTIC_METRICS
+from kvqbench.quantizers.base import QuantizedTensor, Quantizer
+
+__all__ = ["CostConfig", "CONFIG_BY_SIZE", "TIMING_METRICS", "time_call", "held_bytes", "run_cost"]
+
+EXPERIMENT = "exp4"
+#: metrics whose values vary run to run (wall-clock time), in a fixed order
+TIMING_METRICS: tuple[str, ...] = tuple(sorted(NONDETERMINISTIC_METRICS))
+MIB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Timing knobs: ``warmup`` untimed calls then ``repeats`` timed calls (median reported)."""
+
+    warmup: int = 1
+    repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        if not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {self.repeats!r}")
+
+
+#: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`)
+CONFIG_BY_SIZE: dict[str, CostConfig] = {"smoke": CostConfig(warmup=1, repeats=3), "full": CostConfig(warmup=1, repeats=5)}
+
+
+def _is_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, *, warmup: int, repeats: int) -> tuple[list[float], Any]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.
+
+    Returns:
+        (the timed durations in milliseconds, the last result). CUDA: ``torch.cuda.Event`` timing after
+        a synchronize; CPU: ``time.perf_counter``.
+    """
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    times: list[float] = []
+    cuda = _is_cuda(device)
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(float(start.elapsed_time(end)))
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times, out
+
+
+def held_bytes(qt: QuantizedTensor) -> int:
+    """Bytes the representation's tensors occupy in memory as held (not as billed)."""
+    return sum(int(f.tensor.numel() * f.tensor.element_size()) for f in qt.fields.values())
+
+
+def _peak_mem(method: Quantizer, xs: list[tuple[str, torch.Tensor]]) -> tuple[float, str]:
+    dev = xs[0][1].device
+    in_bytes = sum(int(x.numel() * x.element_size()) for _, x in xs)
+    if _is_cuda(dev):
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        for kind, x in xs:
+            y = method.dequantize(method.quantize(x, kind))  # type: ignore[arg-type]
+            del y
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base + in_bytes
+        return peak / MIB, "cuda.max_memory_allocated above the baseline + input"
+    total = in_bytes
+    for kind, x in xs:
+        qt = method.quantize(x, kind)  # type: ignore[arg-type]
+        total += held_bytes(qt) + int(x.numel() * x.element_size())
+    return total / MIB, "estimate (cpu): input + representation as held + dequantized output"
+
+
+@torch.no_grad()
+def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None) -> CellResult:
+    """Run experiment 4 for one method on one data source.
+
+    Args:
+        method: a configured quantizer.
+        data: K/V ``(batch|layers, kv_heads, seq_len, head_dim)``; timed on their device.
+        config: warm-up and repeats (default :class:`CostConfig`).
+    Returns:
+        :class:`~kvqbench.experiments.reconstruction.CellResult` with the ``exp4`` metrics of
+        :mod:`kvqbench.metrics`; ``extra`` holds ``timings`` (per K/V, every repeat),
+        ``unreliable_timing``, ``nondeterministic_metrics``, ``peak_mem_source`` and ``fit_ms``.
+    """
+    cfg = config or CostConfig()
+    t0 = time.perf_counter()
+    fit_method(method, data)
+    fit_ms = (time.perf_counter() - t0) * 1e3
+    xs = [("k", data.k_for(method.k_pre_rope)), ("v", data.v)]
+    dev = xs[0][1].device
+    timings: dict[str, Any] = {}
+    q_ms = d_ms = 0.0
+    eff, nom = [], []
+    fp16_bytes = 0
+    for kind, x in xs:
+        qt_times, qt = time_call(lambda: method.quantize(x, kind), dev, warmup=cfg.warmup,  # type: ignore[arg-type]
+                                 repeats=cfg.repeats)
+        dq_times, _ = time_call(lambda: method.dequantize(qt), dev, warmup=cfg.warmup, repeats=cfg.repeats)
+        qm, dm = statistics.median(qt_times), statistics.median(dq_times)
+        timings[f"{kind}_quant_ms"] = qm
+        timings[f"{kind}_dequant_ms"] = dm
+        timings[f"{kind}_quant_ms_all"] = qt_times
+        timings[f"{kind}_dequant_ms_all"] = dq_times
+        q_ms += qm
+        d_ms += dm
+        eff.append(qt.effective_bits())
+        nom.append(method.nominal_bits(kind, tuple(int(s) for s in x.shape)))  # type: ignore[arg-type]
+        fp16_bytes += 2 * int(x.numel())
+    peak, source = _peak_mem(method, xs)  # type: ignore[arg-type]
+    res = CellResult()
+    bits_eff = sum(eff) / 2
+    res.metrics.update({
+        "quant_latency_ms": q_ms,
+        "dequant_latency_ms": d_ms,
+        "quant_throughput_gbps": fp16_bytes / (max(q_ms, 1e-9) * 1e-3) / 1e9,
+        "dequant_throughput_gbps": fp16_bytes / (max(d_ms, 1e-9) * 1e-3) / 1e9,
+        "cost_bits_nominal": sum(nom) / 2,
+        "cost_bits_effective": bits_eff,
+        "compression_ratio": 16.0 / bits_eff,
+        "peak_mem_mib": peak,
+    })
+    timings.update({k: res.metrics[k] for k in TIMING_METRICS})
+    nondet = list(TIMING_METRICS) + (["peak_mem_mib"] if _is_cuda(dev) else [])
+    res.extra.update({
+        "timings": timings,
+        "unreliable_timing": not _is_cuda(dev),
+        "nondeterministic_metrics": nondet,
+        "peak_mem_source": source,
+        "fit_ms": fit_ms,
+        "warmup": cfg.warmup,
+        "repeats": cfg.repeats,
+        "device": str(dev),
+        "torch_threads": torch.get_num_threads(),
+    })
+    return res

@@ -1,0 +1,144 @@
+"""Experiment 3 — outliers: where in the distribution of tokens and channels a method's error sits
+(SPEC §4.3). Swept over every method and bit-width, ranked like the others.
+
+For K and V separately (a token = one ``head_dim`` vector of one (layer, head, position)):
+
+* **norm-difference density** — histogram of the per-token norm difference ``‖x̂‖ − ‖x‖``, expressed in
+  units of the RMS token norm of its layer (``d = (‖x̂‖ − ‖x‖) / RMS_t ‖x_t‖``) so one fixed set of bin
+  edges serves every model and layer: :data:`NORM_DIFF_EDGES` = 40 equal bins on ``[−0.2, 0.2]``, plus an
+  underflow and an overflow bin. Stored in ``series`` as a density (shares of tokens, summing to 1).
+* **off-diagonal mass** of the joint density of ``(‖x‖, ‖x̂‖)``: the share of tokens with
+  ``|‖x̂‖/‖x‖ − 1| > τ``, :data:`TAU` = 0.1 (a 10 % norm change; tokens with ``‖x‖ = 0`` count when
+  ``‖x̂‖ > 0``).
+* **tail magnitude share** ``E_M/E_T`` at the top error quantiles p99 and p99.9: over the tokens whose
+  ``E_T = ‖x̂ − x‖²`` is at or above that quantile, ``Σ E_M / Σ E_T`` with ``E_M = (‖x̂‖ − ‖x‖)²``
+  (0 when those tokens carry no error) — is the worst error a norm error or a direction error?
+* **per-channel incoherence** (``max_c m_c / RMS_c m``, ``m_c`` the RMS of channel ``c`` over tokens; see
+  :func:`kvqbench.numerics.attention.incoherence`) of the **error** ``x̂ − x`` before and after a
+  normalized Hadamard rotation along head_dim (:mod:`kvqbench.numerics.hadamard`): does a method's error
+  pile up in a few channels, and would a rotation spread it? The incoherence of the input itself (before
+  and after the rotation) is the same for every method, so it goes to ``extra["input_incoherence"]``
+  rather than into the ranking. Mean over (layer, head).
+* ``k_incoherence_shift`` — ``incoherence(K̂)/incoherence(K) − 1``: whether the reconstruction keeps the
+  key outlier-channel structure (0 = kept).
+
+Everything is computed in fp64, per layer (index of dim 0) and averaged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvqbench.data.types import KVData
+from kvqbench.experiments.accumulation import SeriesCellResult
+from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.numerics.attention import incoherence
+from kvqbench.numerics.hadamard import hadamard_transform
+from kvqbench.numerics.metrics import error_split
+from kvqbench.quantizers.base import Quantizer
+
+__all__ = ["TAU", "NORM_DIFF_EDGES", "TAIL_QUANTILES", "norm_diff_density", "offdiag_mass",
+           "tail_em_share", "run_outliers"]
+
+EXPERIMENT = "exp3"
+#: relative norm change beyond which a token is off the diagonal of the (‖x‖, ‖x̂‖) joint density
+TAU = 0.1
+#: fixed bin edges of the norm-difference density, in units of the layer's RMS token norm
+NORM_DIFF_EDGES: tuple[float, ...] = tuple(round(-0.2 + 0.01 * i, 10) for i in range(41))
+#: top error quantiles of the tail magnitude share (name → quantile)
+TAIL_QUANTILES: dict[str, float] = {"p99": 0.99, "p999": 0.999}
+
+
+def _norms(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.to(torch.float64).norm(dim=-1).reshape(-1), x_hat.to(torch.float64).norm(dim=-1).reshape(-1)
+
+
+def norm_diff_density(x: torch.Tensor, x_hat: torch.Tensor,
+                      edges: tuple[float, ...] = NORM_DIFF_EDGES) -> list[float]:
+    """Shares of tokens per bin of ``(‖x̂‖ − ‖x‖)/RMS_t‖x_t‖``: ``[underflow, bin_0 … bin_{n−1}, overflow]``.
+
+    Bins are ``[e_i, e_{i+1})`` (the last one closed). Sums to 1. ``x``, ``x_hat``:
+    ``(batch, heads, seq_len, head_dim)``; all tokens pooled.
+    """
+    nx, ny = _norms(x, x_hat)
+    rms = float(nx.pow(2).mean().sqrt())
+    d = (ny - nx) / (rms if rms > 0 else 1.0)
+    e = torch.tensor(edges, dtype=torch.float64, device=d.device)
+    n = d.numel()
+    under = int((d < e[0]).sum())
+    over = int((d > e[-1]).sum())
+    inside = d[(d >= e[0]) & (d <= e[-1])]
+    idx = torch.bucketize(inside, e, right=True) - 1
+    idx = idx.clamp(0, len(edges) - 2)  # the right edge belongs to the last bin
+    counts = torch.bincount(idx, minlength=len(edges) - 1).tolist()
+    return [c / n for c in [under, *counts, over]]
+
+
+def offdiag_mass(x: torch.Tensor, x_hat: torch.Tensor, tau: float = TAU) -> float:
+    """Share of tokens with ``|‖x̂‖/‖x‖ − 1| > tau`` (a token with ``‖x‖ = 0`` counts iff ``‖x̂‖ > 0``)."""
+    nx, ny = _norms(x, x_hat)
+    pos = nx > 0
+    ratio_off = torch.where(pos, ((ny / nx.clamp_min(1e-300)) - 1.0).abs() > tau, ny > 0)
+    return float(ratio_off.to(torch.float64).mean())
+
+
+def tail_em_share(x: torch.Tensor, x_hat: torch.Tensor, quantile: float) -> float:
+    """``Σ E_M / Σ E_T`` over the tokens whose ``E_T`` is at or above the ``quantile`` of ``E_T``
+    (the top ``⌈(1 − quantile)·n⌉`` tokens, at least one); 0 when they carry no error."""
+    if not 0.0 <= quantile < 1.0:
+        raise ValueError(f"quantile must be in [0, 1), got {quantile!r}")
+    e_t, e_m, _ = error_split(x, x_hat)
+    e_t, e_m = e_t.reshape(-1), e_m.reshape(-1)
+    n = e_t.numel()
+    k = max(1, n - int(quantile * n))
+    top = torch.topk(e_t, k, sorted=False).indices
+    tot = float(e_t[top].sum())
+    return 0.0 if tot == 0.0 else float(e_m[top].sum()) / tot
+
+
+def _mean_incoherence(x: torch.Tensor) -> float:
+    return float(incoherence(x).mean())
+
+
+@torch.no_grad()
+def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
+    """Run experiment 3 for one method on one data source.
+
+    Args:
+        method: a configured quantizer (fitted in-sample on ``data`` if data-dependent).
+        data: K/V ``(batch|layers, kv_heads, seq_len, head_dim)``.
+    Returns:
+        :class:`~kvqbench.experiments.accumulation.SeriesCellResult` with the ``exp3`` metrics of
+        :mod:`kvqbench.metrics` (per layer), the norm-difference densities in ``series`` and the input's
+        incoherence in ``extra``.
+    Raises:
+        ValueError: a head_dim the Hadamard rotation cannot take (see :mod:`kvqbench.numerics.hadamard`).
+    """
+    rt = roundtrip_kv(method, data)
+    res = SeriesCellResult()
+    layers = range(data.k.shape[0])
+    res.series["norm_diff_edges"] = list(NORM_DIFF_EDGES)
+    res.series["norm_diff_bins"] = "[underflow, one share per [e_i, e_i+1) bin, overflow]"
+    inp: dict[str, float] = {}
+    for kv, x, x_hat in (("k", data.k, rt.k_hat), ("v", data.v, rt.v_hat)):
+        sl = [(x[i : i + 1], x_hat[i : i + 1]) for i in layers]
+        dens = [norm_diff_density(a, b) for a, b in sl]
+        res.series[f"{kv}_norm_diff_density"] = [sum(col) / len(dens) for col in zip(*dens)]
+        res.add(f"{kv}_offdiag_mass", [offdiag_mass(a, b) for a, b in sl])
+        for tag, q in TAIL_QUANTILES.items():
+            res.add(f"{kv}_tail_em_share_{tag}", [tail_em_share(a, b, q) for a, b in sl])
+        errs = [(b.to(torch.float64) - a.to(torch.float64)) for a, b in sl]
+        res.add(f"{kv}_err_incoherence", [_mean_incoherence(e) for e in errs])
+        res.add(f"{kv}_err_incoherence_hadamard", [_mean_incoherence(hadamard_transform(e)) for e in errs])
+        inp[f"{kv}_incoherence"] = sum(_mean_incoherence(a) for a, _ in sl) / len(sl)
+        inp[f"{kv}_incoherence_hadamard"] = sum(_mean_incoherence(hadamard_transform(a)) for a, _ in sl) / len(sl)
+    res.add("k_incoherence_shift", [
+        _mean_incoherence(rt.k_hat[i : i + 1]) / max(_mean_incoherence(data.k[i : i + 1]), 1e-300) - 1.0
+        for i in layers
+    ])
+    res.metrics["offdiag_mass"] = 0.5 * (res.metrics["k_offdiag_mass"] + res.metrics["v_offdiag_mass"])
+    res.per_layer["offdiag_mass"] = [0.5 * (a + b) for a, b in zip(res.per_layer["k_offdiag_mass"],
+                                                                    res.per_layer["v_offdiag_mass"])]
+    res.extra["input_incoherence"] = inp
+    res.extra["tau"] = TAU
+    return res

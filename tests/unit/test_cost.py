@@ -1,0 +1,89 @@
+"""Experiment 4 (cost): timing plumbing, bits, compression, memory accounting and the leaderboard's
+coverage of the new metrics."""
+
+import math
+
+import pytest
+import torch
+
+from kvqbench.data.synthetic import make_synthetic
+from kvqbench.experiments.cost import CostConfig, held_bytes, run_cost, time_call
+from kvqbench.metrics import CATALOG, NONDETERMINISTIC_METRICS, catalog_dict
+from kvqbench.quantizers import create
+from kvqbench.report.leaderboard import assemble
+
+
+def _data():
+    return make_synthetic(seed=0, batch=1, kv_heads=2, q_heads=4, seq_len=128, head_dim=64)
+
+
+def test_time_call_counts_and_returns_last_result():
+    calls = []
+    times, out = time_call(lambda: calls.append(1) or len(calls), torch.device("cpu"), warmup=2, repeats=3)
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert out == 5 and len(calls) == 5
+
+
+@pytest.mark.parametrize("method,bits", [("fp16", 2), ("kivi", 2), ("rtn_token", 4)])
+def test_run_cost_metrics(method, bits):
+    d = _data()
+    m = create(method, bits, bits)
+    res = run_cost(m, d, CostConfig(warmup=0, repeats=2))
+    mt = res.metrics
+    assert set(mt) <= set(CATALOG) and all(CATALOG[k].experiment == "exp4" for k in mt)
+    assert mt["compression_ratio"] == pytest.approx(16.0 / mt["cost_bits_effective"])
+    k_eff = m.quantize(d.k, "k").effective_bits()
+    v_eff = m.quantize(d.v, "v").effective_bits()
+    assert mt["cost_bits_effective"] == pytest.approx((k_eff + v_eff) / 2)
+    assert res.extra["unreliable_timing"] is True
+    assert set(res.extra["nondeterministic_metrics"]) == set(NONDETERMINISTIC_METRICS)
+    assert len(res.extra["timings"]["k_quant_ms_all"]) == 2
+    gb = 2 * (d.k.numel() + d.v.numel()) / 1e9
+    assert mt["quant_throughput_gbps"] == pytest.approx(gb / (mt["quant_latency_ms"] * 1e-3), rel=1e-9)
+    # CPU peak memory is the deterministic estimate input + representation + output
+    expected = sum(x.numel() * x.element_size() * 2 + held_bytes(m.quantize(x, kind))
+                   for kind, x in (("k", d.k), ("v", d.v)))
+    assert mt["peak_mem_mib"] == pytest.approx(expected / 2**20)
+
+
+def test_fp16_compression_is_one():
+    res = run_cost(create("fp16", 2, 2), _data(), CostConfig(warmup=0, repeats=1))
+    assert res.metrics["compression_ratio"] == 1.0 and res.metrics["cost_bits_nominal"] == 16.0
+
+
+def test_cost_config_validation():
+    with pytest.raises(ValueError):
+        CostConfig(repeats=0)
+    with pytest.raises(ValueError):
+        CostConfig(warmup=-1)
+
+
+def test_nondeterministic_metrics_are_catalogued():
+    assert NONDETERMINISTIC_METRICS <= set(CATALOG)
+    assert all(CATALOG[n].experiment == "exp4" for n in NONDETERMINISTIC_METRICS)
+
+
+def _record(exp, method, seed, metrics):
+    return {"experiment": exp, "method": method, "k_bits": 2, "v_bits": 2, "seed": seed, "source": "synthetic",
+            "size": "smoke", "variant": {}, "nodeid": f"{exp}-{method}-{seed}", "status": "passed",
+            "metrics": metrics, "per_layer": {}}
+
+
+def test_leaderboard_ranks_every_new_metric_with_ci():
+    new = [n for n, m in CATALOG.items() if m.experiment in ("exp2", "exp3", "exp4")
+           or n.endswith("codebook_gap") or n.startswith("gs_")]
+    assert len(new) > 40
+    recs = []
+    for exp in ("exp1", "exp2", "exp3", "exp4"):
+        names = [n for n in new if CATALOG[n].experiment == exp]
+        for mi, method in enumerate(("a", "b")):
+            for seed in range(3):
+                recs.append(_record(exp, method, seed, {n: float(mi + 0.1 * seed + 1) for n in names}))
+    board = assemble(recs, catalog_dict(), {})
+    ranks = board["sources"]["synthetic"]["rankings"]
+    for n in new:
+        rows = ranks[n]["by_setting"]["k2v2"]
+        assert {r["method"] for r in rows} == {"a", "b"}
+        assert rows[0]["ci95"] is not None and math.isfinite(rows[0]["ci95"])
+        best = "a" if CATALOG[n].better in ("lower", "zero") else "b"
+        assert rows[0]["method"] == best, n
