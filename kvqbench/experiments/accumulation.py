@@ -39,7 +39,12 @@ from kvqbench.data.types import KVData
 from kvqbench.experiments.common import fit_method, roundtrip_kv
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.experiments.streaming import StreamResult, simulate_stream
-from kvqbench.numerics.attention import AttentionReference, attention_error_by_batch, attention_reference, least_squares_slope
+from kvqbench.numerics.attention import (
+    AttentionReference,
+    attention_error_by_batch,
+    attention_reference,
+    least_squares_slope,
+)
 from kvqbench.quantizers.base import Quantizer
 
 __all__ = ["AccumulationConfig", "CONFIG_BY_SIZE", "SeriesCellResult", "context_grid", "run_accumulation", "REGIMES",

@@ -25,6 +25,7 @@ again under ``extra["timings"]``; their names are listed in ``extra["nondetermin
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -145,9 +146,10 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None) 
     eff, nom = [], []
     fp16_bytes = 0
     for kind, x in xs:
-        qt_times, qt = time_call(lambda: method.quantize(x, kind), dev, warmup=cfg.warmup,  # type: ignore[arg-type]
-                                 repeats=cfg.repeats)
-        dq_times, _ = time_call(lambda: method.dequantize(qt), dev, warmup=cfg.warmup, repeats=cfg.repeats)
+        qt_times, qt = time_call(functools.partial(method.quantize, x, kind), dev,  # type: ignore[arg-type]
+                                 warmup=cfg.warmup, repeats=cfg.repeats)
+        dq_times, _ = time_call(functools.partial(method.dequantize, qt), dev, warmup=cfg.warmup,
+                                repeats=cfg.repeats)
         qm, dm = statistics.median(qt_times), statistics.median(dq_times)
         timings[f"{kind}_quant_ms"] = qm
         timings[f"{kind}_dequant_ms"] = dm

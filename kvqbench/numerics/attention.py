@@ -166,11 +166,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> At
     # group the queries by the KV head they read (head h → KV head h // g): (B, H_kv, g·nq, D),
     # so K and V are never copied per query head
     qg = _f64(q).reshape(b, hkv, (hq // hkv) * nq, d)
-    kf = _f64(k)
-    ip = torch.matmul(qg, kf.transpose(-1, -2))  # unscaled inner products
-    logp = torch.log_softmax(ip / math.sqrt(d), dim=-1)
-    p = logp.exp()
-    return AttentionReference(qg, kf, ip, logp, p, torch.matmul(p, _f64(v)), (kf * kf).sum(-1), d)
+    kf, vf = _f64(k), _f64(v)
+    parts = []
+    for i in range(b):  # one batch index at a time keeps the (rows × seq_len) temporaries cache-sized
+        ip = torch.matmul(qg[i : i + 1], kf[i : i + 1].transpose(-1, -2))  # unscaled inner products
+        logp = torch.log_softmax(ip / math.sqrt(d), dim=-1)
+        p = logp.exp()
+        parts.append((ip, logp, p, torch.matmul(p, vf[i : i + 1])))
+    ip, logp, p, o = (torch.cat(t) for t in zip(*parts))
+    return AttentionReference(qg, kf, ip, logp, p, o, (kf * kf).sum(-1), d)
 
 
 def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> dict[str, torch.Tensor]:

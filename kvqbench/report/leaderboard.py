@@ -346,3 +346,41 @@ def _check_local_codebook_gap(records: list[dict]) -> dict:
 
 
 DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap])
+
+
+def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", quality: str = "decode_attn_kl_fwd_nats",
+                  bits: str = "decode_bits_effective",
+                  budgets: tuple[float, ...] = BUDGETS) -> dict[str, Any]:
+    """Pareto front and matched-budget selector for any (quality, bits) pair of one experiment, e.g. the
+    pseudo-decode attention KL against the bits a cache really holds (fp16 windows billed at 16 bits).
+
+    Same rules as :func:`pareto` / :func:`matched_budget` (lower quality is better; variant settings are
+    not budget points). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
+    """
+    pts = []
+    for meth, by_setting in stats_src.get(experiment, {}).items():
+        for setting, metrics in by_setting.items():
+            if "-" in setting or quality not in metrics or bits not in metrics:
+                continue
+            pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
+                        "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"]})
+    pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
+    front = []
+    for p in pts:
+        p["on_front"] = not any(
+            q is not p and q["bits"] <= p["bits"] and q["quality"] <= p["quality"]
+            and (q["bits"] < p["bits"] or q["quality"] < p["quality"]) for q in pts)
+        if p["on_front"]:
+            front.append({k: p[k] for k in ("method", "setting", "bits", "quality")})
+    matched = []
+    for b in budgets:
+        ok = sorted((p for p in pts if p["bits"] <= b + 1e-9), key=lambda p: (p["quality"], p["bits"], p["method"]))
+        matched.append({"budget": b, "method": ok[0]["method"] if ok else None,
+                        "setting": ok[0]["setting"] if ok else None, "bits": ok[0]["bits"] if ok else None,
+                        "quality": ok[0]["quality"] if ok else None,
+                        "runner_up": ok[1]["method"] if len(ok) > 1 else None})
+    return {"experiment": experiment, "quality": quality, "bits": bits, "points": pts, "front": front,
+            "matched_budget": matched}
+
+
+__all__ += ["pareto_metric", "FP16_ACCUMULATION_TOL"]

@@ -171,3 +171,21 @@ def test_by_batch_matches_per_slice_and_pooled():
             assert getattr(e, name) == pytest.approx(val, rel=1e-12, abs=1e-15), name
     pooled = attention_error(q, k, v, k_hat, v_hat)
     assert pooled.kl_fwd == pytest.approx(sum(e.kl_fwd for e in per) / 3, rel=1e-12)
+
+
+def test_pareto_metric_at_matched_decode_budget():
+    from kvqbench.report.leaderboard import pareto_metric
+
+    def e(v):
+        return {"mean": v, "ci95": None}
+
+    stats = {"exp2": {
+        "a": {"k2v2": {"decode_attn_kl_fwd_nats": e(0.5), "decode_bits_effective": e(2.2)}},
+        "b": {"k2v2": {"decode_attn_kl_fwd_nats": e(0.2), "decode_bits_effective": e(2.9)},
+              "k2v2-group_size32": {"decode_attn_kl_fwd_nats": e(0.0), "decode_bits_effective": e(1.0)}},
+        "c": {"k2v2": {"decode_attn_kl_fwd_nats": e(0.6), "decode_bits_effective": e(2.5)}},
+    }}
+    out = pareto_metric(stats, budgets=(2.25, 3.0, 1.5))
+    assert [p["method"] for p in out["front"]] == ["a", "b"]
+    assert [m["method"] for m in out["matched_budget"]] == ["a", "b", None]
+    assert out["matched_budget"][1]["runner_up"] == "a"
