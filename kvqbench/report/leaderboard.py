@@ -44,6 +44,8 @@ def mean_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float
     m = math.fsum(values) / n
     if n < 2:
         return m, None
+    if max(values) == min(values):  # identical seeds (deterministic method on fixed data): exactly 0
+        return values[0], 0.0
     var = math.fsum((v - m) ** 2 for v in values) / (n - 1)
     from scipy.stats import t as student_t
 
@@ -119,7 +121,7 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     Metrics not in ``catalog`` are not ranked.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
-    for exp, by_method in stats_src.items():
+    for by_method in stats_src.values():
         for meth, by_setting in by_method.items():
             for setting, metrics in by_setting.items():
                 for name, entry in metrics.items():
@@ -157,54 +159,32 @@ def _setting_sort(setting: str) -> tuple:
     return (nums, setting)
 
 
-def _exp1_points(stats_src: dict[str, Any]) -> list[dict[str, Any]]:
-    pts = []
-    for meth, by_setting in stats_src.get("exp1", {}).items():
-        for setting, metrics in by_setting.items():
-            if "-" in setting:  # variant axes (e.g. group-size sweeps) are not budget points
-                continue
-            if PARETO_QUALITY in metrics and PARETO_BITS in metrics:
-                pts.append({"method": meth, "setting": setting,
-                            "bits_effective": metrics[PARETO_BITS]["mean"],
-                            "bits_nominal": metrics.get("bits_nominal", {}).get("mean"),
-                            PARETO_QUALITY: metrics[PARETO_QUALITY]["mean"],
-                            "ci95": metrics[PARETO_QUALITY]["ci95"]})
-    return sorted(pts, key=lambda p: (p["bits_effective"], p[PARETO_QUALITY], p["method"]))
+def _exp1_front(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> dict[str, Any]:
+    return pareto_metric(stats_src, experiment="exp1", quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)
 
 
 def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
-    """Every (method, bits) point as (effective bits/element, relative MSE) and the non-dominated front
-    (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly)."""
-    pts = _exp1_points(stats_src)
-    front = []
-    for p in pts:
-        dominated = any(
-            q is not p and q["bits_effective"] <= p["bits_effective"] and q[PARETO_QUALITY] <= p[PARETO_QUALITY]
-            and (q["bits_effective"] < p["bits_effective"] or q[PARETO_QUALITY] < p[PARETO_QUALITY])
-            for q in pts
-        )
-        p["on_front"] = not dominated
-        if not dominated:
-            front.append({"method": p["method"], "setting": p["setting"],
-                          "bits_effective": p["bits_effective"], PARETO_QUALITY: p[PARETO_QUALITY]})
-    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts, "front": front}
+    """Every exp1 (method, bits) point as (effective bits/element, relative MSE) and the non-dominated
+    front (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly).
+    The generic rule is :func:`pareto_metric`; this names the fields after the metrics."""
+    gen = _exp1_front(stats_src)
+    bits_nominal = {(m, s): e.get("bits_nominal", {}).get("mean")
+                    for m, by in stats_src.get("exp1", {}).items() for s, e in by.items()}
+
+    def named(p: dict[str, Any]) -> dict[str, Any]:
+        return {"method": p["method"], "setting": p["setting"], "bits_effective": p["bits"],
+                PARETO_QUALITY: p["quality"]}
+
+    pts = [{**named(p), "bits_nominal": bits_nominal.get((p["method"], p["setting"])), "ci95": p["ci95"],
+            "on_front": p["on_front"]} for p in gen["points"]]
+    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts, "front": [named(p) for p in gen["front"]]}
 
 
 def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) (method, bits) at each effective-bits budget ``≤ b``."""
-    pts = _exp1_points(stats_src)
-    out = []
-    for b in budgets:
-        ok = [p for p in pts if p["bits_effective"] <= b + 1e-9]
-        if not ok:
-            out.append({"budget": b, "method": None, "setting": None, "bits_effective": None, PARETO_QUALITY: None})
-            continue
-        best = min(ok, key=lambda p: (p[PARETO_QUALITY], p["bits_effective"], p["method"]))
-        runner = sorted(ok, key=lambda p: (p[PARETO_QUALITY], p["bits_effective"], p["method"]))[1:2]
-        out.append({"budget": b, "method": best["method"], "setting": best["setting"],
-                    "bits_effective": best["bits_effective"], PARETO_QUALITY: best[PARETO_QUALITY],
-                    "runner_up": runner[0]["method"] if runner else None})
-    return out
+    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``."""
+    return [{"budget": m["budget"], "method": m["method"], "setting": m["setting"], "bits_effective": m["bits"],
+             PARETO_QUALITY: m["quality"], "runner_up": m["runner_up"]}
+            for m in _exp1_front(stats_src, budgets)["matched_budget"]]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -286,6 +266,9 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             "rankings": rankings(st, catalog),
             "pareto": pareto(st),
             "matched_budget": matched_budget(st),
+            # the same selection for what attention sees while decoding: pseudo-decode KL against
+            # the bits a cache really holds (fp16 sink/window tokens billed at 16)
+            "pareto_decode_kl": pareto_metric(st),
             "data_quality": data_quality(recs),
         }
     return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources}

@@ -156,6 +156,14 @@ def render_markdown(board: dict[str, Any]) -> str:
                                      fmt(b["bits_effective"]), fmt(b["rel_mse"]), b.get("runner_up") or "—"] for b in mb],
                                    headers=["budget", "best", "bits", "bits effective", "rel. MSE", "runner-up"],
                                    tablefmt="github"), ""]
+            dk = (src.get("pareto_decode_kl") or {}).get("matched_budget") or []
+            if any(b["method"] for b in dk):
+                lines += ["### Best method at a matched budget while decoding (pseudo-decode attention KL vs "
+                          "bits billed, fp16 windows at 16)", ""]
+                lines += [tabulate([[f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
+                                     fmt(b["bits"]), fmt(b["quality"]), b.get("runner_up") or "—"] for b in dk],
+                                   headers=["budget", "best", "bits", "bits billed", "KL(p‖p̂) nats", "runner-up"],
+                                   tablefmt="github"), ""]
             low = settings[0] if settings else None
             if low:
                 t = _all_metrics_table(src, low)
