@@ -231,3 +231,17 @@ register_metric(Metric("peak_mem_mib", "MiB", "lower",
 NONDETERMINISTIC_METRICS: frozenset[str] = frozenset(
     {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps"})
 __all__.append("NONDETERMINISTIC_METRICS")
+
+
+# ------------------------------------------------------------------------------------------------
+def markdown_table() -> str:
+    """The README's metric table, generated from the catalog (a test keeps the README in sync)."""
+    from tabulate import tabulate
+
+    better = {"lower": "lower", "higher": "higher", "zero": "closest to 0"}
+    rows = [[m.experiment, f"`{m.name}`", m.unit, better[m.better], m.description]
+            for m in sorted(CATALOG.values(), key=lambda m: (m.experiment, m.name))]
+    return tabulate(rows, headers=["exp", "metric", "unit", "better", "meaning"], tablefmt="github")
+
+
+__all__.append("markdown_table")
