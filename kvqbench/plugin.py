@@ -452,9 +452,26 @@ def _jsonable_meta(meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def plain_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """``rec`` rebuilt from plain JSON types only (str/int/float/bool/None/list/dict).
+
+    Records travel from xdist workers through execnet, which refuses subclasses such as torch's
+    ``TorchVersion`` (a ``str``) or numpy scalars; strict JSON also needs non-finite floats spelled out.
+    """
+    import json
+
+    from kvqbench.report.io import to_jsonable
+
+    return json.loads(json.dumps(to_jsonable(rec), allow_nan=False))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    _identity_record(item)  # a cell that fails before recording is still identified
+    rec = _identity_record(item)  # a cell that fails before recording is still identified
+    if rec is not None:
+        clean = plain_record(rec)
+        rec.clear()
+        rec.update(clean)
     yield
 
 

@@ -112,3 +112,22 @@ def test_node_ids_name_method_bits_seed_source(pytester, plugin_loaded_once):
     r = pytester.runpytest_subprocess(*plugin_loaded_once, "--collect-only", "-q", "-k", "kivi")
     r.stdout.fnmatch_lines(["*test_reconstruction?kivi-k2v2-seed0-synthetic-smoke?*"])
     assert "rtn_token" not in r.stdout.str()
+
+
+def test_records_survive_execnet_serialization():
+    # regression: a real capture's meta held torch's TorchVersion (a str subclass) and xdist's
+    # execnet refused it, crashing the worker; numpy scalars and NaN are other traps
+    import execnet.gateway_base as gb
+    import numpy as np
+    import torch
+
+    from kvqbench.plugin import plain_record
+
+    rec = {"data": {"torch_version": torch.__version__, "x": np.float64(1.5), "n": np.int64(3)},
+           "metrics": {"a": float("nan"), "b": 2.0}, "variant": (("group_size", 64),)}
+    with pytest.raises(gb.DumpError):
+        gb.dumps(rec)
+    clean = plain_record(rec)
+    assert gb.loads(gb.dumps(clean)) == clean
+    assert clean["data"] == {"torch_version": str(torch.__version__), "x": 1.5, "n": 3}
+    assert clean["metrics"]["a"] == "nan" and clean["variant"] == [["group_size", 64]]
