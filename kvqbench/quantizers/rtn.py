@@ -31,8 +31,8 @@ AUX_BITS_EFFECTIVE = 16 + 16
 
 def _group_elems(gran: Granularity, shape: tuple[int, int, int, int]) -> int:
     b, h, t, d = shape
-    if isinstance(gran, PerTensor):
-        return b * h * t * d
+    if isinstance(gran, PerTensor):  # one group per batch entry (layer)
+        return h * t * d
     if isinstance(gran, PerToken):
         return d if gran.group_size is None else min(gran.group_size, d)
     if isinstance(gran, PerChannel):
@@ -69,17 +69,35 @@ class GroupedRTNQuantizer(Quantizer):
 
 @register
 class RTNTensor(GroupedRTNQuantizer):
-    """RTN with one asymmetric (scale, zero-point) for the whole K (or V) tensor."""
+    """RTN with one asymmetric (scale, zero-point) for the whole K (or V) tensor of each batch entry.
+
+    A batch entry's ``(kv_heads, seq_len, head_dim)`` block is one tensor: for real captures the batch
+    axis holds the layers, and every layer's cache is its own tensor.
+    """
 
     id = "rtn_tensor"
     name = "RTN per-tensor"
     paper = "Uniform round-to-nearest baseline"
-    k_granularity = "per-tensor"
-    v_granularity = "per-tensor"
+    k_granularity = "per-tensor (per layer / batch entry)"
+    v_granularity = "per-tensor (per layer / batch entry)"
     local_stats = True
 
     def granularity(self, kind: Kind) -> Granularity:
         return PerTensor()
+
+    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        b = x.shape[0]
+        codes, lo, scale = rtn_quantize(x.reshape(b, 1, 1, -1), bits, PerToken())
+        qt = self._new_qt(x, kind, bits)
+        qt.add_codes("codes", codes, bits)
+        qt.fields["scale"] = Stored(scale, 16)
+        qt.fields["zero"] = Stored(lo, 16)
+        return qt
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        b = qt.shape[0]
+        codes = qt.codes("codes").reshape(b, 1, 1, -1)
+        return rtn_dequantize(codes, qt["zero"], qt["scale"], PerToken())
 
 
 @register
