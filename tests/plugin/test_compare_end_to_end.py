@@ -1,0 +1,62 @@
+"""``kvqbench compare`` on two real benchmark runs: an unchanged rerun passes, a method variant whose
+bits are lowered (KIVI quantizing at one bit less than its cells ask) fails the threshold."""
+
+import pytest
+
+from kvqbench.cli import main as cli_main
+
+pytest_plugins = ["pytester"]
+
+CELL_TEST = '''
+import pytest
+from kvqbench.experiments.reconstruction import run_reconstruction
+
+pytestmark = pytest.mark.kvq(experiment="exp1")
+
+def test_reconstruction(cell, kvq_method, kvq_data, kvq_record):
+    kvq_record(run_reconstruction(kvq_method, kvq_data))
+'''
+
+DEGRADE = '''
+import kvqbench.quantizers.kivi as kivi_mod
+
+_orig = kivi_mod.KIVI.__init__
+
+def _lowered(self, k_bits=2, v_bits=None, **kw):
+    v_bits = k_bits if v_bits is None else v_bits
+    _orig(self, k_bits - 1 if k_bits < 16 else k_bits, v_bits - 1 if v_bits < 16 else v_bits, **kw)
+
+kivi_mod.KIVI.__init__ = _lowered
+'''
+
+ARGS = ["-p", "no:cacheprovider", "-m", "smoke", "--kvq-methods", "rtn_token,kivi", "--kvq-bits", "3,4,16",
+        "--kvq-seeds", "2", "--kvq-progress", "0"]
+
+
+def _plugin_args():
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
+        return list(ARGS)
+    return [*ARGS, "-p", "kvqbench.plugin"]
+
+
+def test_compare_passes_unchanged_and_fails_lowered_bits(pytester, capsys):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    for name in ("base", "rerun"):
+        pytester.runpytest_subprocess(*_plugin_args(), "--kvq-out", str(pytester.path / name)).assert_outcomes(passed=12)
+    pytester.makeconftest(DEGRADE)
+    pytester.runpytest_subprocess(*_plugin_args(), "--kvq-out", str(pytester.path / "lowered")).assert_outcomes(passed=12)
+    base, rerun, lowered = (str(pytester.path / n) for n in ("base", "rerun", "lowered"))
+    assert cli_main(["compare", base, rerun, "--fail-on", "rel_mse:5"]) == 0
+    capsys.readouterr()
+    assert cli_main(["compare", base, lowered, "--fail-on", "rel_mse:5"]) == 1
+    out = capsys.readouterr().out
+    assert "kivi" in out and "rel_mse" in out
+
+
+def test_compare_bad_invocations_exit_2(tmp_path):
+    with pytest.raises(SystemExit) as ei:
+        cli_main(["compare"])
+    assert ei.value.code == 2
+    assert cli_main(["compare", str(tmp_path / "nope_a"), str(tmp_path / "nope_b")]) == 2
