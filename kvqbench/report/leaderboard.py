@@ -103,12 +103,15 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _interval(entry: dict[str, Any], better: str) -> tuple[float, float]:
+    """The 95% CI in "badness" space (lower = better whatever the metric's direction)."""
     m, ci = entry["mean"], entry["ci95"] or 0.0
     lo, hi = m - ci, m + ci
     if better == "zero":
         if lo <= 0 <= hi:
             return 0.0, max(abs(lo), abs(hi))
         return min(abs(lo), abs(hi)), max(abs(lo), abs(hi))
+    if better == "higher":
+        return -hi, -lo
     return lo, hi
 
 
@@ -116,9 +119,10 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     """Per metric, per setting: every method that ran, best first.
 
     Returns ``{metric: {"better", "unit", "by_setting": {setting: [{method, mean, ci95, n, rank,
-    ties}]}}}``. ``rank`` is competition ranking where a method whose CI overlaps the previous
-    (better) method's CI shares its rank; ``ties`` lists every method whose CI overlaps its own.
-    Metrics not in ``catalog`` are not ranked.
+    ties}]}}}``. ``rank`` = 1 + the number of methods that are *significantly* better (their whole
+    95% CI lies on the better side of this method's CI; with one seed, a strictly better value), so
+    methods that cannot be told apart share a rank and ties never chain down the list; ``ties``
+    lists every method whose CI overlaps this one's. Metrics not in ``catalog`` are not ranked.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -136,13 +140,10 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
             rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
             ivs = {m: _interval(e, better) for m, e in rows}
             ranked = []
-            for i, (m, e) in enumerate(rows):
+            for m, e in rows:
                 lo, hi = ivs[m]
                 ties = [m2 for m2, _ in rows if m2 != m and not (ivs[m2][1] < lo or ivs[m2][0] > hi)]
-                if i > 0 and rows[i - 1][0] in ties:
-                    rank = ranked[-1]["rank"]
-                else:
-                    rank = i + 1
+                rank = 1 + sum(1 for m2, _ in rows if ivs[m2][1] < lo)
                 ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
                                "rank": rank, "ties": ties,
                                **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})

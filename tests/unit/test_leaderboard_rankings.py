@@ -1,0 +1,45 @@
+"""Rankings: shared ranks only for methods that cannot be told apart; directions respected."""
+
+import pytest
+
+from kvqbench.report.leaderboard import mean_ci, rankings
+
+CAT = {"m": {"better": "lower", "unit": "1", "experiment": "exp1"},
+       "h": {"better": "higher", "unit": "1", "experiment": "exp1"}}
+
+
+def _stats(values_by_method, name="m"):
+    out = {}
+    for meth, vals in values_by_method.items():
+        mean, ci = mean_ci(vals)
+        out[meth] = {"k2v2": {name: {"mean": mean, "ci95": ci, "n": len(vals), "values": vals}}}
+    return {"exp1": out}
+
+
+def test_ties_do_not_chain():
+    # a overlaps b, b overlaps c, but a and c are far apart: c must not share a's rank
+    st = _stats({"a": [1.0, 1.02, 1.01], "b": [1.03, 1.07, 1.05], "c": [1.09, 1.11, 1.10], "d": [9.0, 9.1, 9.2]})
+    r = {x["method"]: x for x in rankings(st, CAT)["m"]["by_setting"]["k2v2"]}
+    assert r["a"]["rank"] == 1 and r["b"]["rank"] == 1
+    assert r["c"]["rank"] == 2  # only a is significantly better than c
+    assert r["d"]["rank"] == 4
+    assert set(r["b"]["ties"]) == {"a", "c"} and "c" not in r["a"]["ties"]
+
+
+def test_single_seed_ranks_by_value_and_exact_ties_share():
+    st = _stats({"a": [0.0], "b": [0.0], "c": [2.0]})
+    r = {x["method"]: x["rank"] for x in rankings(st, CAT)["m"]["by_setting"]["k2v2"]}
+    assert r == {"a": 1, "b": 1, "c": 3}
+
+
+def test_higher_is_better_direction():
+    st = _stats({"a": [1.0, 1.01], "b": [5.0, 5.01]}, name="h")
+    ranked = rankings(st, CAT)["h"]["by_setting"]["k2v2"]
+    assert [x["method"] for x in ranked] == ["b", "a"] and [x["rank"] for x in ranked] == [1, 2]
+
+
+def test_mean_ci_closed_form():
+    m, ci = mean_ci([1.0, 3.0])
+    assert m == 2.0 and ci == pytest.approx(12.706204736174703 * 2 ** 0.5 / 2 ** 0.5)
+    assert mean_ci([4.0, 4.0, 4.0]) == (4.0, 0.0)
+    assert mean_ci([4.0]) == (4.0, None)
