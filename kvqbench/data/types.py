@@ -51,6 +51,9 @@ class KVData:
         k_grad2, v_grad2: squared gradients of the LM loss w.r.t. pre-RoPE K and V (Fisher
             information, KVQuant), same shapes as ``k_pre``/``v``, or ``None``.
         meta: provenance (model file, layers, text, seed, generator parameters …), JSON-able.
+        calibration: an independent batch of the same source (synthetic: another seed; real: the next
+            tokens of the text) on which data-dependent methods fit their state (KVQuant's codebooks),
+            so that no method is scored on the tensor it was calibrated on; ``None`` = fit in-sample.
     """
 
     source: str
@@ -63,6 +66,7 @@ class KVData:
     k_grad2: torch.Tensor | None = None
     v_grad2: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    calibration: "KVData | None" = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -85,8 +89,13 @@ class KVData:
         return k_hat
 
     def truncate(self, seq_len: int) -> "KVData":
-        """The first ``seq_len`` tokens of every tensor (for context-length sweeps)."""
-        t = slice(0, seq_len)
+        """The first ``seq_len`` tokens of every tensor (for context-length sweeps); the calibration
+        batch is kept as it is."""
+        return self.window(0, seq_len)
+
+    def window(self, start: int, stop: int) -> "KVData":
+        """Tokens ``[start, stop)`` of every tensor (RoPE tables included); calibration kept."""
+        t = slice(start, stop)
 
         def cut(x: torch.Tensor | None) -> torch.Tensor | None:
             return None if x is None else x[..., t, :]
@@ -102,6 +111,7 @@ class KVData:
             cut(self.k_grad2),
             cut(self.v_grad2),
             dict(self.meta),
+            self.calibration,
         )
 
     def to(self, device: torch.device | str) -> "KVData":
@@ -111,4 +121,5 @@ class KVData:
         return KVData(
             self.source, mv(self.k), mv(self.v), mv(self.q), mv(self.k_pre), mv(self.cos),  # type: ignore[arg-type]
             mv(self.sin), mv(self.k_grad2), mv(self.v_grad2), dict(self.meta),
+            None if self.calibration is None else self.calibration.to(device),
         )

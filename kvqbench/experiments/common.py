@@ -36,14 +36,16 @@ class RoundTrip:
 
 
 def fit_method(method: Quantizer, data: KVData) -> Quantizer:
-    """Fit a method's data-dependent state (codebooks) on ``data`` (in-sample), with the squared
+    """Fit a method's data-dependent state (codebooks) on ``data.calibration`` — an independent batch
+    of the same source — or, when the source has none, on ``data`` itself (in-sample), with the squared
     gradients as Fisher weights where the source has them. A no-op for local methods."""
     if not method.local_stats:
+        cal = data.calibration if data.calibration is not None else data
         method.fit(
-            k=data.k_for(method.k_pre_rope),
-            v=data.v,
-            k_grad2=data.k_grad2 if (method.k_pre_rope and data.k_pre is not None) else None,
-            v_grad2=data.v_grad2,
+            k=cal.k_for(method.k_pre_rope),
+            v=cal.v,
+            k_grad2=cal.k_grad2 if (method.k_pre_rope and cal.k_pre is not None) else None,
+            v_grad2=cal.v_grad2,
         )
     return method
 

@@ -164,6 +164,8 @@ def validate_kv(x: torch.Tensor, *, name: str = "x") -> None:
         )
     if x.numel() == 0:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)})")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is on the 'meta' device and holds no data; materialize it on cpu/cuda first")
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} contains {bad} NaN/Inf values; clean the capture before quantizing")

@@ -106,6 +106,10 @@ class KVQuant(Quantizer):
     deltas = (
         "Without squared gradients passed to fit() (synthetic data), the codebooks come from unweighted "
         "k-means instead of Fisher-weighted k-means.",
+        "Calibration set: the benchmark fits the codebooks on an independent batch of the same source "
+        "(synthetic: the generator at another seed; real: the next seq_len tokens of the same text, with "
+        "their Fisher weights), not on the paper's separate calibration corpus; the scored tensor is "
+        "never the one the codebook was fitted on.",
         "If quantize() is called for a kind that was never fitted, the codebook is fitted in-sample "
         "(unweighted) on the tensor being quantized.",
         "K's per-channel outlier thresholds and dense ranges are computed on the tensor being quantized "

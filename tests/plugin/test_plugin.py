@@ -131,3 +131,48 @@ def test_records_survive_execnet_serialization():
     assert gb.loads(gb.dumps(clean)) == clean
     assert clean["data"] == {"torch_version": str(torch.__version__), "x": 1.5, "n": 3}
     assert clean["metrics"]["a"] == "nan" and clean["variant"] == [["group_size", 64]]
+
+
+def test_option_errors_show_our_messages(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    for opt, val, text in (("--kvq-seeds", "0", "*--kvq-seeds expects a count*"),
+                           ("--kvq-bits", "12", "*--kvq-bits expects a comma list of ints in 1..8 or 16*"),
+                           ("--device", "tpu", "*--device expects auto, cpu, cuda or cuda:N*"),
+                           ("--kvq-threads", "0", "*--kvq-threads expects a positive int*"),
+                           ("--kvq-methods", ",", "*--kvq-methods got no method id*")):
+        r = pytester.runpytest_subprocess(*plugin_loaded_once, opt, val)
+        assert r.ret != 0, opt
+        r.stderr.fnmatch_lines([text])
+
+
+def test_explicit_bits_apply_to_every_experiment(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST.replace('kvq(experiment="exp1")', 'kvq(experiment="exp2", bits=(2, 4))'))
+    i = plugin_loaded_once.index("--kvq-bits")
+    no_bits = plugin_loaded_once[:i] + plugin_loaded_once[i + 2:]
+    r = pytester.runpytest_subprocess(*no_bits, "--collect-only", "-q")
+    out = r.stdout.str()
+    assert "k2v2" in out and "k4v4" in out and "k3v3" not in out and "k16v16" not in out  # marker's subset
+    r = pytester.runpytest_subprocess(*no_bits, "--kvq-bits", "8", "--collect-only", "-q")
+    out = r.stdout.str()
+    assert "k8v8" in out and "k2v2" not in out and "k4v4" not in out
+
+
+def test_provenance_command_is_the_pytest_invocation(pytester, plugin_loaded_once):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    res = pytester.runpytest_subprocess(*plugin_loaded_once, "-k", "kivi", "--kvq-out", str(pytester.path / "o"))
+    res.assert_outcomes(passed=6)
+    cmd = _load(pytester.path / "o" / "exp1_synthetic.json")["provenance"]["command"]
+    assert cmd.startswith("pytest ") and "-k kivi" in cmd and "--kvq-methods fp16,rtn_token,kivi" in cmd
+
+
+def test_a_new_run_removes_the_previous_runs_outputs(pytester, plugin_loaded_once):
+    out = pytester.path / "o"
+    out.mkdir()
+    (out / "exp3_real.json").write_text("{}")
+    (out / "pareto_real.png").write_bytes(b"x")
+    (out / "notes.txt").write_text("mine")
+    pytester.makepyfile(test_cells=CELL_TEST)
+    pytester.runpytest_subprocess(*plugin_loaded_once, "-k", "kivi", "--kvq-out", str(out)).assert_outcomes(passed=6)
+    names = {p.name for p in out.iterdir()}
+    assert "exp3_real.json" not in names and "pareto_real.png" not in names
+    assert "notes.txt" in names and "exp1_synthetic.json" in names
