@@ -90,7 +90,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # ValueError: not a kvqbench leaderboard (names the file)
         print(f"kvqbench report: {e}", file=sys.stderr)
         return 2
     for w in written:

@@ -7,7 +7,7 @@ code (MIT), whose storage layout and rounding this module follows.
 
 Keys (post-RoPE, ``(batch, kv_heads, seq_len, head_dim)``) are cut into pages of ``group_size``
 (default 128) tokens. Per page, head and channel: asym RTN over the page's tokens,
-``scale = max((hi − lo)/(2**bits − 1), eps)``, ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)``
+``scale = max(hi − lo, eps)/(2**bits − 1)``, ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)``
 (round half up, as the reference), ``x̂ = q·scale + lo``. Per page and head, the
 ``n_boost = floor(boost_fraction·D + 1e-6)`` channels with the largest mean ``|K|`` over the page get
 ``b + 2`` bits instead of ``b``. Stored:
@@ -64,7 +64,9 @@ def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: 
 
 
 def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
-    return torch.clamp((hi - lo) / levels, min=EPS)
+    """``max(hi − lo, EPS)/levels`` (the reference's form: the floor applies to the range, not to the
+    scale). A constant group gets ``EPS/levels > 0``: its codes are all 0 and it round-trips to ``lo``."""
+    return torch.clamp(hi - lo, min=EPS) / levels
 
 
 @register

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from kvqbench.report.io import read_json
-
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "parse_fail_on", "is_timing",
            "main", "render_comparison"]
 
@@ -140,16 +138,16 @@ def load_board(path: str | Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: naming the missing file.
-        ValueError: the file is not a kvqbench leaderboard (no ``sources``).
+        ValueError: the file is unreadable or not a kvqbench leaderboard
+            (:func:`kvqbench.report.render.read_leaderboard`, the check ``kvqbench report`` uses).
     """
+    from kvqbench.report.render import read_leaderboard
+
     p = Path(path)
     f = p / "leaderboard.json" if p.is_dir() else p
     if not f.exists():
         raise FileNotFoundError(f"{f} not found (expected a results folder or a leaderboard.json)")
-    doc = read_json(f)
-    if not isinstance(doc, dict) or "sources" not in doc:
-        raise ValueError(f"{f} is not a kvqbench leaderboard.json (no 'sources')")
-    return doc
+    return read_leaderboard(f)
 
 
 def _num(x: Any) -> float:

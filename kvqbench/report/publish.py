@@ -34,6 +34,7 @@ import getpass
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -249,6 +250,36 @@ def _slim(doc: Any) -> Any:
     return doc
 
 
+#: provenance fields that identify one run: an exp file must match the leaderboard's on each
+RUN_KEYS = ("start_time", "command")
+
+
+def _same_run_exp(path: Path, board: dict[str, Any]) -> tuple[Any, str]:
+    """``(doc, "")`` when the experiment file ``path`` belongs to the run ``board`` summarizes (same
+    ``provenance.start_time`` and ``command``, a source the board has, matching its file name);
+    ``(None, why)`` otherwise — a file left by an older run in the same folder, or unreadable."""
+    try:
+        doc = read_json(path)
+    except (OSError, ValueError) as e:
+        return None, f"unreadable: {type(e).__name__}"
+    if not isinstance(doc, dict):
+        return None, "not a kvqbench experiment file"
+    name_source = path.stem.split("_", 1)[1]
+    source = doc.get("source", name_source)
+    if source != name_source:
+        return None, f"its source {source!r} does not match its file name"
+    if source not in board["sources"]:
+        return None, f"source {source!r} is not in leaderboard.json (sources: {', '.join(sorted(board['sources']))})"
+    prov = doc.get("provenance")
+    if not isinstance(prov, dict):
+        return None, "no provenance: cannot tell which run wrote it"
+    for key in RUN_KEYS:
+        if prov.get(key) != board["provenance"].get(key):
+            return None, (f"provenance.{key} {prov.get(key)!r} differs from leaderboard.json's "
+                          f"{board['provenance'].get(key)!r}: written by another run")
+    return doc, ""
+
+
 def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme: str | Path | None = "README.md",
             figures: bool = True, identities: dict[str, str] | None = None) -> list[str]:
     """Publish ``results_dir`` into ``dest`` (see module doc) and refresh the README digest.
@@ -260,17 +291,31 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
         figures: render the PNG figures into ``dest`` (skipped with a line when matplotlib is missing).
         identities: override the user/host names to scrub (tests).
 
+    Only the experiment files of the run that wrote ``leaderboard.json`` are published: same
+    ``provenance.start_time`` and ``command``, and a source the leaderboard has; any other
+    ``exp*_*.json`` in ``results_dir`` (left by an older run) is skipped with one warning line on stderr.
+    Figures are never copied: they are re-rendered in ``dest`` from the published JSON, for the
+    leaderboard's sources only, after every previous ``*.png`` there is removed.
+
     Returns the written paths. Raises ``FileNotFoundError`` (no ``leaderboard.json``) or ``ValueError``
-    (a local path or name survived scrubbing — nothing is written then).
+    (``leaderboard.json`` is not a kvqbench leaderboard, or a local path or name survived scrubbing —
+    nothing is written then).
     """
     src = Path(results_dir)
     out = Path(dest)
     if not (src / "leaderboard.json").exists():
         raise FileNotFoundError(f"{src / 'leaderboard.json'} not found; point at a folder written by a kvqbench run")
-    docs = {"leaderboard.json": scrub(read_json(src / "leaderboard.json"), identities=identities)}
+    from kvqbench.report.render import read_leaderboard
+
+    raw_board = read_leaderboard(src / "leaderboard.json")
+    docs = {"leaderboard.json": scrub(raw_board, identities=identities)}
     for p in sorted(src.glob("exp*_*.json")):
         if re.fullmatch(r"exp\d+_\w+\.json", p.name):
-            docs[p.name] = scrub(_slim(read_json(p)), identities=identities)
+            doc, why = _same_run_exp(p, raw_board)
+            if doc is None:
+                print(f"kvqbench publish: warning: skipping {p.name} ({why})", file=sys.stderr)
+                continue
+            docs[p.name] = scrub(_slim(doc), identities=identities)
     for name, doc in docs.items():
         leaks = find_leaks(doc, identities=identities)
         if leaks:

@@ -9,11 +9,69 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvqbench.report.io import read_json, write_text_atomic
 from kvqbench.report.markdown import render_markdown, render_terminal
 
-__all__ = ["render_dir", "leaderboard_path"]
+__all__ = ["render_dir", "leaderboard_path", "leaderboard_problem", "read_leaderboard"]
+
+#: what every entry of ``sources`` must hold (as dicts) for the renderers and ``compare`` to use it
+SOURCE_KEYS = ("stats", "rankings", "cells")
+
+
+def leaderboard_problem(doc: Any) -> str | None:
+    """What is wrong with ``doc`` as a kvqbench leaderboard document, or ``None`` when its shape is
+    right: a dict with a ``provenance`` dict and a ``sources`` dict whose values are dicts holding
+    ``stats`` (experiment → method → setting → metric → dict), ``rankings`` (metric → dict with a
+    ``by_setting`` dict) and ``cells`` (state → count) dicts; ``methods`` and ``metrics_catalog``,
+    when present, are dicts."""
+    if not isinstance(doc, dict):
+        return f"top level is a JSON {type(doc).__name__}, not an object"
+    for key in ("provenance", "sources"):
+        if key not in doc:
+            return f"no '{key}'"
+        if not isinstance(doc[key], dict):
+            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
+    for key in ("methods", "metrics_catalog"):
+        if key in doc and not isinstance(doc[key], dict):
+            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
+    for name, src in doc["sources"].items():
+        if not isinstance(src, dict):
+            return f"sources.{name} is a {type(src).__name__}, not an object"
+        for key in SOURCE_KEYS:
+            if key not in src:
+                return f"sources.{name} has no '{key}'"
+            if not isinstance(src[key], dict):
+                return f"sources.{name}.{key} is a {type(src[key]).__name__}, not an object"
+        for exp, by_method in src["stats"].items():
+            if not isinstance(by_method, dict) or not all(
+                    isinstance(by_setting, dict) and all(isinstance(m, dict) for m in by_setting.values())
+                    for by_setting in by_method.values()):
+                return f"sources.{name}.stats.{exp} is not method → setting → metric objects"
+        for metric, r in src["rankings"].items():
+            if not isinstance(r, dict) or not isinstance(r.get("by_setting"), dict):
+                return f"sources.{name}.rankings.{metric} has no 'by_setting' object"
+    return None
+
+
+def read_leaderboard(file: str | Path) -> dict[str, Any]:
+    """Read and check a ``leaderboard.json`` file (see :func:`leaderboard_problem`).
+
+    Raises:
+        ValueError: unreadable (truncated, not JSON, not UTF-8) or not shaped like a kvqbench leaderboard;
+            the message names the file and what is wrong.
+    """
+    try:
+        doc = read_json(file)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        problem: str | None = f"not valid JSON: {e}"
+    else:
+        problem = leaderboard_problem(doc)
+    if problem is not None:
+        raise ValueError(f"{file} is not a kvqbench leaderboard ({problem}); re-run the benchmark or point at "
+                         "a folder it wrote")
+    return doc
 
 
 def leaderboard_path(path: str | Path) -> Path:
@@ -41,11 +99,12 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
         figures: also render the PNG figures (skipped with one line when matplotlib is missing).
         out_dir: where to write (default: the folder holding ``leaderboard.json``).
 
-    Returns the written paths. Raises ``FileNotFoundError`` when there is no ``leaderboard.json``.
+    Returns the written paths. Raises ``FileNotFoundError`` when there is no ``leaderboard.json`` and
+    ``ValueError`` when it is not a kvqbench leaderboard (:func:`read_leaderboard`; nothing written).
     """
     src = leaderboard_path(path)
     out = Path(out_dir) if out_dir is not None else src.parent
-    board = read_json(src)
+    board = read_leaderboard(src)
     written = [str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board)))]
     if echo:
         print(render_terminal(board))

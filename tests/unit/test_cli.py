@@ -59,3 +59,49 @@ def test_publish_command(tmp_path, capsys):
 def test_unknown_arguments_are_rejected_outside_run():
     with pytest.raises(SystemExit):
         main(["report", "x", "--bogus"])
+
+
+BAD_BOARDS = [
+    ('{"provenance": {}, "sources": {"synth', "not valid JSON"),  # truncated
+    ("", "not valid JSON"),
+    ("[1, 2]", "top level is a JSON list"),
+    ('{"sources": {"synthetic": {}}}', "no 'provenance'"),
+    ('{"provenance": {}, "sources": {"synthetic": {}}}', "sources.synthetic has no 'stats'"),
+    ('{"provenance": {}, "sources": {"synthetic": {"stats": {}, "rankings": {}, "cells": []}}}',
+     "sources.synthetic.cells is a list"),
+    ('{"provenance": {}, "sources": {"s": {"stats": {}, "rankings": {"rel_mse": 3}, "cells": {}}}}',
+     "rankings.rel_mse has no 'by_setting'"),
+    ("{}", "no 'provenance'"),
+    ('{"provenance": [], "sources": {}}', "'provenance' is a list"),
+]
+
+
+@pytest.mark.parametrize("text,why", BAD_BOARDS)
+def test_report_and_compare_reject_a_malformed_leaderboard(tmp_path, capsys, text, why):
+    good = write_results(tmp_path / "good")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "leaderboard.json").write_text(text)
+    assert main(["report", str(bad), "--no-figures"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvqbench report: {bad / 'leaderboard.json'} is not a kvqbench leaderboard (")
+    assert why in err and "re-run the benchmark or point at a folder it wrote" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (bad / "LEADERBOARD.md").exists()
+    for args in (["compare", str(good), str(bad)], ["compare", str(bad / "leaderboard.json"), str(good)]):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvqbench compare: ") and "is not a kvqbench leaderboard (" in err and why in err
+    assert main(["publish", str(bad), str(tmp_path / "lb"), "--no-readme", "--no-figures"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvqbench publish: ") and why in err and not (tmp_path / "lb").exists()
+
+
+def test_report_accepts_a_well_formed_leaderboard(tmp_path, capsys):
+    from kvqbench.report.io import read_json
+    from kvqbench.report.render import leaderboard_problem
+
+    good = write_results(tmp_path / "good")
+    assert leaderboard_problem(read_json(good / "leaderboard.json")) is None
+    assert main(["report", str(good), "--no-figures"]) == 0
+    assert "wrote" in capsys.readouterr().out

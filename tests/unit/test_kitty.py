@@ -177,3 +177,42 @@ def test_bad_options_raise() -> None:
         Kitty(2, boost_fraction=1.0).quantize(torch.ones(1, 1, 4, 512), "k")
     with pytest.raises(ValueError, match="1..8"):
         Kitty(12).quantize(torch.ones(1, 1, 4, 8), "k")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_scale_is_floored_range_over_levels(bits: int) -> None:
+    """METHODS.md / reference: ``scale = max(hi − lo, eps)/(2^b − 1)`` — the floor is on the range. A
+    group whose range lies between eps and eps·(2^b − 1) tells it apart from ``max(range/levels, eps)``
+    (which would give exactly eps there), and a two-valued such group then round-trips to both values."""
+    from kvqbench.quantizers.kitty import EPS
+
+    levels = (1 << bits) - 1
+    spread = EPS * (1.0 + 0.8 * (levels - 1)) if levels > 1 else EPS * 0.5  # 1-bit: below eps → floored
+    t, d = 128, 8
+    lo = torch.linspace(-1.0, 1.0, d)
+    pattern = (torch.arange(t) % 2).to(torch.float32)[:, None]  # two values per channel / per token
+    xk = (lo[None, :] + spread * pattern)[None, None]  # (1, 1, T, D): per-channel range = spread
+    q = Kitty(bits, boost_fraction=0.0)
+    qt = q.quantize(xk, "k")
+    rng = xk.amax(2) - xk.amin(2)  # (1, 1, D) actual fp32 ranges
+    expected = torch.clamp(rng, min=EPS) / levels
+    torch.testing.assert_close(qt["scale"].reshape(expected.shape), expected, rtol=1e-6, atol=0)
+    if levels > 1:
+        assert bool((rng > EPS).all() and (rng < EPS * levels).all())
+        assert not torch.allclose(qt["scale"].reshape(expected.shape), torch.full_like(expected, EPS))
+        torch.testing.assert_close(q.dequantize(qt), xk, rtol=0, atol=1.5e-7)
+    # V: per token over head_dim, same closed form
+    xv = torch.linspace(0.0, spread, 16).repeat(1, 2, 40, 1)
+    qv = Kitty(bits).quantize(xv, "v")
+    rv = xv.amax(-1, keepdim=True) - xv.amin(-1, keepdim=True)
+    torch.testing.assert_close(qv["scale"], torch.clamp(rv, min=EPS) / levels, rtol=1e-6, atol=0)
+    # boosted channels (b + 2 bits) use the same form with their own level count
+    boosted = Kitty(bits, boost_fraction=1.0).quantize(xk, "k")
+    torch.testing.assert_close(
+        boosted["scale"].reshape(expected.shape),
+        torch.clamp(rng, min=EPS) / ((1 << (bits + 2)) - 1), rtol=1e-6, atol=0,
+    )
+    # constant groups still round-trip exactly and never produce NaN
+    const = torch.full((1, 1, 128, 8), 0.375)
+    for kind in ("k", "v"):
+        assert torch.equal(Kitty(bits, boost_fraction=0.25).roundtrip(const, kind), const)

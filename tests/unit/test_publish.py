@@ -76,6 +76,49 @@ def test_publish_removes_files_of_a_previous_run(tmp_path):
     assert (dest / "pareto_synthetic.png").exists()
 
 
+def _stale(res: Path, name: str, **prov: str) -> None:
+    """Rewrite ``res/name`` as if an older run had left it (different provenance fields)."""
+    doc = read_json(res / name)
+    doc["provenance"] = {**doc["provenance"], **prov}
+    doc["cells"] = doc["cells"][:1]
+    (res / name).write_text(json.dumps(doc))
+
+
+def test_publish_skips_experiment_files_of_another_run(tmp_path, capsys):
+    res = write_results(tmp_path / "results", records(sources=("synthetic", "real")))
+    _stale(res, "exp1_real.json", start_time="2025-06-01T00:00:00+00:00")  # older run, same folder
+    _stale(res, "exp2_real.json", command="pytest tests/bench -m full")  # same time, other command
+    dest = tmp_path / "leaderboard"
+    written = {Path(w).name for w in publish(res, dest, readme=None, figures=False, identities=ALICE)}
+    assert "exp1_real.json" not in written and not (dest / "exp1_real.json").exists()
+    assert "exp2_real.json" not in written and not (dest / "exp2_real.json").exists()
+    assert {"exp1_synthetic.json", "exp2_synthetic.json", "exp3_real.json"} <= written
+    err = capsys.readouterr().err.splitlines()
+    warned = [line for line in err if "skipping" in line]
+    assert len(warned) == 2, err
+    assert "exp1_real.json" in warned[0] and "start_time" in warned[0] and "another run" in warned[0]
+    assert "exp2_real.json" in warned[1] and "command" in warned[1]
+
+
+def test_publish_skips_sources_the_leaderboard_lacks_and_never_copies_old_figures(tmp_path, capsys):
+    old = write_results(tmp_path / "old", records(sources=("synthetic", "real")))
+    res = write_results(tmp_path / "results", records(sources=("synthetic",)))
+    for p in old.glob("exp*_real.json"):  # a real run's files left in the folder of a synthetic-only run
+        (res / p.name).write_bytes(p.read_bytes())
+    (res / "pareto_real.png").write_bytes(b"stale figure")
+    (res / "pareto_synthetic.png").write_bytes(b"stale figure")
+    dest = tmp_path / "leaderboard"
+    dest.mkdir()
+    (dest / "mse_vs_bits_real.png").write_bytes(b"previous publish")
+    written = {Path(w).name for w in publish(res, dest, readme=None, identities=ALICE)}
+    assert not any("real" in n for n in written), written
+    assert not list(dest.glob("*_real.*"))
+    err = capsys.readouterr().err
+    assert err.count("skipping exp") == 4 and "source 'real' is not in leaderboard.json" in err
+    for png in dest.glob("*.png"):  # re-rendered from the published JSON, never the results folder's files
+        assert png.read_bytes() != b"stale figure"
+
+
 def test_publish_refuses_a_leak_it_cannot_scrub(tmp_path, monkeypatch):
     res = write_results(tmp_path / "r")
     b = read_json(res / "leaderboard.json")
