@@ -172,7 +172,7 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
         rk = ((src.get("rankings") or {}).get("rel_mse") or {}).get("by_setting") or {}
         eff = ((src.get("rankings") or {}).get("bits_effective") or {}).get("by_setting") or {}
         cols = [s for s in DIGEST_SETTINGS if s in rk]
-        lines += ["", f"**{src_name}** — ranking by relative MSE (K and V mean; rank shared when 95% CIs overlap; "
+        lines += ["", f"**{src_name}** — ranking by relative MSE (K and V mean; rank = 1 + methods whose 95% CI is wholly better; "
                       "bits eff. in brackets):", ""]
         if not cols:
             lines.append("_no ranking at " + " or ".join(DIGEST_SETTINGS) + "_")
