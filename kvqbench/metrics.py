@@ -164,12 +164,14 @@ for _r, _R in (("static", "static"), ("decode", "pseudo-decode")):
                            "averaged over queries", "exp2", scale_free=False))
     register_metric(Metric(f"{_r}_attn_k_rel_err", "1", "lower",
                            f"{_R}: attention-weighted K error relative to Σ_t a_t‖k_t‖²", "exp2"))
-    register_metric(Metric(f"{_r}_err_slope_per_1k", "1 per 1k tokens", "lower",
+    # ranked by |slope|: a flat curve (the error does not drift with context) is best; a negative slope
+    # usually means a large error at short context, not a virtue, so "lower" would reward it
+    register_metric(Metric(f"{_r}_err_slope_per_1k", "1 per 1k tokens", "zero",
                            f"{_R}: accumulation slope — least-squares slope of the output relative MSE "
-                           "against context length", "exp2"))
-    register_metric(Metric(f"{_r}_kl_slope_per_1k", "nats per 1k tokens", "lower",
-                           f"{_R}: least-squares slope of the forward attention KL against context length",
-                           "exp2"))
+                           "against context length (0 = no drift)", "exp2"))
+    register_metric(Metric(f"{_r}_kl_slope_per_1k", "nats per 1k tokens", "zero",
+                           f"{_R}: least-squares slope of the forward attention KL against context length "
+                           "(0 = no drift)", "exp2"))
 for _kv, _KV in (("k_", "K "), ("v_", "V "), ("", "")):
     register_metric(Metric(f"decode_{_kv}bits_effective", "bits/element", "lower",
                            f"pseudo-decode: {_KV}effective bits per element at the full length as billed, "
