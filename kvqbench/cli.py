@@ -118,26 +118,43 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def _module_deps(modname: str, seen: set[str] | None = None) -> set[str]:
+    """kvqbench modules ``modname`` depends on, transitively: the modules of the classes and functions
+    in its namespace (``from x import y`` bindings and base classes alike)."""
+    import sys
+
+    seen = set() if seen is None else seen
+    if modname in seen or modname not in sys.modules:
+        return seen
+    seen.add(modname)
+    for obj in vars(sys.modules[modname]).values():
+        dep = getattr(obj, "__module__", None) if not isinstance(obj, type(sys)) else obj.__name__
+        if isinstance(dep, str) and dep.startswith("kvqbench.") and dep != modname:
+            _module_deps(dep, seen)
+    return seen
+
+
 def changed_methods(paths: list[str]) -> list[str]:
-    """Method ids affected by changed files: a module under ``kvqbench/quantizers/`` affects the ids
-    registered from it; a module there that registers none (``base.py``, a shared helper) affects every
-    method; ``__init__.py`` alone (the import list) affects none — a new method's own file names it.
-    Other paths affect none. Imports the registry (torch)."""
+    """Method ids affected by changed files. A changed module under ``kvqbench/quantizers/`` or
+    ``kvqbench/numerics/`` affects every method whose module depends on it, directly or through
+    another module (a method's own file, a shared base such as ``GroupedRTNQuantizer`` in ``rtn.py``, a
+    numerics helper); ``quantizers/base.py`` affects every method; ``__init__.py`` files alone (the import
+    lists) affect none — a new method's own file names it. Other paths affect none. Imports the
+    registry (torch)."""
     from kvqbench.quantizers import registry
 
     reg = registry()
-    mods: dict[str, list[str]] = {}
-    for mid, cls in reg.items():
-        mods.setdefault(cls.__module__.rsplit(".", 1)[-1], []).append(mid)
+    deps = {mid: _module_deps(cls.__module__) for mid, cls in reg.items()}
     out: list[str] = []
     for p in paths:
         parts = Path(p).parts
-        if len(parts) < 3 or parts[0] != "kvqbench" or parts[1] != "quantizers" or not p.endswith(".py"):
+        if len(parts) < 3 or parts[0] != "kvqbench" or parts[1] not in ("quantizers", "numerics") \
+                or not p.endswith(".py") or Path(p).stem == "__init__":
             continue
-        stem = Path(p).stem
-        if stem == "__init__":
-            continue
-        ids = mods.get(stem) or list(reg)
+        mod = ".".join(Path(p).with_suffix("").parts)
+        ids = [mid for mid in reg if mod in deps[mid]]
+        if mod == "kvqbench.quantizers.base":
+            ids = list(reg)
         out += [i for i in ids if i not in out]
     return [m for m in reg if m in out]
 

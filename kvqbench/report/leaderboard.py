@@ -119,10 +119,12 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     """Per metric, per setting: every method that ran, best first.
 
     Returns ``{metric: {"better", "unit", "by_setting": {setting: [{method, mean, ci95, n, rank,
-    ties}]}}}``. ``rank`` = 1 + the number of methods that are *significantly* better (their whole
-    95% CI lies on the better side of this method's CI; with one seed, a strictly better value), so
-    methods that cannot be told apart share a rank and ties never chain down the list; ``ties``
-    lists every method whose CI overlaps this one's. Metrics not in ``catalog`` are not ranked.
+    ties}]}}}``. Methods are listed best mean first; ``rank`` = 1 + the number of methods that are
+    *significantly* better (their whole 95% CI lies on the better side of this method's CI; with one
+    seed, a strictly better value), raised where needed so it never decreases down the list (a method
+    with a very wide CI shares its better neighbour's rank instead of rank 1). Methods that cannot be
+    told apart share a rank and ties do not chain; ``ties`` lists every method whose CI overlaps this
+    one's. Metrics not in ``catalog`` are not ranked.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -144,6 +146,8 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
                 lo, hi = ivs[m]
                 ties = [m2 for m2, _ in rows if m2 != m and not (ivs[m2][1] < lo or ivs[m2][0] > hi)]
                 rank = 1 + sum(1 for m2, _ in rows if ivs[m2][1] < lo)
+                if ranked:  # listed by mean: a rank never goes down the list (a wide CI shares its
+                    rank = max(rank, ranked[-1]["rank"])  # neighbour's rank, not rank 1)
                 ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
                                "rank": rank, "ties": ties,
                                **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})

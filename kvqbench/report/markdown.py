@@ -127,7 +127,7 @@ def render_markdown(board: dict[str, Any]) -> str:
         f"seeds {prov.get('seeds', '?')} · started {prov.get('start_time', '?')}"
     )
     lines += ["", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width over seeds. "
-              "Real and synthetic results are kept apart. Ranks are shared when 95% CIs overlap.", ""]
+              "Real and synthetic results are kept apart. A rank is 1 + the methods whose 95% CI is wholly better (never lower than the rank above it).", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
         lines += [f"## {src_name}", ""]

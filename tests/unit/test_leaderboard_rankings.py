@@ -43,3 +43,11 @@ def test_mean_ci_closed_form():
     assert m == 2.0 and ci == pytest.approx(12.706204736174703 * 2 ** 0.5 / 2 ** 0.5)
     assert mean_ci([4.0, 4.0, 4.0]) == (4.0, 0.0)
     assert mean_ci([4.0]) == (4.0, None)
+
+
+def test_wide_interval_never_jumps_to_rank_one():
+    # "w" has the worst mean and a CI so wide that nothing is significantly better than it
+    st = _stats({"a": [0.0, 0.0, 0.0], "b": [1.0, 1.01, 1.02], "w": [1.0, 50.0, 300.0]})
+    ranked = rankings(st, CAT)["m"]["by_setting"]["k2v2"]
+    assert [x["method"] for x in ranked] == ["a", "b", "w"]
+    assert [x["rank"] for x in ranked] == [1, 2, 2]

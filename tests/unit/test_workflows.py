@@ -118,7 +118,7 @@ def test_ci_runs_what_dot_ci_run_runs():
 def test_method_pr_runs_changed_methods_full_and_compares():
     wf = yaml.safe_load((ROOT / ".github/workflows/method-pr.yml").read_text())
     trig = wf.get("on", wf.get(True))
-    assert trig["pull_request"]["paths"] == ["kvqbench/quantizers/**"]
+    assert trig["pull_request"]["paths"] == ["kvqbench/quantizers/**", "kvqbench/numerics/**"]
     script = "\n".join(s["run"] for _, s in _steps(wf) if "run" in s)
     assert "kvqbench methods --changed" in script and "--k-expr" in script
     assert re.search(r"kvqbench run --full -k \"\$KEXPR\"", script)
