@@ -50,9 +50,13 @@ class GroupedRTNQuantizer(Quantizer):
     def granularity(self, kind: Kind) -> Granularity:  # pragma: no cover - abstract-ish
         raise NotImplementedError
 
+    def _view(self, x: torch.Tensor) -> torch.Tensor:
+        """The layout the groups are taken in (identity; per-tensor flattens each batch entry)."""
+        return x
+
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         gran = self.granularity(kind)
-        codes, lo, scale = rtn_quantize(x, bits, gran)
+        codes, lo, scale = rtn_quantize(self._view(x), bits, gran)
         qt = self._new_qt(x, kind, bits)
         qt.add_codes("codes", codes, bits)
         qt.fields["scale"] = Stored(scale, 16)
@@ -83,21 +87,13 @@ class RTNTensor(GroupedRTNQuantizer):
     local_stats = True
 
     def granularity(self, kind: Kind) -> Granularity:
-        return PerTensor()
+        return PerToken()  # over the flattened (kv_heads·seq_len·head_dim) of each batch entry
 
-    def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
-        b = x.shape[0]
-        codes, lo, scale = rtn_quantize(x.reshape(b, 1, 1, -1), bits, PerToken())
-        qt = self._new_qt(x, kind, bits)
-        qt.add_codes("codes", codes, bits)
-        qt.fields["scale"] = Stored(scale, 16)
-        qt.fields["zero"] = Stored(lo, 16)
-        return qt
+    def _view(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], 1, 1, -1)
 
-    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        b = qt.shape[0]
-        codes = qt.codes("codes").reshape(b, 1, 1, -1)
-        return rtn_dequantize(codes, qt["zero"], qt["scale"], PerToken())
+    def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
+        return bits + AUX_BITS_NOMINAL / _group_elems(PerTensor(), shape)
 
 
 @register
