@@ -68,8 +68,12 @@ class Progress:
     ``kvqbench: 120/660 tests, elapsed 1m30s, ETA 6m10s`` is written, counted from finished tests
     (one teardown report per test, which xdist forwards to the controller). The total comes from
     collection (``session.items``, or the first xdist node's collected ids). *elapsed* counts from the
-    session start; the ETA assumes the remaining tests take as long on average as the finished ones
-    did since collection ended (so start-up and xdist worker spawn do not inflate it).
+    session start. The ETA weights what is left by kind: tests are grouped by test function and by
+    the data source/size in their id (a real full-size cell costs far more than a synthetic smoke
+    one), each pending test is charged its group's median measured duration (the overall median for a
+    group not seen yet; medians ignore one-off costs such as loading the model), and the sum is divided by the parallelism observed so far (busy test-seconds per wall
+    second since collection ended, which accounts for xdist workers). Without durations it falls back to
+    the average pace of the finished tests.
     """
 
     interval_s: float = 10.0
@@ -78,13 +82,47 @@ class Progress:
     t0: float = 0.0
     t_run: float = 0.0
     last: float = 0.0
+    pending: dict[str, int] = field(default_factory=dict)
+    durations: dict[str, list[float]] = field(default_factory=dict)
+    partial: dict[str, float] = field(default_factory=dict)  # setup+call seconds of running tests
+
+    @staticmethod
+    def group(nodeid: str) -> str:
+        base, _, params = nodeid.partition("[")
+        tags = [t for t in ("real", "synthetic", "full", "smoke") if f"-{t}" in params]
+        return base + ("|" + "-".join(tags) if tags else "")
+
+    def collected(self, nodeids: list[str]) -> None:
+        self.total = len(nodeids)
+        self.pending = {}
+        for n in nodeids:
+            g = self.group(n)
+            self.pending[g] = self.pending.get(g, 0) + 1
+
+    def finished(self, nodeid: str, duration_s: float) -> None:
+        g = self.group(nodeid)
+        self.done += 1
+        if self.pending.get(g, 0) > 0:
+            self.pending[g] -= 1
+        self.durations.setdefault(g, []).append(max(duration_s, 0.0))
+
+    def eta(self, now: float) -> float:
+        import statistics
+
+        run = max(now - (self.t_run or self.t0), 1e-9)
+        busy = sum(sum(v) for v in self.durations.values())
+        if not self.durations or busy <= 0:
+            return run / self.done * (self.total - self.done) if self.done else 0.0
+        # medians, so a one-off cost (the first real cell loads the model) does not inflate a group
+        typical_all = statistics.median(d for v in self.durations.values() for d in v)
+        left = sum(k * (statistics.median(self.durations[g]) if self.durations.get(g) else typical_all)
+                   for g, k in self.pending.items() if k > 0)
+        return left / max(busy / run, 1e-3)
 
     def line(self, now: float) -> str:
         el = now - self.t0
-        run = now - (self.t_run or self.t0)
-        eta = run / self.done * (self.total - self.done) if self.done else 0.0
         return (f"kvqbench: {self.done}/{self.total} tests, elapsed {_hms(el)}, "
-                f"ETA {_hms(eta) if self.done else '?'}")
+                f"ETA {_hms(self.eta(now)) if self.done else '?'}")
 
 
 def _hms(sec: float) -> str:
@@ -119,7 +157,7 @@ def _progress_interval(text: str) -> float:
 def pytest_collection_finish(session: pytest.Session) -> None:
     prog = session.config.stash.get(PROGRESS_KEY, None)
     if prog is not None and not _is_worker(session.config):
-        prog.total = len(session.items)
+        prog.collected([it.nodeid for it in session.items])
         prog.t_run = time.time()
 
 
@@ -128,18 +166,19 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     config = _CONFIG.get("config")
     prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
     if prog is not None and not prog.total:
-        prog.total = len(ids)
+        prog.collected(list(ids))
         prog.t_run = time.time()
 
 
 def _progress_tick(report: pytest.TestReport) -> None:
-    if report.when != "teardown":
-        return
     config = _CONFIG.get("config")
     prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
     if prog is None or _is_worker(config):
         return
-    prog.done += 1
+    prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
+    if report.when != "teardown":
+        return
+    prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0))
     now = time.time()
     if prog.interval_s <= 0 or prog.done >= prog.total or now - prog.last < prog.interval_s:
         return

@@ -109,3 +109,24 @@ def test_bad_progress_value_is_a_usage_error(pytester, args):
     res = pytester.runpytest_subprocess(*args, "--kvq-progress", "soon")
     assert res.ret != 0
     res.stderr.fnmatch_lines(["*--kvq-progress expects seconds*"])
+
+
+def test_eta_weights_pending_tests_by_their_kind():
+    from kvqbench.plugin import Progress
+
+    ids = [f"t.py::test_a[m{i}-k2v2-seed0-synthetic-full]" for i in range(10)] + \
+          [f"t.py::test_a[m{i}-k2v2-seed0-real-full]" for i in range(10)]
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0)
+    p.collected(ids)
+    assert p.total == 20
+    for i in range(10):  # the synthetic cells ran first: 1 s each
+        p.finished(ids[i], 1.0)
+    p.finished(ids[10], 9.0)  # one real cell: 9 s
+    # 9 real cells left × 9 s each = 81 test-seconds, at the observed parallelism: 19 busy s in 10 wall s
+    assert p.eta(10.0) == pytest.approx(81.0 / (19.0 / 10.0))
+    assert p.line(10.0) == "kvqbench: 11/20 tests, elapsed 10s, ETA 43s"
+    # an unseen kind is charged the overall mean
+    q = Progress(t0=0.0, t_run=0.0)
+    q.collected(ids[:2] + ["t.py::test_b[x]"])
+    q.finished(ids[0], 2.0)
+    assert q.eta(2.0) == pytest.approx((2.0 + 2.0) / 1.0)
