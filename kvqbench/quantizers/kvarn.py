@@ -104,9 +104,6 @@ class KVarN(Quantizer):
         sink_tokens: int = SINK_TOKENS,
     ) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        for nm, b in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
-            if 8 < b < 16:
-                raise ValueError(f"{nm}: code widths 1..8 (or >= 16 for passthrough) are supported, got {b}")
         for nm, val, lo in (("group_size", group_size, 1), ("varn_iters", varn_iters, 0), ("sink_tokens", sink_tokens, 0)):
             if not isinstance(val, int) or isinstance(val, bool) or val < lo:
                 raise ValueError(f"{nm} must be an int >= {lo}, got {val!r}")

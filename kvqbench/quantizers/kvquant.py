@@ -136,9 +136,6 @@ class KVQuant(Quantizer):
         calib_samples: int | None = 1 << 18,
     ) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        for nm, b in (("k_bits", self.k_bits), ("v_bits", self.v_bits)):
-            if 8 < b < 16:
-                raise ValueError(f"{nm}: code widths 1..8 (or >= 16 for passthrough) are supported, got {b}")
         if not isinstance(outlier_frac, (int, float)) or not 0 <= float(outlier_frac) < 1:
             raise ValueError(f"outlier_frac must be in [0, 1), got {outlier_frac!r}")
         if not isinstance(attention_sink, bool):

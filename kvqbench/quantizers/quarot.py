@@ -36,11 +36,6 @@ __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "
 CLIP_RATIO = 0.95
 
 
-def _check_code_bits(bits: int) -> None:
-    if 8 < bits < 16:
-        raise ValueError(f"code widths 1..8 (or >= 16 for passthrough) are supported, got {bits}")
-
-
 def quarot_qparams(
     xg: torch.Tensor, bits: int, *, include_zero: bool, clip_ratio: float = CLIP_RATIO
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +127,6 @@ class QuaRot(Quantizer):
         clip_ratio: float = CLIP_RATIO,
     ) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        _check_code_bits(self.k_bits)
-        _check_code_bits(self.v_bits)
         if group_size is not None and (
             not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0
         ):
