@@ -157,38 +157,29 @@ def _num(x: Any) -> float:
         return math.nan
 
 
+def _shared_keys(base: dict[str, Any], new: dict[str, Any], prefix: str, out: "Comparison") -> list[str]:
+    """Keys present on both sides (sorted); the others are listed as one-sided in ``out``."""
+    for k in sorted(set(base) - set(new)):
+        out.only_base.append(f"{prefix}{k}")
+    for k in sorted(set(new) - set(base)):
+        out.only_new.append(f"{prefix}{k}")
+    return sorted(set(base) & set(new))
+
+
 def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
     """Compare two leaderboard documents (see module doc)."""
     catalog = {**(new.get("metrics_catalog") or {}), **(base.get("metrics_catalog") or {})}
     out = Comparison()
     bs, ns = base.get("sources") or {}, new.get("sources") or {}
-    for src in sorted(set(bs) | set(ns)):
-        if src not in ns:
-            out.only_base.append(f"source {src}")
-            continue
-        if src not in bs:
-            out.only_new.append(f"source {src}")
-            continue
+    for src in _shared_keys(bs, ns, "source ", out):
         if bs[src].get("sizes") != ns[src].get("sizes"):
             out.notes.append(f"{src}: cell sizes differ (base {bs[src].get('sizes')}, new {ns[src].get('sizes')}) — "
                              "deltas mix sizes")
         bst, nst = bs[src].get("stats") or {}, ns[src].get("stats") or {}
         for exp in sorted(set(bst) | set(nst)):
             be, ne = bst.get(exp) or {}, nst.get(exp) or {}
-            for meth in sorted(set(be) | set(ne)):
-                if meth not in ne:
-                    out.only_base.append(f"{src}/{exp}/{meth}")
-                    continue
-                if meth not in be:
-                    out.only_new.append(f"{src}/{exp}/{meth}")
-                    continue
-                for setting in sorted(set(be[meth]) | set(ne[meth])):
-                    if setting not in ne[meth]:
-                        out.only_base.append(f"{src}/{exp}/{meth}/{setting}")
-                        continue
-                    if setting not in be[meth]:
-                        out.only_new.append(f"{src}/{exp}/{meth}/{setting}")
-                        continue
+            for meth in _shared_keys(be, ne, f"{src}/{exp}/", out):
+                for setting in _shared_keys(be[meth], ne[meth], f"{src}/{exp}/{meth}/", out):
                     bm, nm = be[meth][setting], ne[meth][setting]
                     for name in sorted(set(bm) & set(nm)):
                         spec = catalog.get(name)
