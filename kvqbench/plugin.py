@@ -278,6 +278,8 @@ def pytest_configure(config: pytest.Config) -> None:
         _check_real_deps(s.model)
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
+    if not config.pluginmanager.has_plugin("kvqbench-benchmark-json"):
+        config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
     config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
                                           last=time.time())
 
@@ -670,14 +672,14 @@ def _out_dir(config: pytest.Config, records: list[dict[str, Any]]) -> Path:
 BENCHMARK_JSON = "benchmark_exp4.json"
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int):
-    """Session end: first (before pytest-benchmark's own wrapper saves) point its ``--benchmark-json`` at
-    ``<results>/benchmark_exp4.json``; after every other implementation, write the results."""
-    _point_benchmark_json(session)
-    res = yield
-    _write_session(session)
-    return res
+class _BenchmarkJson:
+    """Registered in ``pytest_configure``: its session-finish wrapper runs before pytest-benchmark's own
+    (which saves the JSON) and points it at the results folder."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int):
+        _point_benchmark_json(session)
+        return (yield)
 
 
 def _point_benchmark_json(session: pytest.Session) -> None:
@@ -754,7 +756,8 @@ def _write_figures(config: pytest.Config, out_dir: Path) -> list[str]:
         return []
 
 
-def _write_session(session: pytest.Session) -> None:
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
