@@ -241,6 +241,9 @@ def run_perf(
             t0 = time.perf_counter()
             res = _measure(_candidates(ids, bits, data, peers), timer, repeats)
             base = {b: res[b]["median_ms"] for b in BASELINES if b in res}
+            # clone reads and writes the tensor once: its bytes moved per second is the memory bandwidth
+            res["clone"]["bandwidth_gbps"] = 2 * data.k.numel() * data.k.element_size() / (
+                max(base["clone"], 1e-9) * 1e-3) / 1e9
             for name, r in res.items():
                 mid, _, kind = name.partition("/")
                 row = {"threads": nt, "tokens": int(t), "candidate": mid, "kind": kind or None, **r}
@@ -335,6 +338,9 @@ def format_report(result: dict[str, Any]) -> str:
             out.append(f"threads={nt}  T={t}  x=({shape[0]}, {shape[1]}, {t}, {shape[3]}) fp32  "
                        f"{result['config']['bits']} bits  median of {result['config']['repeats']} interleaved rounds")
             out.append(tabulate(table, headers=headers, disable_numparse=True))
+            bw = by.get(("clone", None), {}).get("bandwidth_gbps")
+            if bw:
+                out.append(f"clone moves {bw:.1f} GB/s (read + write)")
             out.append("")
     sc = result.get("scaling") or []
     if sc:
