@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-peers", action="store_true", help="leave out optional peer baselines (hqq_rtn)")
+    p.add_argument("--fused", action="store_true",
+                   help="use the compiled (torch.compile) RTN kernels where a compiler exists, as KVQBENCH_FUSED=1 "
+                        "(bit-identical; the first call per shape compiles)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -270,7 +273,9 @@ def run_perf(
         "hqq": _hqq_version() if peers else None,
         "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter",
     }
-    cfg = {"methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
+    from kvqbench.numerics import fused
+
+    cfg = {"fused": fused.enabled(dev.type), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
            "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
            "eager_rtn_group": EAGER_GROUP}
     return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
@@ -364,6 +369,13 @@ def format_report(result: dict[str, Any]) -> str:
 def main(args: argparse.Namespace) -> int:
     """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`)."""
     methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
+    if args.fused:
+        from kvqbench.numerics import fused
+
+        if not fused.compiler_available("cuda" if args.device.startswith("cuda") else "cpu"):
+            print("kvqbench perf: --fused needs a C++ compiler (CPU) or Triton (CUDA); none found", file=sys.stderr)
+            return 2
+        fused.set_enabled(True)
     try:
         result = run_perf(methods, args.tokens, args.threads, args.bits, args.kv_heads, args.head_dim,
                           args.repeats, args.device, peers=not args.no_peers,

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from kvqbench.numerics import fused
+
 __all__ = [
     "Granularity",
     "PerTensor",
@@ -145,6 +147,8 @@ def quantize_asym(
     """
     xf = x.to(lo.dtype)
     safe = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
+    if fused.enabled(xf.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
+        return fused.quantize_codes(xf, lo, safe, 2**bits - 1, dtype, fused=True)
     q = torch.sub(xf, lo)
     q.div_(safe).round_().clamp_(0, 2**bits - 1)
     return q.to(dtype)
@@ -152,6 +156,8 @@ def quantize_asym(
 
 def dequantize_asym(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``codes * scale + lo`` in ``lo``'s dtype (one output buffer, multiplied and shifted in place)."""
+    if fused.enabled(codes.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
+        return fused.dequantize_codes(codes, lo, scale, fused=True)
     shape = torch.broadcast_shapes(codes.shape, scale.shape, lo.shape)
     if tuple(codes.shape) != tuple(shape):
         return codes.to(lo.dtype) * scale + lo
