@@ -667,7 +667,7 @@ def _sort_key(r: dict[str, Any]) -> tuple:
 #: the files a session writes; a new session removes the old ones first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
                    "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
-                   "norm_diff_density_*.png", "cost_*.png")
+                   "norm_diff_density_*.png", "cost_*.png", "predictivity_*.png")
 
 
 def _remove_stale_outputs(out_dir: Path) -> None:
