@@ -136,12 +136,9 @@ class KVCacheHook:
         self.cos, self.sin = cos, sin
         if any(m.k_pre_rope for m in self.methods) and (cos is None or sin is None):
             raise ValueError("a method quantizes pre-RoPE keys: pass the model's RoPE tables (cos, sin)")
-
-        def policy(m: Quantizer, kind: str) -> StreamPolicy | None:
-            return None if streaming else StreamPolicy()
-
-        self.k = [Stream(m, "k", policy(m, "k")) for m in self.methods]
-        self.v = [Stream(m, "v", policy(m, "v")) for m in self.methods]
+        rules = None if streaming else StreamPolicy()  # None: the method's own stream policy
+        self.k = [Stream(m, "k", rules) for m in self.methods]
+        self.v = [Stream(m, "v", rules) for m in self.methods]
 
     def _pre(self, layer: int) -> bool:
         return self.methods[layer].k_pre_rope

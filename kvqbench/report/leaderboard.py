@@ -344,7 +344,20 @@ def _check_local_codebook_gap(records: list[dict]) -> dict:
                  "methods with local_stats show a codebook-generalization gap of exactly 0", bad)
 
 
-DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap])
+def _check_fp16_endtoend(records: list[dict]) -> dict:
+    """The fp16 control leaves the real model's next-token distributions exactly unchanged (exp5)."""
+    cells = [r for r in records if r["method"] == "fp16" and r["experiment"] == "exp5" and r.get("status") == "passed"]
+    if not cells:
+        return _flag("fp16_endtoend_exact", None, "fp16 control did not run experiment 5")
+    want = {"kl_nats": 0.0, "kl_p99_nats": 0.0, "top1_agree": 1.0, "dloss_nats": 0.0}
+    bad = [f"{r['nodeid']}: {k}={v:.3g}" for r in cells for k, v in sorted(r.get("metrics", {}).items())
+           if k.startswith("e2e_") and k.split("_", 2)[2] in want and v != want[k.split("_", 2)[2]]]
+    return _flag("fp16_endtoend_exact", not bad,
+                 "fp16 control in the model's KV cache: next-token KL exactly 0, top-1 agreement exactly 1, "
+                 "Δ loss exactly 0 (prefill and decode)", bad)
+
+
+DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_fp16_endtoend])
 
 
 def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", quality: str = "decode_attn_kl_fwd_nats",

@@ -146,3 +146,14 @@ def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
     assert "predictivity_real.png" in names and "predictivity_synthetic.png" not in names, logs
     data = (out / "predictivity_real.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_fp16_endtoend_flag(board) -> None:
+    flags = {d["name"]: d for d in board["sources"]["real"]["data_quality"]}
+    assert flags["fp16_endtoend_exact"]["ok"] is True
+    bad = _records()
+    for r in bad:
+        if r["experiment"] == "exp5" and r["method"] == "fp16":
+            r["metrics"]["e2e_prefill_kl_nats"] = 1e-9
+    flags = {d["name"]: d for d in assemble(bad, catalog(), copy.deepcopy(PROVENANCE))["sources"]["real"]["data_quality"]}
+    assert flags["fp16_endtoend_exact"]["ok"] is False and flags["fp16_endtoend_exact"]["offenders"]
