@@ -281,7 +281,7 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             # which tensor metrics predict model damage (exp5 against exp1–exp3), None without exp5
             "predictivity": predictivity(st, catalog),
         }
-    headline = choose_headline(sources)
+    headline = choose_headline(sources, catalog)
     for src in sources.values():
         src["headline"] = headline_budget(src["stats"], headline, catalog)
     return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources,
@@ -514,15 +514,19 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
 DEFAULT_HEADLINE_METRIC = PARETO_QUALITY
 
 
-def choose_headline(sources: dict[str, Any]) -> dict[str, Any]:
-    """The leaderboard's headline metric: the tensor metric with the highest pooled Spearman ρ against the
-    first predictivity target (within-bit-width ρ where only one bit width ran) on a source that ran exp5;
-    ``rel_mse`` (with ``from_predictivity: False``) when none did."""
+def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = None) -> dict[str, Any]:
+    """The leaderboard's headline metric: the scale-free tensor metric (comparable across layers and
+    models, SPEC §2) with the highest pooled Spearman ρ against the first predictivity target
+    (within-bit-width ρ where only one bit width ran) on a source that ran exp5; ``rel_mse`` (with
+    ``from_predictivity: False``) when none did. Pooled, because the headline compares methods across bit
+    widths at matched budgets."""
+    catalog = catalog or {}
     for src_name in sorted(sources, key=lambda s: (s != "real", s)):
         pr = sources[src_name].get("predictivity") or {}
         by_group = (pr.get("targets") or {}).get(PREDICTIVITY_TARGETS[0]) or {}
         group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-        rows = [r for r in by_group.get(group, []) if r["rho"] is not None] if group else []
+        rows = [r for r in by_group.get(group, []) if r["rho"] is not None
+                and (catalog.get(r["metric"]) or {}).get("scale_free", True)] if group else []
         if rows:
             best = rows[0]
             return {"metric": best["metric"], "experiment": best["experiment"], "rho": best["rho"],

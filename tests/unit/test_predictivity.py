@@ -40,7 +40,7 @@ def _records() -> list[dict]:
                 # rel_mse: monotone in KL (a perfect predictor); k_rel_mse: the shuffled order
                 out.append(_rec("exp1", m, bits, seed, "real", {
                     "rel_mse": kl / 3, "k_rel_mse": SHUFFLED[m] * f, "v_rel_mse": kl / 2, "bits_effective": eff,
-                    "k_norm_bias": -kl}))
+                    "k_norm_bias": -kl, "k_mse": kl * 5}))
                 if bits < 16:
                     out.append(_rec("exp5", m, bits, seed, "real", {
                         "e2e_prefill_kl_nats": kl, "e2e_decode_kl_nats": kl * 1.1, "e2e_prefill_top1_agree": 1 - kl}))
@@ -104,7 +104,10 @@ def test_bootstrap_is_seeded_and_deterministic(board) -> None:
 def test_headline_is_the_best_pooled_metric_with_its_e2e_kl(board) -> None:
     h = board["headline"]
     assert h["from_predictivity"] and h["group"] == "pooled" and h["target"] == PREDICTIVITY_TARGETS[0]
-    # three perfect predictors tie at ρ = 1; ties go by name
+    # four perfect predictors tie at ρ = 1; ties go by name, and a scale-dependent metric (k_mse, in
+    # squared units of K) is never the headline
+    pooled = {r["metric"]: r for r in board["sources"]["real"]["predictivity"]["targets"][h["target"]]["pooled"]}
+    assert pooled["k_mse"]["rho"] == pytest.approx(1.0, abs=1e-12)
     assert h["metric"] == "k_norm_bias" and h["rho"] == pytest.approx(1.0, abs=1e-12)
     real = board["sources"]["real"]["headline"]
     b25 = next(r for r in real if r["budget"] == 2.25)
