@@ -166,9 +166,20 @@ def _is_cell_item(item: pytest.Item) -> bool:
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
+    """Remember the collected cells (controller) and, when there are any, check before the first one runs
+    that the results folder can be written (a one-line usage error otherwise)."""
+    from kvqbench.report.results import check_writable
+
     state = config.stash.get(STATE_KEY, None)
-    if state is not None and state.expected is None:
-        state.expected = list(nodeids)
+    if state is None or state.expected is not None:
+        return
+    state.expected = list(nodeids)
+    if nodeids:
+        out = _out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
+        problem = check_writable(out)
+        if problem:
+            raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
+                                    "(pass --kvq-out DIR with a writable folder)")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -658,12 +669,16 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
     }
 
 
-def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None) -> Path:
+def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None,
+             expected: list[str] | None = None) -> Path:
     """The results folder: ``--kvq-out``, else ``results/`` (``results/smoke/`` when only smoke cells
-    ran), relative to the invocation folder."""
+    were collected — or, when that is unknown, ran), relative to the invocation folder."""
     out = s.out_dir
     if out is None:
-        smoke = records is not None and records and all(r["size"] == "smoke" for r in records)
+        if expected:
+            smoke = all(i.endswith("-smoke]") for i in expected)
+        else:
+            smoke = bool(records) and all(r["size"] == "smoke" for r in records)
         out = "results/smoke" if smoke else "results"
     out_dir = Path(out)
     if not out_dir.is_absolute():
@@ -706,7 +721,7 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
         return paths
 
     res = write_result_set(
-        records, provenance(config, s, records) if records else {}, _out_dir(config, s, records),
+        records, provenance(config, s, records) if records else {}, _out_dir(config, s, records, state.expected),
         expected=state.expected, reason=_end_reason(session, exitstatus),
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
         write_extra=extra, log=log)
