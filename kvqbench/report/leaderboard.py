@@ -380,7 +380,23 @@ def _check_local_codebook_gap(records: list[dict]) -> dict:
                  "methods with local_stats show a codebook-generalization gap of exactly 0", bad)
 
 
-DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap])
+def _check_roundtrip_finite(records: list[dict]) -> dict:
+    """Every method's reconstructions are finite in every experiment (the experiments tally NaN/±inf
+    elements of K̂ and V̂ in ``extra["roundtrip_nonfinite"]``, failed cells included)."""
+    cells = [r for r in records if isinstance((r.get("extra") or {}).get("roundtrip_nonfinite"), dict)]
+    if not cells:
+        return _flag("roundtrip_finite", None, "no cell recorded whether its round trip is finite")
+    bad: dict[str, list[str]] = defaultdict(list)
+    for r in cells:
+        d = r["extra"]["roundtrip_nonfinite"]
+        if d.get("k") or d.get("v"):
+            bad[r["method"]].append(f"{r['experiment']} {setting_key(r)}")
+    offenders = [f"{m}: {len(v)} cell(s), e.g. {v[0]}" for m, v in sorted(bad.items())]
+    return _flag("roundtrip_finite", not bad,
+                 "every method's reconstruction K̂, V̂ is finite (no NaN/inf) in every experiment", offenders)
+
+
+DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_roundtrip_finite])
 
 
 def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", quality: str = "decode_attn_kl_fwd_nats",
