@@ -175,11 +175,25 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
         return
     state.expected = list(nodeids)
     if nodeids:
-        out = _out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
+        s = config.stash[SETTINGS_KEY]
+        out = _out_dir(config, s, None, state.expected)
         problem = check_writable(out)
         if problem:
             raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
                                     "(pass --kvq-out DIR with a writable folder)")
+        if s.real and any("-real-" in i for i in nodeids):
+            _check_model(s.model)
+
+
+def _check_model(model: str) -> None:
+    """Stop the session before any cell when the real model cannot be loaded (one line)."""
+    from kvqbench.data.capture import check_model
+
+    try:
+        check_model(model)
+    except (ImportError, OSError, ValueError) as e:
+        raise pytest.UsageError(f"kvqbench: --kvq-model {model}: {e} (or run without --kvq-real / with --no-real)"
+                                ) from None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -423,9 +437,21 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
     _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
            kvq_settings.model)
+    if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
+        pytest.fail(_DATA_FAILED[key], pytrace=False)
     if key not in _DATA_CACHE:
-        _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        try:
+            _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        except Exception as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
+                                 f"cell: {type(e).__name__}: {first}")
+            raise  # the first cell shows the full error
     return _DATA_CACHE[key]
+
+
+#: data keys whose loading failed in this process → the one-line reason (later cells fail fast)
+_DATA_FAILED: dict[tuple, str] = {}
 
 
 _THREADS_SET: list[int] = []

@@ -95,7 +95,8 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 "mean": m,
                 "ci95": ci,
                 "n": len(vals),
-                "n_asked": max(asked.get((src, exp), 0), len(vals)),
+                "n_asked": max([asked.get((src, exp, _test_of(r)), 0) for r in recs if name in r.get("metrics", {})]
+                               + [len(vals)]),
                 "seeds": [r["seed"] for r in recs if name in r.get("metrics", {})],
                 "values": vals,
             }
@@ -111,12 +112,18 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     return stats
 
 
-def seeds_asked(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str], int]:
-    """``(source, experiment)`` → how many seeds its cells were asked for: the distinct seeds among its
-    records whatever their status (a failed seed still asked for)."""
-    seen: dict[tuple[str, str], set] = defaultdict(set)
+def _test_of(r: dict[str, Any]) -> str:
+    """The test function that produced a record (its node id without the parameters)."""
+    return str(r.get("nodeid", "")).split("[", 1)[0]
+
+
+def seeds_asked(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
+    """``(source, experiment, test function)`` → how many seeds its cells were asked for: the distinct
+    seeds among its records whatever their status (a failed seed was still asked for). Keyed by test
+    function because one experiment may run some tests on every seed and others on one."""
+    seen: dict[tuple[str, str, str], set] = defaultdict(set)
     for r in records:
-        seen[(r["source"], r["experiment"])].add(r["seed"])
+        seen[(r["source"], r["experiment"], _test_of(r))].add(r["seed"])
     return {k: len(v) for k, v in seen.items()}
 
 
