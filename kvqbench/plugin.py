@@ -175,14 +175,11 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
         return
     state.expected = list(nodeids)
     if nodeids:
-        s = config.stash[SETTINGS_KEY]
-        out = _out_dir(config, s, None, state.expected)
+        out = _out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
         problem = check_writable(out)
         if problem:
             raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
                                     "(pass --kvq-out DIR with a writable folder)")
-        if s.real and any("-real-" in i for i in nodeids):
-            _check_model(s.model)
 
 
 def _check_model(model: str) -> None:
@@ -322,6 +319,8 @@ def pytest_configure(config: pytest.Config) -> None:
         s.device = _resolve_device(s.device)
     if s.real:
         _check_real_deps(s.model)
+        if not _is_worker(config):
+            _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
     if s.out_dir is not None and not _is_worker(config):  # an explicit folder: check it at once
         from kvqbench.report.results import check_writable
 

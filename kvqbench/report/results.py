@@ -200,6 +200,8 @@ def _move_in(staging: Path, dest: Path, written: list[Path]) -> list[str]:
             shutil.rmtree(target)
         os.replace(e, target)
     staging.rmdir()
+    for old in dest.glob(".kvqbench-staging-*"):  # left by a run killed while writing; superseded now
+        shutil.rmtree(old, ignore_errors=True)
     out = []
     for p in written:
         try:

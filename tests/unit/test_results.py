@@ -185,3 +185,19 @@ def test_a_failed_seed_is_marked_not_ranked_and_off_the_front():
     recs[1]["status"] = "failed"  # … and now both: "failed"
     md = render_markdown(board(recs))
     assert "| failed " in next(ln for ln in md.splitlines() if ln.startswith("| `fp16`"))
+
+
+def test_publish_refuses_and_compare_warns_on_an_incomplete_set(tmp_path):
+    import io
+
+    from kvqbench.report.compare import main as compare_main
+    from kvqbench.report.publish import publish
+
+    recs = records(experiments=("exp1",))
+    _write(tmp_path / "part", recs[:10], expected=len(recs), reason="interrupted")
+    with pytest.raises(ValueError, match="incomplete result set .*10 of 24 cells finished"):
+        publish(tmp_path / "part", tmp_path / "pub", readme=None, figures=False)
+    assert not (tmp_path / "pub").exists()
+    buf = io.StringIO()
+    compare_main(tmp_path / "part", tmp_path / "part", [], out=buf)
+    assert "warning: NEW is incomplete: 10 of 24 cells finished, 14 not run, interrupted" in buf.getvalue()
