@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
     rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
+    rep.add_argument("--rebuild", action="store_true",
+                     help="rebuild leaderboard.json and summary.json from DIR/exp*_*.json too (done anyway when "
+                          "leaderboard.json is missing or unreadable, e.g. after a run killed while writing)")
     cmp_ = sub.add_parser("compare", help="compare two result sets; exit 1 when a metric regresses past a threshold")
     cmp_.add_argument("base", type=Path, help="baseline results folder or leaderboard.json")
     cmp_.add_argument("new", type=Path, help="new results folder or leaderboard.json")
@@ -89,7 +92,7 @@ def _report(args: argparse.Namespace) -> int:
     from kvqbench.report.render import render_dir
 
     try:
-        written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out)
+        written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out, rebuild=args.rebuild)
     except (FileNotFoundError, ValueError) as e:  # ValueError: not a kvqbench leaderboard (names the file)
         print(f"kvqbench report: {e}", file=sys.stderr)
         return 2

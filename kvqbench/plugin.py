@@ -17,6 +17,7 @@ import argparse
 import datetime as _dt
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -55,6 +56,7 @@ class Settings:
 class SessionState:
     records: list[dict[str, Any]] = field(default_factory=list)
     written: list[str] = field(default_factory=list)
+    expected: list[str] | None = None  # node ids of the collected cells (controller)
     board: dict[str, Any] | None = None
     out_dir: str | None = None
     t0: float = 0.0
@@ -159,6 +161,21 @@ def _progress_interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--kvq-progress expects seconds >= 0 (0 = off); got {text!r}") from None
 
 
+#: a cell's test id ends with ``[<method>-k<K>v<V>[-variant…]-seed<N>-<source>-<size>]`` (see ``Cell.id``)
+_CELL_ID = re.compile(r"\[[^\[\]]*-k\d+v\d+[^\[\]]*-seed\d+-[a-z_]+-[a-z_]+\]$")
+
+
+def _is_cell_item(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and isinstance(callspec.params.get("cell"), Cell)
+
+
+def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
+    state = config.stash.get(STATE_KEY, None)
+    if state is not None and state.expected is None:
+        state.expected = list(nodeids)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """``--kvq-shard I/N``: keep shard I of the collected (and -k/-m selected) items, deselect the rest
@@ -178,11 +195,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     keep = set(sh.split(matrix, count, est)[index - 1])
     selected = [it for it in items if it.nodeid in keep]
     deselected = [it for it in items if it.nodeid not in keep]
-    def is_cell(it: pytest.Item) -> bool:
-        return isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("cell"), Cell)
-
-    doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if is_cell(it)],
-                       [it.nodeid for it in selected if is_cell(it)],
+    doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if _is_cell_item(it)],
+                       [it.nodeid for it in selected if _is_cell_item(it)],
                        "kvqbench/data/durations.json" if s.durations is None else os.path.basename(s.durations),
                        sum(est[it.nodeid] for it in selected))
     config.stash[STATE_KEY].shard = doc
@@ -203,6 +217,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if not _is_worker(session.config):
+        _expect_cells(session.config, [it.nodeid for it in session.items if _is_cell_item(it)])
     prog = session.config.stash.get(PROGRESS_KEY, None)
     if prog is not None and not _is_worker(session.config):
         prog.collected([it.nodeid for it in session.items])
@@ -212,6 +228,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     config = _CONFIG.get("config")
+    if config is not None:
+        _expect_cells(config, [i for i in ids if _CELL_ID.search(i)])
     prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
     if prog is not None and not prog.total:
         prog.collected(list(ids))
@@ -745,41 +763,13 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
     }
 
 
-def _sort_key(r: dict[str, Any]) -> tuple:
-    return (r["source"], r["experiment"], r["method"], r["k_bits"], r["v_bits"],
-            sorted((r.get("variant") or {}).items()), r["seed"], r["size"], r["nodeid"])
-
-
-#: the files a session writes; a new session removes the old ones first, so a folder never mixes runs
-OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
-                   "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
-                   "norm_diff_density_*.png", "cost_*.png")
-
-
-def _remove_stale_outputs(out_dir: Path) -> None:
-    if not out_dir.is_dir():
-        return
-    for pattern in OUTPUT_PATTERNS:
-        for p in out_dir.glob(pattern):
-            if p.is_file():
-                p.unlink()
-
-
-def write_results(config: pytest.Config) -> list[str]:
-    """Assemble the session's records and write every output file (controller only)."""
-    from kvqbench.metrics import catalog_dict
-    from kvqbench.report.io import write_json_atomic, write_text_atomic
-    from kvqbench.report.leaderboard import assemble, summary_of
-    from kvqbench.report.markdown import render_markdown
-
-    s = config.stash[SETTINGS_KEY]
-    state = config.stash[STATE_KEY]
-    records = sorted((r for r in state.records if r.get("experiment") != "adhoc"), key=_sort_key)
-    if not records and state.shard is None:
-        return []
+def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None) -> Path:
+    """The results folder: ``--kvq-out``, else ``results/`` (``results/smoke/`` when only smoke cells
+    ran; ``…/shards/shard-I-of-N`` for ``--kvq-shard I/N``), relative to the invocation folder."""
     out = s.out_dir
     if out is None:
-        # an empty shard: judge by the whole matrix
+        state = config.stash[STATE_KEY]
+        # an empty shard has no records: judge by the cells of the whole matrix
         ids = [r["nodeid"] for r in records] if records else (state.shard or {}).get("cells", [])
         out = "results/smoke" if ids and all(i.endswith("-smoke]") for i in ids) else "results"
         if s.shard is not None:
@@ -789,40 +779,29 @@ def write_results(config: pytest.Config) -> list[str]:
     out_dir = Path(out)
     if not out_dir.is_absolute():
         out_dir = Path(config.invocation_params.dir) / out_dir
-    _remove_stale_outputs(out_dir)
-    prov = provenance(config, s, records)
-    written = []
-    if state.shard is not None:  # the shard's own description, even when it holds no cell
-        from kvqbench.shard import SHARD_FILE
-
-        written.append(str(write_json_atomic(out_dir / SHARD_FILE, {**state.shard, "provenance": prov})))
-        state.out_dir = str(out_dir)
-    if not records:
-        return written
-    catalog = catalog_dict()
-    for exp in sorted({r["experiment"] for r in records}):
-        for src in sorted({r["source"] for r in records if r["experiment"] == exp}):
-            cells = [r for r in records if r["experiment"] == exp and r["source"] == src]
-            doc = {"provenance": prov, "experiment": exp, "source": src,
-                   "metrics_catalog": {k: v for k, v in catalog.items() if v["experiment"] == exp},
-                   "cells": cells}
-            written.append(str(write_json_atomic(out_dir / f"{exp}_{src}.json", doc)))
-    board = assemble(records, catalog, prov)
-    config.pluginmanager.hook.pytest_kvqbench_update_leaderboard(config=config, board=board)
-    written.append(str(write_json_atomic(out_dir / "leaderboard.json", board)))
-    written.append(str(write_json_atomic(out_dir / "summary.json", summary_of(board))))
-    written.append(str(write_text_atomic(out_dir / "LEADERBOARD.md", render_markdown(board))))
-    state.board = board
-    state.out_dir = str(out_dir)
-    written.extend(_write_figures(config, out_dir))
-    extra = config.pluginmanager.hook.pytest_kvqbench_write_extra(config=config, board=board, out_dir=out_dir)
-    for paths in extra or []:
-        written.extend(str(p) for p in (paths or []))
-    return written
+    return out_dir
 
 
-def _write_figures(config: pytest.Config, out_dir: Path) -> list[str]:
-    """Figures from the JSON just written; never fails the run (a problem is logged in one line)."""
+def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:
+    """Why the session ended before running every cell (``None`` when it did not)."""
+    if int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
+        why = getattr(session, "shouldstop", None) or getattr(session, "shouldfail", None)
+        return f"interrupted ({why})" if isinstance(why, str) and why else "interrupted"
+    why = getattr(session, "shouldfail", None) or getattr(session, "shouldstop", None)
+    if isinstance(why, str) and why:
+        return f"{why} (-x/--maxfail)" if "failure" in why else why
+    return None
+
+
+def write_results(config: pytest.Config, session: pytest.Session | None = None, exitstatus: int = 0):
+    """Assemble the session's records and write the result set (controller only; see
+    :func:`kvqbench.report.results.write_result_set`). Returns its :class:`~kvqbench.report.results.ResultSet`."""
+    from kvqbench.report.results import write_result_set
+
+    s = config.stash[SETTINGS_KEY]
+    state = config.stash[STATE_KEY]
+    records = [r for r in state.records if r.get("experiment") != "adhoc"]
+    hook = config.pluginmanager.hook
     tr = config.pluginmanager.get_plugin("terminalreporter")
 
     def log(msg: str) -> None:
@@ -831,13 +810,33 @@ def _write_figures(config: pytest.Config, out_dir: Path) -> list[str]:
         else:
             print(msg, file=sys.stderr)
 
-    try:
-        from kvqbench.report.plots import write_figures
+    def extra(board: dict[str, Any], out_dir: Path) -> list[str]:
+        paths: list[str] = []
+        for ps in hook.pytest_kvqbench_write_extra(config=config, board=board, out_dir=out_dir) or []:
+            paths.extend(str(p) for p in (ps or []))
+        return paths
 
-        return [str(p) for p in write_figures(out_dir, log=log)]
-    except Exception as e:
-        log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
-        return []
+    expected, reason = state.expected, _end_reason(session, exitstatus)
+    if state.shard is not None:  # a shard's tables cover only its part of the matrix: say so
+        expected = state.shard["cells"]
+        reason = f"shard {state.shard['shard']} (join the shards with kvqbench merge)" + (f", {reason}" if reason else "")
+    out_dir = _out_dir(config, s, records)
+    prov = provenance(config, s, records)
+    res = write_result_set(
+        records, prov if records else {}, out_dir, expected=expected, reason=reason,
+        update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
+        write_extra=extra, log=log)
+    if state.shard is not None:  # the shard's own description, also for a shard that got no cell
+        from kvqbench.report.io import write_json_atomic
+        from kvqbench.shard import SHARD_FILE
+
+        folder = res.out_dir or out_dir
+        res.paths.append(str(write_json_atomic(Path(folder) / SHARD_FILE, {**state.shard, "provenance": prov})))
+        res.out_dir = res.out_dir or folder
+    state.written = res.paths
+    state.board = res.board
+    state.out_dir = str(res.out_dir) if res.out_dir else None
+    return res
 
 
 @pytest.hookimpl(trylast=True)
@@ -845,9 +844,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
-    state = config.stash[STATE_KEY]
     try:
-        state.written = write_results(config)
+        write_results(config, session, exitstatus)
     except Exception as e:  # never lose the session to a report bug; say what happened
         tr = config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:
@@ -866,3 +864,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.section("kvqbench summary")
     terminalreporter.write_line(render_terminal(state.board))
     terminalreporter.write_line(f"kvqbench: wrote {len(state.written)} files to {state.out_dir}")
+    comp = state.board.get("completeness") or {}
+    if comp and not comp.get("complete", True):
+        terminalreporter.write_line(f"kvqbench: {comp['summary']}", red=True)

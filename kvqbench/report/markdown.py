@@ -14,7 +14,7 @@ from tabulate import tabulate
 
 from kvqbench.report.io import to_jsonable
 
-__all__ = ["render_markdown", "render_terminal", "fmt", "canonical"]
+__all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner"]
 
 CELL_STATES = ("passed", "failed", "skipped")
 
@@ -121,6 +121,9 @@ def render_markdown(board: dict[str, Any]) -> str:
     board = canonical(board)
     prov = board.get("provenance", {})
     lines = ["# kvqbench leaderboard", ""]
+    banner = completeness_banner(board)
+    if banner:
+        lines += [banner, ""]
     lines.append(
         f"kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
         f"torch {prov.get('torch_version', '?')} · device {prov.get('device_name', '?')} · "
@@ -188,12 +191,25 @@ def render_markdown(board: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def completeness_banner(board: dict[str, Any]) -> str | None:
+    """``**INCOMPLETE** — incomplete: 78 of 435 cells finished, interrupted …`` for a partial result set
+    (``board["completeness"]``, see :func:`kvqbench.report.results.completeness`), else ``None``."""
+    comp = board.get("completeness") or {}
+    if not comp or comp.get("complete", True):
+        return None
+    return (f"**INCOMPLETE RESULT SET** — {comp.get('summary', 'incomplete')}. Settings with fewer seeds than "
+            "asked are marked with their n and are not ranked; compare with care.")
+
+
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     """A short table per source: methods ranked by relative MSE at the lowest bit-width that ran."""
     from kvqbench.report.leaderboard import _setting_sort
 
     board = canonical(board)
     out = []
+    comp = board.get("completeness") or {}
+    if comp and not comp.get("complete", True):
+        out.append(f"kvqbench: {comp.get('summary', 'incomplete')}")
     for src_name, src in board.get("sources", {}).items():
         rk = src["rankings"].get("rel_mse")
         if not rk:
