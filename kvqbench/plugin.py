@@ -756,6 +756,7 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "bits": s.bits,
         "model": s.model if s.real else None,
         "capture_dtype": s.dtype if s.real else None,
+        "threads": s.threads,
         "shapes": [{"source": a, "size": b, "k": list(c)} for a, b, c in shapes],
         "command": "pytest " + " ".join(str(a) for a in config.invocation_params.args),
         "start_time": s.start_time,
