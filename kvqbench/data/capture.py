@@ -37,6 +37,7 @@ import inspect
 import json
 import os
 import re
+import tempfile
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -496,6 +497,16 @@ def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, 
     return cache_dir / f"kv-{slug}-T{seq_len}-{key}.pt"
 
 
+def _capture_lock(path: Path) -> Any:
+    """A lock per cache file, shared by every process on this machine (a file in the temporary folder,
+    so the cache folder holds only captures): the first caller captures, the others wait and load."""
+    from filelock import FileLock
+
+    locks = Path(tempfile.gettempdir()) / "kvqbench-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".lock")))
+
+
 def _save_atomic(data: KVData, path: Path) -> None:
     """Write ``data`` to ``path`` via a unique temporary file + ``os.replace`` (atomic on POSIX and
     Windows), so concurrent writers (pytest-xdist workers) never expose a partial file."""
@@ -595,11 +606,8 @@ def capture_kv(
 
     if cache_dir is None:
         return _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
-    from filelock import FileLock
-
     path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev, dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path) + ".lock"):
+    with _capture_lock(path):
         cached = _load_cached(path)
         if cached is not None:
             return cached.to(dev)
