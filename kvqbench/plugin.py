@@ -171,9 +171,34 @@ def _is_cell_item(item: pytest.Item) -> bool:
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
+    """Remember the collected cells (controller) and, when there are any, check before the first one runs
+    that the results folder can be written (a one-line usage error otherwise)."""
+    from kvqbench.report.results import check_writable
+
     state = config.stash.get(STATE_KEY, None)
-    if state is not None and state.expected is None:
-        state.expected = list(nodeids)
+    if state is None or state.expected is not None:
+        return
+    state.expected = list(nodeids)
+    if nodeids:
+        s = config.stash[SETTINGS_KEY]
+        out = _out_dir(config, s, None, state.expected)
+        problem = check_writable(out)
+        if problem:
+            raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
+                                    "(pass --kvq-out DIR with a writable folder)")
+        if s.real and any("-real-" in i for i in nodeids):
+            _check_model(s.model)
+
+
+def _check_model(model: str) -> None:
+    """Stop the session before any cell when the real model cannot be loaded (one line)."""
+    from kvqbench.data.capture import check_model
+
+    try:
+        check_model(model)
+    except (ImportError, OSError, ValueError) as e:
+        raise pytest.UsageError(f"kvqbench: --kvq-model {model}: {e} (or run without --kvq-real / with --no-real)"
+                                ) from None
 
 
 @pytest.hookimpl(trylast=True)
@@ -514,9 +539,21 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
     _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
            kvq_settings.model, kvq_settings.dtype)
+    if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
+        pytest.fail(_DATA_FAILED[key], pytrace=False)
     if key not in _DATA_CACHE:
-        _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        try:
+            _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        except Exception as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
+                                 f"cell: {type(e).__name__}: {first}")
+            raise  # the first cell shows the full error
     return _DATA_CACHE[key]
+
+
+#: data keys whose loading failed in this process → the one-line reason (later cells fail fast)
+_DATA_FAILED: dict[tuple, str] = {}
 
 
 _THREADS_SET: list[int] = []
@@ -764,15 +801,19 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
     }
 
 
-def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None) -> Path:
+def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None,
+             expected: list[str] | None = None) -> Path:
     """The results folder: ``--kvq-out``, else ``results/`` (``results/smoke/`` when only smoke cells
     ran; ``…/shards/shard-I-of-N`` for ``--kvq-shard I/N``), relative to the invocation folder."""
     out = s.out_dir
     if out is None:
         state = config.stash[STATE_KEY]
-        # an empty shard has no records: judge by the cells of the whole matrix
-        ids = [r["nodeid"] for r in records] if records else (state.shard or {}).get("cells", [])
-        out = "results/smoke" if ids and all(i.endswith("-smoke]") for i in ids) else "results"
+        ids = expected or (state.shard or {}).get("cells")  # an empty shard: the cells of the whole matrix
+        if ids:
+            smoke = all(i.endswith("-smoke]") for i in ids)
+        else:
+            smoke = bool(records) and all(r["size"] == "smoke" for r in records)
+        out = "results/smoke" if smoke else "results"
         if s.shard is not None:
             from kvqbench.shard import shard_dir_name
 
@@ -821,7 +862,7 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
     if state.shard is not None:  # a shard's tables cover only its part of the matrix: say so
         expected = state.shard["cells"]
         reason = f"shard {state.shard['shard']} (join the shards with kvqbench merge)" + (f", {reason}" if reason else "")
-    out_dir = _out_dir(config, s, records)
+    out_dir = _out_dir(config, s, records, state.expected)
     prov = provenance(config, s, records)
     res = write_result_set(
         records, prov if records else {}, out_dir, expected=expected, reason=reason,

