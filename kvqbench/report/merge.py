@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvqbench.report.io import read_json
-from kvqbench.report.results import ResultSet, load_result_set, write_result_set
+from kvqbench.report.results import ResultSet, UpdateBoard, WriteExtra, load_result_set, write_result_set
 
 __all__ = ["MergeError", "Shard", "read_shard", "check_compatible", "merged_provenance", "merge_shards",
            "MergeResult", "CHECKED"]
@@ -201,7 +201,8 @@ class MergeResult:
 
 
 def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *, figures: bool = True,
-                 log: Callable[[str], None] | None = None) -> MergeResult:
+                 log: Callable[[str], None] | None = None, update_board: UpdateBoard | None = None,
+                 write_extra: WriteExtra | None = None) -> MergeResult:
     """Merge shard folders into one result set in ``out_dir``.
 
     Args:
@@ -210,6 +211,8 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
             incomplete merge never replaces a complete result set there).
         figures: render the PNG figures too.
         log: one-line messages (default stderr).
+        update_board, write_extra: callbacks passed on to
+            :func:`~kvqbench.report.results.write_result_set` (the pytest hooks are not called: see docs/HOOKS.md).
 
     Returns a :class:`MergeResult`.
 
@@ -243,7 +246,7 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
         reason = f"merged {len(given)} of {count} shards, missing shard(s) {', '.join(map(str, missing_shards))}"
     records = [r for sh in shards for r in sh.records]
     res = write_result_set(records, merged_provenance(shards), out_dir, expected=cells, reason=reason,
-                           figures=figures, log=log)
+                           figures=figures, log=log, update_board=update_board, write_extra=write_extra)
     if missing:
         log(f"kvqbench merge: {len(missing)} of {len(cells)} cells missing: " + ", ".join(missing[:10])
             + (" …" if len(missing) > 10 else ""))

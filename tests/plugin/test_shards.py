@@ -210,3 +210,52 @@ def test_ray_run_on_a_local_cluster_merges_to_the_single_session(runs, tmp_path)
         assert f"shard {i}/2 finished" in r.stdout
         assert (out / "shards" / f"shard-{i}-of-2" / "shard.json").is_file()
     _assert_same_run(out, runs / "single")
+
+
+SBATCH_STANDIN = r'''#!/usr/bin/env bash
+# a stand-in for Slurm's sbatch (the Slurm contract the script relies on): options, then the script and
+# its arguments; --array=A-B runs the script once per index with SLURM_ARRAY_TASK_ID set; --parsable prints
+# the job id. It runs every job at once, in the foreground, in submission order.
+array=""; out=/dev/null
+while [[ "$1" == --* ]]; do
+    case "$1" in --array=*) array="${1#--array=}" ;; --output=*) out="${1#--output=}" ;; esac
+    echo "$1" >> "$SBATCH_LOG"
+    shift
+done
+if [ -n "$array" ]; then
+    range="${array%%\%*}"
+    for i in $(seq "${range%-*}" "${range#*-}"); do
+        SLURM_ARRAY_TASK_ID=$i bash "$@" > "${out//%a/$i}" 2>&1 || true
+    done
+else
+    bash "$@" > "$out" 2>&1 || true
+fi
+echo "$RANDOM"
+'''
+
+
+def test_slurm_array_script_runs_the_shards_and_a_dependent_merge(tmp_path):
+    standin = tmp_path / "bin"
+    standin.mkdir()
+    (standin / "sbatch").write_text(SBATCH_STANDIN)
+    (standin / "sbatch").chmod(0o755)
+    out = tmp_path / "results"
+    env = {**os.environ, "PATH": f"{standin}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "KVQ_OUT": str(out), "KVQ_VENV": str(tmp_path / "no-venv"), "SBATCH_LOG": str(tmp_path / "sbatch.log"),
+           "KVQ_SBATCH_ARGS": "--gres=gpu:1"}
+    # 3 shards of 2 cells: one shard gets none (exit 5 from pytest is not a failure)
+    r = subprocess.run(["bash", "scripts/slurm_array.sh", "3", "--smoke", "--no-real", "-n", "0",
+                        "--kvq-methods", "fp16", "--kvq-bits", "2,4", "--kvq-seeds", "1", "-k", "reconstruction",
+                        "--kvq-progress", "0", "-p", "no:cacheprovider"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "merge job" in r.stdout
+    opts = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert "--array=1-3" in opts and "--gres=gpu:1" in opts and any(o.startswith("--dependency=afterany:") for o in opts)
+    merge_log = (out / "slurm" / "merge.log").read_text()
+    assert "complete: 2 cells" in merge_log, merge_log + "".join(
+        (out / "slurm" / f"shard-{i}.log").read_text()[-1500:] for i in (1, 2, 3))
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [f"shard-{i}-of-3" for i in (1, 2, 3)]
+    board = _load(out / "leaderboard.json")
+    assert board["completeness"]["complete"] is True and board["completeness"]["expected"] == 2
+    assert sorted(board["sources"]["synthetic"]["stats"]["exp1"]["fp16"]) == ["k2v2", "k4v4"]
