@@ -411,6 +411,13 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--kvq-shard: {e}") from None
     if s.real:
         _check_real_deps(s.model)
+    if s.out_dir is not None and not _is_worker(config):  # an explicit folder: check it at once
+        from kvqbench.report.results import check_writable
+
+        problem = check_writable(_out_dir(config, s, None))
+        if problem:
+            raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
+                                    "(pass --kvq-out DIR with a writable folder)")
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
     config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
@@ -826,13 +833,13 @@ def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] |
 
 def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:
     """Why the session ended before running every cell (``None`` when it did not)."""
-    if int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
-        why = getattr(session, "shouldstop", None) or getattr(session, "shouldfail", None)
-        return f"interrupted ({why})" if isinstance(why, str) and why else "interrupted"
     why = getattr(session, "shouldfail", None) or getattr(session, "shouldstop", None)
-    if isinstance(why, str) and why:
-        return f"{why} (-x/--maxfail)" if "failure" in why else why
-    return None
+    why = why if isinstance(why, str) and why else None
+    if why and "failure" in why:  # -x / --maxfail (serial: TESTS_FAILED; xdist: INTERRUPTED)
+        return f"{why} (-x/--maxfail)"
+    if int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
+        return f"interrupted ({why})" if why else "interrupted"
+    return why
 
 
 def write_results(config: pytest.Config, session: pytest.Session | None = None, exitstatus: int = 0):
@@ -848,6 +855,8 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
 
     def log(msg: str) -> None:
         if tr is not None:
+            if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+                tr.write("\n")  # after the progress dots
             tr.write_line(msg, yellow=True)
         else:
             print(msg, file=sys.stderr)
@@ -906,6 +915,3 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.section("kvqbench summary")
     terminalreporter.write_line(render_terminal(state.board))
     terminalreporter.write_line(f"kvqbench: wrote {len(state.written)} files to {state.out_dir}")
-    comp = state.board.get("completeness") or {}
-    if comp and not comp.get("complete", True):
-        terminalreporter.write_line(f"kvqbench: {comp['summary']}", red=True)

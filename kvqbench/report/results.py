@@ -173,7 +173,8 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     board["completeness"] = comp
     if update_board is not None:
         update_board(board)
-    written.append(write_json_atomic(folder / "summary.json", {**summary_of(board), "completeness": comp}))
+    brief = {k: v for k, v in comp.items() if k != "not_run_ids"}  # the ids stay in leaderboard.json
+    written.append(write_json_atomic(folder / "summary.json", {**summary_of(board), "completeness": brief}))
     written.append(write_text_atomic(folder / "LEADERBOARD.md", render_markdown(board)))
     written.append(write_json_atomic(folder / "leaderboard.json", board))
     if figures:
