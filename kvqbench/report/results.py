@@ -38,7 +38,7 @@ __all__ = ["write_result_set", "load_result_set", "completeness", "merge_complet
            "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
-OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
+OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
                    "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
                    "norm_diff_density_*.png", "cost_*.png")
 #: where an incomplete set goes when the destination already holds a complete one
