@@ -72,6 +72,7 @@ INHERENT: dict[tuple[str, str], str] = {
     ("quarot", "constant"): "quarot: the 0.95 clip puts a floor under the error at every bit width",
     ("kvarn", "offset"): "rotation concentrates a common offset in one coordinate",
     ("turboquant", "offset"): "rotation concentrates a common offset in one coordinate",
+    ("turboquant", "constant"): "rotation='hadamard' keeps a constant token (all offset) in one coordinate",
 }
 
 #: input scales of the ``tiny``/``huge`` cases per dtype (fp16's normal range is 6.1e-5 … 65504; the

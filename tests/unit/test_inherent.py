@@ -45,6 +45,20 @@ def test_rotation_methods_lose_the_deviation_under_a_large_common_offset(method_
     assert _dev_err(plain, x, 100.0) < 0.15
 
 
+@pytest.mark.parametrize("variant", ["mse", "prod"])
+def test_turboquant_hadamard_keeps_a_constant_token_in_one_coordinate(variant):
+    """A constant token is pure offset: H/√D maps its unit vector to (1, 0, …, 0), far beyond the
+    largest centroid of the Lloyd–Max codebook for N(0, 1/D) (≈ 0.5 at D = 64, 7–8 bits), so even at
+    8 bits most of it is lost; the default Haar rotation spreads it over every coordinate."""
+    x = torch.full((1, 1, 8, 64), 0.75)
+    cent, _ = create("turboquant", 8, 8)._codebook({"codebook": "gaussian"}, 8, 64, "cpu", torch.float64)
+    assert float(cent.max()) < 0.6
+    had = create("turboquant", 8, 8, rotation="hadamard", variant=variant).roundtrip(x, "v")
+    rnd = create("turboquant", 8, 8, variant=variant).roundtrip(x, "v")
+    assert float((had - x).norm() / x.norm()) > 0.3
+    assert float((rnd - x).norm() / x.norm()) < 0.05
+
+
 def test_kvarn_keys_keep_the_deviation_under_a_common_offset():
     """KVarN's K tile has the rotated channels as rows and rounds each row over its tokens: the
     concentrated coordinate is a row of its own (≈ 100·√D ± noise), so the offset costs nothing there."""
