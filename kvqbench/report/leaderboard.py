@@ -29,6 +29,9 @@ __all__ = [
     "assemble",
     "BUDGETS",
     "mean_ci",
+    "seeds_asked",
+    "is_short",
+    "setting_cells",
 ]
 
 BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0, 4.25, 8.25)
@@ -64,10 +67,15 @@ def setting_key(rec: dict[str, Any]) -> str:
 def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Group passed records by source → experiment → method → setting and aggregate over seeds.
 
-    Returns ``stats[source][experiment][method][setting][metric] = {mean, ci95, n, seeds, values,
-    worst_layer, worst_layer_index}``.
+    Returns ``stats[source][experiment][method][setting][metric] = {mean, ci95, n, n_asked, seeds, values,
+    worst_layer, worst_layer_index}``; ``n`` counts the seeds with a finite value, ``n_asked`` the seeds
+    the experiment was run with (:func:`seeds_asked`). An entry with ``n < n_asked`` is *short* (a seed
+    failed or gave a non-finite value): it is listed, marked, but not ranked and not a Pareto or
+    matched-budget point.
     """
+    records = list(records)
     groups: dict[tuple, list[dict]] = defaultdict(list)
+    asked = seeds_asked(records)
     for r in records:
         if r.get("status") != "passed":
             continue
@@ -87,6 +95,8 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 "mean": m,
                 "ci95": ci,
                 "n": len(vals),
+                "n_asked": max([asked.get((src, exp, _test_of(r)), 0) for r in recs if name in r.get("metrics", {})]
+                               + [len(vals)]),
                 "seeds": [r["seed"] for r in recs if name in r.get("metrics", {})],
                 "values": vals,
             }
@@ -100,6 +110,40 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
             out[name] = entry
         stats.setdefault(src, {}).setdefault(exp, {}).setdefault(meth, {})[setting] = out
     return stats
+
+
+def _test_of(r: dict[str, Any]) -> str:
+    """The test function that produced a record (its node id without the parameters)."""
+    return str(r.get("nodeid", "")).split("[", 1)[0]
+
+
+def seeds_asked(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
+    """``(source, experiment, test function)`` → how many seeds its cells were asked for: the distinct
+    seeds among its records whatever their status (a failed seed was still asked for). Keyed by test
+    function because one experiment may run some tests on every seed and others on one."""
+    seen: dict[tuple[str, str, str], set] = defaultdict(set)
+    for r in records:
+        seen[(r["source"], r["experiment"], _test_of(r))].add(r["seed"])
+    return {k: len(v) for k, v in seen.items()}
+
+
+def is_short(entry: dict[str, Any]) -> bool:
+    """Whether a stats entry has fewer seeds than asked (see :func:`aggregate`)."""
+    return entry.get("n", 0) < entry.get("n_asked", 0)
+
+
+def setting_cells(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """``experiment → method → setting → {"passed", "failed", "skipped"}`` cell counts of one source, so a
+    missing value can be told apart: failed, skipped, or (absent here) not run."""
+    out: dict[str, Any] = {}
+    for r in records:
+        st = r.get("status")
+        if st not in ("passed", "failed", "skipped"):
+            continue
+        c = out.setdefault(r["experiment"], {}).setdefault(r["method"], {}).setdefault(
+            setting_key(r), {"passed": 0, "failed": 0, "skipped": 0})
+        c[st] += 1
+    return out
 
 
 def _interval(entry: dict[str, Any], better: str) -> tuple[float, float]:
@@ -124,7 +168,8 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     seed, a strictly better value), raised where needed so it never decreases down the list (a method
     with a very wide CI shares its better neighbour's rank instead of rank 1). Methods that cannot be
     told apart share a rank and ties do not chain; ``ties`` lists every method whose CI overlaps this
-    one's. Metrics not in ``catalog`` are not ranked.
+    one's. Metrics not in ``catalog`` are not ranked. A method whose entry is short (fewer seeds than
+    asked, :func:`is_short`) is listed last with ``rank: None``, ``short: true`` and ``n_asked``.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -140,6 +185,8 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         by_setting = {}
         for setting in sorted(table[name], key=_setting_sort):
             rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
+            short = [(m, e) for m, e in rows if is_short(e)]
+            rows = [(m, e) for m, e in rows if not is_short(e)]
             ivs = {m: _interval(e, better) for m, e in rows}
             ranked = []
             for m, e in rows:
@@ -151,6 +198,9 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
                 ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
                                "rank": rank, "ties": ties,
                                **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})
+            for m, e in short:  # fewer seeds than asked: listed after the ranked methods, never ranked
+                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
+                               "n_asked": e["n_asked"], "rank": None, "ties": [], "short": True})
             by_setting[setting] = ranked
         out[name] = {"better": better, "unit": spec["unit"], "experiment": spec["experiment"],
                      "by_setting": by_setting}
@@ -269,6 +319,7 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             "data": data_meta,
             "seeds": sorted({r["seed"] for r in recs}),
             "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in ("passed", "failed", "skipped")},
+            "setting_cells": setting_cells(recs),
             "failures": [{"nodeid": r["nodeid"], "error": r.get("error", "")} for r in recs if r.get("status") == "failed"],
             "stats": st,
             "rankings": rankings(st, catalog),
@@ -357,7 +408,24 @@ def _check_fp16_endtoend(records: list[dict]) -> dict:
                  "Δ loss exactly 0 (prefill and decode)", bad)
 
 
-DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_fp16_endtoend])
+def _check_roundtrip_finite(records: list[dict]) -> dict:
+    """Every method's reconstructions are finite in every experiment (the experiments tally NaN/±inf
+    elements of K̂ and V̂ in ``extra["roundtrip_nonfinite"]``, failed cells included)."""
+    cells = [r for r in records if isinstance((r.get("extra") or {}).get("roundtrip_nonfinite"), dict)]
+    if not cells:
+        return _flag("roundtrip_finite", None, "no cell recorded whether its round trip is finite")
+    bad: dict[str, list[str]] = defaultdict(list)
+    for r in cells:
+        d = r["extra"]["roundtrip_nonfinite"]
+        if d.get("k") or d.get("v"):
+            bad[r["method"]].append(f"{r['experiment']} {setting_key(r)}")
+    offenders = [f"{m}: {len(v)} cell(s), e.g. {v[0]}" for m, v in sorted(bad.items())]
+    return _flag("roundtrip_finite", not bad,
+                 "every method's reconstruction K̂, V̂ is finite (no NaN/inf) in every experiment", offenders)
+
+
+DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_roundtrip_finite,
+                            _check_fp16_endtoend])
 
 
 def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", quality: str = "decode_attn_kl_fwd_nats",
@@ -367,13 +435,15 @@ def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", qualit
     pseudo-decode attention KL against the bits a cache really holds (fp16 windows billed at 16 bits).
 
     Same rules as :func:`pareto` / :func:`matched_budget` (lower quality is better; variant settings are
-    not budget points). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
+    not budget points, nor are settings with fewer seeds than asked). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
     """
     pts = []
     for meth, by_setting in stats_src.get(experiment, {}).items():
         for setting, metrics in by_setting.items():
             if "-" in setting or quality not in metrics or bits not in metrics:
                 continue
+            if is_short(metrics[quality]) or is_short(metrics[bits]):
+                continue  # fewer seeds than asked: not a budget point (see aggregate)
             pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
                         "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"]})
     pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
@@ -461,7 +531,8 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
 
     A point is one (method, setting) that has both the metric and the target (means over seeds); variant
     settings are left out, and so are exact points (target exactly 0: the fp16 control, 16-bit
-    settings), which every error metric ranks trivially. Metrics are taken as *badness* (lower = better:
+    settings), which every error metric ranks trivially, and short entries (fewer seeds than asked,
+    :func:`is_short`), which are not ranked anywhere. Metrics are taken as *badness* (lower = better:
     ``higher`` metrics negated, ``zero`` metrics by magnitude), so ρ > 0 means "more tensor error, more
     model damage"; bits/element metrics are budgets, not errors, and are left out. A group needs at least
     4 methods. Returns ``None`` without exp5; else ``{"targets": {target: {group: [rows best first]}},
@@ -473,7 +544,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
         return None
     out: dict[str, Any] = {"targets": {}, "n_boot": n_boot, "seed": seed,
                            "excluded": "exact points (end-to-end KL exactly 0: fp16 control, 16-bit settings), "
-                                       "variant settings, bits/element metrics"}
+                                       "variant settings, bits/element metrics, settings with failed seeds"}
     candidates = sorted({(exp, name) for exp in PREDICTIVITY_EXPERIMENTS for by in stats_src.get(exp, {}).values()
                          for metrics in by.values() for name in metrics
                          if name in catalog and catalog[name].get("experiment") == exp
@@ -481,7 +552,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
     groups_seen: set[str] = set()
     for target in PREDICTIVITY_TARGETS:
         pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
-               if "-" not in s and target in e and e[target]["mean"] != 0}
+               if "-" not in s and target in e and e[target]["mean"] != 0 and not is_short(e[target])}
         if not pts:
             continue
         settings = sorted({s for _, s in pts}, key=_setting_sort)
@@ -492,7 +563,8 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
             for exp, name in candidates:
                 better = catalog[name]["better"]
                 methods = sorted(m for m in {m for m, _ in pts}
-                                 if all((m, s) in pts and name in stats_src[exp].get(m, {}).get(s, {}) for s in gset))
+                                 if all((m, s) in pts and name in stats_src[exp].get(m, {}).get(s, {})
+                                        and not is_short(stats_src[exp][m][s][name]) for s in gset))
                 if len(methods) < 4:
                     continue
                 xs = [[rank_key(better, stats_src[exp][m][s][name]["mean"]) for s in gset] for m in methods]

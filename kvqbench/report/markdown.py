@@ -14,7 +14,8 @@ from tabulate import tabulate
 
 from kvqbench.report.io import to_jsonable
 
-__all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "headline_lines", "headline_screen"]
+__all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner", "headline_lines",
+           "headline_screen"]
 
 CELL_STATES = ("passed", "failed", "skipped")
 
@@ -25,6 +26,7 @@ def canonical(board: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cells_text(cells: dict[str, Any]) -> str:
+    """``passed 10, failed 1, skipped 0`` (+ any other states)."""
     keys = [k for k in CELL_STATES if k in cells] + sorted(k for k in cells if k not in CELL_STATES)
     return ", ".join(f"{k} {cells[k]}" for k in keys)
 
@@ -64,20 +66,49 @@ def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     return order
 
 
+def missing_text(src: dict[str, Any], exp: str, method: str, setting: str) -> str:
+    """Why a (method, setting) of ``exp`` has no value: ``failed``, ``skipped`` or ``not run`` (from the
+    source's ``setting_cells``); ``—`` when the cells ran but gave no finite value of the metric."""
+    c = (src.get("setting_cells") or {}).get(exp, {}).get(method, {}).get(setting)
+    if not c:
+        return "not run"
+    if c.get("failed") and not c.get("passed"):
+        return "failed"
+    if c.get("skipped") and not c.get("passed"):
+        return "skipped"
+    return "—"
+
+
+def value_text(e: dict[str, Any]) -> str:
+    """``mean ± ci``, with ``(n=2/3)`` when the entry has fewer seeds than asked."""
+    text = fmt(e["mean"], e["ci95"])
+    if e.get("n", 0) < e.get("n_asked", 0):
+        text += f" (n={e['n']}/{e['n_asked']})"
+    return text
+
+
 def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) -> str:
     exp1 = src["stats"].get("exp1", {})
-    settings = _settings(exp1)
+    asked = (src.get("setting_cells") or {}).get("exp1", {})
+    found = {s for by in asked.values() for s in by if "-" not in s}
+    settings = sorted(set(_settings(exp1)) | found, key=_setting_key)
     rows = []
-    for m in _method_order(src, board):
-        if m not in exp1:
+    for m in _method_order(src, board) + [m for m in asked if m not in _method_order(src, board)]:
+        if m not in exp1 and m not in asked:
             continue
         fid = board["methods"].get(m, {}).get("fidelity", "")
         row = [f"`{m}`", fid]
         for s in settings:
-            e = exp1[m].get(s, {}).get(metric)
-            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+            e = exp1.get(m, {}).get(s, {}).get(metric)
+            row.append(value_text(e) if e else missing_text(src, "exp1", m, s))
         rows.append(row)
     return tabulate(rows, headers=["method", "fidelity", *settings], tablefmt="github")
+
+
+def _setting_key(s: str) -> tuple:
+    from kvqbench.report.leaderboard import _setting_sort
+
+    return _setting_sort(s)
 
 
 def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
@@ -91,11 +122,12 @@ def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
         ranked = rk["rel_mse"]["by_setting"][s]
         rows = []
         for r in ranked:
-            row = [r["rank"], f"`{r['method']}`"]
+            row = [r["rank"] if r["rank"] is not None else "—", f"`{r['method']}`"]
             for name, _ in cols:
                 e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
-                row.append(fmt(e["mean"], e["ci95"]) if e else "—")
-            row.append(", ".join(r["ties"]) if r["ties"] else "")
+                row.append(value_text(e) if e else "—")
+            row.append(f"not ranked: n={r['n']} of {r['n_asked']} seeds" if r.get("short")
+                       else ", ".join(r["ties"]) if r["ties"] else "")
             rows.append(row)
         out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (95% CI)"],
                                               tablefmt="github"))
@@ -108,7 +140,10 @@ def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
         ranked = r["by_setting"].get(setting)
         if not ranked:
             continue
-        order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked)
+        order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked if not x.get("short"))
+        short = [f"{x['method']} (n={x['n']}/{x['n_asked']})" for x in ranked if x.get("short")]
+        if short:
+            order += "; not ranked: " + ", ".join(short)
         rows.append([r["experiment"], f"`{name}`", r["unit"], r["better"], order])
     if not rows:
         return ""
@@ -121,6 +156,9 @@ def render_markdown(board: dict[str, Any]) -> str:
     board = canonical(board)
     prov = board.get("provenance", {})
     lines = ["# kvqbench leaderboard", ""]
+    banner = completeness_banner(board)
+    if banner:
+        lines += [banner, ""]
     for src_name, src in board.get("sources", {}).items():
         lines += headline_screen(board, src_name, src)
     lines += ["# Details", "", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width "
@@ -301,12 +339,25 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     return out
 
 
+def completeness_banner(board: dict[str, Any]) -> str | None:
+    """``**INCOMPLETE** — incomplete: 78 of 435 cells finished, interrupted …`` for a partial result set
+    (``board["completeness"]``, see :func:`kvqbench.report.results.completeness`), else ``None``."""
+    comp = board.get("completeness") or {}
+    if not comp or comp.get("complete", True):
+        return None
+    return (f"**INCOMPLETE RESULT SET** — {comp.get('summary', 'incomplete')}. Settings with fewer seeds than "
+            "asked are marked with their n and are not ranked; compare with care.")
+
+
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     """A short table per source: methods ranked by relative MSE at the lowest bit-width that ran."""
     from kvqbench.report.leaderboard import _setting_sort
 
     board = canonical(board)
     out = []
+    comp = board.get("completeness") or {}
+    if comp and not comp.get("complete", True):
+        out.append(f"kvqbench: {comp.get('summary', 'incomplete')}")
     for src_name, src in board.get("sources", {}).items():
         rk = src["rankings"].get("rel_mse")
         if not rk:
@@ -316,7 +367,8 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
             continue
         s = settings[0]
         eff = {x["method"]: x for x in src["rankings"].get("bits_effective", {}).get("by_setting", {}).get(s, [])}
-        rows = [[r["rank"], r["method"], fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
+        rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
+                 fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
                 for r in rk["by_setting"][s][:max_rows]]
         flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
         out.append(f"kvqbench [{src_name}] relative MSE at {s} (cells: {_cells_text(src['cells'])})"

@@ -295,8 +295,8 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     leaderboard's sources only, after every previous ``*.png`` there is removed.
 
     Returns the written paths. Raises ``FileNotFoundError`` (no ``leaderboard.json``) or ``ValueError``
-    (``leaderboard.json`` is not a kvqbench leaderboard, or a local path or name survived scrubbing —
-    nothing is written then).
+    (``leaderboard.json`` is not a kvqbench leaderboard, the result set is incomplete — see
+    :mod:`kvqbench.report.results` — or a local path or name survived scrubbing; nothing is written then).
     """
     src = Path(results_dir)
     out = Path(dest)
@@ -305,6 +305,10 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     from kvqbench.report.render import read_leaderboard
 
     raw_board = read_leaderboard(src / "leaderboard.json")
+    comp = raw_board.get("completeness") or {}
+    if comp.get("complete") is False:
+        raise ValueError(f"{src} holds an incomplete result set ({comp.get('summary', 'incomplete')}); "
+                         "publish a complete run")
     docs = {"leaderboard.json": scrub(raw_board, identities=identities)}
     for p in sorted(src.glob("exp*_*.json")):
         if re.fullmatch(r"exp\d+_\w+\.json", p.name):
