@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import fit_method, roundtrip_kv
+from kvqbench.experiments.common import fit_method, roundtrip_kv, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.experiments.streaming import StreamResult, simulate_stream
 from kvqbench.numerics.attention import (
@@ -182,12 +182,15 @@ def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig
         if regime == "static":
             for length in grid:
                 rt = roundtrip_kv(method, data.truncate(length), fit=False)
+                rt.tally(res.extra)
                 per_len.append(_layer_errors(refs[length], rt.k_hat, rt.v_hat))
         else:
             sk, sv = _stream_states(method, data, block)
             bits, fp16_share = [], []
             for length in grid:
-                per_len.append(_layer_errors(refs[length], sk.state(data.k, length), sv.state(data.v, length)))
+                k_state, v_state = sk.state(data.k, length), sv.state(data.v, length)
+                tally_nonfinite(res.extra, k=k_state, v=v_state)
+                per_len.append(_layer_errors(refs[length], k_state, v_state))
                 bits.append(0.5 * (sk.effective_bits(length) + sv.effective_bits(length)))
                 fp16_share.append(0.5 * (sk.fp16_tokens(length) + sv.fp16_tokens(length)) / length)
             res.metrics["decode_k_bits_effective"] = sk.effective_bits(t)

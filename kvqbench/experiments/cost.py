@@ -39,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import fit_method
+from kvqbench.experiments.common import fit_method, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.metrics import NONDETERMINISTIC_METRICS
 from kvqbench.quantizers.base import QuantizedTensor, Quantizer
@@ -164,14 +164,16 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     xs = [("k", data.k_for(method.k_pre_rope)), ("v", data.v)]
     dev = xs[0][1].device
     timings: dict[str, Any] = {}
+    res_extra: dict[str, Any] = {}
     q_ms = d_ms = 0.0
     eff, nom = [], []
     fp16_bytes = 0
     for kind, x in xs:
         qt_times, qt = time_call(functools.partial(method.quantize, x, kind), dev,  # type: ignore[arg-type]
                                  warmup=cfg.warmup, repeats=cfg.repeats)
-        dq_times, _ = time_call(functools.partial(method.dequantize, qt), dev, warmup=cfg.warmup,
-                                repeats=cfg.repeats)
+        dq_times, x_hat = time_call(functools.partial(method.dequantize, qt), dev, warmup=cfg.warmup,
+                                    repeats=cfg.repeats)
+        tally_nonfinite(res_extra, **{kind: x_hat})
         qm, dm = statistics.median(qt_times), statistics.median(dq_times)
         timings[f"{kind}_quant_ms"] = qm
         timings[f"{kind}_dequant_ms"] = dm
@@ -203,6 +205,7 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     timings["clone_ms_all"] = clone_times
     peak, source = _peak_mem(method, xs)  # type: ignore[arg-type]
     res = CellResult()
+    res.extra.update(res_extra)
     bits_eff = sum(eff) / 2
     res.metrics.update({
         "quant_latency_ms": q_ms,

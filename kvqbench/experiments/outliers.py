@@ -116,6 +116,7 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     """
     rt = roundtrip_kv(method, data)
     res = SeriesCellResult()
+    rt.tally(res.extra)
     layers = range(data.k.shape[0])
     res.series["norm_diff_edges"] = list(NORM_DIFF_EDGES)
     res.series["norm_diff_bins"] = "[underflow, one share per [e_i, e_i+1) bin, overflow]"

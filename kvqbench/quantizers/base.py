@@ -200,6 +200,27 @@ def check_finite(x: torch.Tensor, *stats: torch.Tensor, name: str = "x") -> None
         raise ValueError(f"{name} contains {bad} NaN/Inf values; clean the capture before quantizing")
 
 
+def _canonical_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a fresh-allocation-aligned contiguous tensor, so that a method's result depends only on
+    the values: kernels (matmul, reductions) may round differently for other strides or a misaligned
+    start. A contiguous, 64-byte aligned tensor is returned as is (no copy)."""
+    if x.is_contiguous() and x.data_ptr() % 64 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _saturate(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Clamp a reconstruction to the finite range of ``dtype`` (a value beyond ``finfo(dtype).max``
+    saturates instead of becoming ±Inf when cast; NaN stays NaN)."""
+    if not (out.is_floating_point() and dtype.is_floating_point):
+        return out
+    big = torch.finfo(dtype).max
+    if out.dtype == dtype or torch.finfo(out.dtype).max <= big:
+        if all_finite(out):  # one reduction, no full-size mask
+            return out
+    return out.clamp(-big, big)
+
+
 class Quantizer(ABC):
     """Base class of every method.
 
@@ -276,14 +297,15 @@ class Quantizer(ABC):
             qt = QuantizedTensor({}, tuple(x.shape), x.dtype, x.device, kind, bits)
             qt.fields["passthrough"] = Stored(x.clone(), 16)
             return qt
-        return self._quantize(x, kind, bits)
+        return self._quantize(_canonical_layout(x), kind, bits)
 
     @torch.no_grad()
     def dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        """Decode ``qt`` to a tensor of the original shape, dtype and device."""
+        """Decode ``qt`` to a tensor of the original shape, dtype and device. A reconstruction beyond the
+        dtype's finite range saturates at ``±finfo(dtype).max``."""
         if "passthrough" in qt.fields:
             return qt["passthrough"].clone()
-        out = self._dequantize(qt)
+        out = _saturate(self._dequantize(qt), qt.dtype)
         return out.to(dtype=qt.dtype, device=qt.device).reshape(qt.shape)
 
     def roundtrip(self, x: torch.Tensor, kind: Kind) -> torch.Tensor:

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kvqbench.experiments.common import check_roundtrip_finite
 from kvqbench.experiments.cost import CONFIG_BY_SIZE, run_cost
 
 
@@ -18,6 +19,7 @@ def test_cost(cell, kvq_method, kvq_data, kvq_record, benchmark):
     benchmark.extra_info.update({"method": cell.method, "bits": cell.bits_tag, "source": cell.source})
     res = run_cost(kvq_method, kvq_data, CONFIG_BY_SIZE[cell.size], benchmark=benchmark)
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v) or v < 0}
     assert not bad, f"non-finite or negative metrics: {bad}"
     assert math.isclose(res.metrics["compression_ratio"] * res.metrics["cost_bits_effective"], 16.0)
