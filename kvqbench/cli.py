@@ -126,8 +126,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return _run_ray(args, cmd, extra)
     if args.shard is not None:
         cmd += ["--kvq-shard", args.shard]
-    if not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
-        cmd += ["-n", "auto"]  # one torch thread per worker (see --kvq-threads); xdist uses the cores
+    if not args.smoke and not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
+        # one torch thread per worker (see --kvq-threads); xdist uses the cores. Smoke runs serially: its
+        # cells take seconds in all, less than starting workers that each import torch and collect
+        cmd += ["-n", "auto"]
     cmd += extra
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
     return int(pytest.main(cmd))
