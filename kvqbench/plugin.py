@@ -239,7 +239,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "the thread count, so it is fixed to keep serial and -n N runs byte-identical; "
                      "parallelize with pytest-xdist (-n auto) instead")
     g.addoption("--kvq-bits", action="store", default=None, type=_argtype(parse_bits),
-                metavar="2,3,4,8,16", help="bit-widths of the sweeps (default 2,3,4,8,16)")
+                metavar="2,3,4,8,16", help="bit-widths of every experiment's sweep (default: each experiment's "
+                                           "own, 2,3,4,8,16 for reconstruction and 2,4 for the others)")
     g.addoption("--kvq-progress", action="store", default="10", type=_progress_interval, metavar="SECONDS",
                 help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
 
