@@ -735,9 +735,70 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         raise
 
 
+# ------------------------------------------------------------------------------------------------
+# a selection that matches no cell
+SELECTION_KEY = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]):
+    """Count benchmark cells before and after ``-k``/``-m`` deselection (which runs inside this hook),
+    so that a selection matching no cell can name what exists. Workers hand the counts to the
+    controller through ``workeroutput``."""
+    kvq = [it for it in items if it.get_closest_marker("kvq") is not None]
+    experiments: dict[str, set[str]] = {}
+    for it in kvq:
+        m = it.get_closest_marker("kvq")
+        exp = m.kwargs.get("experiment") or (m.args[0] if m.args else "?")
+        experiments.setdefault(str(exp), set()).add(getattr(it, "originalname", it.name))
+    yield
+    cells_left = sum(1 for it in items if isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("cell"),
+                                                     Cell))
+    other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
+    sel = {"kvq_items": len(kvq), "cells_left": cells_left, "other_left": other_left,
+           "experiments": {e: sorted(v) for e, v in sorted(experiments.items())}}
+    if _is_worker(config):
+        config.workeroutput["kvqbench_selection"] = sel  # type: ignore[attr-defined]
+    else:
+        config.stash[SELECTION_KEY] = sel
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    sel = (getattr(node, "workeroutput", None) or {}).get("kvqbench_selection")
+    config = _CONFIG.get("config")
+    if sel and config is not None and SELECTION_KEY not in config.stash:
+        config.stash[SELECTION_KEY] = sel
+
+
+def no_cell_message(config: pytest.Config, sel: dict[str, Any]) -> str | None:
+    """The explanation printed when benchmark cells existed but the selection (``-k``, ``-m``,
+    ``--kvq-methods``) left none and nothing else ran: the selection, the registered method ids and the
+    experiments with their test names; ``None`` when it does not apply."""
+    if not sel or not sel.get("kvq_items") or sel.get("cells_left") or sel.get("other_left"):
+        return None
+    from kvqbench.quantizers import available
+
+    asked = []
+    if config.getoption("keyword", None):
+        asked.append(f"-k {config.getoption('keyword')!r}")
+    if config.getoption("markexpr", None):
+        asked.append(f"-m {config.getoption('markexpr')!r}")
+    if config.getoption("--kvq-methods", None):
+        asked.append(f"--kvq-methods {config.getoption('--kvq-methods')}")
+    exps = "; ".join(f"{e}: {', '.join(names)}" for e, names in sel.get("experiments", {}).items())
+    return (f"kvqbench: no benchmark cell matches {' '.join(asked) or 'this selection'}. "
+            f"Method ids: {', '.join(available())}. Experiments (test names): {exps}. "
+            "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real>-<smoke|full>]; "
+            "real cells need --kvq-real, full-size ones -m full.")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
+    msg = no_cell_message(config, config.stash.get(SELECTION_KEY, {}))
+    if msg:
+        terminalreporter.write_line(msg, yellow=True, bold=True)
     state = config.stash[STATE_KEY]
     if not state.board:
         return
