@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
+from kvqbench.progress import Progress, hms
 
 RECORD_KEY = "kvqbench"
 
@@ -60,78 +62,6 @@ SETTINGS_KEY = pytest.StashKey[Settings]()
 STATE_KEY = pytest.StashKey[SessionState]()
 
 
-@dataclass
-class Progress:
-    """Progress/ETA of a session, printed by the controller (serial or xdist).
-
-    Every ``interval_s`` seconds (``--kvq-progress``, default 10; 0 = off) at most one line
-    ``kvqbench: 120/660 tests, elapsed 1m30s, ETA 6m10s`` is written, counted from finished tests
-    (one teardown report per test, which xdist forwards to the controller). The total comes from
-    collection (``session.items``, or the first xdist node's collected ids). *elapsed* counts from the
-    session start. The ETA weights what is left by kind: tests are grouped by test function and by
-    the data source/size in their id (a real full-size cell costs far more than a synthetic smoke
-    one), each pending test is charged its group's median measured duration (the overall median for a
-    group not seen yet; medians ignore one-off costs such as loading the model), and the sum is divided by the parallelism observed so far (busy test-seconds per wall
-    second since collection ended, which accounts for xdist workers). Without durations it falls back to
-    the average pace of the finished tests.
-    """
-
-    interval_s: float = 10.0
-    total: int = 0
-    done: int = 0
-    t0: float = 0.0
-    t_run: float = 0.0
-    last: float = 0.0
-    pending: dict[str, int] = field(default_factory=dict)
-    durations: dict[str, list[float]] = field(default_factory=dict)
-    partial: dict[str, float] = field(default_factory=dict)  # setup+call seconds of running tests
-
-    @staticmethod
-    def group(nodeid: str) -> str:
-        base, _, params = nodeid.partition("[")
-        tags = [t for t in ("real", "synthetic", "full", "smoke") if f"-{t}" in params]
-        return base + ("|" + "-".join(tags) if tags else "")
-
-    def collected(self, nodeids: list[str]) -> None:
-        self.total = len(nodeids)
-        self.pending = {}
-        for n in nodeids:
-            g = self.group(n)
-            self.pending[g] = self.pending.get(g, 0) + 1
-
-    def finished(self, nodeid: str, duration_s: float) -> None:
-        g = self.group(nodeid)
-        self.done += 1
-        if self.pending.get(g, 0) > 0:
-            self.pending[g] -= 1
-        self.durations.setdefault(g, []).append(max(duration_s, 0.0))
-
-    def eta(self, now: float) -> float:
-        import statistics
-
-        run = max(now - (self.t_run or self.t0), 1e-9)
-        busy = sum(sum(v) for v in self.durations.values())
-        if not self.durations or busy <= 0:
-            return run / self.done * (self.total - self.done) if self.done else 0.0
-        # medians, so a one-off cost (the first real cell loads the model) does not inflate a group
-        typical_all = statistics.median(d for v in self.durations.values() for d in v)
-        left = sum(k * (statistics.median(self.durations[g]) if self.durations.get(g) else typical_all)
-                   for g, k in self.pending.items() if k > 0)
-        return left / max(busy / run, 1e-3)
-
-    def line(self, now: float) -> str:
-        el = now - self.t0
-        return (f"kvqbench: {self.done}/{self.total} tests, elapsed {_hms(el)}, "
-                f"ETA {_hms(self.eta(now)) if self.done else '?'}")
-
-
-def _hms(sec: float) -> str:
-    sec = int(round(sec))
-    h, rem = divmod(sec, 3600)
-    m, s_ = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s_:02d}s" if h else (f"{m}m{s_:02d}s" if m else f"{s_}s")
-
-
 PROGRESS_KEY = pytest.StashKey[Progress]()
 
 
@@ -154,40 +84,121 @@ def _progress_interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--kvq-progress expects seconds >= 0 (0 = off); got {text!r}") from None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    prog = session.config.stash.get(PROGRESS_KEY, None)
-    if prog is not None and not _is_worker(session.config):
-        prog.collected([it.nodeid for it in session.items])
+#: pytest cache key of the per-test / per-kind / per-step durations kept between runs
+DURATIONS_CACHE_KEY = "kvqbench/durations"
+#: a test's user property naming a step paid inside it: ``("kvqbench_step", {"kind": ..., "seconds": ...})``
+STEP_KEY = "kvqbench_step"
+
+
+def _progress(config: pytest.Config | None) -> Progress | None:
+    if config is None or _is_worker(config):
+        return None
+    return config.stash.get(PROGRESS_KEY, None)
+
+
+def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> None:
+    prog = _progress(config)
+    if prog is None or prog.total:
+        return
+    with _PROGRESS_LOCK:
+        prog.workers = max(1, workers)
+        prog.collected(nodeids)
         prog.t_run = time.time()
+    if prog.interval_s > 0 and prog.total:
+        _PrintThread(config, prog).start()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not _is_worker(session.config) and session.items:
+        _start_progress(session.config, [it.nodeid for it in session.items], 1)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     config = _CONFIG.get("config")
-    prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
-    if prog is not None and not prog.total:
-        prog.collected(list(ids))
-        prog.t_run = time.time()
+    if config is not None:
+        n = getattr(config.option, "numprocesses", None)
+        _start_progress(config, list(ids), n if isinstance(n, int) and n > 0 else 1)
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    prog = _progress(_CONFIG.get("config"))
+    if prog is not None:
+        with _PROGRESS_LOCK:
+            prog.started(nodeid, time.time())
+
+
+_PROGRESS_LOCK = threading.Lock()
+
+
+class _PrintThread(threading.Thread):
+    """Writes the progress line every ``interval_s`` seconds (steady, also while a long test or the
+    real-model capture runs) until the session finishes."""
+
+    def __init__(self, config: pytest.Config, prog: Progress) -> None:
+        super().__init__(name="kvqbench-progress", daemon=True)
+        self.config, self.prog, self.stop = config, prog, threading.Event()
+        config.stash[PRINTER_KEY] = self
+
+    def run(self) -> None:
+        while not self.stop.wait(self.prog.interval_s):
+            tr = self.config.pluginmanager.get_plugin("terminalreporter")
+            if tr is None:
+                continue
+            with _PROGRESS_LOCK:
+                if self.stop.is_set():
+                    return
+                line = self.prog.line(time.time())
+                if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+                    tr.write("\n")  # after the progress dots of -q / xdist
+                tr.write_line(line)
+
+
+PRINTER_KEY = pytest.StashKey[_PrintThread]()
+
+
+def _stop_progress(config: pytest.Config) -> None:
+    printer = config.stash.get(PRINTER_KEY, None)
+    if printer is not None:
+        with _PROGRESS_LOCK:
+            printer.stop.set()
 
 
 def _progress_tick(report: pytest.TestReport) -> None:
-    config = _CONFIG.get("config")
-    prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
-    if prog is None or _is_worker(config):
+    prog = _progress(_CONFIG.get("config"))
+    if prog is None:
         return
-    prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
-    if report.when != "teardown":
+    with _PROGRESS_LOCK:
+        d = float(getattr(report, "duration", 0.0) or 0.0)
+        if report.when == "setup":
+            for k, v in getattr(report, "user_properties", []) or []:
+                if k == STEP_KEY and isinstance(v, dict):  # e.g. the real-model capture inside kvq_data
+                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)))
+                    d -= float(v.get("seconds", 0.0))
+        prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
+        if report.when == "teardown":
+            prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0), time.time())
+
+
+def _load_history(config: pytest.Config) -> dict:
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return {}
+    try:
+        h = cache.get(DURATIONS_CACHE_KEY, {})
+    except Exception:  # a corrupt cache never breaks a run
+        return {}
+    return h if isinstance(h, dict) and h.get("version") == 1 else {}
+
+
+def _save_history(config: pytest.Config, prog: Progress) -> None:
+    cache = getattr(config, "cache", None)
+    if cache is None or not prog.measured:
         return
-    prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0))
-    now = time.time()
-    if prog.interval_s <= 0 or prog.done >= prog.total or now - prog.last < prog.interval_s:
-        return
-    prog.last = now
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        if getattr(getattr(tr, "_tw", None), "width_of_current_line", 1):
-            tr.write("\n")  # after the progress dots of -q / xdist
-        tr.write_line(prog.line(now))
+    try:
+        cache.set(DURATIONS_CACHE_KEY, prog.updated_history())
+    except Exception as e:  # an unwritable cache costs only the next run's ETA
+        print(f"kvqbench: could not keep test durations in the pytest cache ({type(e).__name__})", file=sys.stderr)
 
 
 def _device_type(text: str) -> str:
@@ -279,8 +290,9 @@ def pytest_configure(config: pytest.Config) -> None:
         _check_real_deps(s.model)
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
-    config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
-                                          last=time.time())
+    if not _is_worker(config):
+        config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
+                                              last=time.time(), history=_load_history(config))
 
 
 def _resolve_device(dev: str) -> str:
@@ -387,13 +399,18 @@ def _real_layers(spec: Any, n_layers: int | None) -> Any:
 
 
 @pytest.fixture
-def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
-    """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process)."""
+def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
+    """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process). The
+    real-model capture is timed and reported as its own progress step (not as the cell's duration)."""
     _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
            kvq_settings.model)
     if key not in _DATA_CACHE:
+        t = time.time()
         _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        if cell.source == "real":
+            request.node.user_properties.append(
+                (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
 
 
@@ -726,6 +743,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
     state = config.stash[STATE_KEY]
+    t_report = time.time()
+    prog = _progress(config)
+    if prog is not None and prog.report_started is not None:
+        t_report = min(t_report, prog.report_started)  # the report step counts from the last test's end
     try:
         state.written = write_results(config)
     except Exception as e:  # never lose the session to a report bug; say what happened
@@ -733,6 +754,26 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if tr is not None:
             tr.write_line(f"kvqbench: writing results failed: {type(e).__name__}: {e}", red=True)
         raise
+    finally:
+        _finish_progress(config, time.time() - t_report if state.written else None)
+
+
+def _finish_progress(config: pytest.Config, report_s: float | None) -> None:
+    """Stop the progress line, keep this run's durations for the next ETA, print the closing line."""
+    _stop_progress(config)
+    prog = _progress(config)
+    if prog is None or not prog.total:
+        return
+    with _PROGRESS_LOCK:
+        for kind in [k for k in prog.expected_steps if k.startswith("report|")]:
+            if report_s is not None:
+                prog.step(kind, report_s)
+        _save_history(config, prog)
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None and prog.interval_s > 0:
+        if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+            tr.write("\n")
+        tr.write_line(f"kvqbench: finished {prog.done}/{prog.total} tests, elapsed {hms(time.time() - prog.t0)}")
 
 
 # ------------------------------------------------------------------------------------------------
