@@ -209,7 +209,8 @@ class Progress:
         if self.report_started is not None:
             report = max(report - (now - self.report_started), 0.0)
         run = max(now - (self.t_run or self.t0), 1e-9)
-        busy = self.busy + sum(sum(v) for k, v in self.steps.items() if not k.startswith("report|"))
+        busy = self.busy + sum(sum(v) for k, v in self.steps.items() if not k.startswith("report|")) \
+            + sum(max(now - t, 0.0) for t in self.running.values())  # running tests are busy too
         par = min(max(busy / run, 0.1), max(self.workers, 1)) if busy > 0 else max(self.workers, 1)
         self.debug = f"left={left:.1f} par={par:.2f} speed={self.speed():.2f} tail={tail:.1f} report={report:.1f}"
         return max(left / par, tail) + report
