@@ -755,10 +755,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             tr.write_line(f"kvqbench: writing results failed: {type(e).__name__}: {e}", red=True)
         raise
     finally:
-        _finish_progress(config, time.time() - t_report if state.written else None)
+        _finish_progress(config, time.time() - t_report)
 
 
-def _finish_progress(config: pytest.Config, report_s: float | None) -> None:
+def _finish_progress(config: pytest.Config, report_s: float) -> None:
     """Stop the progress line, keep this run's durations for the next ETA, print the closing line."""
     _stop_progress(config)
     prog = _progress(config)
@@ -766,8 +766,7 @@ def _finish_progress(config: pytest.Config, report_s: float | None) -> None:
         return
     with _PROGRESS_LOCK:
         for kind in [k for k in prog.expected_steps if k.startswith("report|")]:
-            if report_s is not None:
-                prog.step(kind, report_s)
+            prog.step(kind, report_s)
         _save_history(config, prog)
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None and prog.interval_s > 0:

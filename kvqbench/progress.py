@@ -99,19 +99,20 @@ class Progress:
     # ---------------------------------------------------------------- events
     def collected(self, nodeids: list[str]) -> None:
         """The selected tests (after deselection). Expect one real-model capture per worker per real
-        data size, and one report step when benchmark cells are among them."""
+        data size, and one report step at the end."""
         self.total = len(nodeids)
         self.pending = {n: kind_of(n) for n in nodeids}
         tags = [_split(n)[2] for n in nodeids]
         sizes = sorted({t[-1] for t in tags if "real" in t and len(t) > 1})
         self.expected_steps = {f"capture|real-{s}": max(1, self.workers) for s in sizes}
         cells = sorted({"-".join(t) for t in tags if t})
-        if cells:
-            self.expected_steps[self.report_kind(cells)] = 1
+        self.expected_steps[self.report_kind(cells)] = 1
 
     @staticmethod
     def report_kind(cell_tags: list[str]) -> str:
-        return "report|" + ",".join(sorted(cell_tags))
+        """The end-of-session step: from the last test's end to the session's end (xdist workers
+        shutting down, then for benchmark cells the results and figures): ``report|<source-size,…>``."""
+        return "report|" + (",".join(sorted(cell_tags)) or "no-cells")
 
     def started(self, nodeid: str, now: float) -> None:
         if nodeid in self.pending:
