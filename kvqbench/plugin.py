@@ -196,7 +196,7 @@ def _save_history(config: pytest.Config, prog: Progress) -> None:
     if cache is None or not prog.measured:
         return
     try:
-        cache.set(DURATIONS_CACHE_KEY, prog.updated_history())
+        cache.set(DURATIONS_CACHE_KEY, prog.updated_history(base=_load_history(config)))
     except Exception as e:  # an unwritable cache costs only the next run's ETA
         print(f"kvqbench: could not keep test durations in the pytest cache ({type(e).__name__})", file=sys.stderr)
 

@@ -228,10 +228,11 @@ class Progress:
                 f"ETA {hms(eta) if eta is not None else '?'}{note}")
 
     # ---------------------------------------------------------------- history
-    def updated_history(self, max_tests: int = 50_000) -> dict:
-        """The history to keep for the next run: this run's per-test seconds merged over the old ones,
-        per-kind medians, and per-step medians."""
-        old = self.history or {}
+    def updated_history(self, base: dict | None = None, max_tests: int = 50_000) -> dict:
+        """The history to keep for the next run: this run's per-test seconds merged over ``base`` (the
+        cache as it is now, which another session may have updated meanwhile; default the history this
+        run started with), per-kind medians, and per-step medians."""
+        old = (self.history if base is None else base) or {}
         tests = {**(old.get("tests") or {}), **{k: round(v, 4) for k, v in self.measured.items()}}
         if len(tests) > max_tests:  # keep the newest entries
             tests = dict(list(tests.items())[-max_tests:])
