@@ -327,17 +327,10 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
         labels: dict[tuple[float, float], list[str]] = {}
         for p, y in zip(front, fy, strict=False):
             labels.setdefault((round(p["bits_effective"], 6), y), []).append(f"{p['method']} {p['setting']}")
-        prev_x, stagger = None, 0
-        for (x, y), names in sorted(labels.items()):
-            text = names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else \
-                f"{names[0]} +{len(names) - 1}"
-            right = x >= 12
-            # neighbours closer than ~10 % in bits get staggered vertical offsets so labels stay readable
-            stagger = stagger + 1 if prev_x is not None and math.log2(x / prev_x) < 0.15 else 0
-            prev_x = x
-            dy = (3, -12, 14, -22)[stagger % 4]
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(-9 if right else 9, dy), fontsize=7,
-                        ha="right" if right else "left", va="bottom")
+        texts = [(x, y, names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else
+                  f"{names[0]} +{len(names) - 1}") for (x, y), names in sorted(labels.items())]
+    else:
+        texts = []
     ax.set_yscale("log")
     if not all(p["rel_mse"] > 0 for p in pts):
         ax.axhline(floor, color="grey", linewidth=0.6, linestyle="--")
@@ -350,7 +343,94 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
     ax.set_title(f"Quality vs bits — Pareto front ({src})")
     ax.grid(True, which="major", alpha=0.3)
     _legend_outside(ax)
+    markers = [(p["bits_effective"], p["rel_mse"] if p["rel_mse"] > 0 else floor) for p in pts]
+    _place_labels(fig, ax, texts, markers)
     return _finish(fig, out / f"pareto_{src}.png")
+
+
+#: label offsets tried around a point, in points: the four sides first, then rings of 16 directions
+#: at growing distance (a leader line then joins label and point)
+_LABEL_OFFSETS = [(9.0, 2.0), (9.0, -10.0), (-9.0, 2.0), (-9.0, -10.0)] + [
+    (r * math.cos(2 * math.pi * k / 16), r * math.sin(2 * math.pi * k / 16) - 4.0)
+    for r in (22.0, 34.0, 48.0, 64.0, 82.0) for k in range(16)]
+
+
+def log_debug(msg: str) -> None:
+    import os
+
+    if os.environ.get("KVQBENCH_PLOTS_DEBUG"):
+        print(msg, file=sys.stderr)
+
+
+def _text_extent(a: Any, renderer: Any) -> Any:
+    from matplotlib.text import Text
+
+    a.update_positions(renderer)  # place the text where the annotation puts it
+    return Text.get_window_extent(a, renderer)
+
+
+def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]], markers: list[tuple[float, float]],
+                  fontsize: float = 7.0) -> None:
+    """Label points so that no label overlaps another label, a marker, or leaves the axes: each label
+    takes the first free spot of :data:`_LABEL_OFFSETS` (measured in display space after a draw); when
+    some label finds none, every point is numbered instead and the numbers are explained in a key
+    below the legend."""
+    if not texts:
+        return
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax_box = ax.get_window_extent(renderer)
+    pad = 6.0 * fig.dpi / 72.0  # a front point's ring radius, in pixels
+    occupied = []
+    for mx, my in markers:
+        px, py = ax.transData.transform((mx, my))
+        occupied.append((px - pad, py - pad, px + pad, py + pad))
+    for t in ax.texts:  # notes already on the axes
+        b = t.get_window_extent(renderer)
+        occupied.append((b.x0, b.y0, b.x1, b.y1))
+
+    def free(b: Any) -> bool:
+        if b.x0 < ax_box.x0 or b.x1 > ax_box.x1 or b.y0 < ax_box.y0 or b.y1 > ax_box.y1:
+            return False
+        return not any(b.x0 < o[2] and b.x1 > o[0] and b.y0 < o[3] and b.y1 > o[1] for o in occupied)
+
+    def place(items: list[tuple[float, float, str]]) -> list[Any] | None:
+        placed = []
+        for x, y, text in items:
+            for dx, dy in _LABEL_OFFSETS:
+                far = math.hypot(dx, dy) > 16  # away from its point: a thin leader line says whose it is
+                a = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize,
+                                ha="left" if dx > 0 else "right" if dx < 0 else "center", va="bottom", zorder=5,
+                                arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6,
+                                            "shrinkA": 0, "shrinkB": 5} if far else None)
+                b = _text_extent(a, renderer)  # the text alone, not its leader line
+                if free(b):
+                    occupied.append((b.x0, b.y0, b.x1, b.y1))
+                    placed.append(a)
+                    break
+                a.remove()
+            else:
+                for a in placed:
+                    a.remove()
+                log_debug(f"no free spot for label {text!r}")
+                return None
+        return placed
+
+    base = list(occupied)
+    if place(texts) is not None:
+        return
+    occupied[:] = base
+    numbered = [(x, y, str(i + 1)) for i, (x, y, _) in enumerate(texts)]
+    if place(numbered) is None:  # even numbers collide: put them on anyway, the key still names them
+        for x, y, n in numbered:
+            ax.annotate(n, (x, y), textcoords="offset points", xytext=(6, 3), fontsize=fontsize, zorder=5)
+    key = "\n".join(f"{i + 1}  {t}" for i, (_, _, t) in enumerate(texts))
+    legend = ax.get_legend()
+    top = 1.0
+    if legend is not None:  # the key goes below the legend
+        top = ax.transAxes.inverted().transform((0, legend.get_window_extent(renderer).y0))[1] - 0.03
+    ax.text(1.01, top, "Pareto front points:\n" + key, transform=ax.transAxes, fontsize=fontsize,
+            va="top", ha="left")
 
 
 def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path) -> Path | None:
