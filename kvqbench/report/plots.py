@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterable
 
 from kvqbench.report.io import read_json
 
-__all__ = ["write_figures", "figure_names", "iter_curves", "iter_histograms", "X_KEYS", "DPI"]
+__all__ = ["write_figures", "figure_names", "iter_curves", "iter_histograms", "iter_histogram_bins", "X_KEYS",
+           "DPI"]
 
 X_KEYS: tuple[str, ...] = ("context_len", "context_lens", "context_length", "context_lengths", "context",
                            "ctx_len", "ctx", "lengths", "tokens", "positions", "seq_lens", "x")
@@ -120,6 +121,14 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
     the bin width. A flat layout is read too: an ``…edges`` list beside ``…density`` lists with one
     value fewer than the edges, or two more (an underflow and an overflow bin, not drawn).
     """
+    for p, edges, dens in iter_histogram_bins(series, path):
+        yield p, [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)], dens
+
+
+def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
+                        ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
+    """Like :func:`iter_histograms` but yields the bin ``edges`` (one more than the densities), so
+    bins of unequal width (e.g. fine near 0, wider in the tails) keep their true extent."""
     if not isinstance(series, dict):
         return
     edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
@@ -128,23 +137,21 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
     if vals is not None and (edges is not None or centers is not None):
         if edges is not None and len(edges) == len(vals) + 1:
             e = [float(v) for v in edges]
-            widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-            c = [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)]
         elif centers is not None and len(centers) == len(vals):
             c = [float(v) for v in centers]
             step = (c[-1] - c[0]) / max(len(c) - 1, 1) or 1.0
-            widths = [step] * len(c)
+            e = [x - step / 2 for x in c] + [c[-1] + step / 2]
         else:
-            c = None
-        if c is not None:
+            e = None
+        if e is not None:
+            widths = [b - a for a, b in zip(e, e[1:], strict=False)]
             area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
-            yield path, c, [v / area if area > 0 else 0.0 for v in vals]
+            yield path, e, [v / area if area > 0 else 0.0 for v in vals]
             return
     flat_edges = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
     if flat_edges:
         e = [float(v) for v in series[flat_edges[0]]]
         widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-        c = [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)]
         found = False
         for key in sorted(series):
             vals = _as_curve(series[key]) if any(w in str(key) for w in ("density", "counts", "hist")) else None
@@ -153,13 +160,13 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
             total = math.fsum(vals)
             inner = vals[1:-1] if len(vals) == len(e) + 1 else vals
             if total > 0:
-                yield path + (str(key),), c, [v / total / w for v, w in zip(inner, widths, strict=True)]
+                yield path + (str(key),), e, [v / total / w for v, w in zip(inner, widths, strict=True)]
                 found = True
         if found:
             return
     for key in sorted(series):
         if isinstance(series[key], dict):
-            yield from iter_histograms(series[key], path + (str(key),))
+            yield from iter_histogram_bins(series[key], path + (str(key),))
 
 
 def _regime(name: str) -> str:
@@ -238,7 +245,7 @@ def _mean_curves(cells: list[dict[str, Any]], setting: str, kind: Callable[[str]
         if c.get("status") != "passed" or setting_key(c) != setting:
             continue
         found: dict[Any, tuple[list[float], list[float]]] = {}
-        walker = iter_histograms if hist else iter_curves
+        walker = iter_histogram_bins if hist else iter_curves  # histograms: x = the bin edges
         for path, xs, ys in walker(c.get("series") or {}):
             key = kind("/".join(path).lower())
             if key is not None and key not in found:
@@ -580,22 +587,21 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     kvs = [kv for kv in ("K", "V") if any(k == kv for _, k in curves)]
     ncol = min(4, len(methods))
     nrow = math.ceil(len(methods) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol + 0.5, 2.5 * nrow + 0.8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol + 0.5, 2.5 * nrow + 0.8), squeeze=False)
     for i, m in enumerate(methods):
         ax = axes[i // ncol][i % ncol]
         st = style(m)
+        drawn = {kv: curves[(m, kv)] for kv in kvs if (m, kv) in curves}
+        lo, hi = _mass_range([d for d in drawn.values()])
         outside = []
-        for kv in kvs:
-            if (m, kv) not in curves:
-                continue
-            xs, ys = curves[(m, kv)]
-            step = (xs[-1] - xs[0]) / max(len(xs) - 1, 1) if len(xs) > 1 else 1.0
-            share_out = 1.0 - math.fsum(ys) * step
-            if share_out > 0.01:
-                outside.append(f"{kv} {share_out:.0%}")
-            ax.fill_between(xs, ys, step="mid", alpha=0.35 if kv == "K" else 0.15, color=st["color"])
-            ax.step(xs, ys, where="mid", color=st["color"], linewidth=1.0,
-                    linestyle="-" if kv == "K" else "--", label=kv)
+        for kv, (edges, dens) in drawn.items():
+            share_out = 1.0 - _mass_within(edges, dens, lo, hi)
+            if share_out > 0.005:
+                outside.append(f"{kv} {share_out:.0%}" if share_out >= 0.01 else f"{kv} <1%")
+            ax.stairs(dens, edges, fill=True, alpha=0.35 if kv == "K" else 0.15, color=st["color"])
+            ax.stairs(dens, edges, color=st["color"], linewidth=1.0, linestyle="-" if kv == "K" else "--", label=kv)
+        ax.set_xlim(lo, hi)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(5))
         ax.axvline(0, color="grey", linewidth=0.6)
         if outside:
             ax.text(0.02, 0.97, "off scale: " + ", ".join(outside), transform=ax.transAxes, fontsize=7,
@@ -604,17 +610,61 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.25)
         if len(kvs) > 1 and i == 0:
-            ax.legend(fontsize=7, frameon=False)
+            ax.legend(fontsize=7, frameon=False, loc="upper right")
     for j in range(len(methods), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
-    for ax in axes[-1]:
-        ax.set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
+    for j in range(ncol):  # the x label on the lowest drawn panel of each column
+        col = [axes[r][j] for r in range(nrow) if r * ncol + j < len(methods)]
+        if col:
+            col[-1].set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
-    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; "
-                 "0 = norm preserved)", fontsize=11)
+    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; 0 = norm preserved; "
+                 "x-range per method holds ≥ 98 % of its tokens)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"norm_diff_density_{src}.png")
+
+
+def _mass_within(edges: list[float], dens: list[float], lo: float, hi: float) -> float:
+    """Share of a density (on ``edges``) inside ``[lo, hi]`` (partial bins pro rata)."""
+    tot = 0.0
+    for a, b, d in zip(edges, edges[1:], dens, strict=False):
+        overlap = max(0.0, min(b, hi) - max(a, lo))
+        tot += d * overlap
+    return tot
+
+
+def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1
+                ) -> tuple[float, float]:
+    """An x-range chosen from the data: it holds at least ``keep`` of every histogram's drawn mass
+    (equal tails cut on each side), always includes 0, spans at least ``min_span``, padded by 5 %;
+    falls back to the edges' span."""
+    los, his = [], []
+    for edges, dens in hists:
+        mass = [d * (b - a) for a, b, d in zip(edges, edges[1:], dens, strict=False)]
+        total = math.fsum(mass)
+        if total <= 0:
+            continue
+        cut = (1.0 - keep) / 2 * total
+        acc, i = 0.0, 0
+        while i < len(mass) - 1 and acc + mass[i] <= cut:
+            acc += mass[i]
+            i += 1
+        acc, j = 0.0, len(mass) - 1
+        while j > i and acc + mass[j] <= cut:
+            acc += mass[j]
+            j -= 1
+        los.append(edges[i])
+        his.append(edges[j + 1])
+    if not los:
+        e = hists[0][0] if hists else [-1.0, 1.0]
+        return e[0], e[-1]
+    lo, hi = min(min(los), 0.0), max(max(his), 0.0)
+    if hi - lo < min_span:  # e.g. everything in the bin at 0 (fp16): show some room around it
+        mid = (hi + lo) / 2
+        lo, hi = min(lo, mid - min_span / 2), max(hi, mid + min_span / 2)
+    pad = 0.05 * (hi - lo)
+    return lo - pad, hi + pad
 
 
 def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], style: _Style,
