@@ -694,6 +694,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in (exp4_doc or {}).get("cells", []))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
+        drawn_bits: list[tuple[Any, list[float], list[float]]] = []
         vals_all = []
         for j, n in enumerate(metric_names):
             xs, ys, es = [], [], []
@@ -707,8 +708,10 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
                 es.append(e.get("ci95") or 0.0)
             vals_all += ys
             unit = catalog.get(n, {}).get("unit", "")
-            ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=f"{n} [{unit}]" if unit else n,
-                   color=_COLORS[j % len(_COLORS)], alpha=0.85)
+            bars = ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=f"{n} [{unit}]" if unit else n,
+                          color=_COLORS[j % len(_COLORS)], alpha=0.85)
+            if kind == "bits":
+                drawn_bits.append((bars, ys, es))
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
         if kind == "latency":
@@ -719,13 +722,46 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
             ax.set_title("Quantize / dequantize latency (median of repeats)"
                          + ("\nCPU timing: indicative only (unreliable_timing)" if unreliable else ""), fontsize=10)
         else:
-            ax.set_ylabel("bits per element")
+            ax.set_ylabel("bits per element (value on each bar)")
             ax.set_title("Bits per element (nominal vs effective)", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
+        if kind == "bits" and drawn_bits:  # after the legend, whose swatches stay plain
+            _clip_tall_bars(ax, drawn_bits)
     fig.suptitle(f"Cost at {setting} ({src}; mean ± 95% CI over seeds)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"cost_{src}.png")
+
+
+def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) -> None:
+    """Bits bars on a linear scale fitted to the compressed methods: a bar taller than 2.5× the
+    median (fp16's 16 bits beside ~2-bit methods) is cut at the top of the axis, hatched, and keeps
+    its value as a label; every bar carries its value, so 2.0 vs 2.7 bits reads at a glance."""
+    vals = [y for _, ys, _ in drawn for y in ys]
+    if not vals:
+        return
+    med = sorted(vals)[len(vals) // 2]
+    tall = [y > 2.5 * med for y in vals]
+    rest = [y + e for _, ys, es in drawn for y, e in zip(ys, es, strict=False) if not y > 2.5 * med]
+    top = 1.22 * max(rest) if any(tall) and rest else None
+    for bars, ys, _ in drawn:
+        for bar, y in zip(bars, ys, strict=False):
+            x = bar.get_x() + bar.get_width() / 2
+            if top is not None and y > 2.5 * med:
+                bar.set_height(top * 0.93)
+                bar.set_hatch("//")
+                ax.annotate(f"{y:.3g} ↑", (x, top * 0.93), textcoords="offset points", xytext=(0, -3),
+                            ha="center", va="top", fontsize=7, fontweight="bold", rotation=90,
+                            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.85})
+            else:
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 2), ha="center",
+                            va="bottom", fontsize=5.5, rotation=90)
+    if top is not None:
+        ax.set_ylim(0, top)
+        ax.text(0.99, 0.80, f"hatched bars are cut at the top (value written on them);\naxis fitted to the bars "
+                f"under {2.5 * med:.3g} bits", transform=ax.transAxes, ha="right", va="top", fontsize=7,
+                color="dimgrey")
 
 
 def figure_names(source: str) -> list[str]:
