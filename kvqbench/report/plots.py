@@ -522,7 +522,16 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     if not curves or kind is None:
         return None
     regimes = [r for r in ("static", "pseudo-decode") if any(k[1] == r for k in curves)]
-    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True, squeeze=False)
+    billed = _decode_billed_bits(exp2, setting) if "pseudo-decode" in regimes else {}
+    if billed:  # a second row: the billed bits under the pseudo-decode panel
+        fig, grid = plt.subplots(2, len(regimes), figsize=(6 * len(regimes) + 1.5, 6.6), squeeze=False,
+                                 gridspec_kw={"height_ratios": [3, 1.35]}, sharex="col")
+        axes = grid[:1]
+        for ax in grid[0][1:]:
+            ax.sharey(grid[0][0])
+    else:
+        fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True,
+                                 squeeze=False)
     allv = [y for xs, ys in curves.values() for y in ys]
     log = _span_decades(allv) >= 1.5
     zero_points = False
@@ -558,11 +567,70 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     if order:
         axes[0][-1].legend([handles[m] for m in order], order, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                            fontsize=8, frameon=False)
+    if billed:
+        _draw_billed_bits(grid, regimes, billed, style, axes)
     what = "Attention KL" if quantity == "kl" else "Attention error"
     note = "; points at exactly 0 (e.g. inside an fp16 residual window) omitted on the log scale" if zero_points else ""
     fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds{note})", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
+
+
+def _decode_billed_bits(exp2: dict[str, Any] | None, setting: str | None
+                       ) -> dict[str, tuple[list[float], list[float]]]:
+    """``{method: (context lengths, billed bits/element)}`` in pseudo-decode, for the methods whose
+    billed bits change with the length by more than 5 % (their fp16 share — attention sinks, a
+    residual window, a partial last tile — changes with it). Empty when none does."""
+    if setting is None:
+        return {}
+
+    def kind(name: str) -> Any:
+        last = name.split("/")[-1]
+        return "bits" if _regime(name) == "pseudo-decode" and last in ("bits_effective", "bits") else None
+
+    cells = (exp2 or {}).get("cells") or []
+    out = {}
+    for (m, _), (xs, ys) in _mean_curves(cells, setting, kind).items():
+        lo, hi = min(ys), max(ys)
+        if lo > 0 and (hi - lo) / lo > 0.05:
+            out[m] = (xs, ys)
+    return out
+
+
+def _draw_billed_bits(grid: Any, regimes: list[str], billed: dict[str, tuple[list[float], list[float]]],
+                      style: _Style, top_axes: Any) -> None:
+    ax = grid[1][regimes.index("pseudo-decode")]
+    for m in sorted(billed, key=lambda m: style.idx.get(m, 99)):
+        st = style(m)
+        xs, ys = billed[m]
+        ax.plot(xs, ys, color=st["color"], marker=st["marker"], linestyle=st["linestyle"], markersize=4,
+                linewidth=1.3, label=m)
+    ax.set_ylabel("billed bits/element", fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_title("billed bits in pseudo-decode (fp16 sink / residual / partial-tile tokens at 16 bits)",
+                 fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
+    names = ", ".join(sorted(billed, key=lambda m: style.idx.get(m, 99)))
+    note = (f"Pseudo-decode, {names}: which tokens stay fp16 (attention sinks, a residual window, a partly "
+            "filled last tile of the most recent tokens) changes with the length, so their error jumps "
+            "between neighbouring lengths: it drops where the most recent tokens — which draw the most "
+            "attention — are still fp16, and rises where the length fills the last tile and they are "
+            "quantized too. The billed bits (right) show the fp16 share at each length.")
+    for i, reg in enumerate(regimes):
+        if reg != "pseudo-decode":
+            a = grid[1][i]
+            a.axis("off")
+            top_axes[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
+            top_axes[0][i].set_xlabel("context length (tokens)")
+            a.text(0.0, 0.80, "\n".join(_wrap(note, 88)), transform=a.transAxes, fontsize=8, va="top")
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
 
 
 def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, Any] | None, style: _Style,
