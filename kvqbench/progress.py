@@ -159,6 +159,9 @@ class Progress:
         kinds = self.history.get("kinds") or {}
         return float(kinds[kind]) if kind in kinds else None
 
+    def _known(self, nodeid: str, kind: str) -> bool:
+        return self._history_of(nodeid, kind) is not None or len(self.durations.get(kind, ())) >= 3
+
     def speed(self) -> float:
         """This run's seconds per history-predicted second (1 without history), clamped to [0.2, 5]."""
         if self.hist_pred <= 0 or self.hist_actual <= 0:
@@ -196,7 +199,10 @@ class Progress:
             if p is None:
                 return None
             if n in self.running:
-                p = max(p - (now - self.running[n]), 0.1 * p)
+                ran = now - self.running[n]
+                # a known duration counts down; an unknown one (no history, kind rarely seen) is expected
+                # to run at least as long again as it has run so far
+                p = max(p - ran, 0.1 * p) if self._known(n, kind) else max(p - ran, ran)
                 tail = max(tail, p)
             left += p
         report = 0.0

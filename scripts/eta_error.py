@@ -25,8 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-LINE = re.compile(r"kvqbench: (\d+)/(\d+) tests, elapsed (\S+), ETA (\S+)")
-END = re.compile(r"kvqbench: finished (\d+)/(\d+) tests, elapsed (\S+)")
+LINE = re.compile(r"kvqbench: (\d+)/(\d+) tests, elapsed ([0-9hms]+), ETA ([0-9hms]+|\?)")
+END = re.compile(r"kvqbench: finished (\d+)/(\d+) tests, elapsed ([0-9hms]+)")
 PYTEST_END = re.compile(r" in (\d+(?:\.\d+)?)s(?: \(|\s*=|$)")
 
 
@@ -46,23 +46,34 @@ def parse(text: str) -> tuple[list[tuple[int, int, float, float | None]], float]
         ValueError: no progress line, or no end of run in the text.
     """
     rows = []
-    end = None
+    ends: dict[int, float] = {}  # total → the closing line's elapsed (first one per total)
+    pytest_end = None
     for ln in text.splitlines():
-        m = END.search(ln)
-        if m:
-            end = seconds(m.group(3))
+        ln = ln.strip()
+        if not ln.startswith("kvqbench: "):  # e.g. progress lines quoted inside a failure report
+            m = PYTEST_END.search(ln)
+            if m and ln.startswith("=") and ("passed" in ln or "failed" in ln):
+                pytest_end = float(m.group(1))
             continue
-        m = LINE.search(ln)
-        if m:
-            eta = m.group(4)
-            rows.append((int(m.group(1)), int(m.group(2)), seconds(m.group(3)),
-                         None if eta.startswith("?") else seconds(eta)))
+        try:
+            m = END.match(ln)
+            if m:
+                ends.setdefault(int(m.group(2)), seconds(m.group(3)))
+                continue
+            m = LINE.match(ln)
+            if m:
+                eta = m.group(4)
+                rows.append((int(m.group(1)), int(m.group(2)), seconds(m.group(3)),
+                             None if eta.startswith("?") else seconds(eta)))
+        except ValueError:
             continue
-        m = PYTEST_END.search(ln)
-        if m and end is None and ln.strip().startswith("="):
-            end = float(m.group(1))
     if not rows:
         raise ValueError("no 'kvqbench: D/T tests, elapsed …, ETA …' line in the log")
+    # the run's own lines have the largest total (a pytester run inside the test suite is a small one
+    # whose lines may be quoted in a failure report)
+    total = max(r[1] for r in rows)
+    rows = [r for r in rows if r[1] == total]
+    end = ends.get(total, pytest_end)
     if end is None:
         raise ValueError("no end of run ('kvqbench: finished …' or pytest's '… in Ns') in the log")
     return rows, end
