@@ -116,9 +116,9 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
                     ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
     """Yield ``(path, centers, density)`` for every histogram in ``series`` (see module doc).
 
-    Counts are normalised to a density (integral 1 including any under/overflow bins) so seeds and
-    methods are comparable; values named ``density``/``share`` that already sum to 1 are divided by
-    the bin width. A flat layout is read too: an ``…edges`` list beside ``…density`` lists with one
+    Counts are normalised to a density (count / total / bin width: integral 1, bins of unequal width
+    allowed) so seeds and methods are comparable; values named ``density`` are rescaled to integral 1;
+    shares that already sum to 1 are divided by the bin width. A flat layout is read too: an ``…edges`` list beside ``…density`` lists with one
     value fewer than the edges, or two more (an underflow and an overflow bin, not drawn).
     """
     for p, edges, dens in iter_histogram_bins(series, path):
@@ -132,7 +132,8 @@ def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
     if not isinstance(series, dict):
         return
     edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
-    vals = next((_as_curve(series[k]) for k in VALUE_KEYS if k in series and _as_curve(series[k])), None)
+    vkey = next((k for k in VALUE_KEYS if k in series and _as_curve(series[k])), None)
+    vals = _as_curve(series[vkey]) if vkey is not None else None
     centers = series.get("centers") if _is_num_list(series.get("centers")) else None
     if vals is not None and (edges is not None or centers is not None):
         if edges is not None and len(edges) == len(vals) + 1:
@@ -145,8 +146,12 @@ def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
             e = None
         if e is not None:
             widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-            area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
-            yield path, e, [v / area if area > 0 else 0.0 for v in vals]
+            if vkey == "density":  # already per unit x: rescale to integral 1
+                area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
+                yield path, e, [v / area if area > 0 else 0.0 for v in vals]
+            else:  # counts per bin: divide by the total and by each bin's own width
+                total = math.fsum(vals)
+                yield path, e, [v / total / w if total > 0 else 0.0 for v, w in zip(vals, widths, strict=False)]
             return
     flat_edges = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
     if flat_edges:

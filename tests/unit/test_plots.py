@@ -145,7 +145,7 @@ def _rich_records():
                 [16.0, 8.0, 5.0, 6.0] if r["method"] == "kvarn" and r["k_bits"] == 2 else [flat] * len(CTX))
         if r["experiment"] == "exp3" and r["method"] == "rtn_token":
             edges = [-2.0 + 0.25 * i for i in range(17)] + [4.0, 8.0, 16.0]
-            counts = [0.0] * 8 + [60.0, 20.0, 5.0, 3.0, 2.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0]  # mass out to 16
+            counts = [0.0] * 8 + [120.0, 40.0, 15.0, 8.0, 5.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.6]  # a tail out to 16
             r["series"]["k_norm_diff"] = {"edges": edges, "counts": counts}
         if r["experiment"] == "exp4" and r["k_bits"] == 2 and r["method"] in ("kvarn", "kivi"):
             r["metrics"]["cost_bits_effective"] = 2.7 if r["method"] == "kvarn" else 2.0
