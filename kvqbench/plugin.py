@@ -141,17 +141,27 @@ class _PrintThread(threading.Thread):
         config.stash[PRINTER_KEY] = self
 
     def run(self) -> None:
-        while not self.stop.wait(self.prog.interval_s):
-            tr = self.config.pluginmanager.get_plugin("terminalreporter")
-            if tr is None:
-                continue
+        # While reports arrive, the main thread prints (in _progress_tick) so lines never interleave with
+        # pytest's own dots; this thread speaks only when nothing has arrived for a whole interval (a
+        # long test, the real-model capture, the closing report).
+        while not self.stop.wait(self.prog.interval_s / 2):
             with _PROGRESS_LOCK:
+                now = time.time()
                 if self.stop.is_set():
                     return
-                line = self.prog.line(time.time())
-                if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
-                    tr.write("\n")  # after the progress dots of -q / xdist
-                tr.write_line(line)
+                quiet = max(self.prog.interval_s, 2.0)  # no test report for that long: pytest is not writing
+                if now - max(self.prog.last, self.prog.last_report) >= quiet:
+                    _print_progress(self.config, self.prog, now)
+
+
+def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    prog.last = now
+    if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+        tr.write("\n")  # after the progress dots of -q / xdist
+    tr.write_line(prog.line(now))
 
 
 PRINTER_KEY = pytest.StashKey[_PrintThread]()
@@ -176,8 +186,12 @@ def _progress_tick(report: pytest.TestReport) -> None:
                     prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)))
                     d -= float(v.get("seconds", 0.0))
         prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
+        now = time.time()
+        prog.last_report = now
         if report.when == "teardown":
-            prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0), time.time())
+            prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0), now)
+            if prog.interval_s > 0 and now - prog.last >= prog.interval_s and prog.total:
+                _print_progress(_CONFIG["config"], prog, now)
 
 
 def _load_history(config: pytest.Config) -> dict:

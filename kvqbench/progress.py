@@ -94,6 +94,7 @@ class Progress:
     hist_pred: float = 0.0  # history predictions of finished tests …
     hist_actual: float = 0.0  # … and what they really took
     report_started: float | None = None  # when the last test finished: the session-end report began
+    last_report: float = 0.0  # when the controller last received a test report
     debug: str = ""
 
     # ---------------------------------------------------------------- events
