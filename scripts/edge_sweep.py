@@ -70,6 +70,7 @@ INHERENT: dict[tuple[str, str], str] = {
     ("rtn_tensor", "heavy_tail"): "rtn_tensor: a few large tokens set the whole tensor's range",
     ("quarot", "offset"): "rotation concentrates a common offset in one coordinate",
     ("quarot", "constant"): "quarot: the 0.95 clip puts a floor under the error at every bit width",
+    ("quarot", "random"): "quarot: the 0.95 clip puts a floor under the error at every bit width",
     ("kvarn", "offset"): "rotation concentrates a common offset in one coordinate",
     ("turboquant", "offset"): "rotation concentrates a common offset in one coordinate",
     ("turboquant", "constant"): "rotation='hadamard' keeps a constant token (all offset) in one coordinate",
