@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     cmd = [str(tests), "-m", "smoke" if args.smoke else "full"]
     if not args.no_real and "--kvq-real" not in extra:
         cmd.append("--kvq-real")
-    if args.shard is not None or args.ray is not None:
+    if args.shard is not None or args.ray is not None or args.shards is not None:
         from kvqbench.shard import parse_shard
 
         try:

@@ -180,14 +180,11 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
         return
     state.expected = list(nodeids)
     if nodeids:
-        s = config.stash[SETTINGS_KEY]
-        out = _out_dir(config, s, None, state.expected)
+        out = _out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
         problem = check_writable(out)
         if problem:
             raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
                                     "(pass --kvq-out DIR with a writable folder)")
-        if s.real and any("-real-" in i for i in nodeids):
-            _check_model(s.model)
 
 
 def _check_model(model: str) -> None:
@@ -411,6 +408,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--kvq-shard: {e}") from None
     if s.real:
         _check_real_deps(s.model)
+        if not _is_worker(config):
+            _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
     if s.out_dir is not None and not _is_worker(config):  # an explicit folder: check it at once
         from kvqbench.report.results import check_writable
 
@@ -495,6 +494,9 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
         combos = [c + ((axis, v),) for c in combos for v in values]
     seeds = s.seeds[:1] if marker.kwargs.get("single_seed") else s.seeds
     sources = ["synthetic"] + (["real"] if s.real else [])
+    only_sources = marker.kwargs.get("sources")  # e.g. ("real",): an experiment that needs the real model
+    if only_sources:
+        sources = [src for src in sources if src in only_sources]
     sizes = marker.kwargs.get("sizes") or ("smoke", "full")
     cells = []
     for size in sizes:
@@ -625,6 +627,21 @@ def _select_layers(data, idx: list[int]):
 
 
 @pytest.fixture
+def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
+    """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
+    (:class:`kvqbench.experiments.endtoend.RealSource`; the model is loaded once per process, the capture
+    is disk-cached like the other real data). Runs on the session device with pinned CPU threads."""
+    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
+
+    _pin_threads(kvq_settings.threads)
+    cache_dir = None
+    if getattr(pytestconfig, "cache", None) is not None:
+        cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
+    return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
+                       device=kvq_settings.device, cache_dir=cache_dir)
+
+
+@pytest.fixture
 def kvq_method(cell: Cell):
     """A fresh instance of the cell's method at the cell's bits, seed and variant parameters."""
     from kvqbench.quantizers import create
@@ -690,6 +707,10 @@ def kvq_record(request: pytest.FixtureRequest) -> Recorder:
         d = request.getfixturevalue("kvq_data")
         rec["data"] = {**_jsonable_meta(d.meta), "shape_k": list(d.k.shape), "shape_q": list(d.q.shape),
                        "source": d.source}
+    elif "kvq_model" in request.fixturenames:  # end-to-end cells: the model and its calibration capture
+        cal = request.getfixturevalue("kvq_model").calibration
+        rec["data"] = {**_jsonable_meta(cal.meta), "shape_k": list(cal.k.shape), "shape_q": list(cal.q.shape),
+                       "source": cal.source}
     return Recorder(rec)
 
 

@@ -310,6 +310,10 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         print(f"kvqbench compare: {unknown}", file=sys.stderr)
         return 2
     cmp = compare_boards(b, n)
+    for label, board in (("BASE", b), ("NEW", n)):
+        comp = board.get("completeness") or {}
+        if comp.get("complete") is False:
+            print(f"kvqbench compare: warning: {label} is {comp.get('summary', 'incomplete')}", file=out)
     print(render_comparison(cmp, catalog, rules=rules, show_percent=show_percent, max_rows=max_rows), file=out)
     for r in rules:
         if r.metric != "any" and not any(c.metric == r.metric for c in cmp.changes):

@@ -14,7 +14,8 @@ from tabulate import tabulate
 
 from kvqbench.report.io import to_jsonable
 
-__all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner"]
+__all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner", "headline_lines",
+           "headline_screen"]
 
 CELL_STATES = ("passed", "failed", "skipped")
 
@@ -158,13 +159,11 @@ def render_markdown(board: dict[str, Any]) -> str:
     banner = completeness_banner(board)
     if banner:
         lines += [banner, ""]
-    lines.append(
-        f"kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
-        f"torch {prov.get('torch_version', '?')} · device {prov.get('device_name', '?')} · "
-        f"seeds {prov.get('seeds', '?')} · started {prov.get('start_time', '?')}"
-    )
-    lines += ["", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width over seeds. "
-              "Real and synthetic results are kept apart. A rank is 1 + the methods whose 95% CI is wholly better (never lower than the rank above it).", ""]
+    for src_name, src in board.get("sources", {}).items():
+        lines += headline_screen(board, src_name, src)
+    lines += ["# Details", "", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width "
+              "over seeds. Real and synthetic results are kept apart. A rank is 1 + the methods whose 95% CI is "
+              "wholly better (never lower than the rank above it).", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
         lines += [f"## {src_name}", ""]
@@ -172,6 +171,7 @@ def render_markdown(board: dict[str, Any]) -> str:
                                                    if isinstance(v, (int, float, str)) and k != "description")
         lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
                   + _cells_text(src["cells"]), ""]
+        lines += _endtoend_tables(src, board)
         exp1 = src["stats"].get("exp1", {})
         if exp1:
             lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
@@ -181,11 +181,15 @@ def render_markdown(board: dict[str, Any]) -> str:
             for t in _ranking_tables(src, settings):
                 lines += [t, ""]
             pf = src.get("pareto", {})
-            if pf.get("front"):
+            front = [p for p in pf.get("front") or [] if not _exact_setting(p["setting"])]
+            if front:
                 lines += ["### Pareto front (effective bits vs relative MSE)", ""]
                 lines += [tabulate([[f"`{p['method']}`", p["setting"], fmt(p["bits_effective"]), fmt(p["rel_mse"])]
-                                    for p in pf["front"]], headers=["method", "bits", "bits effective", "rel. MSE"],
+                                    for p in front], headers=["method", "bits", "bits effective", "rel. MSE"],
                                    tablefmt="github"), ""]
+                if len(front) < len(pf.get("front") or []):
+                    lines += ["16-bit settings are exact (relative MSE 0 for every method) and are left out of "
+                              "this table.", ""]
             mb = src.get("matched_budget") or []
             if mb:
                 lines += ["### Best method at a matched budget (effective bits ≤ budget)", ""]
@@ -222,7 +226,117 @@ def render_markdown(board: dict[str, Any]) -> str:
                  len(i.get("deltas", []))] for m, i in board["methods"].items()]
         lines += [tabulate(rows, headers=["id", "method", "arXiv", "fidelity", "deltas"], tablefmt="github"), "",
                   "Every delta is listed in `docs/PAPERS.md` and in `leaderboard.json` under `methods`.", ""]
+    lines += ["## Provenance", "",
+              f"kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
+              f"torch {prov.get('torch_version', '?')} · device {prov.get('device_name', '?')} · "
+              f"seeds {prov.get('seeds', '?')} · started {prov.get('start_time', '?')}", ""]
+    if prov.get("command"):
+        lines += [f"Command: `{prov['command']}`", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _exact_setting(setting: str) -> bool:
+    """``k16v16`` (and any setting whose K and V bits are both ≥ 16): an exact passthrough."""
+    import re
+
+    m = re.match(r"k(\d+)v(\d+)", setting or "")
+    return bool(m) and int(m.group(1)) >= 16 and int(m.group(2)) >= 16
+
+
+def _rho_text(rho: Any, ci: Any) -> str:
+    if rho is None:
+        return "—"
+    return f"{rho:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+
+
+def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
+    """The headline of one source: the sentence naming the metric (and its ρ), the matched-budget rows
+    ``[budget, best, bits, bits effective, metric value, end-to-end KL, runner-up]`` and their headers.
+    Shared by ``LEADERBOARD.md`` and the README digest."""
+    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
+
+    h = board.get("headline") or {}
+    metric = h.get("metric", "rel_mse")
+    if h.get("from_predictivity"):
+        where = "pooled over bit widths" if h.get("group") == "pooled" else f"at {h.get('group')}"
+        model = ((board.get("sources", {}).get(h.get("source"), {}).get("data") or {}).get("model")) or "the real model"
+        sentence = (f"Ranked on `{metric}` ({h.get('experiment')}), the tensor metric that best predicts model damage: "
+                    f"Spearman ρ = {_rho_text(h.get('rho'), h.get('ci95'))} (95% bootstrap CI over methods) against "
+                    f"the end-to-end next-token KL of {model}, {where}.")
+    else:
+        sentence = (f"Ranked on `{metric}` (no end-to-end run in this result set, so which tensor metric predicts "
+                    "model damage is unknown here; run with the real model to find out).")
+    rows = []
+    for b in src.get("headline") or []:
+        kl = fmt(b.get("e2e_kl"), b.get("e2e_kl_ci95")) if b.get("e2e_kl") is not None else "—"
+        rows.append([f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
+                     fmt(b["bits"]), fmt(b["quality"]), kl, b.get("runner_up") or "—"])
+    target = h.get("target", PREDICTIVITY_TARGETS[0])
+    headers = ["budget (bits/elt)", "best", "bits", "bits effective", metric, f"end-to-end KL (`{target}`)", "runner-up"]
+    return sentence, rows, headers
+
+
+def headline_screen(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> list[str]:
+    """One screen per source: the best method at each matched effective-bits budget on the headline
+    metric, with its end-to-end KL, and one line naming the metric and its ρ."""
+    sentence, rows, headers = headline_lines(board, src_name, src)
+    data = src.get("data") or {}
+    what = f" ({data.get('model')})" if src_name == "real" and data.get("model") else ""
+    out = [f"## {src_name}{what}: best method at a matched budget", "", sentence, ""]
+    if rows:
+        out += [tabulate(rows, headers=headers, tablefmt="github"), ""]
+    out += [f"Cells: {_cells_text(src.get('cells', {}))} · seeds {src.get('seeds')} · sizes "
+            f"{', '.join(src.get('sizes', []))}. 16-bit settings are exact and are not budget points.", ""]
+    return out
+
+
+def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
+    """End-to-end KL per method × bits (both regimes) and the predictivity table, where exp5 ran."""
+    e2e = src["stats"].get("exp5", {})
+    if not e2e:
+        return []
+    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS, _setting_sort
+
+    settings = sorted({s for by in e2e.values() for s in by if "-" not in s}, key=_setting_sort)
+    cols = [(s, r) for r in ("prefill", "decode") for s in settings]
+    rows = []
+    for m in _method_order(src, board):
+        if m not in e2e:
+            continue
+        row = [f"`{m}`"]
+        for s, r in cols:
+            e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
+            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+        rows.append(row)
+    out = ["### End-to-end damage: next-token KL(p‖p̂) in nats against the unquantized model", "",
+           "Each method's quantize → dequantize inside the model's KV cache; prefill = the text in one pass, "
+           "decode = a prefill then blocks under the method's streaming rules (fp16 windows billed at 16 bits; "
+           "see the `e2e_*_bits_billed` metrics). Mean ± 95% CI over seeds (text windows).", "",
+           tabulate(rows, headers=["method", *[f"{r} {s}" for s, r in cols]], tablefmt="github"), ""]
+    pr = src.get("predictivity") or {}
+    groups = pr.get("groups") or []
+    tables = pr.get("targets") or {}
+    main = tables.get(PREDICTIVITY_TARGETS[0]) or {}
+    if main:
+        order = main.get("pooled") or main.get(groups[0] if groups else "", [])
+        by = {g: {r["metric"]: r for r in main.get(g, [])} for g in groups}
+        others = [t for t in PREDICTIVITY_TARGETS[1:] if tables.get(t)]
+        rows = []
+        for r in order:
+            row = [f"`{r['metric']}`", r["experiment"]]
+            row += [_rho_text(by[g].get(r["metric"], {}).get("rho"), by[g].get(r["metric"], {}).get("ci95")) for g in groups]
+            for t in others:
+                tg = "pooled" if "pooled" in tables[t] else next(iter(tables[t]))
+                o = next((x for x in tables[t][tg] if x["metric"] == r["metric"]), {})
+                row.append(_rho_text(o.get("rho"), None))
+            rows.append(row)
+        heads = ["metric", "exp", *[f"ρ {g}" for g in groups], *[f"ρ vs `{t}`" for t in others]]
+        out += ["### Which tensor metrics predict model damage", "",
+                f"Spearman ρ across methods between each tensor metric (as badness: lower is better) and "
+                f"`{PREDICTIVITY_TARGETS[0]}`, within each bit width and pooled, with a {pr.get('n_boot')}-resample "
+                f"bootstrap 95% CI over methods; best first. Left out: {pr.get('excluded')}.", "",
+                tabulate(rows, headers=heads, tablefmt="github"), ""]
+    return out
 
 
 def completeness_banner(board: dict[str, Any]) -> str | None:

@@ -15,7 +15,8 @@ Nothing computed is lost and a complete result set is never replaced by a partia
   given; its ``leaderboard.json``/``summary.json`` carry ``"completeness"`` as their first key and its
   ``LEADERBOARD.md`` says so in its first lines (``incomplete: 78 of 435 cells finished, interrupted``);
 - an incomplete set never replaces a complete one: when the destination already holds a complete set,
-  the new one goes to ``DEST/incomplete/`` and the old one is left alone;
+  the new one goes to ``DEST/incomplete/`` and the old one is left alone (a later complete set removes
+  that ``incomplete/`` folder);
 - when the destination cannot be written at all, everything goes to a fresh temporary folder whose path
   is logged.
 """
@@ -32,13 +33,14 @@ from typing import Any, Callable, Iterable
 
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
 
-__all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set", "check_writable",
+__all__ = ["write_result_set", "load_result_set", "completeness", "merge_completeness", "holds_complete_set",
+           "check_writable",
            "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
                    "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
-                   "norm_diff_density_*.png", "cost_*.png")
+                   "norm_diff_density_*.png", "cost_*.png", "predictivity_*.png")
 #: where an incomplete set goes when the destination already holds a complete one
 INCOMPLETE_DIR = "incomplete"
 
@@ -108,6 +110,24 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
         if reason:
             why.append(reason)
         out["summary"] = f"incomplete: {finished} of {total} cells finished, " + ", ".join(why)
+    return out
+
+
+def merge_completeness(parts: Iterable[dict[str, Any] | None], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The completeness of a merge of several result sets (shards): expected cells and not-run ids are
+    summed, reasons joined, counts recomputed from the merged ``records``. A part without completeness
+    (``None``, an older set) leaves the expected count unknown."""
+    parts = list(parts)
+    known = [p for p in parts if p is not None]
+    if len(known) == len(parts) and all(p.get("expected") is not None for p in known):
+        expected: int | None = sum(int(p["expected"]) for p in known)
+    else:
+        expected = None
+    reasons = list(dict.fromkeys(p["reason"] for p in known if p.get("reason")))
+    out = completeness(records, expected, "; ".join(reasons) or None)
+    if known and all("not_run_ids" in p for p in known):
+        seen = {r.get("nodeid") for r in records}
+        out["not_run_ids"] = [i for p in known for i in p["not_run_ids"] if i not in seen]
     return out
 
 
@@ -200,6 +220,8 @@ def _move_in(staging: Path, dest: Path, written: list[Path]) -> list[str]:
             shutil.rmtree(target)
         os.replace(e, target)
     staging.rmdir()
+    for old in dest.glob(".kvqbench-staging-*"):  # left by a run killed while writing; superseded now
+        shutil.rmtree(old, ignore_errors=True)
     out = []
     for p in written:
         try:
@@ -270,6 +292,9 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
         else:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    stale = dest / INCOMPLETE_DIR
+    if comp["complete"] and not in_place and (stale / "leaderboard.json").exists() and not holds_complete_set(stale):
+        shutil.rmtree(stale, ignore_errors=True)  # an earlier partial run, superseded by this complete one
     if note:
         log(note)
     return ResultSet(paths, board, dest, comp, note)

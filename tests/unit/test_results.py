@@ -64,9 +64,9 @@ def test_partial_run_never_replaces_a_complete_set(tmp_path):
     _write(out, recs[:5], expected=len(recs), reason="interrupted")
     assert json.loads((inc / "summary.json").read_text())["completeness"]["finished"] == 5
     assert holds_complete_set(out)
-    # a complete run replaces the complete set; no staging folder is left behind
+    # a complete run replaces the complete set and removes the superseded partial one; no staging left
     _write(out, recs, expected=len(recs))
-    assert not [p for p in out.iterdir() if p.name.startswith(".kvqbench-staging")]
+    assert not [p for p in out.iterdir() if p.name.startswith(".kvqbench-staging")] and not inc.exists()
 
 
 def test_partial_run_writes_in_place_when_there_is_no_complete_set(tmp_path):
@@ -185,3 +185,33 @@ def test_a_failed_seed_is_marked_not_ranked_and_off_the_front():
     recs[1]["status"] = "failed"  # … and now both: "failed"
     md = render_markdown(board(recs))
     assert "| failed " in next(ln for ln in md.splitlines() if ln.startswith("| `fp16`"))
+
+
+def test_publish_refuses_and_compare_warns_on_an_incomplete_set(tmp_path):
+    import io
+
+    from kvqbench.report.compare import main as compare_main
+    from kvqbench.report.publish import publish
+
+    recs = records(experiments=("exp1",))
+    _write(tmp_path / "part", recs[:10], expected=len(recs), reason="interrupted")
+    with pytest.raises(ValueError, match="incomplete result set .*10 of 24 cells finished"):
+        publish(tmp_path / "part", tmp_path / "pub", readme=None, figures=False)
+    assert not (tmp_path / "pub").exists()
+    buf = io.StringIO()
+    compare_main(tmp_path / "part", tmp_path / "part", [], out=buf)
+    assert "warning: NEW is incomplete: 10 of 24 cells finished, 14 not run, interrupted" in buf.getvalue()
+
+
+def test_merged_shards_sum_their_expected_cells_and_not_run_ids():
+    from kvqbench.report.results import merge_completeness
+
+    recs = records(experiments=("exp1",))
+    ids = [r["nodeid"] for r in recs]
+    a = completeness(recs[:12], expected=ids[:12])
+    b = completeness(recs[12:20], expected=ids[12:], reason="interrupted")
+    m = merge_completeness([a, b], recs[:20])
+    assert m["summary"] == "incomplete: 20 of 24 cells finished, 4 not run, interrupted"
+    assert m["not_run_ids"] == ids[20:]
+    assert merge_completeness([a, completeness(recs[12:], expected=ids[12:])], recs)["complete"]
+    assert merge_completeness([a, None], recs)["expected"] is None
