@@ -2,11 +2,13 @@
 
     kvqbench run [--smoke|--full] [--no-real] [pytest args…]   run the benchmark cells (calls pytest)
     kvqbench report DIR [--no-figures]                         re-render tables and figures from saved JSON
+    kvqbench merge SHARD_DIR… --out DIR                        join the folders of a sharded run into one result set
     kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets
     kvqbench publish RESULTS [DEST]                            write the committed leaderboard/ + README digest
     kvqbench methods [--changed FILE…] [--k-expr]             method ids (or those a set of changed files touch)
+    kvqbench perf [--tokens …] [--threads …] [--json PATH]      round-trip speed of every method vs clone/eager RTN
 
-``report``, ``compare`` and ``publish`` never import torch.
+``report``, ``merge``, ``compare`` and ``publish`` never import torch.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                "  kvqbench compare leaderboard/ results/ --fail-on rel_mse:5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", metavar="{run,report,compare,publish,methods}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="cmd", metavar="{run,report,merge,compare,publish,methods,perf}",
+                           parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
                                    "(measured: about 7 min on a 2-core CPU). Unknown arguments are passed to "
@@ -55,10 +58,32 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
     r.add_argument("--tests", default="tests/bench", help="folder of the benchmark cells (default tests/bench)")
+    r.add_argument("--shard", metavar="I/N", default=None,
+                   help="run only shard I of N (duration-balanced, the same on every machine) into "
+                        "results/shards/shard-I-of-N (or --kvq-out); join the N folders with kvqbench merge")
+    r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run the shards as Ray tasks and merge them (needs the dist extra): no ADDRESS = a local "
+                        "Ray instance on this machine; 'auto', HOST:6379 or ray://HOST:10001 joins a cluster. "
+                        "One GPU per shard with --device cuda, one CPU otherwise")
+    r.add_argument("--shards", type=int, metavar="N", default=None,
+                   help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
     rep = sub.add_parser("report", help="re-render LEADERBOARD.md and the terminal table from saved JSON (no torch)")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
     rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
+    rep.add_argument("--rebuild", action="store_true",
+                     help="rebuild leaderboard.json and summary.json from DIR/exp*_*.json too (done anyway when "
+                          "leaderboard.json is missing or unreadable, e.g. after a run killed while writing)")
+    mer = sub.add_parser(
+        "merge", help="join the shard folders of a sharded run (kvqbench run --shard I/N) into one result set (no torch)",
+        description="Join the folders written by the N shards of one run (kvqbench run --shard I/N, --ray, "
+                    "scripts/slurm_array.sh) into the files a single session writes. Refuses folders from "
+                    "different commits, configurations or data with one line naming the difference; lists "
+                    "cells no folder holds and stamps the merged set incomplete. Exit 0: complete; 1: "
+                    "written but incomplete (missing or failed cells); 2: refused.")
+    mer.add_argument("dirs", type=Path, nargs="+", metavar="SHARD_DIR", help="shard folders (each holds shard.json)")
+    mer.add_argument("--out", type=Path, required=True, help="folder of the merged result set")
+    mer.add_argument("--no-figures", action="store_true", help="skip the figures")
     cmp_ = sub.add_parser("compare", help="compare two result sets; exit 1 when a metric regresses past a threshold")
     cmp_.add_argument("base", type=Path, help="baseline results folder or leaderboard.json")
     cmp_.add_argument("new", type=Path, help="new results folder or leaderboard.json")
@@ -82,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(every method when the shared base/registry changes)")
     me.add_argument("--k-expr", action="store_true",
                     help="print a pytest -k expression selecting exactly those methods' cells ('[kivi- or …')")
+    from kvqbench.perf import add_arguments as _perf_arguments  # torch-free at import
+
+    _perf_arguments(sub.add_parser(
+        "perf", help="time every method's K/V round trip as ratios to clone and to a plain eager RTN",
+        description="Benchmark (not a test): median round-trip time of every registered method's K and V, "
+                    "interleaved with x.clone() and a straightforward eager RTN (and HQQ's plain RTN when hqq "
+                    "is installed), at 1 thread and the default thread count, T = 1k/4k/16k."))
     return p
 
 
@@ -143,24 +175,76 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     cmd = [str(tests), "-m", "smoke" if args.smoke else "full"]
     if not args.no_real and not args.smoke and "--kvq-real" not in extra:  # --smoke: synthetic unless asked
         cmd.append("--kvq-real")
-    if not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
-        cmd += ["-n", "auto"]  # one torch thread per worker (see --kvq-threads); xdist uses the cores
+    if args.shard is not None or args.ray is not None or args.shards is not None:
+        from kvqbench.shard import parse_shard
+
+        try:
+            if args.shard is not None:
+                parse_shard(args.shard)
+                if args.ray is not None:
+                    raise ValueError("--shard and --ray exclude each other (--ray runs every shard)")
+            if args.shards is not None and (args.ray is None or args.shards < 1):
+                raise ValueError("--shards N needs --ray and N >= 1")
+        except ValueError as e:
+            print(f"kvqbench run: {str(e).replace('--kvq-shard', '--shard')}", file=sys.stderr)
+            return 2
+    if args.ray is not None:
+        return _run_ray(args, cmd, extra)
+    if args.shard is not None:
+        cmd += ["--kvq-shard", args.shard]
+    if not args.smoke and not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
+        # one torch thread per worker (see --kvq-threads); xdist uses the cores. Smoke runs serially: its
+        # cells take seconds in all, less than starting workers that each import torch and collect
+        cmd += ["-n", "auto"]
     cmd += extra
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
     return int(pytest.main(cmd))
+
+
+def _run_ray(args: argparse.Namespace, cmd: list[str], extra: list[str]) -> int:
+    """``kvqbench run --ray``: shards as Ray tasks (see :mod:`kvqbench.dist`)."""
+    from kvqbench.dist import run_on_ray, strip_option
+
+    rest, out = strip_option(extra, "--kvq-out")
+    for opt in ("-n", "--numprocesses"):  # one CPU or GPU per shard: each shard runs serially
+        rest, _ = strip_option(rest, opt)
+    rest = [a for a in rest if not (a.startswith("-n") and a[2:].isdigit() or a in ("-nauto", "-nlogical"))]
+    rest, device = strip_option(rest, "--device")
+    cuda = bool(device and device.startswith("cuda"))
+    if device:
+        rest += ["--device", "cuda" if cuda else device]  # a task sees only its own GPU: cuda:0
+    out_dir = Path(out) if out else Path("results/smoke" if args.smoke else "results")
+    print(f"kvqbench run --ray: pytest {' '.join([*cmd, *rest])} in shards -> {out_dir}", flush=True)
+    return run_on_ray([*cmd, *rest, "-n", "0"], address=args.ray or None, shards=args.shards, cuda=cuda,
+                      out_dir=out_dir.resolve(), rootdir=Path.cwd())
 
 
 def _report(args: argparse.Namespace) -> int:
     from kvqbench.report.render import render_dir
 
     try:
-        written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out)
+        written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out, rebuild=args.rebuild)
     except (FileNotFoundError, ValueError) as e:  # ValueError: not a kvqbench leaderboard (names the file)
         print(f"kvqbench report: {e}", file=sys.stderr)
         return 2
     for w in written:
         print(f"wrote {w}")
     return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from kvqbench.report.merge import MergeError, merge_shards
+
+    try:
+        res = merge_shards(args.dirs, args.out, figures=not args.no_figures,
+                           log=lambda m: print(m, file=sys.stderr))
+    except MergeError as e:
+        print(f"kvqbench merge: {e}", file=sys.stderr)
+        return 2
+    comp = res.result.completeness
+    where = res.result.out_dir
+    print(f"kvqbench merge: {comp.get('summary', 'no cells')} from {len(args.dirs)} folder(s) -> {where}")
+    return 0 if res.complete else 1
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -258,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         return _publish(args)
     if args.cmd == "methods":
         return _methods(args)
+    if args.cmd == "merge":
+        return _merge(args)
+    if args.cmd == "perf":
+        from kvqbench.perf import main as perf_main
+
+        return perf_main(args)
     return _compare(args)
 
 

@@ -28,7 +28,7 @@ class Metric:
         unit: unit string (``"1"`` for dimensionless ratios).
         better: ranking direction (see module doc).
         description: one line a reader of the leaderboard understands.
-        experiment: the experiment that emits it (``exp1`` … ``exp4``).
+        experiment: the experiment that emits it (``exp1`` … ``exp5``).
         scale_free: comparable across layers/models (ranked on the mean over layers for real data).
         headline: shown in the summary tables.
     """
@@ -212,6 +212,14 @@ register_metric(Metric("quant_latency_ms", "ms", "lower",
 register_metric(Metric("dequant_latency_ms", "ms", "lower",
                        "dequantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
                        "exp4", scale_free=False))
+register_metric(Metric("roundtrip_latency_ms", "ms", "lower",
+                       "round-trip latency (quantize + dequantize) of K + V: pytest-benchmark's median over its "
+                       "calibrated rounds in a serial run, else the median of repeats (CPU: unreliable_timing)",
+                       "exp4", scale_free=False))
+for _op, _what in (("quant", "quantize"), ("dequant", "dequantize"), ("roundtrip", "round trip")):
+    register_metric(Metric(f"{_op}_latency_x_clone", "×", "lower",
+                           f"{_what} latency of K + V as a multiple of x.clone() of K + V timed in the same cell "
+                           "(the memory-bound floor; comparable across CPU and GPU runs)", "exp4"))
 register_metric(Metric("quant_throughput_gbps", "GB/s", "higher",
                        "quantize throughput in GB/s (10⁹ B) of fp16 input", "exp4", scale_free=False))
 register_metric(Metric("dequant_throughput_gbps", "GB/s", "higher",
@@ -228,10 +236,32 @@ register_metric(Metric("peak_mem_mib", "MiB", "lower",
                        "max_memory_allocated; CPU: input + representation as held + output)", "exp4",
                        scale_free=False))
 
+# ------------------------------------------------------------------------------------------------
+# Experiment 5 — end-to-end damage on a small real model (SPEC §4.5); kvqbench/experiments/endtoend.py.
+# ``prefill``: the window in one forward pass, K/V round-tripped as a whole; ``decode``: a prefill then
+# blocks under each method's stream policy. p = the unquantized model's next-token distribution.
+for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
+    register_metric(Metric(f"e2e_{_r}_kl_nats", "nats", "lower",
+                           f"end-to-end, {_R}: mean over positions of the next-token KL(p‖p̂) against the "
+                           "unquantized model on the same text", "exp5", headline=True))
+    register_metric(Metric(f"e2e_{_r}_kl_p99_nats", "nats", "lower",
+                           f"end-to-end, {_R}: 99th percentile over positions of the next-token KL(p‖p̂)", "exp5"))
+    register_metric(Metric(f"e2e_{_r}_top1_agree", "1", "higher",
+                           f"end-to-end, {_R}: share of positions whose top-1 next token agrees with the "
+                           "unquantized model's", "exp5"))
+    register_metric(Metric(f"e2e_{_r}_dloss_nats", "nats/token", "lower",
+                           f"end-to-end, {_R}: Δ loss — mean next-token cross-entropy of the true text minus the "
+                           "unquantized model's on the same positions", "exp5"))
+    register_metric(Metric(f"e2e_{_r}_bits_billed", "bits/element", "lower",
+                           f"end-to-end, {_R}: K and V bits per element the cache holds at the end of the window "
+                           "(stored segments + fp16 tokens at 16 bits), mean over layers", "exp5"))
+
+
 #: metrics whose values vary from run to run (wall-clock timing; peak memory on CUDA); determinism
 #: checks leave them out. Each exp4 record also lists its own in ``extra["nondeterministic_metrics"]``.
 NONDETERMINISTIC_METRICS: frozenset[str] = frozenset(
-    {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps"})
+    {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps",
+     "roundtrip_latency_ms", "quant_latency_x_clone", "dequant_latency_x_clone", "roundtrip_latency_x_clone"})
 __all__.append("NONDETERMINISTIC_METRICS")
 
 

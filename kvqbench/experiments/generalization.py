@@ -148,11 +148,13 @@ def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
         ``v_codebook_gap``, ``codebook_gap`` (per-layer lists for real data) and the cross / in-sample
         relative MSEs in ``extra``. Exactly 0 for methods whose ``fit`` is a no-op.
     """
-    fit_b, eval_b = fit_eval_batches(data)
+    fit_b, eval_b = data.cached("exp1_fit_eval_batches", lambda: fit_eval_batches(data))
     res = CellResult()
     # one codebook per layer (index of dim 0): fit on all layers at once, then read the error per layer
     cross = roundtrip_kv(fit_on(method, fit_b), eval_b, fit=False)
     within = roundtrip_kv(fit_on(method, eval_b), eval_b, fit=False)
+    cross.tally(res.extra)
+    within.tally(res.extra)
     for kv, x, xc, xi in (("k", eval_b.k, cross.k_hat, within.k_hat), ("v", eval_b.v, cross.v_hat, within.v_hat)):
         c = M.per_layer(M.rel_mse, x, xc)
         i = M.per_layer(M.rel_mse, x, xi)
@@ -182,6 +184,7 @@ def run_group_size(method: Quantizer, data: KVData) -> CellResult:
         raise ValueError(f"{method.id} is not a grouped method (no group_size to sweep)")
     rt = roundtrip_kv(method, data)
     res = CellResult()
+    rt.tally(res.extra)
     res.add("gs_k_mse", M.per_layer(M.mse, data.k, rt.k_hat))
     res.add("gs_v_mse", M.per_layer(M.mse, data.v, rt.v_hat))
     res.add("gs_k_rel_mse", M.per_layer(M.rel_mse, data.k, rt.k_hat))

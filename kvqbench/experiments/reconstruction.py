@@ -57,6 +57,7 @@ def run_reconstruction(method: Quantizer, data: KVData) -> CellResult:
     """
     rt = roundtrip_kv(method, data)
     res = CellResult()
+    rt.tally(res.extra)
     _tensor_metrics(res, "k", data.k, rt.k_hat)
     _tensor_metrics(res, "v", data.v, rt.v_hat)
     shape = tuple(data.k.shape)

@@ -33,7 +33,7 @@ import torch
 
 from kvqbench.quantizers.base import Kind, Quantizer, StreamPolicy
 
-__all__ = ["Segment", "StreamResult", "release_point", "quantized_boundary", "simulate_stream"]
+__all__ = ["Segment", "Stream", "StreamResult", "release_point", "quantized_boundary", "simulate_stream"]
 
 FP16_BITS = 16
 
@@ -146,10 +146,81 @@ def _split(start: int, stop: int, unit: int, origin: int) -> list[tuple[int, int
     return list(zip(cuts, cuts[1:]))
 
 
+class Stream:
+    """The incremental form of :func:`simulate_stream`: a cache for one K or V tensor that receives
+    tokens through :meth:`extend` and quantizes them by the rules of the module doc, each segment once.
+
+    Used by the pseudo-decode of experiment 2 (through :func:`simulate_stream`) and by the KV cache of
+    the real model in experiment 5 (:mod:`kvqbench.experiments.endtoend`), so both follow one rule.
+
+    Args:
+        method: a configured (and, if data-dependent, already fitted) quantizer.
+        kind: ``"k"`` or ``"v"``.
+        policy: the rules; default ``method.stream_policy(kind)``.
+    """
+
+    def __init__(self, method: Quantizer, kind: Kind, policy: StreamPolicy | None = None) -> None:
+        self.method = method
+        self.kind = kind
+        self.policy = method.stream_policy(kind) if policy is None else policy
+        pol = self.policy
+        self._unit = pol.tile_tokens if pol.tile_tokens > 0 else (
+            pol.residual_tokens if pol.residual_mode == "chunk" else 0)
+        self.x: torch.Tensor | None = None
+        self.x_hat: torch.Tensor | None = None
+        self.segments: list[Segment] = []
+        self.lengths: list[int] = []
+        self.boundaries: dict[int, int] = {}
+        self._done = pol.sink_tokens  # tokens [sink, done) are quantized
+
+    @property
+    def length(self) -> int:
+        return 0 if self.x is None else int(self.x.shape[-2])
+
+    @torch.no_grad()
+    def extend(self, x_new: torch.Tensor) -> int:
+        """Append ``x_new`` ``(batch, kv_heads, n, head_dim)`` (``n ≥ 1``), quantize what the rules
+        release at the new length, and return that length.
+
+        Raises:
+            ValueError: ``x_new`` is not rank 4, is empty, or disagrees with earlier tokens in
+                batch/heads/head_dim.
+        """
+        if x_new.dim() != 4 or x_new.shape[-2] < 1:
+            raise ValueError(f"x_new must be (batch, kv_heads, n>=1, head_dim), got shape {tuple(x_new.shape)}")
+        if self.x is None:
+            self.x, self.x_hat = x_new, x_new.clone()
+        else:
+            if self.x.shape[:2] != x_new.shape[:2] or self.x.shape[-1] != x_new.shape[-1]:
+                raise ValueError(f"x_new of shape {tuple(x_new.shape)} does not extend {tuple(self.x.shape)}")
+            self.x = torch.cat([self.x, x_new], dim=-2)
+            self.x_hat = torch.cat([self.x_hat, x_new.to(self.x_hat.dtype)], dim=-2)
+        length = self.length
+        q = quantized_boundary(self.policy, length)
+        if q > self._done:
+            for a, b in _split(self._done, q, self._unit, self.policy.sink_tokens):
+                qt = self.method.quantize(self.x[..., a:b, :].contiguous(), self.kind)
+                self.x_hat[..., a:b, :] = self.method.dequantize(qt).to(self.x_hat.dtype)
+                self.segments.append(Segment(a, b, length, int(qt.stored_bits())))
+            self._done = q
+        self.boundaries[length] = min(self._done, length)
+        self.lengths.append(length)
+        return length
+
+    def result(self, block: int) -> StreamResult:
+        """The :class:`StreamResult` so far (``block`` is recorded as the arrival block size)."""
+        if self.x is None or self.x_hat is None:
+            raise ValueError("no token has arrived yet")
+        elems = int(self.x.shape[0] * self.x.shape[1] * self.x.shape[-1])
+        return StreamResult(self.x_hat, self.segments, self.policy, block, list(self.lengths), elems,
+                            dict(self.boundaries))
+
+
 @torch.no_grad()
 def simulate_stream(method: Quantizer, x: torch.Tensor, kind: Kind, *, block: int,
                     policy: StreamPolicy | None = None) -> StreamResult:
-    """Stream ``x`` through ``method`` as a cache would (see module doc).
+    """Stream ``x`` through ``method`` as a cache would (see module doc): a :class:`Stream` fed
+    ``block`` tokens at a time.
 
     Args:
         method: a configured (and, if data-dependent, already fitted) quantizer.
@@ -167,23 +238,10 @@ def simulate_stream(method: Quantizer, x: torch.Tensor, kind: Kind, *, block: in
         raise ValueError(f"block must be a positive int, got {block!r}")
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, kv_heads, seq_len, head_dim), got shape {tuple(x.shape)}")
-    pol = method.stream_policy(kind) if policy is None else policy
     t = int(x.shape[-2])
-    lengths = list(range(block, t, block)) + [t]
-    x_hat = x.clone()
-    segments: list[Segment] = []
-    boundaries: dict[int, int] = {}
-    unit = pol.tile_tokens if pol.tile_tokens > 0 else (
-        pol.residual_tokens if pol.residual_mode == "chunk" else 0)
-    done = pol.sink_tokens  # tokens [sink, done) are quantized
-    for length in lengths:
-        q = quantized_boundary(pol, length)
-        if q > done:
-            for a, b in _split(done, q, unit, pol.sink_tokens):
-                qt = method.quantize(x[..., a:b, :].contiguous(), kind)
-                x_hat[..., a:b, :] = method.dequantize(qt).to(x_hat.dtype)
-                segments.append(Segment(a, b, length, int(qt.stored_bits())))
-            done = q
-        boundaries[length] = min(done, length)
-    elems = int(x.shape[0] * x.shape[1] * x.shape[-1])
-    return StreamResult(x_hat, segments, pol, block, lengths, elems, boundaries)
+    stream = Stream(method, kind, policy)
+    start = 0
+    for length in list(range(block, t, block)) + [t]:
+        stream.extend(x[..., start:length, :])
+        start = length
+    return stream.result(block)

@@ -84,7 +84,11 @@ def kmeans_1d(
     """Weighted 1-D k-means on each row of ``x``.
 
     Initialization: weighted quantiles (deterministic). Lloyd iterations until the largest centroid
-    move is below ``tol × (max − min)`` or ``n_iter`` steps. An empty cluster keeps its centroid.
+    move is below ``tol × (max − min)`` or ``n_iter`` steps. An empty cluster keeps its centroid during
+    the iterations; if clusters are still empty at the end (duplicate centroids from a tied
+    initialization) and the row holds at least ``k`` distinct values, each empty centroid is re-seeded at
+    the point of largest error and Lloyd continues, so the centroids are distinct and every cluster holds
+    a point. A row with fewer than ``k`` distinct values keeps repeated centroids.
 
     Args:
         x: ``[N]`` or ``[L, N]`` values (one independent problem per row); computed in fp32/fp64.
@@ -140,14 +144,29 @@ def kmeans_1d(
     cwx = torch.cat([zeros, torch.cumsum(ws * xs, 1)], 1)
 
     c = weighted_quantile_init(xs, cw[:, 1:], k)
-    span = (xs[:, -1] - xs[:, 0]).clamp_min(torch.finfo(acc).tiny)
+    c = _lloyd(xs, cw, cwx, c, n_iter, tol)
+    if k > 1:
+        c = _repair_empty(xs, ws, cw, cwx, c, n_iter, tol)
+    c = c.to(torch.float32)
+    return c[0] if squeeze else c
+
+
+def _cluster_weights(xs: torch.Tensor, cw: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos [L, k+1], w_sum [L, k])``: cluster ``j`` holds the sorted positions ``[pos[j], pos[j+1])``."""
+    n = xs.shape[1]
+    mids = (c[:, 1:] + c[:, :-1]) / 2  # [L, k-1]
+    cut = torch.searchsorted(xs.contiguous(), mids.contiguous(), right=True)
+    first = torch.zeros(cut.shape[0], 1, dtype=cut.dtype, device=cut.device)
+    pos = torch.cat([first, cut, first + n], 1)
+    return pos, torch.gather(cw, 1, pos[:, 1:]) - torch.gather(cw, 1, pos[:, :-1])
+
+
+def _lloyd(xs: torch.Tensor, cw: torch.Tensor, cwx: torch.Tensor, c: torch.Tensor, n_iter: int,
+           tol: float) -> torch.Tensor:
+    """Lloyd iterations on sorted rows (prefix sums ``cw``/``cwx``) from centroids ``c``."""
+    span = (xs[:, -1] - xs[:, 0]).clamp_min(torch.finfo(xs.dtype).tiny)
     for _ in range(n_iter):
-        mids = (c[:, 1:] + c[:, :-1]) / 2  # [L, k-1]
-        # cluster j holds sorted positions [pos[j], pos[j+1])
-        cut = torch.searchsorted(xs.contiguous(), mids.contiguous(), right=True)
-        first = torch.zeros(cut.shape[0], 1, dtype=cut.dtype, device=cut.device)
-        pos = torch.cat([first, cut, first + n], 1)
-        w_sum = torch.gather(cw, 1, pos[:, 1:]) - torch.gather(cw, 1, pos[:, :-1])
+        pos, w_sum = _cluster_weights(xs, cw, c)
         wx_sum = torch.gather(cwx, 1, pos[:, 1:]) - torch.gather(cwx, 1, pos[:, :-1])
         new = torch.where(w_sum > 0, wx_sum / torch.where(w_sum > 0, w_sum, torch.ones_like(w_sum)), c)
         new = torch.minimum(torch.maximum(new, xs[:, :1]), xs[:, -1:])  # guard prefix-sum rounding
@@ -156,5 +175,52 @@ def kmeans_1d(
         c = new
         if bool((moved <= tol).all()):
             break
-    c = c.to(torch.float32)
-    return c[0] if squeeze else c
+    return c
+
+
+def _repair_empty(xs: torch.Tensor, ws: torch.Tensor, cw: torch.Tensor, cwx: torch.Tensor, c: torch.Tensor,
+                  n_iter: int, tol: float) -> torch.Tensor:
+    """Re-seed empty clusters (duplicate centroids, or centroids no point is nearest to) of rows that hold
+    at least ``k`` distinct values of positive weight: each empty centroid moves to the point of largest
+    weighted squared error that is not already a centroid, then Lloyd continues; repeated until no cluster
+    is empty (at most ``k`` rounds). Rows without an empty cluster are returned unchanged, bit for bit;
+    rows with fewer than ``k`` distinct values keep their (necessarily repeated) centroids."""
+    k = c.shape[1]
+    _, w_sum = _cluster_weights(xs, cw, c)
+    bad = (w_sum <= 0).any(1)
+    if not bool(bad.any()):
+        return c
+    c = c.clone()
+    for r in torch.nonzero(bad).flatten().tolist():
+        x_r, w_r = xs[r : r + 1], ws[r : r + 1]
+        if int(torch.unique(x_r[w_r > 0]).numel()) < k:
+            continue
+        cw_r, cwx_r, c_r = cw[r : r + 1], cwx[r : r + 1], c[r : r + 1]
+        for _ in range(k):
+            pos, ws_r = _cluster_weights(x_r, cw_r, c_r)
+            empty = ws_r[0] <= 0
+            n_empty = int(empty.sum())
+            if n_empty == 0:
+                break
+            owner = torch.searchsorted(pos[0, 1:], torch.arange(x_r.shape[1], device=x_r.device), right=True)
+            err = w_r[0] * (x_r[0] - c_r[0, owner.clamp_max(k - 1)]) ** 2
+            err = torch.where(torch.isin(x_r[0], c_r[0]) | (w_r[0] <= 0), torch.full_like(err, -1.0), err)
+            # the largest errors at distinct values (ties of equal values count once)
+            order = torch.argsort(err, descending=True, stable=True)
+            picks: list[float] = []
+            for i in order.tolist():
+                if float(err[i]) < 0 or len(picks) == n_empty:
+                    break
+                v = float(x_r[0, i])
+                if v not in picks:
+                    picks.append(v)
+            if not picks:
+                break
+            keep = c_r[0][~empty]
+            # an empty slot without a pick keeps its old value
+            extra = c_r[0][empty][len(picks):]
+            new = torch.cat([keep, torch.tensor(picks, dtype=c_r.dtype, device=c_r.device), extra])
+            c_r, _ = torch.sort(new.unsqueeze(0), dim=1)
+            c_r = _lloyd(x_r, cw_r, cwx_r, c_r, n_iter, tol)
+        c[r : r + 1] = c_r
+    return c

@@ -7,7 +7,7 @@ code (MIT), whose storage layout and rounding this module follows.
 
 Keys (post-RoPE, ``(batch, kv_heads, seq_len, head_dim)``) are cut into pages of ``group_size``
 (default 128) tokens. Per page, head and channel: asym RTN over the page's tokens,
-``scale = max(hi − lo, eps)/(2**bits − 1)``, ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)``
+``scale = max(hi − lo, eps)/(2**bits − 1)`` (``eps`` = 1e-6, relative to the data below magnitude 1), ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)``
 (round half up, as the reference), ``x̂ = q·scale + lo``. Per page and head, the
 ``n_boost = floor(boost_fraction·D + 1e-6)`` channels with the largest mean ``|K|`` over the page get
 ``b + 2`` bits instead of ``b``. Stored:
@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics.rtn import compute_dtype
+from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register
 from kvqbench.quantizers.rtn import _check_group_size
 
@@ -63,10 +64,21 @@ def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: 
     return torch.minimum(q, torch.as_tensor(levels, dtype=q.dtype, device=q.device)).to(torch.int64)
 
 
-def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
-    """``max(hi − lo, EPS)/levels`` (the reference's form: the floor applies to the range, not to the
-    scale). A constant group gets ``EPS/levels > 0``: its codes are all 0 and it round-trips to ``lo``."""
-    return torch.clamp(hi - lo, min=EPS) / levels
+def _range_floor(xf: torch.Tensor) -> torch.Tensor:
+    """The range floor for tensor ``xf``: ``EPS·min(1, 2^⌊log2 max|x|⌋)`` (0-dim tensor).
+
+    The reference's absolute ``EPS`` only guards the division for a constant group; on data whose
+    magnitude is far below 1 it would exceed every group's range and collapse the tensor to its group
+    minima. Relative to the tensor's magnitude (an exact power of two) it keeps that role at every scale,
+    and equals ``EPS`` for any tensor with ``max|x| >= 1`` (the reference numerics, bit for bit)."""
+    return EPS * torch.clamp(pow2_floor(xf.abs().amax()), max=1.0)
+
+
+def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, floor: torch.Tensor | float = EPS) -> torch.Tensor:
+    """``max(hi − lo, floor)/levels`` (the reference's form: the floor applies to the range, not to the
+    scale; ``floor`` = :func:`_range_floor`, ``EPS`` at ``max|x| >= 1``). A constant group gets
+    ``floor/levels > 0``: its codes are all 0 and it round-trips to ``lo``."""
+    return torch.clamp(hi - lo, min=floor) / levels
 
 
 @register
@@ -104,6 +116,9 @@ class Kitty(Quantizer):
         "Bit widths other than 2 generalize the scheme: b-bit low plane, boosted channels at b + 2 bits "
         "(the paper and reference fix 2 → 4).",
         "Scales and minima are held at working precision and billed as fp16 (reference stores fp16).",
+        "Range floor relative to the data: max(hi − lo, 1e-6·min(1, 2^⌊log2 max|x|⌋)) instead of the "
+        "reference's absolute 1e-6, which collapses tensors of magnitude ≪ 1e-6 to their group minima "
+        "(identical to the reference for max|x| >= 1).",
         "Channel map billed as the reference stores it: one uint8 per channel per page and head "
         "(0.0625 bits/element at D = G = 128), not one index per boosted channel.",
     )
@@ -148,7 +163,7 @@ class Kitty(Quantizer):
             lo = xf.amin(dim=-1, keepdim=True)
             hi = xf.amax(dim=-1, keepdim=True)
             levels = (1 << bits) - 1
-            scale = _scale(lo, hi, levels)
+            scale = _scale(lo, hi, levels, _range_floor(xf))
             qt = self._new_qt(x, kind, bits)
             qt.add_codes("codes", _asym_codes(xf, lo, scale, levels), bits)
             qt.fields["scale"] = Stored(scale, 16)
@@ -188,7 +203,7 @@ class Kitty(Quantizer):
         lo = pages.amin(-1, keepdim=True)
         hi = pages.amax(-1, keepdim=True)
         levels = torch.where(boosted, (1 << (bits + BOOST_EXTRA_BITS)) - 1, (1 << bits) - 1).to(pages.dtype)
-        scale = _scale(lo, hi, levels)
+        scale = _scale(lo, hi, levels, _range_floor(xf))
         q = _asym_codes(pages, lo, scale, levels)  # (B, H, nP, D, G)
 
         qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)

@@ -48,7 +48,7 @@ from kvqbench.quantizers.base import (
     validate_kv,
 )
 
-__all__ = ["KVQuant", "outlier_count_per_tail"]
+__all__ = ["KVQuant", "outlier_count_per_tail", "distinct_levels"]
 
 POINTER_BITS = 32
 VALUE_BITS = 16
@@ -60,6 +60,31 @@ def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
     if n <= 0:
         return 0
     return max(0, min(int(math.floor(outlier_frac / 2 * n + 0.5)), (n - 1) // 2))
+
+
+def distinct_levels(cb: torch.Tensor) -> torch.Tensor:
+    """Make every row of a sorted codebook ``[L, k]`` on ``[−1, 1]`` strictly increasing.
+
+    k-means returns repeated centroids only when a layer's data hold fewer than ``k`` distinct values
+    (e.g. every vector zero or constant); such a row keeps its distinct levels and gets the missing ones
+    by repeatedly halving the widest gap of ``[−1, 1]`` between them (deterministic, no wasted
+    duplicate). Rows that are already strictly increasing are returned unchanged."""
+    dup = (cb[:, 1:] <= cb[:, :-1]).any(1)
+    if not bool(dup.any()):
+        return cb
+    cb = cb.clone()
+    k = cb.shape[1]
+    for r in torch.nonzero(dup).flatten().tolist():
+        levels = sorted(set(float(v) for v in cb[r].tolist()))
+        while len(levels) < k:
+            edges = [-1.0] + levels + [1.0] if levels else [-1.0, 1.0]
+            gaps = [(edges[i + 1] - edges[i], i) for i in range(len(edges) - 1)]
+            width, i = max(gaps, key=lambda g: (g[0], -g[1]))
+            if width <= 0:
+                break
+            levels = sorted(levels + [edges[i] + width / 2])
+        cb[r] = torch.tensor(levels[:k], dtype=cb.dtype, device=cb.device)
+    return cb
 
 
 def _index_bits(n: int) -> int:
@@ -121,6 +146,9 @@ class KVQuant(Quantizer):
         "k-means: weighted-quantile initialization, at most calib_samples values per layer (seeded "
         "subsample), Lloyd iterations to convergence.",
         "Q-Norm (re-normalizing the dequantized distribution) is not implemented.",
+        "Zero or constant vectors (half-range 0, decoded exactly by any codebook) get weight 0 in k-means, "
+        "and a layer whose data hold fewer distinct values than levels gets the missing levels by halving "
+        "the widest gaps of [−1, 1]: the codebook never repeats a level (it used to, e.g. with a zero head).",
         "Attention-sink fp16 first token is an option, off by default.",
     )
 
@@ -226,22 +254,31 @@ class KVQuant(Quantizer):
         return torch.where(half > 0, (vec - mid) / safe, torch.zeros_like(vec))
 
     # --- calibration -------------------------------------------------------------------------
-    def _kmeans(self, y: torch.Tensor, dense: torch.Tensor, bits: int, w: torch.Tensor | None) -> torch.Tensor:
-        """Per-layer codebook from normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions."""
+    def _kmeans(self, y: torch.Tensor, dense: torch.Tensor, bits: int, w: torch.Tensor | None,
+                half: torch.Tensor) -> torch.Tensor:
+        """Per-layer codebook from normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions.
+
+        A vector with zero half-range (zero or constant) decodes exactly whatever the codebook, so it gets
+        weight 0 (it used to pull centroids onto y = 0 and duplicate them). The levels are then made
+        strictly increasing (:func:`distinct_levels`)."""
         n_layers = y.shape[0]
         y_dense = y[dense].reshape(n_layers, -1)  # every vector has the same dense count
+        live = (half > 0).expand_as(y)
+        if not bool(live.all()):
+            w = live.to(y.dtype) if w is None else w * live
         w_dense = None if w is None else w[dense].reshape(n_layers, -1)
         gen = torch.Generator().manual_seed(self.seed)
-        return kmeans_1d(
+        cb = kmeans_1d(
             y_dense, 2**bits, weights=w_dense, n_iter=self.kmeans_iters,
             max_samples=self.calib_samples, generator=gen,
         )
+        return distinct_levels(cb)
 
     def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None) -> torch.Tensor:
         vec = self._vectors(self._body(x).to(torch.float32), kind)
         _, dense, mid, half = self._split(vec)
         w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
-        return self._kmeans(self._normalize(vec, mid, half), dense, bits, w)
+        return self._kmeans(self._normalize(vec, mid, half), dense, bits, w, half)
 
     @torch.no_grad()
     def fit(
@@ -297,7 +334,7 @@ class KVQuant(Quantizer):
         y = self._normalize(vec, mid, half)
         cb = self._codebooks.get(kind)
         if cb is None:
-            cb = self._kmeans(y, dense, bits, None)
+            cb = self._kmeans(y, dense, bits, None, half)
             qt.meta["codebook"] = "in-sample"
         else:
             qt.meta["codebook"] = "fisher" if self._fisher.get(kind) else "calibrated"

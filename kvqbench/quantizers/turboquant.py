@@ -38,6 +38,7 @@ import torch
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
 from kvqbench.numerics.rtn import compute_dtype
+from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 
 __all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix"]
@@ -190,8 +191,14 @@ class TurboQuant(Quantizer):
         qt = self._new_qt(x, kind, bits, **meta)
         cdt = compute_dtype(x.dtype)
         xf = x.to(cdt)
-        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-        u = xf / torch.where(norm > 0, norm, torch.ones_like(norm))  # a zero vector stays 0
+        # ‖x‖ and x/‖x‖ from x / 2^⌊log2 max|x|⌋ (exact): the sum of squares neither overflows (huge
+        # inputs gave Inf norms and NaN output) nor underflows (tiny inputs decoded to all zeros); at
+        # normal scales both equal the direct formulas bit for bit
+        p = pow2_floor(xf.abs().amax(-1, keepdim=True))
+        xs = xf / p
+        norm_s = torch.linalg.vector_norm(xs, dim=-1, keepdim=True)
+        u = xs / torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s))  # a zero vector stays 0
+        norm = norm_s * p
         qt.fields["norm"] = Stored(norm, 16)
 
         mse_bits = self._mse_bits(bits, self.variant)

@@ -15,7 +15,8 @@ setting). Timing metrics (unit ``s``/``ms``/``us``/``ns``, ``GB/s``, or a name w
 noise. Methods, settings and sources present on one side only are listed, never an error.
 
 Exit status of :func:`main`: 0 no threshold crossed, 1 a threshold crossed, 2 unreadable input or a
-malformed ``--fail-on``.
+malformed ``--fail-on`` or one naming a metric neither set nor the catalog knows (the message names the
+closest known metric).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "parse_fail_on", "is_timing",
+__all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "parse_fail_on", "unknown_metric", "is_timing",
            "main", "render_comparison"]
 
 _TIME_UNITS = {"s", "ms", "us", "µs", "ns", "gb/s", "bytes", "mib", "gib", "mb"}
@@ -266,6 +267,33 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
     return "\n".join(lines)
 
 
+def _metric_names(board: dict[str, Any]) -> set[str]:
+    names: set[str] = set()
+    for src in (board.get("sources") or {}).values():
+        for by_method in (src.get("stats") or {}).values():
+            for by_setting in by_method.values():
+                for metrics in by_setting.values():
+                    names.update(metrics)
+    return names
+
+
+def unknown_metric(rules: Iterable[FailRule], catalog: dict[str, Any], *boards: dict[str, Any]) -> str | None:
+    """One line naming the first ``--fail-on`` metric that neither the catalog nor any board knows, with
+    the closest known name (``None`` when every rule names a known metric or ``any``)."""
+    import difflib
+
+    known = set(catalog)
+    for b in boards:
+        known |= _metric_names(b)
+    for r in rules:
+        if r.metric == "any" or r.metric in known:
+            continue
+        close = difflib.get_close_matches(r.metric, sorted(known), n=1, cutoff=0.0)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        return f"--fail-on {r.metric}:{r.percent:g}: unknown metric '{r.metric}'{hint}"
+    return None
+
+
 def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show_percent: float = 1.0,
          max_rows: int = 40, out: Any = None) -> int:
     """Compare two result sets, print the table, and return the exit status (see module doc)."""
@@ -277,7 +305,15 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         print(f"kvqbench compare: {e}", file=sys.stderr)
         return 2
     catalog = {**(n.get("metrics_catalog") or {}), **(b.get("metrics_catalog") or {})}
+    unknown = unknown_metric(rules, catalog, b, n)
+    if unknown:
+        print(f"kvqbench compare: {unknown}", file=sys.stderr)
+        return 2
     cmp = compare_boards(b, n)
+    for label, board in (("BASE", b), ("NEW", n)):
+        comp = board.get("completeness") or {}
+        if comp.get("complete") is False:
+            print(f"kvqbench compare: warning: {label} is {comp.get('summary', 'incomplete')}", file=out)
     print(render_comparison(cmp, catalog, rules=rules, show_percent=show_percent, max_rows=max_rows), file=out)
     for r in rules:
         if r.metric != "any" and not any(c.metric == r.metric for c in cmp.changes):

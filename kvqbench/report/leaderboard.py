@@ -29,6 +29,9 @@ __all__ = [
     "assemble",
     "BUDGETS",
     "mean_ci",
+    "seeds_asked",
+    "is_short",
+    "setting_cells",
 ]
 
 BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0, 4.25, 8.25)
@@ -64,10 +67,15 @@ def setting_key(rec: dict[str, Any]) -> str:
 def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Group passed records by source → experiment → method → setting and aggregate over seeds.
 
-    Returns ``stats[source][experiment][method][setting][metric] = {mean, ci95, n, seeds, values,
-    worst_layer, worst_layer_index}``.
+    Returns ``stats[source][experiment][method][setting][metric] = {mean, ci95, n, n_asked, seeds, values,
+    worst_layer, worst_layer_index}``; ``n`` counts the seeds with a finite value, ``n_asked`` the seeds
+    the experiment was run with (:func:`seeds_asked`). An entry with ``n < n_asked`` is *short* (a seed
+    failed or gave a non-finite value): it is listed, marked, but not ranked and not a Pareto or
+    matched-budget point.
     """
+    records = list(records)
     groups: dict[tuple, list[dict]] = defaultdict(list)
+    asked = seeds_asked(records)
     for r in records:
         if r.get("status") != "passed":
             continue
@@ -87,6 +95,8 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 "mean": m,
                 "ci95": ci,
                 "n": len(vals),
+                "n_asked": max([asked.get((src, exp, _test_of(r)), 0) for r in recs if name in r.get("metrics", {})]
+                               + [len(vals)]),
                 "seeds": [r["seed"] for r in recs if name in r.get("metrics", {})],
                 "values": vals,
             }
@@ -100,6 +110,40 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
             out[name] = entry
         stats.setdefault(src, {}).setdefault(exp, {}).setdefault(meth, {})[setting] = out
     return stats
+
+
+def _test_of(r: dict[str, Any]) -> str:
+    """The test function that produced a record (its node id without the parameters)."""
+    return str(r.get("nodeid", "")).split("[", 1)[0]
+
+
+def seeds_asked(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
+    """``(source, experiment, test function)`` → how many seeds its cells were asked for: the distinct
+    seeds among its records whatever their status (a failed seed was still asked for). Keyed by test
+    function because one experiment may run some tests on every seed and others on one."""
+    seen: dict[tuple[str, str, str], set] = defaultdict(set)
+    for r in records:
+        seen[(r["source"], r["experiment"], _test_of(r))].add(r["seed"])
+    return {k: len(v) for k, v in seen.items()}
+
+
+def is_short(entry: dict[str, Any]) -> bool:
+    """Whether a stats entry has fewer seeds than asked (see :func:`aggregate`)."""
+    return entry.get("n", 0) < entry.get("n_asked", 0)
+
+
+def setting_cells(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """``experiment → method → setting → {"passed", "failed", "skipped"}`` cell counts of one source, so a
+    missing value can be told apart: failed, skipped, or (absent here) not run."""
+    out: dict[str, Any] = {}
+    for r in records:
+        st = r.get("status")
+        if st not in ("passed", "failed", "skipped"):
+            continue
+        c = out.setdefault(r["experiment"], {}).setdefault(r["method"], {}).setdefault(
+            setting_key(r), {"passed": 0, "failed": 0, "skipped": 0})
+        c[st] += 1
+    return out
 
 
 def _interval(entry: dict[str, Any], better: str) -> tuple[float, float]:
@@ -124,7 +168,8 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     seed, a strictly better value), raised where needed so it never decreases down the list (a method
     with a very wide CI shares its better neighbour's rank instead of rank 1). Methods that cannot be
     told apart share a rank and ties do not chain; ``ties`` lists every method whose CI overlaps this
-    one's. Metrics not in ``catalog`` are not ranked.
+    one's. Metrics not in ``catalog`` are not ranked. A method whose entry is short (fewer seeds than
+    asked, :func:`is_short`) is listed last with ``rank: None``, ``short: true`` and ``n_asked``.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -140,6 +185,8 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         by_setting = {}
         for setting in sorted(table[name], key=_setting_sort):
             rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
+            short = [(m, e) for m, e in rows if is_short(e)]
+            rows = [(m, e) for m, e in rows if not is_short(e)]
             ivs = {m: _interval(e, better) for m, e in rows}
             ranked = []
             for m, e in rows:
@@ -151,6 +198,9 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
                 ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
                                "rank": rank, "ties": ties,
                                **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})
+            for m, e in short:  # fewer seeds than asked: listed after the ranked methods, never ranked
+                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
+                               "n_asked": e["n_asked"], "rank": None, "ties": [], "short": True})
             by_setting[setting] = ranked
         out[name] = {"better": better, "unit": spec["unit"], "experiment": spec["experiment"],
                      "by_setting": by_setting}
@@ -269,6 +319,7 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             "data": data_meta,
             "seeds": sorted({r["seed"] for r in recs}),
             "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in ("passed", "failed", "skipped")},
+            "setting_cells": setting_cells(recs),
             "failures": [{"nodeid": r["nodeid"], "error": r.get("error", "")} for r in recs if r.get("status") == "failed"],
             "stats": st,
             "rankings": rankings(st, catalog),
@@ -278,8 +329,14 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             # the bits a cache really holds (fp16 sink/window tokens billed at 16)
             "pareto_decode_kl": pareto_metric(st),
             "data_quality": data_quality(recs),
+            # which tensor metrics predict model damage (exp5 against exp1–exp3), None without exp5
+            "predictivity": predictivity(st, catalog),
         }
-    return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources}
+    headline = choose_headline(sources, catalog)
+    for src in sources.values():
+        src["headline"] = headline_budget(src["stats"], headline, catalog)
+    return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources,
+            "headline": headline}
 
 
 def summary_of(board: dict[str, Any]) -> dict[str, Any]:
@@ -287,11 +344,13 @@ def summary_of(board: dict[str, Any]) -> dict[str, Any]:
     fidelity and provenance (no per-seed values)."""
     return {
         "provenance": board["provenance"],
+        "headline": board.get("headline"),
         "methods": {m: {"fidelity": i.get("fidelity"), "deltas": i.get("deltas", []), "arxiv": i.get("arxiv")}
                     for m, i in board["methods"].items()},
         "sources": {
             s: {"rankings": d["rankings"], "data_quality": d["data_quality"], "pareto": d["pareto"]["front"],
-                "matched_budget": d["matched_budget"], "cells": d["cells"], "failures": d["failures"]}
+                "matched_budget": d["matched_budget"], "cells": d["cells"], "failures": d["failures"],
+                "headline": d.get("headline"), "predictivity": d.get("predictivity")}
             for s, d in board["sources"].items()
         },
     }
@@ -336,7 +395,37 @@ def _check_local_codebook_gap(records: list[dict]) -> dict:
                  "methods with local_stats show a codebook-generalization gap of exactly 0", bad)
 
 
-DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap])
+def _check_fp16_endtoend(records: list[dict]) -> dict:
+    """The fp16 control leaves the real model's next-token distributions exactly unchanged (exp5)."""
+    cells = [r for r in records if r["method"] == "fp16" and r["experiment"] == "exp5" and r.get("status") == "passed"]
+    if not cells:
+        return _flag("fp16_endtoend_exact", None, "fp16 control did not run experiment 5")
+    want = {"kl_nats": 0.0, "kl_p99_nats": 0.0, "top1_agree": 1.0, "dloss_nats": 0.0}
+    bad = [f"{r['nodeid']}: {k}={v:.3g}" for r in cells for k, v in sorted(r.get("metrics", {}).items())
+           if k.startswith("e2e_") and k.split("_", 2)[2] in want and v != want[k.split("_", 2)[2]]]
+    return _flag("fp16_endtoend_exact", not bad,
+                 "fp16 control in the model's KV cache: next-token KL exactly 0, top-1 agreement exactly 1, "
+                 "Δ loss exactly 0 (prefill and decode)", bad)
+
+
+def _check_roundtrip_finite(records: list[dict]) -> dict:
+    """Every method's reconstructions are finite in every experiment (the experiments tally NaN/±inf
+    elements of K̂ and V̂ in ``extra["roundtrip_nonfinite"]``, failed cells included)."""
+    cells = [r for r in records if isinstance((r.get("extra") or {}).get("roundtrip_nonfinite"), dict)]
+    if not cells:
+        return _flag("roundtrip_finite", None, "no cell recorded whether its round trip is finite")
+    bad: dict[str, list[str]] = defaultdict(list)
+    for r in cells:
+        d = r["extra"]["roundtrip_nonfinite"]
+        if d.get("k") or d.get("v"):
+            bad[r["method"]].append(f"{r['experiment']} {setting_key(r)}")
+    offenders = [f"{m}: {len(v)} cell(s), e.g. {v[0]}" for m, v in sorted(bad.items())]
+    return _flag("roundtrip_finite", not bad,
+                 "every method's reconstruction K̂, V̂ is finite (no NaN/inf) in every experiment", offenders)
+
+
+DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_fp16_endtoend,
+                            _check_roundtrip_finite])
 
 
 def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", quality: str = "decode_attn_kl_fwd_nats",
@@ -346,13 +435,15 @@ def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", qualit
     pseudo-decode attention KL against the bits a cache really holds (fp16 windows billed at 16 bits).
 
     Same rules as :func:`pareto` / :func:`matched_budget` (lower quality is better; variant settings are
-    not budget points). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
+    not budget points, nor are settings with fewer seeds than asked). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
     """
     pts = []
     for meth, by_setting in stats_src.get(experiment, {}).items():
         for setting, metrics in by_setting.items():
             if "-" in setting or quality not in metrics or bits not in metrics:
                 continue
+            if is_short(metrics[quality]) or is_short(metrics[bits]):
+                continue  # fewer seeds than asked: not a budget point (see aggregate)
             pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
                         "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"]})
     pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
@@ -375,3 +466,177 @@ def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", qualit
 
 
 __all__ += ["pareto_metric", "FP16_ACCUMULATION_TOL"]
+
+
+# ------------------------------------------------------------------------------------------------
+# predictivity — which tensor metrics predict model damage (experiment 5, SPEC §4.5)
+#: the end-to-end quantities tensor metrics are correlated with (the first is the headline target)
+PREDICTIVITY_TARGETS: tuple[str, ...] = ("e2e_prefill_kl_nats", "e2e_decode_kl_nats")
+#: experiments whose scalar metrics are candidates
+PREDICTIVITY_EXPERIMENTS: tuple[str, ...] = ("exp1", "exp2", "exp3")
+PREDICTIVITY_BOOTSTRAP = 2000
+PREDICTIVITY_SEED = 0
+
+
+def _rank_rows(a: Any) -> Any:
+    """Average ranks along the last axis (ties share their mean rank), like ``scipy.stats.rankdata``."""
+    from scipy.stats import rankdata
+
+    return rankdata(a, axis=-1)
+
+
+def spearman_rows(x: Any, y: Any) -> Any:
+    """Spearman ρ of each row pair of ``x``/``y`` ``(rows, n)``: the Pearson correlation of their
+    average ranks (the definition ``scipy.stats.spearmanr`` uses). A row with a constant side → NaN."""
+    import numpy as np
+
+    rx = _rank_rows(np.asarray(x, dtype=float))
+    ry = _rank_rows(np.asarray(y, dtype=float))
+    rx = rx - rx.mean(-1, keepdims=True)
+    ry = ry - ry.mean(-1, keepdims=True)
+    den = np.sqrt((rx * rx).sum(-1) * (ry * ry).sum(-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (rx * ry).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
+    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened) with ``scipy.stats.spearmanr``, and the
+    percentile bootstrap 95 % CI over methods (each resample draws methods with replacement and keeps all
+    their settings; degenerate resamples with a constant side are dropped)."""
+    import warnings
+
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # constant input: ρ is undefined (NaN), reported as None
+        rho = float(spearmanr(x.ravel(), y.ravel()).statistic)
+    if not math.isfinite(rho):
+        return None, None
+    rng = np.random.Generator(np.random.PCG64(seed))
+    idx = rng.integers(0, x.shape[0], size=(n_boot, x.shape[0]))
+    boot = spearman_rows(x[idx].reshape(n_boot, -1), y[idx].reshape(n_boot, -1))
+    boot = boot[np.isfinite(boot)]
+    if boot.size < n_boot // 2:
+        return rho, None
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return rho, [float(lo), float(hi)]
+
+
+def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
+                 seed: int = PREDICTIVITY_SEED) -> dict[str, Any] | None:
+    """Spearman ρ between every scalar tensor metric of exp1–exp3 and the end-to-end KL of exp5, across
+    methods, within each bit width and pooled over bit widths, with a bootstrap 95 % CI over methods.
+
+    A point is one (method, setting) that has both the metric and the target (means over seeds); variant
+    settings are left out, and so are exact points (target exactly 0: the fp16 control, 16-bit
+    settings), which every error metric ranks trivially, and short entries (fewer seeds than asked,
+    :func:`is_short`), which are not ranked anywhere. Metrics are taken as *badness* (lower = better:
+    ``higher`` metrics negated, ``zero`` metrics by magnitude), so ρ > 0 means "more tensor error, more
+    model damage"; bits/element metrics are budgets, not errors, and are left out. A group needs at least
+    4 methods. Returns ``None`` without exp5; else ``{"targets": {target: {group: [rows best first]}},
+    "groups", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
+    n_points}`` (``rho`` ``None`` when undefined).
+    """
+    e2e = stats_src.get("exp5") or {}
+    if not e2e:
+        return None
+    out: dict[str, Any] = {"targets": {}, "n_boot": n_boot, "seed": seed,
+                           "excluded": "exact points (end-to-end KL exactly 0: fp16 control, 16-bit settings), "
+                                       "variant settings, bits/element metrics, settings with failed seeds"}
+    candidates = sorted({(exp, name) for exp in PREDICTIVITY_EXPERIMENTS for by in stats_src.get(exp, {}).values()
+                         for metrics in by.values() for name in metrics
+                         if name in catalog and catalog[name].get("experiment") == exp
+                         and catalog[name].get("unit") != "bits/element"})
+    groups_seen: set[str] = set()
+    for target in PREDICTIVITY_TARGETS:
+        pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
+               if "-" not in s and target in e and e[target]["mean"] != 0 and not is_short(e[target])}
+        if not pts:
+            continue
+        settings = sorted({s for _, s in pts}, key=_setting_sort)
+        groups = [(s, [s]) for s in settings] + ([("pooled", settings)] if len(settings) > 1 else [])
+        by_group: dict[str, list[dict[str, Any]]] = {}
+        for gname, gset in groups:
+            rows = []
+            for exp, name in candidates:
+                better = catalog[name]["better"]
+                methods = sorted(m for m in {m for m, _ in pts}
+                                 if all((m, s) in pts and name in stats_src[exp].get(m, {}).get(s, {})
+                                        and not is_short(stats_src[exp][m][s][name]) for s in gset))
+                if len(methods) < 4:
+                    continue
+                xs = [[rank_key(better, stats_src[exp][m][s][name]["mean"]) for s in gset] for m in methods]
+                ys = [[pts[(m, s)] for s in gset] for m in methods]
+                rho, ci = _spearman_ci(xs, ys, n_boot, seed)
+                rows.append({"metric": name, "experiment": exp, "rho": rho, "ci95": ci,
+                             "n_methods": len(methods), "n_points": len(methods) * len(gset)})
+            # best first; ρ compared to 12 decimals so float noise (0.9999999999999999) does not order ties
+            rows.sort(key=lambda r: (r["rho"] is None, -round(r["rho"] or 0.0, 12), r["metric"]))
+            if rows:
+                by_group[gname] = rows
+                groups_seen.add(gname)
+        out["targets"][target] = by_group
+    out["groups"] = sorted(groups_seen - {"pooled"}, key=_setting_sort) + (["pooled"] if "pooled" in groups_seen else [])
+    return out
+
+
+#: the headline metric when no end-to-end run says which tensor metric predicts damage best
+DEFAULT_HEADLINE_METRIC = PARETO_QUALITY
+
+
+def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = None) -> dict[str, Any]:
+    """The leaderboard's headline metric: the scale-free tensor metric (comparable across layers and
+    models, SPEC §2) with the highest pooled Spearman ρ against the first predictivity target
+    (within-bit-width ρ where only one bit width ran) on a source that ran exp5; ``rel_mse`` (with
+    ``from_predictivity: False``) when none did. Pooled, because the headline compares methods across bit
+    widths at matched budgets."""
+    catalog = catalog or {}
+    for src_name in sorted(sources, key=lambda s: (s != "real", s)):
+        pr = sources[src_name].get("predictivity") or {}
+        by_group = (pr.get("targets") or {}).get(PREDICTIVITY_TARGETS[0]) or {}
+        group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
+        rows = [r for r in by_group.get(group, []) if r["rho"] is not None
+                and (catalog.get(r["metric"]) or {}).get("scale_free", True)] if group else []
+        if rows:
+            best = rows[0]
+            return {"metric": best["metric"], "experiment": best["experiment"], "rho": best["rho"],
+                    "ci95": best["ci95"], "group": group, "target": PREDICTIVITY_TARGETS[0], "source": src_name,
+                    "from_predictivity": True}
+    return {"metric": DEFAULT_HEADLINE_METRIC, "experiment": "exp1", "rho": None, "ci95": None, "group": None,
+            "target": PREDICTIVITY_TARGETS[0], "source": None, "from_predictivity": False}
+
+
+def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
+                    budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
+    """The best method at each matched effective-bits budget on the headline metric, with its end-to-end
+    KL (mean over seeds, ``None`` where exp5 did not run that setting).
+
+    Bits: exp1's effective bits of the same (method, setting) — for a pseudo-decode metric (``decode_*``)
+    the bits a decoding cache bills (exp2 ``decode_bits_effective``). Exact 16-bit settings are not
+    budget points. Same selection rule as :func:`pareto_metric`, on the metric's badness (its
+    better-direction); ``quality`` in the rows is the metric's own mean.
+    """
+    metric, exp = headline["metric"], headline["experiment"]
+    better = (catalog.get(metric) or {}).get("better", "lower")
+    bits_exp, bits_name = ("exp2", "decode_bits_effective") if metric.startswith("decode_") else ("exp1", "bits_effective")
+    merged: dict[str, Any] = {}
+    for m, by in stats_src.get(exp, {}).items():
+        for s, metrics in by.items():
+            b = stats_src.get(bits_exp, {}).get(m, {}).get(s, {}).get(bits_name)
+            if metric in metrics and b is not None and not s.startswith("k16v16"):
+                e = metrics[metric]
+                merged.setdefault(m, {})[s] = {"quality": {**e, "mean": rank_key(better, e["mean"])}, "bits": b}
+    rows = pareto_metric({"h": merged}, experiment="h", quality="quality", bits="bits", budgets=budgets)["matched_budget"]
+    e2e = stats_src.get("exp5", {})
+    for r in rows:
+        if r["method"]:
+            r["quality"] = stats_src[exp][r["method"]][r["setting"]][metric]["mean"]
+        ent = e2e.get(r["method"], {}).get(r["setting"], {}).get(headline["target"]) if r["method"] else None
+        r["e2e_kl"] = ent["mean"] if ent else None
+        r["e2e_kl_ci95"] = ent["ci95"] if ent else None
+    return rows
+
+
+__all__ += ["PREDICTIVITY_TARGETS", "predictivity", "spearman_rows", "choose_headline", "headline_budget"]

@@ -14,7 +14,8 @@ from tabulate import tabulate
 
 from kvqbench.report.io import to_jsonable
 
-__all__ = ["render_markdown", "render_terminal", "fmt", "canonical"]
+__all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner", "headline_lines",
+           "headline_screen"]
 
 CELL_STATES = ("passed", "failed", "skipped")
 
@@ -25,6 +26,7 @@ def canonical(board: dict[str, Any]) -> dict[str, Any]:
 
 
 def _cells_text(cells: dict[str, Any]) -> str:
+    """``passed 10, failed 1, skipped 0`` (+ any other states)."""
     keys = [k for k in CELL_STATES if k in cells] + sorted(k for k in cells if k not in CELL_STATES)
     return ", ".join(f"{k} {cells[k]}" for k in keys)
 
@@ -64,20 +66,49 @@ def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     return order
 
 
+def missing_text(src: dict[str, Any], exp: str, method: str, setting: str) -> str:
+    """Why a (method, setting) of ``exp`` has no value: ``failed``, ``skipped`` or ``not run`` (from the
+    source's ``setting_cells``); ``—`` when the cells ran but gave no finite value of the metric."""
+    c = (src.get("setting_cells") or {}).get(exp, {}).get(method, {}).get(setting)
+    if not c:
+        return "not run"
+    if c.get("failed") and not c.get("passed"):
+        return "failed"
+    if c.get("skipped") and not c.get("passed"):
+        return "skipped"
+    return "—"
+
+
+def value_text(e: dict[str, Any]) -> str:
+    """``mean ± ci``, with ``(n=2/3)`` when the entry has fewer seeds than asked."""
+    text = fmt(e["mean"], e["ci95"])
+    if e.get("n", 0) < e.get("n_asked", 0):
+        text += f" (n={e['n']}/{e['n_asked']})"
+    return text
+
+
 def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) -> str:
     exp1 = src["stats"].get("exp1", {})
-    settings = _settings(exp1)
+    asked = (src.get("setting_cells") or {}).get("exp1", {})
+    found = {s for by in asked.values() for s in by if "-" not in s}
+    settings = sorted(set(_settings(exp1)) | found, key=_setting_key)
     rows = []
-    for m in _method_order(src, board):
-        if m not in exp1:
+    for m in _method_order(src, board) + [m for m in asked if m not in _method_order(src, board)]:
+        if m not in exp1 and m not in asked:
             continue
         fid = board["methods"].get(m, {}).get("fidelity", "")
         row = [f"`{m}`", fid]
         for s in settings:
-            e = exp1[m].get(s, {}).get(metric)
-            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+            e = exp1.get(m, {}).get(s, {}).get(metric)
+            row.append(value_text(e) if e else missing_text(src, "exp1", m, s))
         rows.append(row)
     return tabulate(rows, headers=["method", "fidelity", *settings], tablefmt="github")
+
+
+def _setting_key(s: str) -> tuple:
+    from kvqbench.report.leaderboard import _setting_sort
+
+    return _setting_sort(s)
 
 
 def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
@@ -91,11 +122,12 @@ def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
         ranked = rk["rel_mse"]["by_setting"][s]
         rows = []
         for r in ranked:
-            row = [r["rank"], f"`{r['method']}`"]
+            row = [r["rank"] if r["rank"] is not None else "—", f"`{r['method']}`"]
             for name, _ in cols:
                 e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
-                row.append(fmt(e["mean"], e["ci95"]) if e else "—")
-            row.append(", ".join(r["ties"]) if r["ties"] else "")
+                row.append(value_text(e) if e else "—")
+            row.append(f"not ranked: n={r['n']} of {r['n_asked']} seeds" if r.get("short")
+                       else ", ".join(r["ties"]) if r["ties"] else "")
             rows.append(row)
         out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (95% CI)"],
                                               tablefmt="github"))
@@ -108,7 +140,10 @@ def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
         ranked = r["by_setting"].get(setting)
         if not ranked:
             continue
-        order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked)
+        order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked if not x.get("short"))
+        short = [f"{x['method']} (n={x['n']}/{x['n_asked']})" for x in ranked if x.get("short")]
+        if short:
+            order += "; not ranked: " + ", ".join(short)
         rows.append([r["experiment"], f"`{name}`", r["unit"], r["better"], order])
     if not rows:
         return ""
@@ -121,13 +156,14 @@ def render_markdown(board: dict[str, Any]) -> str:
     board = canonical(board)
     prov = board.get("provenance", {})
     lines = ["# kvqbench leaderboard", ""]
-    lines.append(
-        f"kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
-        f"torch {prov.get('torch_version', '?')} · device {prov.get('device_name', '?')} · "
-        f"seeds {prov.get('seeds', '?')} · started {prov.get('start_time', '?')}"
-    )
-    lines += ["", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width over seeds. "
-              "Real and synthetic results are kept apart. A rank is 1 + the methods whose 95% CI is wholly better (never lower than the rank above it).", ""]
+    banner = completeness_banner(board)
+    if banner:
+        lines += [banner, ""]
+    for src_name, src in board.get("sources", {}).items():
+        lines += headline_screen(board, src_name, src)
+    lines += ["# Details", "", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width "
+              "over seeds. Real and synthetic results are kept apart. A rank is 1 + the methods whose 95% CI is "
+              "wholly better (never lower than the rank above it).", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
         lines += [f"## {src_name}", ""]
@@ -135,6 +171,7 @@ def render_markdown(board: dict[str, Any]) -> str:
                                                    if isinstance(v, (int, float, str)) and k != "description")
         lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
                   + _cells_text(src["cells"]), ""]
+        lines += _endtoend_tables(src, board)
         exp1 = src["stats"].get("exp1", {})
         if exp1:
             lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
@@ -144,11 +181,15 @@ def render_markdown(board: dict[str, Any]) -> str:
             for t in _ranking_tables(src, settings):
                 lines += [t, ""]
             pf = src.get("pareto", {})
-            if pf.get("front"):
+            front = [p for p in pf.get("front") or [] if not _exact_setting(p["setting"])]
+            if front:
                 lines += ["### Pareto front (effective bits vs relative MSE)", ""]
                 lines += [tabulate([[f"`{p['method']}`", p["setting"], fmt(p["bits_effective"]), fmt(p["rel_mse"])]
-                                    for p in pf["front"]], headers=["method", "bits", "bits effective", "rel. MSE"],
+                                    for p in front], headers=["method", "bits", "bits effective", "rel. MSE"],
                                    tablefmt="github"), ""]
+                if len(front) < len(pf.get("front") or []):
+                    lines += ["16-bit settings are exact (relative MSE 0 for every method) and are left out of "
+                              "this table.", ""]
             mb = src.get("matched_budget") or []
             if mb:
                 lines += ["### Best method at a matched budget (effective bits ≤ budget)", ""]
@@ -185,7 +226,127 @@ def render_markdown(board: dict[str, Any]) -> str:
                  len(i.get("deltas", []))] for m, i in board["methods"].items()]
         lines += [tabulate(rows, headers=["id", "method", "arXiv", "fidelity", "deltas"], tablefmt="github"), "",
                   "Every delta is listed in `docs/PAPERS.md` and in `leaderboard.json` under `methods`.", ""]
+    lines += ["## Provenance", "",
+              f"kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
+              f"torch {prov.get('torch_version', '?')} · device {prov.get('device_name', '?')} · "
+              f"seeds {prov.get('seeds', '?')} · started {prov.get('start_time', '?')}", ""]
+    if prov.get("command"):
+        lines += [f"Command: `{prov['command']}`", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _exact_setting(setting: str) -> bool:
+    """``k16v16`` (and any setting whose K and V bits are both ≥ 16): an exact passthrough."""
+    import re
+
+    m = re.match(r"k(\d+)v(\d+)", setting or "")
+    return bool(m) and int(m.group(1)) >= 16 and int(m.group(2)) >= 16
+
+
+def _rho_text(rho: Any, ci: Any) -> str:
+    if rho is None:
+        return "—"
+    return f"{rho:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+
+
+def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
+    """The headline of one source: the sentence naming the metric (and its ρ), the matched-budget rows
+    ``[budget, best, bits, bits effective, metric value, end-to-end KL, runner-up]`` and their headers.
+    Shared by ``LEADERBOARD.md`` and the README digest."""
+    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
+
+    h = board.get("headline") or {}
+    metric = h.get("metric", "rel_mse")
+    if h.get("from_predictivity"):
+        where = "pooled over bit widths" if h.get("group") == "pooled" else f"at {h.get('group')}"
+        model = ((board.get("sources", {}).get(h.get("source"), {}).get("data") or {}).get("model")) or "the real model"
+        sentence = (f"Ranked on `{metric}` ({h.get('experiment')}), the tensor metric that best predicts model damage: "
+                    f"Spearman ρ = {_rho_text(h.get('rho'), h.get('ci95'))} (95% bootstrap CI over methods) against "
+                    f"the end-to-end next-token KL of {model}, {where}.")
+    else:
+        sentence = (f"Ranked on `{metric}` (no end-to-end run in this result set, so which tensor metric predicts "
+                    "model damage is unknown here; run with the real model to find out).")
+    rows = []
+    for b in src.get("headline") or []:
+        kl = fmt(b.get("e2e_kl"), b.get("e2e_kl_ci95")) if b.get("e2e_kl") is not None else "—"
+        rows.append([f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
+                     fmt(b["bits"]), fmt(b["quality"]), kl, b.get("runner_up") or "—"])
+    target = h.get("target", PREDICTIVITY_TARGETS[0])
+    headers = ["budget (bits/elt)", "best", "bits", "bits effective", metric, f"end-to-end KL (`{target}`)", "runner-up"]
+    return sentence, rows, headers
+
+
+def headline_screen(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> list[str]:
+    """One screen per source: the best method at each matched effective-bits budget on the headline
+    metric, with its end-to-end KL, and one line naming the metric and its ρ."""
+    sentence, rows, headers = headline_lines(board, src_name, src)
+    data = src.get("data") or {}
+    what = f" ({data.get('model')})" if src_name == "real" and data.get("model") else ""
+    out = [f"## {src_name}{what}: best method at a matched budget", "", sentence, ""]
+    if rows:
+        out += [tabulate(rows, headers=headers, tablefmt="github"), ""]
+    out += [f"Cells: {_cells_text(src.get('cells', {}))} · seeds {src.get('seeds')} · sizes "
+            f"{', '.join(src.get('sizes', []))}. 16-bit settings are exact and are not budget points.", ""]
+    return out
+
+
+def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
+    """End-to-end KL per method × bits (both regimes) and the predictivity table, where exp5 ran."""
+    e2e = src["stats"].get("exp5", {})
+    if not e2e:
+        return []
+    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS, _setting_sort
+
+    settings = sorted({s for by in e2e.values() for s in by if "-" not in s}, key=_setting_sort)
+    cols = [(s, r) for r in ("prefill", "decode") for s in settings]
+    rows = []
+    for m in _method_order(src, board):
+        if m not in e2e:
+            continue
+        row = [f"`{m}`"]
+        for s, r in cols:
+            e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
+            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+        rows.append(row)
+    out = ["### End-to-end damage: next-token KL(p‖p̂) in nats against the unquantized model", "",
+           "Each method's quantize → dequantize inside the model's KV cache; prefill = the text in one pass, "
+           "decode = a prefill then blocks under the method's streaming rules (fp16 windows billed at 16 bits; "
+           "see the `e2e_*_bits_billed` metrics). Mean ± 95% CI over seeds (text windows).", "",
+           tabulate(rows, headers=["method", *[f"{r} {s}" for s, r in cols]], tablefmt="github"), ""]
+    pr = src.get("predictivity") or {}
+    groups = pr.get("groups") or []
+    tables = pr.get("targets") or {}
+    main = tables.get(PREDICTIVITY_TARGETS[0]) or {}
+    if main:
+        order = main.get("pooled") or main.get(groups[0] if groups else "", [])
+        by = {g: {r["metric"]: r for r in main.get(g, [])} for g in groups}
+        others = [t for t in PREDICTIVITY_TARGETS[1:] if tables.get(t)]
+        rows = []
+        for r in order:
+            row = [f"`{r['metric']}`", r["experiment"]]
+            row += [_rho_text(by[g].get(r["metric"], {}).get("rho"), by[g].get(r["metric"], {}).get("ci95")) for g in groups]
+            for t in others:
+                tg = "pooled" if "pooled" in tables[t] else next(iter(tables[t]))
+                o = next((x for x in tables[t][tg] if x["metric"] == r["metric"]), {})
+                row.append(_rho_text(o.get("rho"), None))
+            rows.append(row)
+        heads = ["metric", "exp", *[f"ρ {g}" for g in groups], *[f"ρ vs `{t}`" for t in others]]
+        out += ["### Which tensor metrics predict model damage", "",
+                f"Spearman ρ across methods between each tensor metric (as badness: lower is better) and "
+                f"`{PREDICTIVITY_TARGETS[0]}`, within each bit width and pooled, with a {pr.get('n_boot')}-resample "
+                f"bootstrap 95% CI over methods; best first. Left out: {pr.get('excluded')}.", "",
+                tabulate(rows, headers=heads, tablefmt="github"), ""]
+    return out
+
+
+def completeness_banner(board: dict[str, Any]) -> str | None:
+    """``**INCOMPLETE** — incomplete: 78 of 435 cells finished, interrupted …`` for a partial result set
+    (``board["completeness"]``, see :func:`kvqbench.report.results.completeness`), else ``None``."""
+    comp = board.get("completeness") or {}
+    if not comp or comp.get("complete", True):
+        return None
+    return (f"**INCOMPLETE RESULT SET** — {comp.get('summary', 'incomplete')}. Settings with fewer seeds than "
+            "asked are marked with their n and are not ranked; compare with care.")
 
 
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
@@ -194,6 +355,9 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
 
     board = canonical(board)
     out = []
+    comp = board.get("completeness") or {}
+    if comp and not comp.get("complete", True):
+        out.append(f"kvqbench: {comp.get('summary', 'incomplete')}")
     for src_name, src in board.get("sources", {}).items():
         rk = src["rankings"].get("rel_mse")
         if not rk:
@@ -203,7 +367,8 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
             continue
         s = settings[0]
         eff = {x["method"]: x for x in src["rankings"].get("bits_effective", {}).get("by_setting", {}).get(s, [])}
-        rows = [[r["rank"], r["method"], fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
+        rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
+                 fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
                 for r in rk["by_setting"][s][:max_rows]]
         flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
         out.append(f"kvqbench [{src_name}] relative MSE at {s} (cells: {_cells_text(src['cells'])})"

@@ -11,6 +11,8 @@ One set of PNGs per data source, written next to the JSON (real and synthetic ne
 ``attn_kl_vs_context_{source}.png``         exp2: attention KL(p‖p̂) vs context length, same panels
 ``norm_diff_density_{source}.png``          exp3: density of ‖k̂‖−‖k‖ per method (small multiples)
 ``cost_{source}.png``                       exp4: latency bars and bits/element bars per method
+``predictivity_{source}.png``               exp5: the best-predicting tensor metrics against the
+                                            end-to-end KL, one point per method × bits, log axes
 ==========================================  ====================================================
 
 A figure whose data is absent (an experiment that did not run) is simply not drawn. matplotlib is
@@ -752,7 +754,8 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
         return None
     names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
     lat = [n for n in names if (catalog.get(n, {}).get("unit") in TIME_UNITS) or re.search(r"(latency|_ms$|_s$)", n)]
-    lat = sorted((n for n in lat if "throughput" not in n), key=lambda n: ("dequant" in n, n))
+    lat = sorted((n for n in lat if "throughput" not in n and not n.endswith("_x_clone")),
+                 key=lambda n: ("dequant" in n, n))
     bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
     bit_src = exp4
     if not bit_names:  # fall back to the reconstruction experiment's bits accounting
@@ -837,10 +840,51 @@ def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) 
                 color="dimgrey")
 
 
+def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path, top: int = 4
+                      ) -> Path | None:
+    """The best-predicting tensor metrics against the end-to-end KL: one panel per metric, one point per
+    method × bits (means over seeds), log axes; ρ in each panel's title."""
+    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
+
+    pr = sd.get("predictivity") or {}
+    target = PREDICTIVITY_TARGETS[0]
+    by_group = (pr.get("targets") or {}).get(target) or {}
+    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
+    rows = [r for r in by_group.get(group, []) if r["rho"] is not None][:top] if group else []
+    stats = sd.get("stats") or {}
+    e2e = stats.get("exp5") or {}
+    if not rows or not e2e:
+        return None
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows) + 1.6, 3.8), squeeze=False)
+    shapes = ["o", "s", "^", "D", "v"]
+    for ax, r in zip(axes[0], rows, strict=False):
+        for m in sorted(e2e, key=lambda m: style.idx.get(m, 99)):
+            for setting, metrics in sorted(e2e[m].items()):
+                x = (stats.get(r["experiment"], {}).get(m, {}).get(setting, {}).get(r["metric"]) or {}).get("mean")
+                y = (metrics.get(target) or {}).get("mean")
+                if x is None or y is None or not (abs(x) > 0 and y > 0):
+                    continue
+                b = _setting_bits(setting)
+                ax.scatter([abs(x)], [y], color=style(m)["color"], s=28,
+                           marker=shapes[(b[0] if b else 0) % len(shapes)],
+                           label=f"{m} {setting}" if ax is axes[0][-1] else None)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"{r['metric']} ({r['experiment']})")
+        ci = f" [{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]" if r.get("ci95") else ""
+        ax.set_title(f"ρ = {r['rho']:+.2f}{ci}", fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel(f"end-to-end KL(p‖p̂), nats ({target})")
+    _legend_outside(axes[0][-1], ncol=2)
+    fig.suptitle(f"Which tensor metrics predict model damage ({src}; one point per method × bits, "
+                 f"Spearman ρ {group})", fontsize=11)
+    return _finish(fig, out / f"predictivity_{src}.png")
+
+
 def figure_names(source: str) -> list[str]:
     """Every figure file name this module may write for ``source``."""
     return [f"{n}_{source}.png" for n in ("pareto", "mse_vs_bits", "attn_error_vs_context", "attn_kl_vs_context",
-                                          "norm_diff_density", "cost")]
+                                          "norm_diff_density", "cost", "predictivity")]
 
 
 def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *, log: Log | None = None
@@ -886,6 +930,7 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
                 ("attn_kl_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
                 ("norm_diff_density", _fig_norm_density, (plt, src, sd, exps.get(("exp3", src)), style, out)),
                 ("cost", _fig_cost, (plt, src, sd, catalog, style, out, exps.get(("exp4", src)))),
+                ("predictivity", _fig_predictivity, (plt, src, sd, style, out)),
             ]
             for name, fig_fn, fig_args in jobs:
                 try:

@@ -89,22 +89,41 @@ def leaderboard_path(path: str | Path) -> Path:
     return src
 
 
-def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out_dir: str | Path | None = None
-               ) -> list[str]:
+def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out_dir: str | Path | None = None,
+               rebuild: bool = False) -> list[str]:
     """Rebuild ``LEADERBOARD.md`` (and figures) from ``path/leaderboard.json`` (+ ``exp*_*.json``).
+
+    When ``leaderboard.json`` is missing or unreadable (a run killed while writing) or ``rebuild`` is
+    true, the whole result set — ``leaderboard.json``, ``summary.json``, ``LEADERBOARD.md``, figures — is
+    rebuilt from the per-experiment files ``exp*_*.json`` instead
+    (:func:`kvqbench.report.results.write_result_set`; changes made by a ``pytest_kvqbench_update_leaderboard``
+    hook are not replayed).
 
     Args:
         path: a results folder (or its ``leaderboard.json``).
         echo: print the terminal table to stdout.
         figures: also render the PNG figures (skipped with one line when matplotlib is missing).
         out_dir: where to write (default: the folder holding ``leaderboard.json``).
+        rebuild: rebuild from the per-experiment files even when ``leaderboard.json`` is fine.
 
-    Returns the written paths. Raises ``FileNotFoundError`` when there is no ``leaderboard.json`` and
-    ``ValueError`` when it is not a kvqbench leaderboard (:func:`read_leaderboard`; nothing written).
+    Returns the written paths. Raises ``FileNotFoundError`` when there is neither a ``leaderboard.json``
+    nor ``exp*_*.json`` files and ``ValueError`` when a file is not what it should be (names it;
+    nothing written).
     """
+    d = Path(path)
+    folder = d if d.is_dir() else d.parent
+    has_exps = folder.is_dir() and any(folder.glob("exp[0-9]*_*.json"))
+    if has_exps and (rebuild or not (folder / "leaderboard.json").exists()):
+        return _rebuild(folder, out_dir, echo=echo, figures=figures)
     src = leaderboard_path(path)
     out = Path(out_dir) if out_dir is not None else src.parent
-    board = read_leaderboard(src)
+    try:
+        board = read_leaderboard(src)
+    except ValueError:
+        if has_exps:
+            print(f"kvqbench report: {src} is unreadable; rebuilding it from {folder}/exp*_*.json", file=sys.stderr)
+            return _rebuild(folder, out_dir, echo=echo, figures=figures)
+        raise
     written = [str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board)))]
     if echo:
         print(render_terminal(board))
@@ -116,3 +135,14 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
 
         written += [str(p) for p in write_figures(src.parent, out, log=log)]
     return written
+
+
+def _rebuild(folder: Path, out_dir: str | Path | None, *, echo: bool, figures: bool) -> list[str]:
+    from kvqbench.report.results import load_result_set, write_result_set
+
+    records, prov, comp, catalog = load_result_set(folder)
+    res = write_result_set(records, prov, Path(out_dir) if out_dir is not None else folder, comp=comp,
+                           catalog=catalog, figures=figures, in_place=True)
+    if echo and res.board is not None:
+        print(render_terminal(res.board))
+    return res.paths

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from kvqbench.experiments.common import check_roundtrip_finite
 from kvqbench.experiments.generalization import GROUP_SIZES, run_codebook_gap, run_group_size
 
 
@@ -12,6 +13,7 @@ from kvqbench.experiments.generalization import GROUP_SIZES, run_codebook_gap, r
 def test_codebook_gap(cell, kvq_method, kvq_data, kvq_record):
     res = run_codebook_gap(kvq_method, kvq_data)
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"
     if kvq_method.local_stats:
@@ -24,6 +26,7 @@ def test_codebook_gap(cell, kvq_method, kvq_data, kvq_record):
 def test_group_size(cell, kvq_method, kvq_data, kvq_record):
     res = run_group_size(kvq_method, kvq_data)
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     assert res.extra["group_size"] == cell.variant_dict()["group_size"]
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"

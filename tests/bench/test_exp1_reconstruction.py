@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from kvqbench.experiments.common import check_roundtrip_finite
 from kvqbench.experiments.reconstruction import run_reconstruction
 
 pytestmark = pytest.mark.kvq(experiment="exp1")
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.kvq(experiment="exp1")
 def test_reconstruction(cell, kvq_method, kvq_data, kvq_record):
     res = run_reconstruction(kvq_method, kvq_data)
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"
     if cell.k_bits >= 16 and cell.v_bits >= 16:

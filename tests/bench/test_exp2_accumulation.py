@@ -10,12 +10,14 @@ import math
 import pytest
 
 from kvqbench.experiments.accumulation import CONFIG_BY_SIZE, REGIMES, run_accumulation
+from kvqbench.experiments.common import check_roundtrip_finite
 
 
 @pytest.mark.kvq(experiment="exp2", bits=(2, 4))
 def test_accumulation(cell, kvq_method, kvq_data, kvq_record):
     res = run_accumulation(kvq_method, kvq_data, CONFIG_BY_SIZE[cell.size])
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"
     for regime in REGIMES:

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from kvqbench.experiments.common import check_roundtrip_finite
 from kvqbench.experiments.outliers import run_outliers
 
 
@@ -12,6 +13,7 @@ from kvqbench.experiments.outliers import run_outliers
 def test_outliers(cell, kvq_method, kvq_data, kvq_record):
     res = run_outliers(kvq_method, kvq_data)
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"
     for kv in ("k", "v"):

@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -291,3 +292,51 @@ def test_disk_cache_writes_are_atomic_under_concurrency(tmp_path) -> None:
     fill = got.meta["fill"]
     assert torch.equal(got.k, torch.full((2, 3, 8, 4), fill)) and torch.equal(got.q, got.k + 2)
     assert got.k_grad2 is None
+
+
+def test_concurrent_captures_sharing_a_cache_run_the_model_once(tmp_path, monkeypatch) -> None:
+    """Shards (or xdist workers) on one machine that share a capture cache: the first captures, the
+    others wait on the lock and load its file."""
+    pytest.importorskip("transformers", reason="the cache key names the transformers version")
+    calls: list[int] = []
+
+    def fake_capture(ref, seq_len, layers, with_grads, dev, dtype="float32"):
+        calls.append(1)
+        time.sleep(0.3)  # long enough for the other callers to arrive while the "model" runs
+        x = torch.full((2, 3, seq_len, 4), float(len(calls)))
+        return KVData("real", x, x + 1, x + 2, k_pre=x, cos=torch.ones(seq_len, 4), sin=torch.zeros(seq_len, 4),
+                      meta={"run": len(calls)})
+
+    monkeypatch.setattr(cap, "_run_capture", fake_capture)
+    monkeypatch.setattr(cap, "_resolve", lambda model: cap._ModelRef("fake", "fake", None, False, "fake-weights"))
+    monkeypatch.setattr(cap, "_require_real_deps", lambda **kw: None)
+    got: list[KVData] = []
+    threads = [threading.Thread(target=lambda: got.append(capture_kv(model="fake", seq_len=8, cache_dir=tmp_path)))
+               for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(calls) == 1 and len(got) == 4
+    assert all(torch.equal(g.k, got[0].k) and g.meta == {"run": 1} for g in got)
+    assert [p.suffix for p in tmp_path.iterdir()] == [".pt"]  # the lock lives outside the cache folder
+
+
+def test_capture_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
+        capture_kv(seq_len=8, dtype="int8")
+
+
+@real
+def test_bf16_capture_holds_the_bf16_model_values(captured) -> None:
+    """--kvq-dtype bfloat16: K/V are the bf16 model's values (exactly representable in bf16), returned in
+    fp32, and within bf16 rounding of the fp32 model's capture."""
+    data = capture_kv(seq_len=T, layers=[0], dtype="bfloat16")
+    ref = captured[0]
+    assert data.meta["capture_dtype"] == "bfloat16" and data.k.dtype == torch.float32
+    for name in ("k", "v", "k_pre"):
+        x = getattr(data, name)
+        assert torch.equal(x.to(torch.bfloat16).float(), x), name
+        r = getattr(ref, name)[0]
+        rel = float((x - r).norm() / r.norm())
+        assert 0 < rel < 0.05, (name, rel)  # layer 0: a few bf16 roundings (eps 2**-8) of fp32's values

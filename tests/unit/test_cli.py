@@ -3,6 +3,8 @@ selector), ``publish`` and ``report`` exit codes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_report_samples import write_results
 
@@ -12,7 +14,7 @@ from kvqbench.cli import build_parser, changed_methods, k_expr, main
 def test_parser_knows_every_subcommand():
     p = build_parser()
     for argv in (["run", "--smoke"], ["report", "x"], ["compare", "a", "b", "--fail-on", "rel_mse:5"],
-                 ["publish", "results"], ["methods", "--changed", "kvqbench/quantizers/kivi.py", "--k-expr"]):
+                 ["publish", "results"], ["merge", "a", "b", "--out", "c"], ["methods", "--changed", "kvqbench/quantizers/kivi.py", "--k-expr"]):
         ns, _ = p.parse_known_args(argv)
         assert ns.cmd == argv[0]
     assert p.parse_args(["publish", "results"]).dest.name == "leaderboard"
@@ -167,3 +169,22 @@ def test_run_smoke_is_synthetic_unless_kvq_real(monkeypatch, tmp_path):
     assert "--kvq-real" not in smoke and smoke[:3] == ["tests/bench", "-m", "smoke"]
     assert smoke_real.count("--kvq-real") == 1
     assert "--kvq-real" in full and "full" in full
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["run", "--shard", "4/3"], "--shard expects I/N with 1 <= I <= N"),
+    (["run", "--shard", "two"], "--shard expects I/N"),
+    (["run", "--shard", "1/2", "--ray"], "--shard and --ray exclude each other"),
+    (["run", "--shards", "3"], "--shards N needs --ray"),
+    (["run", "--ray", "--shards", "0"], "--shards N needs --ray and N >= 1"),
+])
+def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_merge_of_no_shard_folder_exits_2(tmp_path, capsys):
+    assert main(["merge", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no shard.json" in capsys.readouterr().err

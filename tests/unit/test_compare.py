@@ -127,3 +127,17 @@ def test_cli_compare_uses_the_same_exit_codes(tmp_path, base_dir):
     new = write_results(tmp_path / "new", records(degrade={"rtn_token": 1.3}))
     assert cli_main(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mse:5"]) == 0
     assert cli_main(["compare", str(base_dir), str(new), "--fail-on", "rel_mse:5", "--fail-on", "any:50"]) == 1
+
+
+def test_unknown_fail_on_metric_exits_2_naming_the_closest(base_dir, capsys):
+    """A typo must not disable a CI gate (issue 9): exit 2, naming the closest known metric."""
+    from kvqbench.cli import main as cli
+
+    assert cli(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mes:5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvqbench compare: --fail-on rel_mes:5: unknown metric 'rel_mes'; did you mean 'rel_mse'?"]
+    rc, _ = _run(base_dir, base_dir, "rel_mse:5", "bogus_metric:5")
+    assert rc == 2
+    # a metric of the catalog that this sample did not record is known: a warning, not an error
+    rc, text = _run(base_dir, base_dir, "attn_kl_fwd:5", "decode_attn_kl_fwd_nats:5")
+    assert rc == 0 and "warning: --fail-on decode_attn_kl_fwd_nats: no such metric in both sets" in text

@@ -201,8 +201,9 @@ def test_scale_is_floored_range_over_levels(bits: int) -> None:
         assert bool((rng > EPS).all() and (rng < EPS * levels).all())
         assert not torch.allclose(qt["scale"].reshape(expected.shape), torch.full_like(expected, EPS))
         torch.testing.assert_close(q.dequantize(qt), xk, rtol=0, atol=1.5e-7)
-    # V: per token over head_dim, same closed form
-    xv = torch.linspace(0.0, spread, 16).repeat(1, 2, 40, 1)
+    # V: per token over head_dim, same closed form (data of magnitude >= 1, where the floor is the
+    # reference's absolute EPS; below magnitude 1 it scales with the data, see test_range_floor_is_relative)
+    xv = (1.0 + torch.linspace(0.0, spread, 16)).repeat(1, 2, 40, 1)
     qv = Kitty(bits).quantize(xv, "v")
     rv = xv.amax(-1, keepdim=True) - xv.amin(-1, keepdim=True)
     torch.testing.assert_close(qv["scale"], torch.clamp(rv, min=EPS) / levels, rtol=1e-6, atol=0)
@@ -216,3 +217,17 @@ def test_scale_is_floored_range_over_levels(bits: int) -> None:
     const = torch.full((1, 1, 128, 8), 0.375)
     for kind in ("k", "v"):
         assert torch.equal(Kitty(bits, boost_fraction=0.25).roundtrip(const, kind), const)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("exp", [-100, -40, -20, 0, 20, 60])
+def test_range_floor_is_relative(kind: str, exp: int) -> None:
+    """At any power-of-two scale 2^exp the round trip is exactly 2^exp times the round trip at scale 1
+    (the floor scales with the data below magnitude 1): tiny data no longer collapse to group minima."""
+    x = torch.randn(1, 2, 160, 32, generator=torch.Generator().manual_seed(5))
+    x = x / x.abs().amax() * 1.5  # magnitude in [1, 2): the reference's EPS applies at scale 1
+    s = 2.0**exp
+    y1 = Kitty(2).roundtrip(x, kind)
+    ys = Kitty(2).roundtrip(x * s, kind)
+    assert torch.equal(ys, y1 * s)
+    assert ((y1 - x).norm() / x.norm()).item() < 0.6

@@ -92,7 +92,7 @@ def test_series_discovery():
 
 
 def test_figure_names_cover_every_kind():
-    assert figure_names("real") == [f"{n}_real.png" for n in ALL]
+    assert figure_names("real") == [f"{n}_real.png" for n in (*ALL, "predictivity")]  # predictivity: exp5 only
 
 
 def test_flat_histogram_layout_with_under_and_overflow():

@@ -123,6 +123,16 @@ def test_method_pr_runs_changed_methods_full_and_compares():
     assert "kvqbench methods --changed" in script and "--k-expr" in script
     assert re.search(r"kvqbench run --full -k \"\$KEXPR\"", script)
     assert "kvqbench compare leaderboard/ results/ --fail-on rel_mse:5" in script
+    # the cells run as a matrix of shards, merged in a final job before the comparison
+    shards = wf["jobs"]["shard"]["strategy"]["matrix"]["shard"]
+    n = len(shards)
+    assert shards == list(range(1, n + 1)) and n > 1
+    assert re.search(rf'kvqbench run --full -k "\$KEXPR" --shard "\$SHARD/{n}"', script)
+    merge = wf["jobs"]["merge"]
+    assert "shard" in merge["needs"] and "always()" in merge["if"]
+    merge_script = "\n".join(s["run"] for s in merge["steps"] if "run" in s)
+    assert f"kvqbench merge results/shards/shard-*-of-{n} --out results" in merge_script
+    assert merge_script.index("kvqbench merge") < merge_script.index("kvqbench compare")
 
 
 def test_k_expression_selects_only_the_method_cells():

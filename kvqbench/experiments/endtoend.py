@@ -1,0 +1,407 @@
+"""Experiment 5 — end-to-end damage on a small real model (SPEC §4.5): does the tensor error matter?
+
+The real model (``--kvq-model``, SmolLM2-135M by default) runs over a window of the shipped corpus with a
+method's quantize → dequantize applied **inside its KV cache**, where the model keeps K and V, and its
+next-token distributions are compared with the unquantized model's on the same text. This is a
+validation of the tensor metrics on one small model, not task accuracy.
+
+The hook (:func:`quantized_cache`) leaves the model alone, like Hugging Face's ``QuantizedCache``: it is a
+``transformers.DynamicCache`` whose ``update`` stores the exact K/V as usual and returns, instead of them,
+the cache *as the method holds it* — ``(batch, kv_heads, seq_len, head_dim)``, post-RoPE K exactly as the
+model caches it. No modeling code is edited, no attention is patched. Per decoder layer the cache keeps
+one :class:`~kvqbench.experiments.streaming.Stream` for K and one for V (the rules of exp2's
+pseudo-decode: each token is quantized once, when the method's stream policy releases it, and never
+re-quantized; fp16 sink / residual / partial-tile tokens are the exact values). A method that quantizes
+pre-RoPE keys by design (``k_pre_rope``, KVQuant) is given the keys un-rotated with the model's own RoPE
+tables and its output is rotated back, as experiment 1 does with the captured pre-RoPE keys.
+
+Regimes (both score against the unquantized model run with the *same* schedule of forward calls, so the
+fp16 control is bitwise exact):
+
+* **prefill** — the window in one forward pass; every layer's K and V are round-tripped as a whole
+  (one quantization per layer and kind, no streaming rules: exp1/exp2-static's view) before attention
+  uses them. Scored: every position ``t ∈ [0, W−1)`` (its logits predict token ``t+1``).
+* **decode** — a prefill of ``P`` tokens, then the rest arriving ``block`` tokens per forward call,
+  quantized under each method's stream policy (exp2's pseudo-decode). Scored: the positions a decoder
+  produces, ``t ∈ [P−1, W−1)``. ``W − P`` is a multiple of ``block``, so no one-token arrival exists
+  (a per-channel group of one token would round-trip losslessly); bits are billed from what is stored
+  anyway (every segment's stored bits + 16 bits per fp16 element), never from a nominal formula.
+
+Metrics per regime ``r`` (``e2e_{r}_…``): mean next-token ``KL(p‖p̂)`` in nats over the scored
+positions and its p99 over positions, top-1 agreement with the unquantized model, Δ loss (mean
+next-token cross-entropy of the true next token, nats/token, minus the unquantized model's on the same
+positions) and the bits billed (mean over layers of K and V bits per element at the full window).
+
+Text: window ``i`` (``i`` = the cell's seed) is tokens ``[(i+1)·W, (i+2)·W)`` of the corpus token stream;
+data-dependent methods (KVQuant's codebooks) are calibrated, per layer, on tokens ``[0, W)`` — an
+independent part of the same text, with its Fisher weights (a capture with gradients), as experiments
+1–3 calibrate on independent tokens. Several seeds = several windows (and seeds of random methods) give
+a mean ± 95 % CI per setting.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvqbench.data.types import KVData, apply_rope
+from kvqbench.experiments.common import fit_method, tally_nonfinite
+from kvqbench.experiments.reconstruction import CellResult
+from kvqbench.experiments.streaming import Stream
+from kvqbench.numerics.attention import kl_rows
+from kvqbench.quantizers.base import Quantizer, StreamPolicy
+
+__all__ = ["EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
+           "quantized_cache", "run_model", "run_endtoend", "next_token_metrics"]
+
+EXPERIMENT = "exp5"
+REGIMES: tuple[str, str] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class EndToEndConfig:
+    """Knobs of experiment 5.
+
+    Attributes:
+        window: tokens per text window ``W``.
+        prefill: tokens of the decode regime's prefill ``P`` (``1 ≤ P < W``).
+        block: tokens per forward call after the prefill; ``W − P`` must be a multiple of it.
+        regimes: which regimes to run.
+    """
+
+    window: int = 256
+    prefill: int = 128
+    block: int = 32
+    regimes: tuple[str, ...] = REGIMES
+
+    def __post_init__(self) -> None:
+        for name in ("window", "prefill", "block"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if not self.prefill < self.window:
+            raise ValueError(f"prefill ({self.prefill}) must be shorter than the window ({self.window})")
+        if (self.window - self.prefill) % self.block:
+            raise ValueError(f"window − prefill ({self.window - self.prefill}) must be a multiple of block "
+                             f"({self.block}): no short (e.g. one-token) last arrival")
+        bad = [r for r in self.regimes if r not in REGIMES]
+        if bad or not self.regimes:
+            raise ValueError(f"regimes must be a non-empty subset of {REGIMES}, got {self.regimes!r}")
+
+    def chunks(self, regime: str) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` token spans of the forward calls of ``regime``."""
+        if regime == "prefill":
+            return [(0, self.window)]
+        return [(0, self.prefill)] + [(a, a + self.block) for a in range(self.prefill, self.window, self.block)]
+
+    def scored(self, regime: str) -> tuple[int, int]:
+        """``[first, stop)`` positions whose next-token prediction is scored."""
+        return (0, self.window - 1) if regime == "prefill" else (self.prefill - 1, self.window - 1)
+
+
+#: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`)
+CONFIG_BY_SIZE: dict[str, EndToEndConfig] = {
+    "smoke": EndToEndConfig(window=64, prefill=32, block=16),
+    "full": EndToEndConfig(window=256, prefill=128, block=32),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# the cache hook
+class KVCacheHook:
+    """The quantized view of a model's KV cache: per layer a :class:`Stream` for K and one for V.
+
+    Args:
+        methods: one configured (and fitted) quantizer per decoder layer.
+        streaming: ``True`` — each method's stream policy (decode); ``False`` — no rules, every arrival
+            quantized as a whole (prefill in one call = one round trip per layer and kind).
+        cos, sin: the model's RoPE tables ``(positions, head_dim)`` for every position the cache will
+            see; needed when a method quantizes pre-RoPE keys.
+    Raises:
+        ValueError: a pre-RoPE method without RoPE tables.
+    """
+
+    def __init__(self, methods: Sequence[Quantizer], *, streaming: bool,
+                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:
+        self.methods = list(methods)
+        self.cos, self.sin = cos, sin
+        if any(m.k_pre_rope for m in self.methods) and (cos is None or sin is None):
+            raise ValueError("a method quantizes pre-RoPE keys: pass the model's RoPE tables (cos, sin)")
+        rules = None if streaming else StreamPolicy()  # None: the method's own stream policy
+        self.k = [Stream(m, "k", rules) for m in self.methods]
+        self.v = [Stream(m, "v", rules) for m in self.methods]
+
+    def _pre(self, layer: int) -> bool:
+        return self.methods[layer].k_pre_rope
+
+    @torch.no_grad()
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
+               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the new tokens of ``layer`` and return its K and V as the method holds them.
+
+        Args:
+            k_new, v_new: the arriving tokens ``(batch, kv_heads, n, head_dim)`` (K post-RoPE).
+            k_all, v_all: the exact cache after the arrival ``(batch, kv_heads, L, head_dim)``.
+        Returns:
+            ``(K̂, V̂)`` of ``k_all``'s shape: quantized tokens dequantized (K rotated back to post-RoPE for
+            a pre-RoPE method), fp16 tokens exact.
+        """
+        if layer >= len(self.methods):
+            raise ValueError(f"the model has more layers than methods given ({len(self.methods)})")
+        length = int(k_all.shape[-2])
+        start = length - int(k_new.shape[-2])
+        k_in = k_new
+        if self._pre(layer):
+            k_in = apply_rope(k_new, self.cos[start:length], -self.sin[start:length])  # RoPE⁻¹
+        self.k[layer].extend(k_in)
+        self.v[layer].extend(v_new)
+        return self._state(self.k[layer], k_all, self._pre(layer)), self._state(self.v[layer], v_all, False)
+
+    def _state(self, stream: Stream, x_all: torch.Tensor, pre: bool) -> torch.Tensor:
+        res = stream.result(0)
+        s, q = res.boundary(stream.length)
+        out = x_all.clone()
+        if q > s:
+            xh = res.x_hat[..., s:q, :]
+            if pre:
+                xh = apply_rope(xh, self.cos[s:q], self.sin[s:q])
+            out[..., s:q, :] = xh.to(out.dtype)
+        return out
+
+    def bits_billed(self) -> float:
+        """Mean over layers of the K and V bits per element billed at the current length."""
+        vals = []
+        for sk, sv in zip(self.k, self.v):
+            n = sk.length
+            vals.append(0.5 * (sk.result(0).effective_bits(n) + sv.result(0).effective_bits(n)))
+        return math.fsum(vals) / len(vals)
+
+    def describe(self) -> dict[str, Any]:
+        """Policies, fp16 tokens at the current length and segment counts (layer 0; every layer alike)."""
+        sk, sv = self.k[0], self.v[0]
+        return {"policy": {"k": dataclasses.asdict(sk.policy), "v": dataclasses.asdict(sv.policy)},
+                "fp16_tokens": {"k": sk.result(0).fp16_tokens(sk.length), "v": sv.result(0).fp16_tokens(sv.length)},
+                "segments": {"k": len(sk.segments), "v": len(sv.segments)}}
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_class() -> type:
+    from transformers import DynamicCache
+
+    class QuantizedKVCache(DynamicCache):
+        """A ``DynamicCache`` that stores exact K/V and hands attention the quantized view of
+        :class:`KVCacheHook` (``None``: a pass-through, the plain cache)."""
+
+        def __init__(self, hook: KVCacheHook | None) -> None:
+            super().__init__()
+            self.kvq_hook = hook
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[override]
+            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            if self.kvq_hook is None:
+                return keys, values
+            return self.kvq_hook.update(layer_idx, key_states, value_states, keys, values)
+
+    return QuantizedKVCache
+
+
+def quantized_cache(hook: KVCacheHook | None) -> Any:
+    """A ``transformers.DynamicCache`` subclass instance whose ``update`` returns ``hook``'s quantized view
+    (``None``: a plain cache). Pass it to the model as its cache."""
+    return _cache_class()(hook)
+
+
+# --------------------------------------------------------------------------------------------------
+# the model side
+@dataclass
+class RealSource:
+    """The model, its tokenizer and the calibration capture of one (model, window) setting."""
+
+    model_name: str
+    net: Any
+    tokenizer: Any
+    calibration: KVData
+    window: int
+    device: str
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.calibration.k.shape[0])
+
+    def window_ids(self, index: int) -> list[int]:
+        """Tokens ``[(index+1)·W, (index+2)·W)`` of the corpus token stream (window ``index``)."""
+        from kvqbench.data.capture import _tokens
+
+        if not isinstance(index, int) or index < 0:
+            raise ValueError(f"window index must be an int >= 0, got {index!r}")
+        w = self.window
+        ids, _ = _tokens(self.tokenizer, (index + 2) * w)
+        return ids[(index + 1) * w:(index + 2) * w]
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's RoPE tables ``(length, head_dim)`` for positions ``0 … length−1``."""
+        from kvqbench.data.capture import _decoder
+
+        pos = torch.arange(length, device=self.device)[None]
+        dummy = torch.zeros(1, length, 1, device=self.device, dtype=torch.float32)
+        cos, sin = _decoder(self.net).rotary_emb(dummy, pos)
+        return cos[0].float(), sin[0].float()
+
+
+_SOURCES: dict[tuple, RealSource] = {}
+
+
+def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str | None = None) -> RealSource:
+    """The model (loaded once per process, :func:`kvqbench.data.capture.load_model`) and a calibration
+    capture of the first ``window`` tokens (all layers, with Fisher weights; disk-cached in
+    ``cache_dir``). Cached per process.
+
+    Raises:
+        MissingDependencyError, FileNotFoundError, ValueError: see :func:`kvqbench.data.capture.capture_kv`.
+    """
+    key = (model, window, device)
+    if key not in _SOURCES:
+        from kvqbench.data.capture import capture_kv, load_model
+
+        net, tok = load_model(model, device=device)
+        cal = capture_kv(model=model, seq_len=window, with_grads=True, device=device, cache_dir=cache_dir)
+        _SOURCES[key] = RealSource(model, net, tok, cal, window, device)
+    return _SOURCES[key]
+
+
+def _cache_kwarg(net: Any) -> str:
+    params = inspect.signature(net.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"  # transformers >= 5 renamed it
+
+
+@torch.no_grad()
+def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], hook: KVCacheHook | None
+              ) -> torch.Tensor:
+    """Run ``net`` over ``ids`` in forward calls of the spans ``chunks`` with a cache that applies ``hook``.
+
+    Returns:
+        Logits ``(len(ids), vocab)`` fp32 (position ``t`` predicts token ``t+1``).
+    """
+    dev = next(net.parameters()).device
+    x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+    cache = quantized_cache(hook)
+    kw = _cache_kwarg(net)
+    out = []
+    for a, b in chunks:
+        res = net(input_ids=x[:, a:b], position_ids=torch.arange(a, b, device=dev)[None], use_cache=True,
+                  **{kw: cache})
+        out.append(res.logits[0].float())
+    return torch.cat(out, 0)
+
+
+def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+    """Next-token damage of ``logits`` against ``logits_ref`` ``(positions, vocab)``.
+
+    ``targets`` ``(positions,)`` are the true next tokens. Computed in float64. Returns ``kl_nats``
+    (mean over positions of ``KL(p‖p̂)``, ``p = softmax(logits_ref)``; each term ≥ 0), ``kl_p99_nats``
+    (its 99th percentile over positions, linear interpolation), ``top1_agree`` (share of positions whose
+    argmax agrees, in ``[0, 1]``), ``dloss_nats`` (mean cross-entropy of ``targets`` under ``logits``
+    minus under ``logits_ref``), ``loss_ref_nats`` and the per-position KL list.
+    """
+    lp = torch.log_softmax(logits_ref.double(), -1)
+    lq = torch.log_softmax(logits.double(), -1)
+    kl = kl_rows(lp, lq)
+    agree = (logits_ref.argmax(-1) == logits.argmax(-1)).double()
+    t = targets.to(lp.device).long()[:, None]
+    nll_ref = -lp.gather(-1, t)[:, 0]
+    nll = -lq.gather(-1, t)[:, 0]
+    return {"kl_nats": float(kl.mean()), "kl_p99_nats": float(torch.quantile(kl, 0.99)),
+            "top1_agree": float(agree.mean()), "dloss_nats": float((nll - nll_ref).mean()),
+            "loss_ref_nats": float(nll_ref.mean()), "kl_per_position": [float(v) for v in kl]}
+
+
+_REFERENCES: dict[tuple, torch.Tensor] = {}
+
+
+def _reference(src: RealSource, ids: list[int], regime: str, cfg: EndToEndConfig) -> torch.Tensor:
+    """Unquantized logits of a window under the regime's forward schedule (cached per process)."""
+    key = (src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(), tuple(cfg.chunks(regime)))
+    if key not in _REFERENCES:
+        if len(_REFERENCES) >= 8:
+            _REFERENCES.pop(next(iter(_REFERENCES)))
+        _REFERENCES[key] = run_model(src.net, ids, cfg.chunks(regime), None)
+    return _REFERENCES[key]
+
+
+def _layer(data: KVData, i: int) -> KVData:
+    def sel(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x[i:i + 1]
+
+    return dataclasses.replace(data, k=data.k[i:i + 1], v=data.v[i:i + 1], q=data.q[i:i + 1], k_pre=sel(data.k_pre),
+                               k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), calibration=None)
+
+
+def layer_methods(method: Quantizer, calibration: KVData) -> list[Quantizer]:
+    """One copy of ``method`` per decoder layer; a data-dependent one is fitted on that layer's
+    calibration tokens (with their Fisher weights), a local one is used as it is."""
+    out = []
+    for i in range(int(calibration.k.shape[0])):
+        m = copy.deepcopy(method)
+        if not m.local_stats:
+            fit_method(m, _layer(calibration, i))
+        out.append(m)
+    return out
+
+
+@torch.no_grad()
+def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
+                 config: EndToEndConfig | None = None) -> CellResult:
+    """Run experiment 5 for one method on window ``window_index`` of the corpus.
+
+    Args:
+        method: a configured quantizer (copied per layer; copies of a data-dependent one are fitted on
+            ``src.calibration``).
+        src: the model and calibration capture (:func:`load_source`); ``src.window`` must equal
+            ``config.window``.
+        window_index: which text window (see module doc); the cells use their seed.
+        config: window, prefill, block, regimes (default :class:`EndToEndConfig`).
+    Returns:
+        :class:`~kvqbench.experiments.reconstruction.CellResult` with metrics ``e2e_{regime}_kl_nats``,
+        ``…_kl_p99_nats``, ``…_top1_agree``, ``…_dloss_nats``, ``…_bits_billed`` and ``extra`` (window,
+        schedule, scored positions, reference loss, stream policies, token hash, and the non-finite
+        element counts of the cache contents, :data:`~kvqbench.experiments.common.ROUNDTRIP_NONFINITE`).
+    Raises:
+        ValueError: a config whose window differs from the source's.
+    """
+    cfg = config or EndToEndConfig()
+    if cfg.window != src.window:
+        raise ValueError(f"config window {cfg.window} != the source's calibration window {src.window}")
+    ids = src.window_ids(window_index)
+    methods = layer_methods(method, src.calibration)
+    cos, sin = src.rope(cfg.window) if any(m.k_pre_rope for m in methods) else (None, None)
+    targets = torch.tensor(ids[1:], dtype=torch.long)
+    res = CellResult()
+    res.extra.update({"window": cfg.window, "window_index": window_index,
+                      "window_tokens": [(window_index + 1) * cfg.window, (window_index + 2) * cfg.window],
+                      "calibration_tokens": [0, cfg.window], "prefill_tokens": cfg.prefill, "block": cfg.block,
+                      "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+                      "regimes": list(cfg.regimes), "k_pre_rope": bool(method.k_pre_rope)})
+    for regime in cfg.regimes:
+        hook = KVCacheHook(methods, streaming=regime == "decode", cos=cos, sin=sin)
+        logits = run_model(src.net, ids, cfg.chunks(regime), hook)
+        ref = _reference(src, ids, regime, cfg)
+        a, b = cfg.scored(regime)
+        m = next_token_metrics(ref[a:b], logits[a:b], targets[a:b])
+        pre = f"e2e_{regime}_"
+        for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
+            res.metrics[pre + name] = m[name]
+        res.metrics[pre + "bits_billed"] = hook.bits_billed()
+        for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
+            tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
+        res.extra[regime] = {"scored_positions": [a, b], "loss_ref_nats": m["loss_ref_nats"],
+                             "forward_calls": len(cfg.chunks(regime)), **hook.describe()}
+    return res

@@ -1,0 +1,253 @@
+"""``kvqbench merge``: join the folders of a sharded run (``--kvq-shard I/N``) into one result set.
+Torch-free.
+
+Each shard folder holds a result set of its own cells and a ``shard.json`` (which shard, the digest of
+the whole collected matrix, every cell of the matrix, the cells it selected, and the run's provenance).
+:func:`merge_shards` checks that the folders belong to one run — the same commit, versions,
+configuration (seeds, bits, threads, device type, capture dtype, model, shard count, cell matrix) and
+data (the real capture's model, text and tokens) — reads their records back and writes them with the
+same :func:`~kvqbench.report.results.write_result_set` a session uses, so the merged files are those a
+single session would have written (provenance and timings aside). Cells of the matrix that no folder
+holds are listed and the merged set is stamped incomplete, as a partial run is.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from kvqbench.report.io import read_json
+from kvqbench.report.results import ResultSet, UpdateBoard, WriteExtra, load_result_set, write_result_set
+
+__all__ = ["MergeError", "Shard", "read_shard", "check_compatible", "merged_provenance", "merge_shards",
+           "MergeResult", "CHECKED"]
+
+#: provenance fields every shard must agree on, with the words the error uses
+CHECKED: tuple[tuple[str, str], ...] = (
+    ("git_commit", "git commit"),
+    ("kvqbench_version", "kvqbench version"),
+    ("torch_version", "torch version"),
+    ("seeds", "seeds"),
+    ("bits", "bits"),
+    ("threads", "torch threads (--kvq-threads)"),
+    ("model", "model (--kvq-model)"),
+    ("capture_dtype", "capture dtype (--kvq-dtype)"),
+)
+#: fields of a real cell's data description that identify the captured data
+REAL_DATA_KEYS = ("model", "model_file", "corpus_sha256", "tokens_sha256", "capture_dtype", "transformers_version")
+
+
+class MergeError(ValueError):
+    """The folders cannot be merged; the message is one line naming the folders and the difference."""
+
+
+@dataclass
+class Shard:
+    """One shard folder as read back: ``doc`` is its ``shard.json``; ``records`` its cell records."""
+
+    path: Path
+    doc: dict[str, Any]
+    records: list[dict[str, Any]]
+
+    @property
+    def label(self) -> str:
+        return f"{self.path} (shard {self.doc.get('shard', '?')})"
+
+    @property
+    def provenance(self) -> dict[str, Any]:
+        return self.doc.get("provenance") or {}
+
+
+def read_shard(folder: str | os.PathLike) -> Shard:
+    """Read a shard folder: its ``shard.json`` and the records of its ``exp*_*.json`` (none for a shard
+    that got no cell).
+
+    Raises:
+        MergeError: not a folder, no ``shard.json`` (not written by ``--kvq-shard``), or unreadable files.
+    """
+    d = Path(folder)
+    if not d.is_dir():
+        raise MergeError(f"{d} is not a folder")
+    sf = d / "shard.json"
+    if not sf.is_file():
+        raise MergeError(f"{d} has no shard.json: not a shard folder (run with --kvq-shard I/N or kvqbench run --shard)")
+    try:
+        doc = read_json(sf)
+    except ValueError as e:
+        raise MergeError(f"{sf} is not valid JSON ({e})") from None
+    need = ("index", "count", "matrix_sha256", "cells", "selected", "provenance")
+    if not isinstance(doc, dict) or any(k not in doc for k in need):
+        raise MergeError(f"{sf} is not a kvqbench shard description (needs {', '.join(need)})")
+    records: list[dict[str, Any]] = []
+    if any(d.glob("exp[0-9]*_*.json")):
+        try:
+            records = load_result_set(d)[0]
+        except (FileNotFoundError, ValueError) as e:
+            raise MergeError(str(e)) from None
+    return Shard(d, doc, records)
+
+
+def _device_type(prov: dict[str, Any]) -> str:
+    return str(prov.get("device") or "?").split(":")[0]
+
+
+def _real_data(sh: Shard) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in sh.records:
+        if r.get("source") == "real" and r.get("data"):
+            key = r.get("size", "")
+            out.setdefault(key, {k: r["data"].get(k) for k in REAL_DATA_KEYS})
+    return out
+
+
+def _short(v: Any) -> str:
+    s = str(v)
+    return s if len(s) <= 40 else s[:37] + "…"
+
+
+def check_compatible(shards: list[Shard]) -> None:
+    """Raise :class:`MergeError` (one line) unless every shard comes from the same run.
+
+    Checked against the first shard: the fields of :data:`CHECKED`, the device type (cpu/cuda), the
+    shard count, the cell matrix (its digest: the same -k/-m/--kvq-methods/sizes/real selection) and the
+    real data each folder captured; then that no shard index is given twice."""
+    first = shards[0]
+    p0 = first.provenance
+    for sh in shards[1:]:
+        p = sh.provenance
+        for key, words in CHECKED:
+            if p.get(key) != p0.get(key):
+                raise MergeError(f"{sh.label} and {first.label} differ in {words}: "
+                                 f"{_short(p.get(key))} vs {_short(p0.get(key))}")
+        if _device_type(p) != _device_type(p0):
+            raise MergeError(f"{sh.label} and {first.label} differ in device type: "
+                             f"{_device_type(p)} vs {_device_type(p0)}")
+        if sh.doc["count"] != first.doc["count"]:
+            raise MergeError(f"{sh.label} and {first.label} differ in shard count: "
+                             f"{sh.doc['count']} vs {first.doc['count']}")
+        if sh.doc["matrix_sha256"] != first.doc["matrix_sha256"]:
+            raise MergeError(f"{sh.label} and {first.label} differ in the cell matrix "
+                             f"({sh.doc.get('matrix_size')} vs {first.doc.get('matrix_size')} collected tests: "
+                             "different -k/-m/--kvq-methods/--kvq-real or test files)")
+        d, d0 = _real_data(sh), _real_data(first)
+        for size in sorted(set(d) & set(d0)):
+            for k in REAL_DATA_KEYS:
+                if d[size].get(k) != d0[size].get(k):
+                    raise MergeError(f"{sh.label} and {first.label} differ in real data source ({size} {k}): "
+                                     f"{_short(d[size].get(k))} vs {_short(d0[size].get(k))}")
+    seen: dict[int, Shard] = {}
+    for sh in shards:
+        i = sh.doc["index"]
+        if i in seen:
+            raise MergeError(f"shard {sh.doc['shard']} given twice: {seen[i].path} and {sh.path}")
+        seen[i] = sh
+
+
+def _strip_shard_args(command: str) -> str:
+    toks = command.split()
+    out, skip = [], False
+    for t in toks:
+        if skip:
+            skip = False
+            continue
+        if t in ("--kvq-shard", "--kvq-out"):
+            skip = True
+            continue
+        if t.startswith(("--kvq-shard=", "--kvq-out=")):
+            continue
+        out.append(t)
+    return " ".join(out)
+
+
+def merged_provenance(shards: list[Shard]) -> dict[str, Any]:
+    """The provenance of the merged set: the shards' common fields; the earliest start time; the shape
+    list of all shards; device names joined when the shards ran on different hardware; the shard
+    command without ``--kvq-shard``/``--kvq-out``; and ``merged``: the shard count and folders."""
+    provs = [sh.provenance for sh in sorted(shards, key=lambda s: s.doc["index"])]
+    out = {k: v for k, v in provs[0].items() if k != "shard"}
+    shapes = {(s["source"], s["size"], tuple(s.get("k", ()))) for p in provs for s in p.get("shapes") or []}
+    out["shapes"] = [{"source": a, "size": b, "k": list(c)} for a, b, c in sorted(shapes)]
+    starts = [p.get("start_time") for p in provs if p.get("start_time")]
+    if starts:
+        out["start_time"] = min(starts)
+    names: list[str] = []
+    for p in provs:
+        if p.get("device_name") and p["device_name"] not in names:
+            names.append(p["device_name"])
+    if names:
+        out["device_name"] = " + ".join(names)
+    if out.get("command"):
+        out["command"] = _strip_shard_args(out["command"])
+    out["merged"] = {"shards": shards[0].doc["count"],
+                     "folders": [sh.path.name for sh in sorted(shards, key=lambda s: s.doc["index"])]}
+    return out
+
+
+@dataclass
+class MergeResult:
+    """What :func:`merge_shards` did: the written :class:`ResultSet`, the cells of the matrix no folder
+    held (``missing``) and the shard indices not given (``missing_shards``)."""
+
+    result: ResultSet
+    missing: list[str] = field(default_factory=list)
+    missing_shards: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.result.completeness.get("complete"))
+
+
+def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *, figures: bool = True,
+                 log: Callable[[str], None] | None = None, update_board: UpdateBoard | None = None,
+                 write_extra: WriteExtra | None = None) -> MergeResult:
+    """Merge shard folders into one result set in ``out_dir``.
+
+    Args:
+        folders: shard folders (each written by a ``--kvq-shard I/N`` session), any order.
+        out_dir: destination (the rules of :func:`~kvqbench.report.results.write_result_set` apply: an
+            incomplete merge never replaces a complete result set there).
+        figures: render the PNG figures too.
+        log: one-line messages (default stderr).
+        update_board, write_extra: callbacks passed on to
+            :func:`~kvqbench.report.results.write_result_set` (the pytest hooks are not called: see docs/HOOKS.md).
+
+    Returns a :class:`MergeResult`.
+
+    Raises:
+        MergeError: no folder, a folder that is not a shard, shards of different runs (one line naming
+            the difference), a shard given twice, or cells held by more than one folder (listed).
+    """
+    log = log or (lambda m: print(m, file=sys.stderr))
+    if not folders:
+        raise MergeError("no shard folders given")
+    shards = [read_shard(f) for f in folders]
+    check_compatible(shards)
+    owner: dict[str, Path] = {}
+    dups: list[str] = []
+    for sh in shards:
+        for r in sh.records:
+            nid = r.get("nodeid", "")
+            if nid in owner:
+                dups.append(f"{nid} ({owner[nid]} and {sh.path})")
+            owner.setdefault(nid, sh.path)
+    if dups:
+        raise MergeError(f"{len(dups)} cell(s) appear in more than one folder: " + "; ".join(dups[:5])
+                         + (" …" if len(dups) > 5 else ""))
+    count = shards[0].doc["count"]
+    cells = list(shards[0].doc["cells"])
+    missing = [c for c in cells if c not in owner]
+    given = {sh.doc["index"] for sh in shards}
+    missing_shards = [i for i in range(1, count + 1) if i not in given]
+    reason = None
+    if missing_shards:
+        reason = f"merged {len(given)} of {count} shards, missing shard(s) {', '.join(map(str, missing_shards))}"
+    records = [r for sh in shards for r in sh.records]
+    res = write_result_set(records, merged_provenance(shards), out_dir, expected=cells, reason=reason,
+                           figures=figures, log=log, update_board=update_board, write_extra=write_extra)
+    if missing:
+        log(f"kvqbench merge: {len(missing)} of {len(cells)} cells missing: " + ", ".join(missing[:10])
+            + (" …" if len(missing) > 10 else ""))
+    return MergeResult(res, missing, missing_shards)

@@ -1,0 +1,347 @@
+"""Assemble and write one *result set* — the per-experiment JSON, ``leaderboard.json``, ``summary.json``,
+``LEADERBOARD.md`` and the figures — from cell records. Torch-free.
+
+One function does it for every caller:
+
+- the pytest plugin at session end (with the session's records and the cells it collected),
+- ``kvqbench report DIR`` (records read back from ``DIR/exp*_*.json``, :func:`load_result_set`),
+- a merge of several shards (their records concatenated, their expected cells summed).
+
+Nothing computed is lost and a complete result set is never replaced by a partial one:
+
+- every file is first written into a staging folder inside the destination and moved in only when all
+  of them exist (a kill while writing leaves the previous files in place);
+- a result set is *incomplete* when cells failed, were not run (interrupted, ``-x``) or a ``reason`` is
+  given; its ``leaderboard.json``/``summary.json`` carry ``"completeness"`` as their first key and its
+  ``LEADERBOARD.md`` says so in its first lines (``incomplete: 78 of 435 cells finished, interrupted``);
+- an incomplete set never replaces a complete one: when the destination already holds a complete set,
+  the new one goes to ``DEST/incomplete/`` and the old one is left alone (a later complete set removes
+  that ``incomplete/`` folder);
+- when the destination cannot be written at all, everything goes to a fresh temporary folder whose path
+  is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
+
+__all__ = ["write_result_set", "load_result_set", "completeness", "merge_completeness", "holds_complete_set",
+           "check_writable",
+           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "record_sort_key"]
+
+#: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
+OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
+                   "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
+                   "norm_diff_density_*.png", "cost_*.png", "predictivity_*.png")
+#: where an incomplete set goes when the destination already holds a complete one
+INCOMPLETE_DIR = "incomplete"
+
+Log = Callable[[str], None]
+UpdateBoard = Callable[[dict[str, Any]], None]
+WriteExtra = Callable[[dict[str, Any], Path], Iterable[str | os.PathLike] | None]
+
+
+@dataclass
+class ResultSet:
+    """What :func:`write_result_set` did: the written ``paths``, the ``board`` (leaderboard document),
+    the folder they are in (``out_dir``; may differ from the one asked, see ``note``) and ``completeness``."""
+
+    paths: list[str] = field(default_factory=list)
+    board: dict[str, Any] | None = None
+    out_dir: Path | None = None
+    completeness: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None
+
+
+def record_sort_key(r: dict[str, Any]) -> tuple:
+    """Deterministic order of records in every file (source, experiment, method, bits, variant, seed, …)."""
+    return (r["source"], r["experiment"], r["method"], r["k_bits"], r["v_bits"],
+            sorted((r.get("variant") or {}).items()), r["seed"], r["size"], r.get("nodeid", ""))
+
+
+def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | None = None,
+                 reason: str | None = None) -> dict[str, Any]:
+    """How complete a result set is.
+
+    Args:
+        records: every cell record (any ``status``).
+        expected: the cells the run was asked for — a count, or their node ids (then the ids that have no
+            record are listed as ``not_run_ids``); ``None`` when unknown (only failures then make it
+            incomplete).
+        reason: why the run ended early (``"interrupted"``, ``"stopped after 1 failure (-x)"``…), or ``None``.
+
+    Returns ``{"complete", "summary", "expected", "finished", "passed", "failed", "skipped", "not_run",
+    "reason", ["not_run_ids"]}``; ``complete`` is true when no cell failed, none is missing and no reason
+    is given (skipped cells are deliberate and do not make a set incomplete). ``summary`` is one line,
+    e.g. ``"incomplete: 78 of 435 cells finished, interrupted"`` or ``"complete: 435 cells"``.
+    """
+    counts = {s: sum(1 for r in records if r.get("status") == s) for s in ("passed", "failed", "skipped")}
+    finished = len(records)
+    ids: list[str] | None = None
+    if expected is None:
+        n_expected = None
+    elif isinstance(expected, int):
+        n_expected = int(expected)
+    else:
+        ids = list(expected)
+        n_expected = len(ids)
+    not_run = None if n_expected is None else max(n_expected - finished, 0)
+    complete = counts["failed"] == 0 and not not_run and not reason
+    out: dict[str, Any] = {"complete": complete, "expected": n_expected, "finished": finished, **counts,
+                           "not_run": not_run, "reason": reason}
+    if ids is not None:
+        seen = {r.get("nodeid") for r in records}
+        out["not_run_ids"] = [i for i in ids if i not in seen]
+    total = n_expected if n_expected is not None else finished
+    if complete:
+        out["summary"] = f"complete: {total} cells" + (f" ({counts['skipped']} skipped)" if counts["skipped"] else "")
+    else:
+        why = [f"{counts['failed']} failed"] if counts["failed"] else []
+        if not_run:
+            why.append(f"{not_run} not run")
+        if reason:
+            why.append(reason)
+        out["summary"] = f"incomplete: {finished} of {total} cells finished, " + ", ".join(why)
+    return out
+
+
+def merge_completeness(parts: Iterable[dict[str, Any] | None], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The completeness of a merge of several result sets (shards): expected cells and not-run ids are
+    summed, reasons joined, counts recomputed from the merged ``records``. A part without completeness
+    (``None``, an older set) leaves the expected count unknown."""
+    parts = list(parts)
+    known = [p for p in parts if p is not None]
+    if len(known) == len(parts) and all(p.get("expected") is not None for p in known):
+        expected: int | None = sum(int(p["expected"]) for p in known)
+    else:
+        expected = None
+    reasons = list(dict.fromkeys(p["reason"] for p in known if p.get("reason")))
+    out = completeness(records, expected, "; ".join(reasons) or None)
+    if known and all("not_run_ids" in p for p in known):
+        seen = {r.get("nodeid") for r in records}
+        out["not_run_ids"] = [i for p in known for i in p["not_run_ids"] if i not in seen]
+    return out
+
+
+def holds_complete_set(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a complete result set: a readable ``leaderboard.json`` that does not say it
+    is incomplete (sets written before completeness was recorded count as complete)."""
+    lb = Path(folder) / "leaderboard.json"
+    try:
+        doc = read_json(lb)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and (doc.get("completeness") or {}).get("complete", True) is not False
+
+
+def check_writable(folder: str | os.PathLike) -> str | None:
+    """Why results could not be written into ``folder`` (one line), or ``None`` when they can.
+
+    Checks without creating anything: ``folder`` is a folder (or can be created: its nearest existing
+    ancestor is a folder) and that folder is writable."""
+    p = Path(folder)
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if p.exists() and not p.is_dir():
+        return f"{p} is a file, not a folder"
+    if probe != p and not probe.is_dir():
+        return f"{p} cannot be created: {probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable" if probe == p else f"{p} cannot be created: {probe} is not writable"
+    return None
+
+
+def _remove_stale_outputs(out_dir: Path) -> None:
+    if not out_dir.is_dir():
+        return
+    for pattern in OUTPUT_PATTERNS:
+        for p in out_dir.glob(pattern):
+            if p.is_file():
+                p.unlink()
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: dict[str, Any], folder: Path,
+               catalog: dict[str, Any], update_board: UpdateBoard | None, write_extra: WriteExtra | None,
+               figures: bool, log: Log) -> tuple[list[Path], dict[str, Any]]:
+    from kvqbench.report.leaderboard import assemble, summary_of
+    from kvqbench.report.markdown import render_markdown
+
+    written: list[Path] = []
+    for exp in sorted({r["experiment"] for r in records}):
+        for src in sorted({r["source"] for r in records if r["experiment"] == exp}):
+            cells = [r for r in records if r["experiment"] == exp and r["source"] == src]
+            doc = {"provenance": provenance, "completeness": comp, "experiment": exp, "source": src,
+                   "metrics_catalog": {k: v for k, v in catalog.items() if v.get("experiment") == exp},
+                   "cells": cells}
+            written.append(write_json_atomic(folder / f"{exp}_{src}.json", doc))
+    board = assemble(records, catalog, provenance)
+    board["completeness"] = comp
+    if update_board is not None:
+        update_board(board)
+    brief = {k: v for k, v in comp.items() if k != "not_run_ids"}  # the ids stay in leaderboard.json
+    written.append(write_json_atomic(folder / "summary.json", {**summary_of(board), "completeness": brief}))
+    written.append(write_text_atomic(folder / "LEADERBOARD.md", render_markdown(board)))
+    written.append(write_json_atomic(folder / "leaderboard.json", board))
+    if figures:
+        try:
+            from kvqbench.report.plots import write_figures
+
+            written += [Path(p) for p in write_figures(folder, log=log)]
+        except Exception as e:  # a figure never costs the results
+            log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
+    if write_extra is not None:
+        for p in write_extra(board, folder) or []:
+            written.append(Path(p))
+    return written, board
+
+
+def _move_in(staging: Path, dest: Path, written: list[Path]) -> list[str]:
+    """Replace ``dest``'s result files by the staged ones; the leaderboard moves last."""
+    _remove_stale_outputs(dest)
+    entries = sorted(staging.iterdir(), key=lambda p: (p.name == "leaderboard.json", p.name))
+    for e in entries:
+        target = dest / e.name
+        if e.is_dir() and target.is_dir():
+            shutil.rmtree(target)
+        os.replace(e, target)
+    staging.rmdir()
+    for old in dest.glob(".kvqbench-staging-*"):  # left by a run killed while writing; superseded now
+        shutil.rmtree(old, ignore_errors=True)
+    out = []
+    for p in written:
+        try:
+            out.append(str(dest / Path(p).relative_to(staging)))
+        except ValueError:  # a hook wrote outside the staging folder
+            out.append(str(p))
+    return out
+
+
+def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, Any], out_dir: str | os.PathLike, *,
+                     expected: int | Iterable[str] | None = None, reason: str | None = None,
+                     comp: dict[str, Any] | None = None, catalog: dict[str, Any] | None = None,
+                     update_board: UpdateBoard | None = None, write_extra: WriteExtra | None = None,
+                     figures: bool = True, in_place: bool = False, log: Log | None = None) -> ResultSet:
+    """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
+
+    Args:
+        records: cell records (the plugin's, or read back by :func:`load_result_set`); records of
+            experiment ``"adhoc"`` are ignored. Any order (they are sorted).
+        provenance: the provenance header of every file.
+        out_dir: the destination folder (created when missing).
+        expected: the cells asked for (a count or node ids; see :func:`completeness`).
+        reason: why the run ended early, or ``None``.
+        comp: a ready completeness dict (e.g. read back from the files) instead of ``expected``/``reason``.
+        catalog: the metrics catalog (default :func:`kvqbench.metrics.catalog_dict`).
+        update_board: called with the leaderboard document before any derived file is written (the
+            plugin forwards it to ``pytest_kvqbench_update_leaderboard``).
+        write_extra: called as ``write_extra(board, folder)`` after the standard files exist in
+            ``folder``; returns the paths it wrote (the plugin forwards it to ``pytest_kvqbench_write_extra``).
+        figures: render the PNG figures (skipped with one logged line when matplotlib is missing).
+        in_place: write into ``out_dir`` even when it holds a complete set and this one is incomplete
+            (``kvqbench report`` rebuilding a folder from its own files).
+        log: one-line messages (default stderr).
+
+    Returns a :class:`ResultSet`; ``paths`` is empty when there are no records. Exceptions raised by the
+    hooks propagate (the files written so far stay in the staging folder, whose path is logged); an ``OSError`` writing the
+    destination does not: the set is written to a temporary folder instead and ``note`` says where.
+    """
+    from kvqbench.metrics import catalog_dict
+
+    log = log or _stderr
+    recs = sorted((r for r in records if r.get("experiment") != "adhoc"), key=record_sort_key)
+    if not recs:
+        return ResultSet()
+    comp = dict(comp) if comp is not None else completeness(recs, expected, reason)
+    catalog = catalog if catalog is not None else catalog_dict()
+    dest = Path(out_dir)
+    note = None
+    if not comp["complete"] and not in_place and holds_complete_set(dest):
+        note = (f"kvqbench: {comp['summary']} — the complete results in {dest} are kept; "
+                f"this run's results are in {dest / INCOMPLETE_DIR}")
+        dest = dest / INCOMPLETE_DIR
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".kvqbench-staging-", dir=dest))
+    except OSError as e:
+        return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e)
+    written: list[Path] = []
+    try:
+        written, board = _write_all(recs, provenance, comp, staging, catalog, update_board, write_extra, figures, log)
+        paths = _move_in(staging, dest, written)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e)
+    except BaseException:  # a hook failed or the write was interrupted: keep what was written, say where
+        if staging.exists() and any(staging.iterdir()):
+            log(f"kvqbench: results written so far are kept in {staging}")
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    stale = dest / INCOMPLETE_DIR
+    if comp["complete"] and not in_place and (stale / "leaderboard.json").exists() and not holds_complete_set(stale):
+        shutil.rmtree(stale, ignore_errors=True)  # an earlier partial run, superseded by this complete one
+    if note:
+        log(note)
+    return ResultSet(paths, board, dest, comp, note)
+
+
+def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest: Path,
+              err: OSError) -> ResultSet:
+    fb = Path(tempfile.mkdtemp(prefix="kvqbench-results-"))
+    written, board = _write_all(recs, provenance, comp, fb, catalog, update_board, write_extra, figures, log)
+    note = (f"kvqbench: could not write results to {dest} ({type(err).__name__}: {err.strerror or err}); "
+            f"saved them to {fb} instead")
+    log(note)
+    return ResultSet([str(p) for p in written], board, fb, comp, note)
+
+
+def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None,
+                                                       dict[str, Any]]:
+    """Read a result set back from its per-experiment files ``folder/exp*_*.json``.
+
+    Returns ``(records, provenance, completeness, catalog)``: every cell record, the provenance header,
+    the completeness the run recorded (``None`` for sets written before it was recorded) and the metrics
+    catalog (the current :func:`~kvqbench.metrics.catalog_dict` updated with the files' entries).
+
+    Raises:
+        FileNotFoundError: no ``exp*_*.json`` in ``folder``.
+        ValueError: a file is not valid JSON or not a kvqbench experiment file (names it).
+    """
+    from kvqbench.metrics import catalog_dict
+
+    d = Path(folder)
+    files = sorted(p for p in d.glob("exp[0-9]*_*.json") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"{d} holds no exp*_*.json files; point at a folder written by a kvqbench run")
+    records: list[dict[str, Any]] = []
+    provenance: dict[str, Any] | None = None
+    comp: dict[str, Any] | None = None
+    catalog = catalog_dict()
+    for f in files:
+        try:
+            doc = read_json(f)
+        except ValueError as e:
+            raise ValueError(f"{f} is not valid JSON ({e}); delete it or re-run the benchmark") from None
+        if not (isinstance(doc, dict) and isinstance(doc.get("cells"), list) and isinstance(doc.get("provenance"), dict)):
+            raise ValueError(f"{f} is not a kvqbench experiment file (no 'cells' list or 'provenance')")
+        records += doc["cells"]
+        provenance = provenance or doc["provenance"]
+        comp = comp or doc.get("completeness")
+        catalog.update(doc.get("metrics_catalog") or {})
+    assert provenance is not None
+    return records, provenance, comp, catalog

@@ -1,0 +1,28 @@
+"""Experiment 5 cells: end-to-end damage on the real model (SPEC §4.5).
+
+One case per (method × bits × seed) on the real source only (``--kvq-real``); the seed picks the text
+window (and seeds random methods). Bits swept by default: 2 and 4, like experiment 2 (16 bits is exact
+for every method; ``--kvq-bits`` overrides).
+"""
+
+import math
+
+import pytest
+
+from kvqbench.experiments.common import check_roundtrip_finite
+from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, REGIMES, run_endtoend
+
+
+@pytest.mark.kvq(experiment="exp5", bits=(2, 4), sources=("real",))
+def test_endtoend(cell, kvq_method, kvq_model, kvq_record):
+    res = run_endtoend(kvq_method, kvq_model, cell.seed, CONFIG_BY_SIZE[cell.size])
+    kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
+    bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
+    assert not bad, f"non-finite metrics: {bad}"
+    for regime in REGIMES:
+        m = {k.removeprefix(f"e2e_{regime}_"): v for k, v in res.metrics.items() if k.startswith(f"e2e_{regime}_")}
+        assert m["kl_nats"] >= 0 and m["kl_p99_nats"] >= 0
+        assert 0.0 <= m["top1_agree"] <= 1.0
+        if cell.method == "fp16":
+            assert (m["kl_nats"], m["kl_p99_nats"], m["top1_agree"], m["dloss_nats"]) == (0.0, 0.0, 1.0, 0.0)

@@ -1,0 +1,131 @@
+"""Faults at the run level (issue 9): an interrupted or failing run never replaces a complete result set
+and says it is incomplete; a bad results folder and an unloadable model stop the run before any cell with
+one line. pytester subprocesses, a few seconds each."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+# STOP_AT: the node id fragment at which a cell raises KeyboardInterrupt (Ctrl-C) / fails
+CELL_TEST = '''
+import os, pathlib
+import pytest
+from kvqbench.experiments.reconstruction import run_reconstruction
+
+pytestmark = pytest.mark.kvq(experiment="exp1")
+
+def test_reconstruction(request, cell, kvq_method, kvq_data, kvq_record):
+    pathlib.Path(os.environ["RAN_MARKER"]).write_text("a cell ran")
+    if os.environ.get("STOP_AT") and os.environ["STOP_AT"] in request.node.nodeid:
+        raise KeyboardInterrupt
+    if os.environ.get("FAIL_AT") and os.environ["FAIL_AT"] in request.node.nodeid:
+        raise RuntimeError("injected failure")
+    kvq_record(run_reconstruction(kvq_method, kvq_data))
+'''
+
+ARGS = ["-p", "no:cacheprovider", "-m", "smoke", "--kvq-methods", "fp16,kivi", "--kvq-bits", "2,16",
+        "--kvq-seeds", "2"]  # 2 methods × 2 bits × 2 seeds = 8 cells
+
+
+@pytest.fixture
+def run(pytester, monkeypatch):
+    from importlib.metadata import entry_points
+
+    args = list(ARGS)
+    if not any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
+        args += ["-p", "kvqbench.plugin"]
+    pytester.makepyfile(test_cells=CELL_TEST)
+    marker = pytester.path / "ran"
+    monkeypatch.setenv("RAN_MARKER", str(marker))
+
+    def go(*extra, **env):
+        for k in ("STOP_AT", "FAIL_AT"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        if marker.exists():
+            marker.unlink()
+        return pytester.runpytest_subprocess(*args, *extra)
+
+    go.marker = marker
+    return go
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_interrupt_and_x_keep_the_complete_set_and_stamp_the_partial_one(pytester, run):
+    out = pytester.path / "out"
+    run("--kvq-out", str(out)).assert_outcomes(passed=8)
+    complete = _files(out)
+    assert json.loads(complete["leaderboard.json"])["completeness"]["summary"] == "complete: 8 cells"
+
+    res = run("--kvq-out", str(out), STOP_AT="kivi-k2v2-seed1")  # Ctrl-C in the 6th cell
+    assert res.ret == pytest.ExitCode.INTERRUPTED
+    assert _files(out) == complete  # the complete set is untouched
+    inc = out / "incomplete"
+    board = json.loads((inc / "leaderboard.json").read_text())
+    assert board["completeness"]["complete"] is False
+    assert board["completeness"]["summary"] == "incomplete: 5 of 8 cells finished, 3 not run, interrupted"
+    assert (inc / "summary.json").read_text().splitlines()[1].strip() == '"completeness": {'
+    assert "incomplete: 5 of 8 cells finished" in (inc / "LEADERBOARD.md").read_text().splitlines()[2]
+    res.stdout.fnmatch_lines(["*the complete results in*are kept*incomplete*",
+                              "kvqbench: incomplete: 5 of 8 cells finished, 3 not run, interrupted"])
+
+    res = run("--kvq-out", str(out), "-x", FAIL_AT="fp16-k16v16-seed0")  # -x: stops after the 3rd cell
+    assert res.ret == pytest.ExitCode.TESTS_FAILED
+    assert _files(out) == complete
+    comp = json.loads((inc / "summary.json").read_text())["completeness"]
+    assert comp["summary"] == "incomplete: 3 of 8 cells finished, 1 failed, 5 not run, stopping after 1 failures (-x/--maxfail)"
+
+    res = run("--kvq-out", str(out), "-n", "2", FAIL_AT="kivi-k2v2-seed0")  # xdist, one failed cell
+    res.assert_outcomes(passed=7, failed=1)
+    assert _files(out) == complete
+    comp = json.loads((inc / "leaderboard.json").read_text())["completeness"]
+    assert comp["summary"] == "incomplete: 8 of 8 cells finished, 1 failed"
+
+
+@pytest.mark.parametrize("case", ["file", "under_file", "read_only"])
+def test_a_bad_results_folder_stops_the_run_before_any_cell(pytester, run, case):
+    import os
+
+    target = pytester.path / "target"
+    if case == "read_only":
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            pytest.skip("root can write into read-only folders")
+        target.mkdir()
+        target.chmod(0o555)
+        want = f"{target} is not writable"
+    else:
+        target.write_text("a file")
+        want = f"{target} is a file, not a folder"
+        if case == "under_file":
+            target = target / "sub"
+            want = f"{target} cannot be created: {target.parent} is a file, not a folder"
+    try:
+        res = run("--kvq-out", str(target))
+    finally:
+        if case == "read_only":
+            target.chmod(0o755)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert not run.marker.exists(), "a cell ran before the folder check"
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert errors == [f"ERROR: kvqbench: cannot write results: {want} (pass --kvq-out DIR with a writable folder)"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (kvqbench[real])")
+def test_an_unloadable_model_stops_the_run_once_before_any_cell(pytester, run, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = run("--kvq-real", "--kvq-model", "kvqbench-test/no-such-model", "--kvq-out", str(pytester.path / "o"))
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert not run.marker.exists(), "a cell ran before the model check"
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert len(errors) == 1 and "--kvq-model kvqbench-test/no-such-model" in errors[0]
+    assert "cannot be loaded" in errors[0] and "offline" in errors[0]
+    assert len(res.stderr.lines) < 10, res.stderr.str()

@@ -1,0 +1,261 @@
+"""Sharded runs: ``--kvq-shard I/N`` partitions the cell matrix the same way on every machine, and
+``kvqbench merge`` of the shards gives what one session gives — through the command line and through a
+real local Ray cluster (``kvqbench run --ray``) that the test starts itself.
+
+The single-session run and the three shards are made once per test session (under pytest-xdist too: the
+first worker makes them under a file lock in the session's shared temporary folder, as pytest-xdist
+documents for session fixtures) and reused by the tests below.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvqbench.metrics import NONDETERMINISTIC_METRICS
+from kvqbench.report.markdown import render_markdown
+from kvqbench.shard import split
+
+ROOT = Path(__file__).resolve().parents[2]
+#: a lean smoke matrix: exp1 reconstruction and exp4 cost (which has timing metrics), two methods, one seed
+SELECT = ["tests/bench", "-m", "smoke", "--kvq-methods", "fp16,rtn_token", "--kvq-seeds", "1",
+          "-k", "reconstruction or cost", "--kvq-progress", "0", "-p", "no:cacheprovider", "-q"]
+N_CELLS = 14
+
+
+def _pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def _kvqbench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvqbench.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, worker_id) -> Path:
+    """``single/`` (one session, serial) and ``shard1..3/`` (``--kvq-shard i/3``) of the same matrix,
+    each in its own process (so each under its own random hash seed)."""
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # xdist: the session's folder above the workers' own
+        shared = shared.parent
+    base = shared / "kvqbench-shard-runs"
+    with FileLock(str(base) + ".lock"):
+        if not (base / "done").exists():
+            shutil.rmtree(base, ignore_errors=True)
+            base.mkdir()
+            r = _pytest(*SELECT, "--kvq-out", str(base / "single"))
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            for i in (1, 2, 3):
+                r = _pytest(*SELECT, "--kvq-shard", f"{i}/3", "--kvq-out", str(base / f"shard{i}"))
+                assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+            (base / "done").write_text("")
+    return base
+
+
+def _load(p: Path):
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def _without_timings(board: dict) -> dict:
+    """The leaderboard with the run-to-run timing metrics and the provenance (start time, command)
+    taken out: what must be identical between any two runs of the same cells."""
+    b = copy.deepcopy(board)
+    b["provenance"] = {}
+    for src in b["sources"].values():
+        for by_method in src["stats"].values():
+            for by_setting in by_method.values():
+                for metrics in by_setting.values():
+                    for m in NONDETERMINISTIC_METRICS:
+                        metrics.pop(m, None)
+        for m in NONDETERMINISTIC_METRICS:
+            src["rankings"].pop(m, None)
+    return b
+
+
+def _result(folder: Path) -> tuple[dict, dict, str]:
+    """(cells by file: identity, status, metrics without timings, per-layer values and series;
+    the leaderboard without timings; its Markdown)."""
+    cells = {}
+    for f in sorted(folder.glob("exp*_*.json")):
+        cells[f.name] = [(c["nodeid"], c["status"], {k: v for k, v in c["metrics"].items() if k not in NONDETERMINISTIC_METRICS},
+                          c.get("per_layer"), c.get("series")) for c in _load(f)["cells"]]
+    board = _load(folder / "leaderboard.json")
+    # the Markdown on disk is exactly the leaderboard rendered, so comparing rendered boards compares the files
+    assert (folder / "LEADERBOARD.md").read_text(encoding="utf-8") == render_markdown(board)
+    b = _without_timings(board)
+    return cells, b, render_markdown(b)
+
+
+def _assert_same_run(merged: Path, single: Path) -> None:
+    cells_m, board_m, md_m = _result(merged)
+    cells_s, board_s, md_s = _result(single)
+    assert sum(len(v) for v in cells_s.values()) == N_CELLS
+    assert cells_m == cells_s  # every metric value, per-layer value and series, in the same order
+    for src in board_s["sources"]:
+        assert board_m["sources"][src]["rankings"] == board_s["sources"][src]["rankings"]
+    assert board_m == board_s
+    assert md_m == md_s  # byte-identical Markdown, timings aside
+    assert board_m["completeness"]["complete"] is True
+
+
+# ------------------------------------------------------------------------------------------------
+@given(durations=st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=0, max_size=40),
+       count=st.integers(1, 7))
+def test_split_is_a_balanced_partition(durations, count):
+    ids = [f"tests/bench/t.py::test_x[c{i}]" for i in range(len(durations))]
+    d = dict(zip(ids, durations))
+    shards = split(ids, count, d)
+    assert len(shards) == count
+    flat = [n for s in shards for n in s]
+    assert sorted(flat) == sorted(ids) and len(flat) == len(set(flat))  # each cell in exactly one shard
+    for s in shards:  # collection order kept inside a shard
+        assert s == [n for n in ids if n in set(s)]
+    # greedy list scheduling (Graham 1966): the most loaded shard exceeds the mean load by at most one cell
+    loads = [sum(d[n] for n in s) for s in shards]
+    assert max(loads) <= sum(durations) / count + max(durations, default=0.0) + 1e-9
+    assert split(ids, count, d) == shards  # a pure function of its inputs
+
+
+def test_shards_are_the_same_under_any_hash_seed_and_cover_the_matrix(runs):
+    # the three shard sessions ran in separate processes, each with a random hash seed
+    shards = [_load(runs / f"shard{i}" / "shard.json")["selected"] for i in (1, 2, 3)]
+    flat = [n for s in shards for n in s]
+    assert len(flat) == len(set(flat)) == N_CELLS and all(shards)
+    assert sorted(flat) == sorted(_load(runs / "shard1" / "shard.json")["cells"])
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    r = _pytest(*SELECT, "--collect-only", "--kvq-shard", "2/3", env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [ln for ln in r.stdout.splitlines() if "::" in ln] == shards[1]
+
+
+def test_three_shards_merge_to_the_single_session(runs, tmp_path):
+    for i in (1, 2, 3):
+        doc = _load(runs / f"shard{i}" / "shard.json")
+        assert doc["shard"] == f"{i}/3" and len(doc["cells"]) == N_CELLS
+        board = _load(runs / f"shard{i}" / "leaderboard.json")
+        assert board["completeness"]["complete"] is False  # a shard alone is stamped as a part
+    r = _kvqbench("merge", *(str(runs / f"shard{i}") for i in (3, 1, 2)), "--out", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "complete: 14 cells" in r.stdout
+    _assert_same_run(tmp_path / "merged", runs / "single")
+    prov = _load(tmp_path / "merged" / "leaderboard.json")["provenance"]
+    assert prov["merged"]["shards"] == 3 and "--kvq-shard" not in prov["command"]
+
+
+def test_merge_lists_missing_cells_and_stamps_the_result_incomplete(runs, tmp_path):
+    r = _kvqbench("merge", str(runs / "shard1"), str(runs / "shard3"), "--out", str(tmp_path / "m"), "--no-figures")
+    assert r.returncode == 1
+    missing = set(_load(runs / "shard2" / "shard.json")["selected"])
+    assert f"{len(missing)} of {N_CELLS} cells missing" in r.stderr
+    assert all(n in r.stderr for n in list(missing)[:10])
+    board = _load(tmp_path / "m" / "leaderboard.json")
+    assert board["completeness"]["complete"] is False
+    assert set(board["completeness"]["not_run_ids"]) == missing
+    assert "missing shard(s) 2" in board["completeness"]["summary"]
+    assert "INCOMPLETE" in (tmp_path / "m" / "LEADERBOARD.md").read_text()
+
+
+def test_merge_refuses_shards_of_different_runs_in_one_line(runs, tmp_path):
+    other = tmp_path / "other2"
+    shutil.copytree(runs / "shard2", other)
+    doc = _load(other / "shard.json")
+    doc["provenance"]["git_commit"] = "0123456789ab"
+    (other / "shard.json").write_text(json.dumps(doc))
+    r = _kvqbench("merge", str(runs / "shard1"), str(other), "--out", str(tmp_path / "m"))
+    assert r.returncode == 2 and not (tmp_path / "m").exists()
+    assert len(r.stderr.strip().splitlines()) == 1 and "differ in git commit" in r.stderr and "0123456789ab" in r.stderr
+
+    doc["provenance"]["git_commit"] = _load(runs / "shard1" / "shard.json")["provenance"]["git_commit"]
+    doc["provenance"]["seeds"] = [0, 1]
+    (other / "shard.json").write_text(json.dumps(doc))
+    r = _kvqbench("merge", str(runs / "shard1"), str(other), "--out", str(tmp_path / "m"))
+    assert r.returncode == 2 and "differ in seeds: [0, 1] vs [0]" in r.stderr
+
+    r = _kvqbench("merge", str(runs / "shard1"), str(runs / "shard1"), "--out", str(tmp_path / "m"))
+    assert r.returncode == 2 and "shard 1/3 given twice" in r.stderr
+
+    dup = tmp_path / "dup"  # shard 1's cells relabelled as shard 2: every cell twice
+    shutil.copytree(runs / "shard1", dup)
+    d = _load(dup / "shard.json")
+    d.update(index=2, shard="2/3")
+    (dup / "shard.json").write_text(json.dumps(d))
+    r = _kvqbench("merge", str(runs / "shard1"), str(dup), "--out", str(tmp_path / "m"))
+    assert r.returncode == 2 and "appear in more than one folder" in r.stderr
+
+    r = _kvqbench("merge", str(runs / "single"), "--out", str(tmp_path / "m"))
+    assert r.returncode == 2 and "no shard.json" in r.stderr
+
+
+def test_ray_run_on_a_local_cluster_merges_to_the_single_session(runs, tmp_path):
+    pytest.importorskip("ray", reason="needs Ray (pip install -e '.[dist]')")
+    out = tmp_path / "ray"
+    r = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--ray", "--shards", "2", "--smoke",
+                        "--no-real", *SELECT[3:], "--kvq-out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "started a local Ray instance" in r.stdout
+    for i in (1, 2):
+        assert f"shard {i}/2 finished" in r.stdout
+        assert (out / "shards" / f"shard-{i}-of-2" / "shard.json").is_file()
+    _assert_same_run(out, runs / "single")
+
+
+SBATCH_STANDIN = r'''#!/usr/bin/env bash
+# a stand-in for Slurm's sbatch (the Slurm contract the script relies on): options, then the script and
+# its arguments; --array=A-B runs the script once per index with SLURM_ARRAY_TASK_ID set; --parsable prints
+# the job id. It runs every job at once, in the foreground, in submission order.
+array=""; out=/dev/null
+while [[ "$1" == --* ]]; do
+    case "$1" in --array=*) array="${1#--array=}" ;; --output=*) out="${1#--output=}" ;; esac
+    echo "$1" >> "$SBATCH_LOG"
+    shift
+done
+if [ -n "$array" ]; then
+    range="${array%%\%*}"
+    for i in $(seq "${range%-*}" "${range#*-}"); do
+        SLURM_ARRAY_TASK_ID=$i bash "$@" > "${out//%a/$i}" 2>&1 || true
+    done
+else
+    bash "$@" > "$out" 2>&1 || true
+fi
+echo "$RANDOM"
+'''
+
+
+def test_slurm_array_script_runs_the_shards_and_a_dependent_merge(tmp_path):
+    standin = tmp_path / "bin"
+    standin.mkdir()
+    (standin / "sbatch").write_text(SBATCH_STANDIN)
+    (standin / "sbatch").chmod(0o755)
+    out = tmp_path / "results"
+    env = {**os.environ, "PATH": f"{standin}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "KVQ_OUT": str(out), "KVQ_VENV": str(tmp_path / "no-venv"), "SBATCH_LOG": str(tmp_path / "sbatch.log"),
+           "KVQ_SBATCH_ARGS": "--gres=gpu:1"}
+    # 3 shards of 2 cells: one shard gets none (exit 5 from pytest is not a failure)
+    r = subprocess.run(["bash", "scripts/slurm_array.sh", "3", "--smoke", "--no-real", "-n", "0",
+                        "--kvq-methods", "fp16", "--kvq-bits", "2,4", "--kvq-seeds", "1", "-k", "reconstruction",
+                        "--kvq-progress", "0", "-p", "no:cacheprovider"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "merge job" in r.stdout
+    opts = (tmp_path / "sbatch.log").read_text().splitlines()
+    assert "--array=1-3" in opts and "--gres=gpu:1" in opts and any(o.startswith("--dependency=afterany:") for o in opts)
+    merge_log = (out / "slurm" / "merge.log").read_text()
+    assert "complete: 2 cells" in merge_log, merge_log + "".join(
+        (out / "slurm" / f"shard-{i}.log").read_text()[-1500:] for i in (1, 2, 3))
+    assert sorted(p.name for p in (out / "shards").iterdir()) == [f"shard-{i}-of-3" for i in (1, 2, 3)]
+    board = _load(out / "leaderboard.json")
+    assert board["completeness"]["complete"] is True and board["completeness"]["expected"] == 2
+    assert sorted(board["sources"]["synthetic"]["stats"]["exp1"]["fp16"]) == ["k2v2", "k4v4"]

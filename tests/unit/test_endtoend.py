@@ -1,0 +1,187 @@
+"""Experiment 5 (end-to-end on the real model): the KV-cache hook, the regimes and the metrics.
+
+Tests marked ``real`` load SmolLM2 once per process (shared with test_capture through
+``load_model``'s cache) and run windows of at most 64 tokens; they are skipped with the reason when the
+real-model dependencies are missing. The metric and config tests need no model.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvqbench.experiments import endtoend as E
+from kvqbench.quantizers import create
+from kvqbench.quantizers.fp16 import FP16
+
+
+def _missing() -> str | None:
+    from kvqbench.data.capture import MissingDependencyError, _require_real_deps, default_model_path
+
+    try:
+        _require_real_deps(gguf=True, default_model=True)
+        default_model_path()
+    except MissingDependencyError as e:
+        return str(e)
+    return None
+
+
+_MISSING = _missing()
+
+
+def real(fn):
+    """Mark a test as needing the real model; skip it with the reason when the deps are missing."""
+    return pytest.mark.real(pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))(fn))
+
+W = 48  # tokens of the hook tests' text
+P = 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    if _MISSING is not None:
+        pytest.skip(_MISSING)
+    from kvqbench.data.capture import _tokens, load_model
+
+    torch.set_num_threads(1)
+    net, tok = load_model()
+    ids, _ = _tokens(tok, W)
+    return net, ids, int(net.config.num_hidden_layers)
+
+
+def _decode_chunks(block: int) -> list[tuple[int, int]]:
+    return [(0, P)] + [(a, min(a + block, W)) for a in range(P, W, block)]
+
+
+_PLAIN: dict[tuple, torch.Tensor] = {}
+
+
+def _plain(net, ids, chunks) -> torch.Tensor:
+    """Unquantized logits under a forward schedule (memoized: several tests compare with them)."""
+    key = tuple(chunks)
+    if key not in _PLAIN:
+        _PLAIN[key] = E.run_model(net, ids, chunks, None)
+    return _PLAIN[key]
+
+
+class _PreRopeIdentity(FP16):
+    """A pass-through that declares pre-RoPE keys, so the hook un-rotates and re-rotates them."""
+
+    k_pre_rope = True
+
+
+# ------------------------------------------------------------------------------------------------
+# no model
+def test_config_rejects_a_short_last_arrival() -> None:
+    with pytest.raises(ValueError, match="multiple of block"):
+        E.EndToEndConfig(window=64, prefill=31, block=8)
+    with pytest.raises(ValueError, match="shorter than the window"):
+        E.EndToEndConfig(window=64, prefill=64, block=8)
+    cfg = E.EndToEndConfig(window=64, prefill=32, block=16)
+    assert cfg.chunks("decode") == [(0, 32), (32, 48), (48, 64)]
+    assert cfg.chunks("prefill") == [(0, 64)]
+    assert cfg.scored("prefill") == (0, 63) and cfg.scored("decode") == (31, 63)
+
+
+def test_next_token_metrics_match_closed_forms() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(50, 11, generator=gen)
+    other = ref + 0.5 * torch.randn(50, 11, generator=gen)
+    targets = torch.randint(0, 11, (50,), generator=gen)
+    m = E.next_token_metrics(ref, other, targets)
+    p = torch.softmax(ref.double(), -1)
+    kl = (p * (torch.log_softmax(ref.double(), -1) - torch.log_softmax(other.double(), -1))).sum(-1)
+    assert math.isclose(m["kl_nats"], float(kl.mean()), rel_tol=1e-12)
+    assert math.isclose(m["kl_p99_nats"], float(torch.quantile(kl, 0.99)), rel_tol=1e-12)
+    assert m["kl_nats"] >= 0 and 0.0 <= m["top1_agree"] <= 1.0
+    ce = torch.nn.functional.cross_entropy
+    dloss = float(ce(other.double(), targets) - ce(ref.double(), targets))
+    assert math.isclose(m["dloss_nats"], dloss, rel_tol=1e-9, abs_tol=1e-12)
+    same = E.next_token_metrics(ref, ref.clone(), targets)
+    assert (same["kl_nats"], same["kl_p99_nats"], same["top1_agree"], same["dloss_nats"]) == (0.0, 0.0, 1.0, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the real model
+@real
+@pytest.mark.parametrize("regime", ["prefill", "decode"])
+def test_pass_through_hook_leaves_logits_bitwise_unchanged(model, regime) -> None:
+    net, ids, n_layers = model
+    chunks = [(0, W)] if regime == "prefill" else _decode_chunks(8)
+    plain = _plain(net, ids, chunks)  # the model's own DynamicCache behaviour
+    hooked = E.run_model(net, ids, chunks, E.KVCacheHook([FP16(16)] * n_layers, streaming=regime == "decode"))
+    assert torch.equal(hooked, plain)
+    if regime == "prefill":  # and the one-pass logits are those of the model called without any cache
+        with torch.no_grad():
+            bare = net(input_ids=torch.tensor([ids])).logits[0].float()
+        assert torch.equal(hooked, bare)
+
+
+@real
+def test_pre_rope_path_inverts_the_model_rope(model) -> None:
+    """A pre-RoPE pass-through sees K un-rotated and hands it back rotated: the logits equal the plain
+    model's up to the float error of RoPE⁻¹ ∘ RoPE (not bitwise: two rotations round)."""
+    net, ids, n_layers = model
+    from kvqbench.data.capture import _decoder
+
+    pos = torch.arange(W)[None]
+    cos, sin = _decoder(net).rotary_emb(torch.zeros(1, W, 1), pos)
+    hook = E.KVCacheHook([_PreRopeIdentity(16)] * n_layers, streaming=True, cos=cos[0], sin=sin[0])
+    got = E.run_model(net, ids, _decode_chunks(8), hook)
+    torch.testing.assert_close(got, _plain(net, ids, _decode_chunks(8)), atol=2e-3, rtol=1e-4)
+    with pytest.raises(ValueError, match="RoPE tables"):
+        E.KVCacheHook([_PreRopeIdentity(16)], streaming=True)
+
+
+@real
+@pytest.mark.parametrize("block", [1, 5, 16])
+def test_rtn_token_decode_equals_prefill_for_any_block(model, block) -> None:
+    """Per-token statistics and no fp16 window: a token is quantized the same way whatever arrives with
+    it, so decode logits equal prefill logits up to the float noise of the forward schedule itself
+    (the unquantized model's own decode-vs-prefill difference, measured here)."""
+    net, ids, n_layers = model
+    m = create("rtn_token", 4, 4)
+    pre = E.run_model(net, ids, [(0, W)], E.KVCacheHook([m] * n_layers, streaming=False))
+    dec_hook = E.KVCacheHook([m] * n_layers, streaming=True)
+    dec = E.run_model(net, ids, _decode_chunks(block), dec_hook)
+    noise = float((_plain(net, ids, _decode_chunks(block)) - _plain(net, ids, [(0, W)])).abs().max())
+    assert float((dec - pre).abs().max()) <= 10 * noise + 1e-4
+    assert float((pre - _plain(net, ids, [(0, W)])).abs().max()) > 1e-2  # 4 bits does something
+    # every token was quantized exactly once, one segment per arrival
+    assert [(s.start, s.stop) for s in dec_hook.k[0].segments] == _decode_chunks(block)
+
+
+@real
+def test_one_token_per_channel_groups_are_billed_as_stored(model) -> None:
+    """A per-channel group of one token round-trips losslessly but stores a scale and a zero per
+    element: the bits billed count them (far above b bits), never the nominal b."""
+    net, ids, n_layers = model
+    hook = E.KVCacheHook([create("rtn_channel", 2, 2)] * n_layers, streaming=True)
+    E.run_model(net, ids, [(a, a + 1) for a in range(8)], hook)
+    seg = hook.k[0].segments
+    assert len(seg) == 8 and all(s.stop - s.start == 1 for s in seg)
+    assert hook.bits_billed() > 16.0
+
+
+@real
+def test_smoke_cells_fp16_exact_and_kvquant_calibrated(model) -> None:
+    """The smoke configuration end to end (the real-model path of the exp5 cells): the fp16 control has
+    KL exactly 0 and agreement exactly 1 in both regimes; KVQuant (pre-RoPE, calibrated per layer on
+    independent tokens) damages the model at 2 bits within the metric ranges."""
+    cfg = E.CONFIG_BY_SIZE["smoke"]
+    src = E.load_source(model="smollm2", window=cfg.window)
+    ctl = E.run_endtoend(create("fp16", 2, 2), src, 0, cfg)
+    for regime in E.REGIMES:
+        got = tuple(ctl.metrics[f"e2e_{regime}_{n}"] for n in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"))
+        assert got == (0.0, 0.0, 1.0, 0.0), regime
+        assert ctl.metrics[f"e2e_{regime}_bits_billed"] == 16.0
+    kvq = E.run_endtoend(create("kvquant", 2, 2), src, 0, cfg)
+    assert ctl.extra["tokens_sha256"] == kvq.extra["tokens_sha256"]
+    assert kvq.extra["window_tokens"] == [cfg.window, 2 * cfg.window]  # disjoint from calibration [0, W)
+    assert kvq.extra["roundtrip_nonfinite"] == {"k": 0, "v": 0}
+    for regime in E.REGIMES:
+        assert kvq.metrics[f"e2e_{regime}_kl_nats"] > 0
+        assert 0.0 <= kvq.metrics[f"e2e_{regime}_top1_agree"] <= 1.0
+        assert 2.0 < kvq.metrics[f"e2e_{regime}_bits_billed"] < 16.0
