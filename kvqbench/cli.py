@@ -6,6 +6,7 @@
     kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets
     kvqbench publish RESULTS [DEST]                            write the committed leaderboard/ + README digest
     kvqbench methods [--changed FILE…] [--k-expr]             method ids (or those a set of changed files touch)
+    kvqbench perf [--tokens …] [--threads …] [--json PATH]      round-trip speed of every method vs clone/eager RTN
 
 ``report``, ``merge``, ``compare`` and ``publish`` never import torch.
 """
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  kvqbench compare leaderboard/ results/ --fail-on rel_mse:5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", metavar="{run,report,merge,compare,publish,methods}")
+    sub = p.add_subparsers(dest="cmd", metavar="{run,report,merge,compare,publish,methods,perf}")
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells. Unknown arguments are passed to pytest "
                                    "(e.g. -k kvarn, -n auto, --kvq-seeds 5, --device cuda, --kvq-out DIR).")
@@ -87,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "(every method when the shared base/registry changes)")
     me.add_argument("--k-expr", action="store_true",
                     help="print a pytest -k expression selecting exactly those methods' cells ('[kivi- or …')")
+    from kvqbench.perf import add_arguments as _perf_arguments  # torch-free at import
+
+    _perf_arguments(sub.add_parser(
+        "perf", help="time every method's K/V round trip as ratios to clone and to a plain eager RTN",
+        description="Benchmark (not a test): median round-trip time of every registered method's K and V, "
+                    "interleaved with x.clone() and a straightforward eager RTN (and HQQ's plain RTN when hqq "
+                    "is installed), at 1 thread and the default thread count, T = 1k/4k/16k."))
     return p
 
 
@@ -118,8 +126,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         return _run_ray(args, cmd, extra)
     if args.shard is not None:
         cmd += ["--kvq-shard", args.shard]
-    if not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
-        cmd += ["-n", "auto"]  # one torch thread per worker (see --kvq-threads); xdist uses the cores
+    if not args.smoke and not any(a == "-n" or a.startswith("-n") or a.startswith("--numprocesses") for a in extra):
+        # one torch thread per worker (see --kvq-threads); xdist uses the cores. Smoke runs serially: its
+        # cells take seconds in all, less than starting workers that each import torch and collect
+        cmd += ["-n", "auto"]
     cmd += extra
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
     return int(pytest.main(cmd))
@@ -268,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         return _methods(args)
     if args.cmd == "merge":
         return _merge(args)
+    if args.cmd == "perf":
+        from kvqbench.perf import main as perf_main
+
+        return perf_main(args)
     return _compare(args)
 
 

@@ -212,6 +212,14 @@ register_metric(Metric("quant_latency_ms", "ms", "lower",
 register_metric(Metric("dequant_latency_ms", "ms", "lower",
                        "dequantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
                        "exp4", scale_free=False))
+register_metric(Metric("roundtrip_latency_ms", "ms", "lower",
+                       "round-trip latency (quantize + dequantize) of K + V: pytest-benchmark's median over its "
+                       "calibrated rounds in a serial run, else the median of repeats (CPU: unreliable_timing)",
+                       "exp4", scale_free=False))
+for _op, _what in (("quant", "quantize"), ("dequant", "dequantize"), ("roundtrip", "round trip")):
+    register_metric(Metric(f"{_op}_latency_x_clone", "×", "lower",
+                           f"{_what} latency of K + V as a multiple of x.clone() of K + V timed in the same cell "
+                           "(the memory-bound floor; comparable across CPU and GPU runs)", "exp4"))
 register_metric(Metric("quant_throughput_gbps", "GB/s", "higher",
                        "quantize throughput in GB/s (10⁹ B) of fp16 input", "exp4", scale_free=False))
 register_metric(Metric("dequant_throughput_gbps", "GB/s", "higher",
@@ -252,7 +260,8 @@ for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
 #: metrics whose values vary from run to run (wall-clock timing; peak memory on CUDA); determinism
 #: checks leave them out. Each exp4 record also lists its own in ``extra["nondeterministic_metrics"]``.
 NONDETERMINISTIC_METRICS: frozenset[str] = frozenset(
-    {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps"})
+    {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps",
+     "roundtrip_latency_ms", "quant_latency_x_clone", "dequant_latency_x_clone", "roundtrip_latency_x_clone"})
 __all__.append("NONDETERMINISTIC_METRICS")
 
 

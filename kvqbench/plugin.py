@@ -419,6 +419,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                     "(pass --kvq-out DIR with a writable folder)")
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
+    if not config.pluginmanager.has_plugin("kvqbench-benchmark-json"):
+        config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
     config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
                                           last=time.time())
 
@@ -850,6 +852,38 @@ def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] |
     if not out_dir.is_absolute():
         out_dir = Path(config.invocation_params.dir) / out_dir
     return out_dir
+
+
+#: pytest-benchmark's JSON of the exp4 round trips, written beside the results (serial runs)
+BENCHMARK_JSON = "benchmark_exp4.json"
+
+
+class _BenchmarkJson:
+    """Registered in ``pytest_configure``: its session-finish wrapper runs before pytest-benchmark's own
+    (which saves the JSON) and points it at the results folder."""
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int):
+        _point_benchmark_json(session)
+        return (yield)
+
+
+def _point_benchmark_json(session: pytest.Session) -> None:
+    """pytest-benchmark's JSON goes beside the results when the user gave no ``--benchmark-json`` and it
+    timed something; a stale one from an earlier run is removed."""
+    config = session.config
+    bs = getattr(config, "_benchmarksession", None)
+    if bs is not None and not _is_worker(config) and STATE_KEY in config.stash and SETTINGS_KEY in config.stash:
+        records = [r for r in config.stash[STATE_KEY].records if r.get("experiment") != "adhoc"]
+        if records:
+            out_dir = _out_dir(config, config.stash[SETTINGS_KEY], records,
+                               getattr(config.stash[STATE_KEY], "expected", None))
+            stale = out_dir / BENCHMARK_JSON
+            if stale.is_file():
+                stale.unlink()
+            if not getattr(bs, "json", None) and not getattr(bs, "disabled", True) and getattr(bs, "benchmarks", None):
+                out_dir.mkdir(parents=True, exist_ok=True)
+                bs.json = str(stale)
 
 
 def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:

@@ -54,6 +54,7 @@ class KVData:
         calibration: an independent batch of the same source (synthetic: another seed; real: the next
             tokens of the text) on which data-dependent methods fit their state (KVQuant's codebooks),
             so that no method is scored on the tensor it was calibrated on; ``None`` = fit in-sample.
+        cache: memoized derived values (see :meth:`cached`).
     """
 
     source: str
@@ -67,6 +68,17 @@ class KVData:
     v_grad2: torch.Tensor | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     calibration: "KVData | None" = None
+    #: derived values that depend only on this data (exact-attention references, evaluation batches,
+    #: input statistics), memoized by the experiments so that every method's cell on the same data
+    #: reuses them (see :meth:`cached`); never copied by :meth:`window`/:meth:`to`, never compared.
+    cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def cached(self, key: Any, build: Any) -> Any:
+        """``build()`` the first time ``key`` is asked for on this object, the stored value afterwards.
+        The tensors must not be modified in place — they are shared by every caller."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

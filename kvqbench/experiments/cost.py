@@ -3,10 +3,15 @@
 For K and V of the cell's data (a data-dependent method is fitted first; fitting is calibration and is
 not timed — its one-off time goes to ``extra``):
 
-* **latency** — ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
+* **latency** — the K + V round trip (quantize + dequantize) with pytest-benchmark's ``benchmark``
+  fixture when the cell gets it (calibrated rounds and warm-up; min/median/IQR kept in
+  ``extra["benchmark"]``; pytest-benchmark disables itself under xdist, then the round trip is timed like
+  the rest). Quantize and dequantize separately: ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
   every call is timed with ``torch.cuda.Event`` pairs after a synchronize; on the CPU with
   ``time.perf_counter`` — recorded, but flagged ``extra["unreliable_timing"] = True`` (shared cores,
   frequency scaling, Python overhead). ``quant_latency_ms`` / ``dequant_latency_ms`` are K + V.
+* **ratios to clone** — every latency also as a multiple of ``x.clone()`` of K and V timed in the same
+  cell (the memory-bound floor), so that CPU and GPU runs and machines compare;
 * **throughput** — fp16 bytes of the input (2 bytes per element of K and V) per second of latency, GB/s
   (10⁹ bytes).
 * **bits** — nominal (benchmark budget) and effective (as stored) bits per element, mean of K and V;
@@ -122,18 +127,35 @@ def _peak_mem(method: Quantizer, xs: list[tuple[str, torch.Tensor]]) -> tuple[fl
     return total / MIB, "estimate (cpu): input + representation as held + dequantized output"
 
 
+def _benchmark_stats(benchmark: Any) -> dict[str, float] | None:
+    """min/median/IQR/mean (ms) and rounds of a pytest-benchmark fixture that has run, else None."""
+    meta = getattr(benchmark, "stats", None)
+    st = getattr(meta, "stats", None)
+    if st is None or not getattr(st, "rounds", 0):
+        return None
+    return {"min_ms": st.min * 1e3, "median_ms": st.median * 1e3, "iqr_ms": st.iqr * 1e3,
+            "mean_ms": st.mean * 1e3, "rounds": int(st.rounds)}
+
+
 @torch.no_grad()
-def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None) -> CellResult:
+def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
+             benchmark: Callable[[Callable[[], Any]], Any] | None = None) -> CellResult:
     """Run experiment 4 for one method on one data source.
 
     Args:
         method: a configured quantizer.
         data: K/V ``(batch|layers, kv_heads, seq_len, head_dim)``; timed on their device.
         config: warm-up and repeats (default :class:`CostConfig`).
+        benchmark: optional pytest-benchmark ``benchmark`` fixture (any callable ``benchmark(fn)`` with
+            the fixture's ``stats`` afterwards): it times the K + V round trip with calibrated rounds and
+            warm-up (``roundtrip_latency_ms`` = its median; min/median/IQR in ``extra["benchmark"]``).
+            Without it, or when pytest-benchmark is disabled (it disables itself under xdist), the round
+            trip is timed like the other latencies.
     Returns:
         :class:`~kvqbench.experiments.reconstruction.CellResult` with the ``exp4`` metrics of
         :mod:`kvqbench.metrics`; ``extra`` holds ``timings`` (per K/V, every repeat),
-        ``unreliable_timing``, ``nondeterministic_metrics``, ``peak_mem_source`` and ``fit_ms``.
+        ``unreliable_timing``, ``nondeterministic_metrics``, ``peak_mem_source``, ``fit_ms``,
+        ``roundtrip_timer`` and ``benchmark`` (pytest-benchmark's statistics or None).
     """
     cfg = config or CostConfig()
     t0 = time.perf_counter()
@@ -162,6 +184,25 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None) 
         eff.append(qt.effective_bits())
         nom.append(method.nominal_bits(kind, tuple(int(s) for s in x.shape)))  # type: ignore[arg-type]
         fp16_bytes += 2 * int(x.numel())
+    # the floor: x.clone() of K and V, and the round trip of both, timed in this cell
+    clone_times, _ = time_call(lambda: [x.clone() for _, x in xs], dev, warmup=cfg.warmup, repeats=cfg.repeats)
+    clone_ms = statistics.median(clone_times)
+
+    def roundtrip() -> list[torch.Tensor]:
+        return [method.dequantize(method.quantize(x, kind)) for kind, x in xs]  # type: ignore[arg-type]
+
+    bench_stats = None
+    if benchmark is not None:
+        benchmark(roundtrip)
+        bench_stats = _benchmark_stats(benchmark)
+    if bench_stats is not None:
+        rt_ms, rt_timer = bench_stats["median_ms"], "pytest-benchmark"
+    else:
+        rt_times, _ = time_call(roundtrip, dev, warmup=cfg.warmup, repeats=cfg.repeats)
+        rt_ms, rt_timer = statistics.median(rt_times), "median of repeats"
+        timings["roundtrip_ms_all"] = rt_times
+    timings["clone_ms"] = clone_ms
+    timings["clone_ms_all"] = clone_times
     peak, source = _peak_mem(method, xs)  # type: ignore[arg-type]
     res = CellResult()
     res.extra.update(res_extra)
@@ -175,6 +216,10 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None) 
         "cost_bits_effective": bits_eff,
         "compression_ratio": 16.0 / bits_eff,
         "peak_mem_mib": peak,
+        "roundtrip_latency_ms": rt_ms,
+        "quant_latency_x_clone": q_ms / max(clone_ms, 1e-9),
+        "dequant_latency_x_clone": d_ms / max(clone_ms, 1e-9),
+        "roundtrip_latency_x_clone": rt_ms / max(clone_ms, 1e-9),
     })
     timings.update({k: res.metrics[k] for k in TIMING_METRICS})
     nondet = list(TIMING_METRICS) + (["peak_mem_mib"] if _is_cuda(dev) else [])
@@ -184,6 +229,8 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None) 
         "nondeterministic_metrics": nondet,
         "peak_mem_source": source,
         "fit_ms": fit_ms,
+        "roundtrip_timer": rt_timer,
+        "benchmark": bench_stats,
         "warmup": cfg.warmup,
         "repeats": cfg.repeats,
         "device": str(dev),

@@ -131,11 +131,14 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
         errs = [(b.to(torch.float64) - a.to(torch.float64)) for a, b in sl]
         res.add(f"{kv}_err_incoherence", [_mean_incoherence(e) for e in errs])
         res.add(f"{kv}_err_incoherence_hadamard", [_mean_incoherence(hadamard_transform(e)) for e in errs])
-        inp[f"{kv}_incoherence"] = sum(_mean_incoherence(a) for a, _ in sl) / len(sl)
-        inp[f"{kv}_incoherence_hadamard"] = sum(_mean_incoherence(hadamard_transform(a)) for a, _ in sl) / len(sl)
+        inp.update(data.cached(("exp3_input_incoherence", kv), lambda sl=sl, kv=kv: {
+            f"{kv}_incoherence": sum(_mean_incoherence(a) for a, _ in sl) / len(sl),
+            f"{kv}_incoherence_hadamard": sum(_mean_incoherence(hadamard_transform(a)) for a, _ in sl) / len(sl),
+        }))
+    k_inc = data.cached("exp3_k_incoherence_per_layer",
+                        lambda: [_mean_incoherence(data.k[i : i + 1]) for i in layers])
     res.add("k_incoherence_shift", [
-        _mean_incoherence(rt.k_hat[i : i + 1]) / max(_mean_incoherence(data.k[i : i + 1]), 1e-300) - 1.0
-        for i in layers
+        _mean_incoherence(rt.k_hat[i : i + 1]) / max(k_inc[i], 1e-300) - 1.0 for i in layers
     ])
     res.metrics["offdiag_mass"] = 0.5 * (res.metrics["k_offdiag_mass"] + res.metrics["v_offdiag_mass"])
     res.per_layer["offdiag_mass"] = [0.5 * (a + b) for a, b in zip(res.per_layer["k_offdiag_mass"],

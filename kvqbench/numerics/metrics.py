@@ -16,8 +16,44 @@ def _f64(x: torch.Tensor) -> torch.Tensor:
 
 
 def per_layer(fn, x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
-    """Apply a scalar metric ``fn(x, x_hat)`` to each index of dim 0 (layers for real data)."""
+    """Apply a scalar metric ``fn(x, x_hat)`` to each index of dim 0 (layers for real data).
+
+    :func:`mse`, :func:`rel_mse` and :func:`norm_bias` are computed for every layer at once (one reduction
+    and one transfer to Python for all layers); any other ``fn`` is applied layer by layer."""
+    batched = _BATCHED.get(fn)
+    if batched is not None:
+        return batched(x, x_hat)
     return [float(fn(x[i : i + 1], x_hat[i : i + 1])) for i in range(x.shape[0])]
+
+
+def _dims(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(range(1, x.dim()))
+
+
+def _mse_layers(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    return ((_f64(x_hat) - _f64(x)) ** 2).mean(dim=_dims(x))
+
+
+def mse_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
+    """:func:`mse` of every index of dim 0, as a list."""
+    return _mse_layers(x, x_hat).tolist()
+
+
+def rel_mse_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
+    """:func:`rel_mse` of every index of dim 0, as a list (0 where the error is 0)."""
+    num = _mse_layers(x, x_hat)
+    den = (_f64(x) ** 2).mean(dim=_dims(x))
+    return torch.where(num == 0, torch.zeros_like(num), num / den.clamp_min(1e-300)).tolist()
+
+
+def norm_bias_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
+    """:func:`norm_bias` of every index of dim 0, as a list (0 for a layer without a non-zero token)."""
+    nx = _f64(x).norm(dim=-1).flatten(1)
+    ny = _f64(x_hat).norm(dim=-1).flatten(1)
+    keep = nx > 0
+    rel = torch.where(keep, (ny - nx) / nx.clamp_min(1e-300), torch.zeros_like(nx))
+    cnt = keep.sum(-1)
+    return torch.where(cnt > 0, rel.sum(-1) / cnt.clamp_min(1), torch.zeros_like(rel[:, 0])).tolist()
 
 
 def mse(x: torch.Tensor, x_hat: torch.Tensor) -> float:
@@ -77,3 +113,7 @@ def norm_bias(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     if not bool(keep.any()):
         return 0.0
     return float(((ny - nx)[keep] / nx[keep]).mean())
+
+
+_BATCHED = {mse: mse_per_layer, rel_mse: rel_mse_per_layer, norm_bias: norm_bias_per_layer}
+__all__ += ["mse_per_layer", "rel_mse_per_layer", "norm_bias_per_layer"]

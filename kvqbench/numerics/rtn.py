@@ -17,10 +17,13 @@ layout ``(batch, kv_heads, seq_len, head_dim)`` (any leading dims are allowed).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from kvqbench.numerics import fused
 
 __all__ = [
     "Granularity",
@@ -133,18 +136,33 @@ def choose_qparams_asym(
     return lo, scale
 
 
-def quantize_asym(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``clamp(round((x - lo)/scale), 0, 2**b - 1)`` as int64; a zero scale gives code 0."""
+def quantize_asym(
+    x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """Codes ``clamp(round((x - lo)/scale), 0, 2**b - 1)`` as ``dtype`` (default int64; ``torch.uint8``
+    holds every width up to 8 bits and saves a widening pass); a zero scale gives code 0.
+
+    One temporary: ``x - lo`` is divided, rounded and clamped in place. A zero scale divides by ``+inf``
+    (``(x − lo)/inf = 0`` for the finite inputs the quantizers accept), so no full-size mask is built.
+    """
     xf = x.to(lo.dtype)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((xf - lo) / safe)
-    q = torch.where(scale > 0, q, torch.zeros_like(q))
-    return torch.clamp(q, 0, 2**bits - 1).to(torch.int64)
+    safe = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
+    if fused.enabled(xf.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
+        return fused.quantize_codes(xf, lo, safe, 2**bits - 1, dtype, fused=True)
+    q = torch.sub(xf, lo)
+    q.div_(safe).round_().clamp_(0, 2**bits - 1)
+    return q.to(dtype)
 
 
 def dequantize_asym(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``codes * scale + lo`` in ``lo``'s dtype."""
-    return codes.to(lo.dtype) * scale + lo
+    """``codes * scale + lo`` in ``lo``'s dtype (one output buffer, multiplied and shifted in place)."""
+    if fused.enabled(codes.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
+        return fused.dequantize_codes(codes, lo, scale, fused=True)
+    shape = torch.broadcast_shapes(codes.shape, scale.shape, lo.shape)
+    if tuple(codes.shape) != tuple(shape):
+        return codes.to(lo.dtype) * scale + lo
+    out = codes.to(lo.dtype, copy=True)
+    return out.mul_(scale).add_(lo)
 
 
 def _group_axis(gran: Granularity) -> tuple[int, int | None]:
@@ -155,33 +173,58 @@ def _group_axis(gran: Granularity) -> tuple[int, int | None]:
     raise TypeError(f"unsupported granularity {gran!r}")
 
 
+def _channel_groups(n: int, g: int | None) -> int | None:
+    """Group size along the token axis when it can be taken as a view (no partial group), else None."""
+    g = n if g is None else int(g)
+    return g if g > 0 and n % g == 0 else None
+
+
 @torch.no_grad()
 def rtn_quantize(
-    x: torch.Tensor, bits: int, granularity: Granularity, **qparam_kwargs
+    x: torch.Tensor, bits: int, granularity: Granularity, *, codes_dtype: torch.dtype = torch.int64,
+    **qparam_kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asym RTN of ``x`` ``(batch, kv_heads, seq_len, head_dim)`` at ``granularity``.
 
+    Per-channel groups are reduced in place along the token axis (``(…, n_groups, G, head_dim)`` is a view
+    of ``x``), so neither ``x`` nor the codes are transposed; only a partial last group takes the padded
+    :func:`to_groups` path.
+
+    Args:
+        codes_dtype: dtype of the returned codes (default int64; ``torch.uint8`` for packing).
+
     Returns:
-        ``(codes, lo, scale)``: ``codes`` int64 in ``x``'s layout; ``lo``/``scale`` one per group,
+        ``(codes, lo, scale)``: ``codes`` in ``x``'s layout; ``lo``/``scale`` one per group,
         shaped ``(*other_dims, n_groups, 1)`` (``PerTensor``: shape ``(1,)``).
     """
     if isinstance(granularity, PerTensor):
         xf = x.to(compute_dtype(x.dtype)).reshape(-1)
         lo, scale = choose_qparams_asym(xf, bits, dim=0, **qparam_kwargs)
-        return quantize_asym(xf, lo, scale, bits).reshape(x.shape), lo, scale
+        return quantize_asym(xf, lo, scale, bits, codes_dtype).reshape(x.shape), lo, scale
     axis, g = _group_axis(granularity)
-    xg, restore = to_groups(x.to(compute_dtype(x.dtype)), axis, g)
+    xf = x.to(compute_dtype(x.dtype))
+    gc = _channel_groups(int(x.shape[-2]), g) if axis == -2 and x.dim() >= 2 else None
+    if gc is not None:
+        xg = xf.reshape(*xf.shape[:-2], xf.shape[-2] // gc, gc, xf.shape[-1])  # (…, nG, G, D), a view
+        lo, scale = choose_qparams_asym(xg, bits, dim=-2, **qparam_kwargs)  # (…, nG, 1, D)
+        codes = quantize_asym(xg, lo, scale, bits, codes_dtype).reshape(x.shape)
+        return codes, lo.movedim(-1, -3), scale.movedim(-1, -3)  # (…, D, nG, 1) views
+    xg, restore = to_groups(xf, axis, g)
     lo, scale = choose_qparams_asym(xg, bits, dim=-1, **qparam_kwargs)
-    return restore(quantize_asym(xg, lo, scale, bits)), lo, scale
+    return restore(quantize_asym(xg, lo, scale, bits, codes_dtype)), lo, scale
 
 
 def rtn_dequantize(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, granularity: Granularity
 ) -> torch.Tensor:
-    """Inverse of :func:`rtn_quantize` (in the compute dtype of ``lo``)."""
+    """Inverse of :func:`rtn_quantize` (in the compute dtype of ``lo``); ``codes`` of any integer dtype."""
     if isinstance(granularity, PerTensor):
         return dequantize_asym(codes, lo, scale)
     axis, g = _group_axis(granularity)
+    gc = _channel_groups(int(codes.shape[-2]), g) if axis == -2 and codes.dim() >= 2 else None
+    if gc is not None:
+        cg = codes.reshape(*codes.shape[:-2], codes.shape[-2] // gc, gc, codes.shape[-1])
+        return dequantize_asym(cg, lo.movedim(-3, -1), scale.movedim(-3, -1)).reshape(codes.shape)
     cg, restore = to_groups(codes, axis, g)
     return restore(dequantize_asym(cg, lo, scale))
 

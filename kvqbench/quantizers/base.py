@@ -43,6 +43,8 @@ __all__ = [
     "available",
     "registry",
     "validate_kv",
+    "check_finite",
+    "all_finite",
     "UnknownMethodError",
 ]
 
@@ -109,10 +111,11 @@ class QuantizedTensor:
         self.meta[f"{name}.bits"] = int(bits)
         self.fields[name] = Stored(pack_bits(codes, bits), 8)
 
-    def codes(self, name: str) -> torch.Tensor:
-        """Unpack the codes stored by :meth:`add_codes` (int64, original shape)."""
+    def codes(self, name: str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Unpack the codes stored by :meth:`add_codes` (original shape; int64 by default,
+        ``torch.uint8`` for a decoder that only widens them to float)."""
         n = self.meta[f"{name}.numel"]
-        return unpack_bits(self.fields[name].tensor, self.meta[f"{name}.bits"], n).reshape(
+        return unpack_bits(self.fields[name].tensor, self.meta[f"{name}.bits"], n, dtype).reshape(
             self.meta[f"{name}.shape"]
         )
 
@@ -145,9 +148,9 @@ class UnknownMethodError(KeyError):
         return str(self.args[0]) if self.args else "unknown method"
 
 
-def validate_kv(x: torch.Tensor, *, name: str = "x") -> None:
+def validate_kv(x: torch.Tensor, *, name: str = "x", finite: bool = True) -> None:
     """Check a K/V tensor: a floating tensor of rank 4 ``(batch, kv_heads, seq_len, head_dim)``,
-    non-empty, finite.
+    non-empty, and (unless ``finite=False``: the caller checks it, see :func:`check_finite`) finite.
 
     Raises:
         TypeError: not a tensor, or not a floating dtype.
@@ -166,7 +169,33 @@ def validate_kv(x: torch.Tensor, *, name: str = "x") -> None:
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)})")
     if x.device.type == "meta":
         raise ValueError(f"{name} is on the 'meta' device and holds no data; materialize it on cpu/cuda first")
-    if not bool(torch.isfinite(x).all()):
+    if finite:
+        check_finite(x, name=name)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite, in one reduction without a full-size temporary: a finite
+    sum proves it (a NaN or ±Inf makes the sum NaN or ±Inf); only a non-finite sum — bad data, or finite
+    values whose sum overflows — is settled elementwise."""
+    if bool(torch.isfinite(x.sum())):
+        return True
+    return bool(torch.isfinite(x).all())
+
+
+def check_finite(x: torch.Tensor, *stats: torch.Tensor, name: str = "x") -> None:
+    """Raise ``ValueError`` naming the NaN/Inf count when ``x`` has a non-finite element.
+
+    ``stats`` — per-group statistics a method already computed that are non-finite whenever a group of
+    ``x`` holds a NaN/Inf (its min and max, or a scale derived from them): when given and all finite, ``x``
+    is not read again (the fused check, :attr:`Quantizer.finite_check` ``= "stats"``); otherwise ``x``
+    itself is checked (a non-finite statistic can also come from finite data whose range overflows).
+
+    Raises:
+        ValueError: ``x`` contains NaN or Inf.
+    """
+    if stats and all(bool(torch.isfinite(s).all()) for s in stats):
+        return
+    if not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} contains {bad} NaN/Inf values; clean the capture before quantizing")
 
@@ -187,7 +216,7 @@ def _saturate(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return out
     big = torch.finfo(dtype).max
     if out.dtype == dtype or torch.finfo(out.dtype).max <= big:
-        if bool(torch.isfinite(out).all()):
+        if all_finite(out):  # one reduction, no full-size mask
             return out
     return out.clamp(-big, big)
 
@@ -223,6 +252,11 @@ class Quantizer(ABC):
     local_stats: ClassVar[bool] = True
     #: the method has a ``group_size`` keyword that experiments may sweep (group-size sensitivity).
     grouped: ClassVar[bool] = False
+    #: who rejects NaN/Inf input: ``"input"`` — :meth:`quantize` checks the tensor (one reduction);
+    #: ``"stats"`` — the method's ``_quantize`` calls :func:`check_finite` with per-group statistics that
+    #: cover every element (its min/max), so the check costs no extra pass. A subclass that overrides
+    #: ``_quantize`` of a ``"stats"`` class must check again or set ``"input"``.
+    finite_check: ClassVar[Literal["input", "stats"]] = "input"
 
     def __init__(self, k_bits: int = 4, v_bits: int | None = None, *, seed: int = 0) -> None:
         v_bits = k_bits if v_bits is None else v_bits
@@ -256,8 +290,9 @@ class Quantizer(ABC):
             TypeError / ValueError: see :func:`validate_kv`; a method also raises ``ValueError`` for a
                 head_dim it cannot handle.
         """
-        validate_kv(x, name=kind.upper() if kind in KINDS else "x")
         bits = self.bits_for(kind)
+        validate_kv(x, name=kind.upper() if kind in KINDS else "x",
+                    finite=bits >= 16 or self.finite_check != "stats")
         if bits >= 16:
             qt = QuantizedTensor({}, tuple(x.shape), x.dtype, x.device, kind, bits)
             qt.fields["passthrough"] = Stored(x.clone(), 16)

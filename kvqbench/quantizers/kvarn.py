@@ -62,6 +62,15 @@ def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     return q, lo, scale
 
 
+def _rtn_rows_inplace(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries)."""
+    lo = b.amin(-1, keepdim=True)
+    hi = b.amax(-1, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).clamp_min(SCALE_FLOOR)
+    q = b.sub_(lo).div_(scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
+    return q, lo, scale
+
+
 def tile_window(tiles: torch.Tensor, kind: str) -> torch.Tensor:
     """The power of two ``c`` ``[..., 1, 1]`` that brings each tile's RMS into KVarN's window
     (:data:`WINDOW`); 1 for a tile already inside it (and for an all-zero tile).
@@ -176,10 +185,12 @@ class KVarN(Quantizer):
             blk = xr[:, :, start : start + n, :].reshape(b_, h, n // g, g, d)  # [B, H, nt, G, D]
             tiles = blk.transpose(-1, -2) if kind == "k" else blk  # rows: K channels, V tokens
             c = tile_window(tiles, kind)  # 1 for every tile of normal scale
-            tiles = tiles / c
+            # a contiguous buffer of our own (xr is ours; K's transpose is copied once), scaled and
+            # balanced in place
+            tiles = tiles.contiguous().div_(c)
             res = varn(tiles, self.varn_iters)
-            bal = tiles / res.s_col / res.s_row
-            q, lo, scale = rtn_rows(bal, bits)
+            bal = tiles.div_(res.s_col).div_(res.s_row)
+            q, lo, scale = _rtn_rows_inplace(bal, bits)
             qt.add_codes(f"{name}.codes", q, bits)
             qt.fields[f"{name}.row_scale"] = Stored((res.s_row * scale * c).squeeze(-1), 16)
             qt.fields[f"{name}.row_zero"] = Stored((res.s_row * lo * c).squeeze(-1), 16)
@@ -190,11 +201,11 @@ class KVarN(Quantizer):
         b_, h, t, d = qt.shape
         parts = []
         for name, _start, n in qt.meta["spans"]:
-            q = qt.codes(f"{name}.codes")
+            q = qt.codes(f"{name}.codes", torch.uint8)
             a = qt[f"{name}.row_scale"].unsqueeze(-1)
             z = qt[f"{name}.row_zero"].unsqueeze(-1)
             c = qt[f"{name}.col_scale"].unsqueeze(-2)
-            tiles = (q.to(a.dtype) * a + z) * c
+            tiles = q.to(a.dtype).mul_(a).add_(z).mul_(c)  # (q·a + z)·c, one buffer
             blk = tiles.transpose(-1, -2) if qt.kind == "k" else tiles  # [B, H, nt, G, D]
             parts.append(blk.reshape(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]

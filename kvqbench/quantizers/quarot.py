@@ -23,13 +23,14 @@ Effective bits = ``b + 32/G`` (``b + 0.25`` at G = head_dim = 128); nominal (FP8
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.rtn import compute_dtype, to_groups
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
 __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "CLIP_RATIO"]
 
@@ -37,9 +38,11 @@ CLIP_RATIO = 0.95
 
 
 def quarot_qparams(
-    xg: torch.Tensor, bits: int, *, include_zero: bool, clip_ratio: float = CLIP_RATIO
+    xg: torch.Tensor, bits: int, *, include_zero: bool, clip_ratio: float = CLIP_RATIO,
+    lo_hi: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """QuaRot's asymmetric parameters over the last dim of ``xg`` ``[..., G]`` (fp32).
+    """QuaRot's asymmetric parameters over the last dim of ``xg`` ``[..., G]`` (fp32); ``lo_hi`` — the
+    group minima and maxima when the caller already has them.
 
     Returns ``(scale, zero)``, each ``[..., 1]``; ``zero`` holds integers (as floats).
 
@@ -48,8 +51,7 @@ def quarot_qparams(
     gets ``scale = |c|`` and ``zero = 1`` if ``c < 0`` else ``0``, so that ``x̂ = c`` exactly; an
     all-zero group gets ``scale = 0`` and decodes to 0. Never NaN.
     """
-    lo = xg.amin(-1, keepdim=True)
-    hi = xg.amax(-1, keepdim=True)
+    lo, hi = (xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)) if lo_hi is None else lo_hi
     if include_zero:
         lo = lo.clamp(max=0.0)
         hi = hi.clamp(min=0.0)
@@ -64,16 +66,24 @@ def quarot_qparams(
     return scale, zero
 
 
-def quarot_quantize(xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes ``clamp(round(x/scale) + z, 0, 2^b − 1)`` (int64); a zero scale gives code ``z``."""
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.where(scale > 0, torch.round(xg / safe), torch.zeros_like(xg)) + zero
-    return torch.clamp(q, 0, 2**bits - 1).to(torch.int64)
+def quarot_quantize(
+    xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64,
+    *, inplace: bool = False,
+) -> torch.Tensor:
+    """Codes ``clamp(round(x/scale) + z, 0, 2^b − 1)`` as ``dtype`` (default int64); a zero scale gives
+    code ``z``. ``inplace=True`` reuses ``xg``'s buffer (the caller no longer needs it). A zero scale
+    divides by ``+inf`` (``x/inf = 0`` for finite ``x``), so no full-size mask is built."""
+    safe = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
+    q = xg.div_(safe) if inplace else torch.div(xg, safe)
+    q.round_().add_(zero).clamp_(0, 2**bits - 1)
+    return q.to(dtype)
 
 
 def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``scale · (q − z)`` in ``scale``'s dtype."""
-    return scale * (codes.to(scale.dtype) - zero)
+    """``scale · (q − z)`` in ``scale``'s dtype (one output buffer, shifted and scaled in place)."""
+    if tuple(codes.shape) != tuple(torch.broadcast_shapes(codes.shape, scale.shape, zero.shape)):
+        return scale * (codes.to(scale.dtype) - zero)
+    return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
 
 
 @register
@@ -142,12 +152,18 @@ class QuaRot(Quantizer):
     def _group(self, d: int) -> int:
         return d if self.group_size is None else self.group_size
 
+    finite_check = "stats"  # the rotation spreads a NaN/Inf over its token's row: the group min/max see it
+
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
-        xr = hadamard_transform(x.to(compute_dtype(x.dtype)))
+        xr = hadamard_transform(x.to(compute_dtype(x.dtype)))  # a fresh buffer, quantized in place
         g = self._group(int(x.shape[-1]))
         xg, restore = to_groups(xr, -1, g)
-        scale, zero = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio)
-        codes = restore(quarot_quantize(xg, scale, zero, bits))
+        lo = xg.amin(-1, keepdim=True)
+        hi = xg.amax(-1, keepdim=True)
+        check_finite(x, lo, hi, name=kind.upper())
+        scale, zero = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
+                                     lo_hi=(lo, hi))
+        codes = restore(quarot_quantize(xg, scale, zero, bits, torch.uint8, inplace=xg.data_ptr() != x.data_ptr()))
         qt = self._new_qt(x, kind, bits, group_size=g)
         qt.add_codes("codes", codes, bits)
         qt.fields["scale"] = Stored(scale, 16)
@@ -155,7 +171,7 @@ class QuaRot(Quantizer):
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        cg, restore = to_groups(qt.codes("codes"), -1, qt.meta["group_size"])
+        cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, qt.meta["group_size"])
         xr = restore(quarot_dequantize(cg, qt["scale"], qt["zero"]))
         return hadamard_transform(xr)
 

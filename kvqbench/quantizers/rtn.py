@@ -19,7 +19,7 @@ from kvqbench.numerics.rtn import (
     rtn_dequantize,
     rtn_quantize,
 )
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
 __all__ = ["GroupedRTNQuantizer", "RTNTensor", "RTNToken", "RTNChannel"]
 
@@ -54,9 +54,12 @@ class GroupedRTNQuantizer(Quantizer):
         """The layout the groups are taken in (identity; per-tensor flattens each batch entry)."""
         return x
 
+    finite_check = "stats"  # every element is inside one group's min/max
+
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         gran = self.granularity(kind)
-        codes, lo, scale = rtn_quantize(self._view(x), bits, gran)
+        codes, lo, scale = rtn_quantize(self._view(x), bits, gran, codes_dtype=torch.uint8)
+        check_finite(x, lo, scale, name=kind.upper())
         # the granularity (with its group size) travels in meta: any instance of the method decodes it
         qt = self._new_qt(x, kind, bits, granularity=gran)
         qt.add_codes("codes", codes, bits)
@@ -65,7 +68,7 @@ class GroupedRTNQuantizer(Quantizer):
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        return rtn_dequantize(qt.codes("codes"), qt["zero"], qt["scale"], qt.meta["granularity"])
+        return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], qt.meta["granularity"])
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         return bits + AUX_BITS_NOMINAL / _group_elems(self.granularity(kind), shape)

@@ -551,7 +551,8 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
         return None
     names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
     lat = [n for n in names if (catalog.get(n, {}).get("unit") in TIME_UNITS) or re.search(r"(latency|_ms$|_s$)", n)]
-    lat = sorted((n for n in lat if "throughput" not in n), key=lambda n: ("dequant" in n, n))
+    lat = sorted((n for n in lat if "throughput" not in n and not n.endswith("_x_clone")),
+                 key=lambda n: ("dequant" in n, n))
     bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
     bit_src = exp4
     if not bit_names:  # fall back to the reconstruction experiment's bits accounting

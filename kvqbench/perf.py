@@ -1,0 +1,392 @@
+"""``kvqbench perf`` — round-trip speed of every registered method, as ratios to two floors measured in the
+same run.
+
+A KV quantizer's round trip (quantize, then dequantize) is memory-bound: it reads the tensor, writes its
+codes and writes the reconstruction. Two baselines are timed beside the methods, on the same tensor and
+in the same process:
+
+* ``clone`` — ``x.clone()``, one read and one write of the tensor (the floor; on CUDA a device-to-device
+  copy, i.e. the memory bandwidth);
+* ``eager_rtn`` — a straightforward eager-torch asymmetric RTN, per token in groups of 64 channels
+  (min/max, scale, round, clamp, dequantize; no bit packing) — what a method costs when it is written
+  plainly;
+* ``hqq_rtn`` (when the ``hqq`` package is installed, extra ``peers``) — HQQ's quantizer without its
+  optimizer (plain min/max RTN, group 64, bit-packed), quantize + dequantize.
+
+Every candidate (baselines, then each method's K and V round trip) is timed once per round, the rounds
+are repeated ``repeats`` times with the order rotated each round (interleaved, so a slow spell of a shared
+machine hits every candidate alike), and the median per candidate is reported with its ratios to the
+medians of ``clone``, ``eager_rtn`` and ``hqq_rtn``. This is done at every token count and at every thread
+count asked (default: 1 thread and torch's default). On CUDA every call is timed with CUDA events after a
+synchronize and the peak of ``torch.cuda.max_memory_allocated`` per round trip is recorded.
+
+Data: a synthetic K/V of shape ``(1, kv_heads, T, head_dim)`` fp32 from :func:`kvqbench.data.make_synthetic`
+(fixed seed). Data-dependent methods are fitted first on an independent batch (untimed), as in the
+benchmark cells.
+
+This is a benchmark command, not a test: timings are never asserted. Torch is imported lazily so that
+``kvqbench --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES"]
+
+#: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
+BASELINES: tuple[str, ...] = ("clone", "eager_rtn", "hqq_rtn")
+DEFAULT_TOKENS = (1024, 4096, 16384)
+EAGER_GROUP = 64
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+        if not vals or any(v < 1 for v in vals):
+            raise ValueError
+        return vals
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}") from None
+
+
+def _threads(text: str) -> list[str]:
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    for v in vals:
+        if v != "default" and not (v.isdigit() and int(v) >= 1):
+            raise argparse.ArgumentTypeError(f"--threads expects a comma list of ints >= 1 or 'default', got {text!r}")
+    if not vals:
+        raise argparse.ArgumentTypeError("--threads got nothing")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``kvqbench perf`` options (used by :mod:`kvqbench.cli`)."""
+    p.add_argument("--methods", default="all", help="comma list of method ids (default: every registered method)")
+    p.add_argument("--tokens", type=_positive_ints, default=list(DEFAULT_TOKENS), metavar="T1,T2,…",
+                   help="sequence lengths (default 1024,4096,16384)")
+    p.add_argument("--threads", type=_threads, default=["1", "default"], metavar="N,…",
+                   help="torch CPU thread counts, ints or 'default' (default: 1,default)")
+    p.add_argument("--bits", type=int, default=2, help="k_bits = v_bits of every method (default 2)")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
+    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds; medians are reported (default 7)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--no-peers", action="store_true", help="leave out optional peer baselines (hqq_rtn)")
+    p.add_argument("--fused", action="store_true",
+                   help="use the compiled (torch.compile) RTN kernels where a compiler exists, as KVQBENCH_FUSED=1 "
+                        "(bit-identical; the first call per shape compiles)")
+
+
+# --------------------------------------------------------------------------------------------------
+# baselines
+
+
+def eager_rtn_roundtrip(x, bits: int = 2, group: int = EAGER_GROUP):
+    """A plain eager asymmetric RTN round trip of ``x`` ``(…, head_dim)`` per token in groups of ``group``
+    channels: ``lo, hi`` per group, ``scale = (hi − lo)/(2^b − 1)``, codes ``clamp(round((x − lo)/scale))``
+    as uint8, ``x̂ = q·scale + lo``. The reference the methods are compared with (no packing, no guards)."""
+    import torch
+
+    d = x.shape[-1]
+    g = group if d % group == 0 else d
+    xg = x.reshape(-1, g)
+    lo = xg.amin(-1, keepdim=True)
+    hi = xg.amax(-1, keepdim=True)
+    scale = (hi - lo) / (2**bits - 1)
+    q = torch.clamp(torch.round((xg - lo) / scale), 0, 2**bits - 1).to(torch.uint8)
+    return (q * scale + lo).reshape(x.shape)
+
+
+def _hqq_roundtrip(bits: int) -> Callable | None:
+    """HQQ's plain RTN (optimizer off, group 64, bit-packed) round trip, or None when hqq is absent."""
+    try:
+        from hqq.core.quantize import Quantizer as HQQ  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - absent or broken optional peer
+        return None
+
+    def rt(x):
+        wq, meta = HQQ.quantize(x.reshape(-1, x.shape[-1]), nbits=bits, group_size=EAGER_GROUP, optimize=False,
+                                axis=1, bitpack=True, device=str(x.device))
+        return HQQ.dequantize(wq, meta).reshape(x.shape)
+
+    return rt
+
+
+# --------------------------------------------------------------------------------------------------
+# timing
+
+
+def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int]]:
+    """``fn → (milliseconds, peak bytes above the level before the call or 0)``."""
+    import torch
+
+    if device.type == "cuda":
+        def cuda_time(fn: Callable[[], Any]) -> tuple[float, int]:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            del out
+            return float(start.elapsed_time(end)), int(torch.cuda.max_memory_allocated(device) - base)
+
+        return cuda_time
+
+    def cpu_time(fn: Callable[[], Any]) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        out = fn()
+        dt = (time.perf_counter() - t0) * 1e3
+        del out
+        return dt, 0
+
+    return cpu_time
+
+
+def _candidates(method_ids: list[str], bits: int, data, peers: bool) -> dict[str, Callable[[], Any]]:
+    import torch
+
+    from kvqbench.experiments.common import fit_method
+    from kvqbench.quantizers import create
+
+    k, v = data.k, data.v
+    cands: dict[str, Callable[[], Any]] = {
+        "clone": lambda: k.clone(),
+        "eager_rtn": lambda: eager_rtn_roundtrip(k, bits),
+    }
+    hqq = _hqq_roundtrip(bits) if peers else None
+    if hqq is not None:
+        cands["hqq_rtn"] = lambda: hqq(k)
+    for mid in method_ids:
+        m = create(mid, bits, bits, seed=0)
+        fit_method(m, data)  # data-dependent state from the independent calibration batch, untimed
+        cands[f"{mid}/k"] = (lambda m=m: m.roundtrip(k, "k"))
+        cands[f"{mid}/v"] = (lambda m=m: m.roundtrip(v, "v"))
+    with torch.no_grad():
+        for fn in cands.values():  # warm-up: caches (Hadamard, codebooks), allocator, lazy kernels
+            fn()
+    return cands
+
+
+def _measure(cands: dict[str, Callable[[], Any]], timer, repeats: int) -> dict[str, dict[str, Any]]:
+    import torch
+
+    names = list(cands)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    peak: dict[str, int] = {n: 0 for n in names}
+    with torch.no_grad():
+        for r in range(repeats):
+            shift = r % len(names)
+            for n in names[shift:] + names[:shift]:  # rotate the order every round
+                ms, mem = timer(cands[n])
+                times[n].append(ms)
+                peak[n] = max(peak[n], mem)
+    return {n: {"median_ms": statistics.median(times[n]), "min_ms": min(times[n]), "all_ms": times[n],
+                "peak_bytes": peak[n]} for n in names}
+
+
+def run_perf(
+    methods: list[str] | None = None,
+    tokens: list[int] | tuple[int, ...] = DEFAULT_TOKENS,
+    threads: list[str] | tuple[str, ...] = ("1", "default"),
+    bits: int = 2,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    repeats: int = 7,
+    device: str = "cpu",
+    peers: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Time every method's K and V round trip against the baselines (see module doc).
+
+    Returns:
+        a JSON-able dict: ``config``, ``environment`` and ``rows`` — one per (threads, tokens, candidate)
+        with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA) and the ratios ``x_clone``,
+        ``x_eager_rtn`` and ``x_hqq_rtn`` (None without hqq); and ``scaling`` — per threads and candidate the
+        median-time ratio between consecutive token counts.
+    Raises:
+        ValueError: unknown method ids, bad sizes, or ``device`` cuda without CUDA.
+    """
+    import torch
+
+    from kvqbench.cells import parse_methods
+    from kvqbench.data.synthetic import make_synthetic
+    from kvqbench.quantizers import available
+
+    ids = parse_methods(None if methods is None else ",".join(methods), available())
+    if repeats < 1 or bits < 1 or kv_heads < 1 or head_dim < 2:
+        raise ValueError("repeats, bits and kv_heads must be >= 1 and head_dim >= 2")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked but CUDA is not available (torch {torch.__version__})")
+    default_threads = torch.get_num_threads()
+    timer = _timer(dev)
+    say = log or (lambda s: None)
+    rows: list[dict[str, Any]] = []
+    thread_counts = [default_threads if t == "default" else int(t) for t in threads]
+    for nt in dict.fromkeys(thread_counts):
+        torch.set_num_threads(nt)
+        for t in tokens:
+            spec = dict(batch=1, kv_heads=kv_heads, q_heads=kv_heads, seq_len=int(t), head_dim=head_dim)
+            data = make_synthetic(seed=0, **spec).to(dev)
+            data.calibration = make_synthetic(seed=1_000_033, **spec).to(dev)
+            t0 = time.perf_counter()
+            res = _measure(_candidates(ids, bits, data, peers), timer, repeats)
+            base = {b: res[b]["median_ms"] for b in BASELINES if b in res}
+            # clone reads and writes the tensor once: its bytes moved per second is the memory bandwidth
+            res["clone"]["bandwidth_gbps"] = 2 * data.k.numel() * data.k.element_size() / (
+                max(base["clone"], 1e-9) * 1e-3) / 1e9
+            for name, r in res.items():
+                mid, _, kind = name.partition("/")
+                row = {"threads": nt, "tokens": int(t), "candidate": mid, "kind": kind or None, **r}
+                for b in BASELINES:
+                    row[f"x_{b}"] = r["median_ms"] / base[b] if b in base and base[b] > 0 else None
+                rows.append(row)
+            say(f"kvqbench perf: threads={nt} T={t}: {len(res)} candidates × {repeats} rounds in "
+                f"{time.perf_counter() - t0:.1f} s")
+    torch.set_num_threads(default_threads)
+    scaling = []
+    for nt in dict.fromkeys(thread_counts):
+        sel = {(r["candidate"], r["kind"], r["tokens"]): r["median_ms"] for r in rows if r["threads"] == nt}
+        ts = sorted(set(tokens))
+        for (cand, kind) in dict.fromkeys((c, k) for c, k, _ in sel):
+            for a, b in zip(ts, ts[1:]):
+                if sel.get((cand, kind, a)) and (cand, kind, b) in sel:
+                    scaling.append({"threads": nt, "candidate": cand, "kind": kind, "from_tokens": a,
+                                    "to_tokens": b, "time_ratio": sel[(cand, kind, b)] / sel[(cand, kind, a)],
+                                    "token_ratio": b / a})
+    env = {
+        "torch": torch.__version__, "device": str(dev), "platform": platform.platform(),
+        "machine": platform.machine(), "cpu_count": _cpu_count(), "default_threads": default_threads,
+        "cuda_device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "hqq": _hqq_version() if peers else None,
+        "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+    }
+    from kvqbench.numerics import fused
+
+    cfg = {"fused": fused.enabled(dev.type), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
+           "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
+           "eager_rtn_group": EAGER_GROUP}
+    return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
+
+
+def _cpu_count() -> int | None:
+    import os
+
+    return os.cpu_count()
+
+
+def _hqq_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("hqq")
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _fmt(v: float | None) -> str:
+    return "—" if v is None else f"{v:.2f}"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The tables ``kvqbench perf`` prints: per (threads, tokens) one row per method with the K and V
+    median times and ratios, then the 4× token scaling of every candidate."""
+    from tabulate import tabulate
+
+    rows = result["rows"]
+    has_hqq = any(r.get("x_hqq_rtn") is not None for r in rows)
+    out: list[str] = []
+    cuda = str(result["environment"]["device"]).startswith("cuda")
+    for nt in result["config"]["threads"]:
+        for t in result["config"]["tokens"]:
+            sel = [r for r in rows if r["threads"] == nt and r["tokens"] == t]
+            if not sel:
+                continue
+            by = {(r["candidate"], r["kind"]): r for r in sel}
+            table = []
+            for cand in dict.fromkeys(r["candidate"] for r in sel):
+                if (cand, None) in by:
+                    r = by[(cand, None)]
+                    line = [cand, f"{r['median_ms']:.3f}", "", _fmt(r["x_clone"]), "", _fmt(r["x_eager_rtn"]), ""]
+                    if has_hqq:
+                        line += [_fmt(r["x_hqq_rtn"]), ""]
+                    if cuda:
+                        line += [f"{r['peak_bytes'] / 2**20:.1f}"]
+                    table.append(line)
+                    continue
+                rk, rv = by.get((cand, "k")), by.get((cand, "v"))
+                line = [cand, f"{rk['median_ms']:.3f}", f"{rv['median_ms']:.3f}", _fmt(rk["x_clone"]),
+                        _fmt(rv["x_clone"]), _fmt(rk["x_eager_rtn"]), _fmt(rv["x_eager_rtn"])]
+                if has_hqq:
+                    line += [_fmt(rk["x_hqq_rtn"]), _fmt(rv["x_hqq_rtn"])]
+                if cuda:
+                    line += [f"{max(rk['peak_bytes'], rv['peak_bytes']) / 2**20:.1f}"]
+                table.append(line)
+            headers = ["candidate", "K ms", "V ms", "K ×clone", "V ×clone", "K ×eager_rtn", "V ×eager_rtn"]
+            if has_hqq:
+                headers += ["K ×hqq_rtn", "V ×hqq_rtn"]
+            if cuda:
+                headers += ["peak MiB"]
+            shape = result["config"]["shape"]
+            out.append(f"threads={nt}  T={t}  x=({shape[0]}, {shape[1]}, {t}, {shape[3]}) fp32  "
+                       f"{result['config']['bits']} bits  median of {result['config']['repeats']} interleaved rounds")
+            out.append(tabulate(table, headers=headers, disable_numparse=True))
+            bw = by.get(("clone", None), {}).get("bandwidth_gbps")
+            if bw:
+                out.append(f"clone moves {bw:.1f} GB/s (read + write)")
+            out.append("")
+    sc = result.get("scaling") or []
+    if sc:
+        steps = sorted({(s["from_tokens"], s["to_tokens"]) for s in sc})
+        table = []
+        keys = list(dict.fromkeys((s["threads"], s["candidate"], s["kind"]) for s in sc))
+        for nt, cand, kind in keys:
+            vals = {(s["from_tokens"], s["to_tokens"]): s["time_ratio"] for s in sc
+                    if (s["threads"], s["candidate"], s["kind"]) == (nt, cand, kind)}
+            table.append([nt, cand + (f"/{kind}" if kind else "")] + [_fmt(vals.get(st)) for st in steps])
+        out.append("time ratio between token counts (a memory-bound round trip scales like the token ratio)")
+        out.append(tabulate(table, headers=["threads", "candidate"] + [f"{a}→{b} (×{b / a:g})" for a, b in steps],
+                            disable_numparse=True))
+    env = result["environment"]
+    out.append(f"\ntorch {env['torch']} · {env['device']}{' ' + env['cuda_device'] if env.get('cuda_device') else ''}"
+               f" · {env['cpu_count']} CPUs (default threads {env['default_threads']}) · timer {env['timer']} · "
+               f"hqq {env['hqq'] or 'not installed (pip install -e .[peers])'}")
+    return "\n".join(out)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`)."""
+    methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
+    if args.fused:
+        from kvqbench.numerics import fused
+
+        if not fused.compiler_available("cuda" if args.device.startswith("cuda") else "cpu"):
+            print("kvqbench perf: --fused needs a C++ compiler (CPU) or Triton (CUDA); none found", file=sys.stderr)
+            return 2
+        fused.set_enabled(True)
+    try:
+        result = run_perf(methods, args.tokens, args.threads, args.bits, args.kv_heads, args.head_dim,
+                          args.repeats, args.device, peers=not args.no_peers,
+                          log=lambda s: print(s, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError) as e:
+        print(f"kvqbench perf: {e}", file=sys.stderr)
+        return 2
+    if args.json is not None:  # first, so that nothing measured is lost
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(format_report(result))
+    if args.json is not None:
+        print(f"wrote {args.json}")
+    return 0
