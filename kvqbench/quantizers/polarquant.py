@@ -58,18 +58,29 @@ def from_polar(rho: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     return torch.cat([rho * torch.cos(phi), rho * torch.sin(phi)], dim=-1)
 
 
-def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
-    """``clamp(floor((v − mn)/s), 0, 2**b − 1)`` with ``s = (mx − mn)/2**b``; a constant group → 0."""
+def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int,
+                    dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``clamp(floor((v − mn)/s), 0, 2**b − 1)`` with ``s = (mx − mn)/2**b``; a constant group → 0.
+    One buffer (divided, floored and clamped in place); a zero ``s`` divides by ``+inf`` (→ 0)."""
     s = (mx - mn) / (1 << bits)
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    q = torch.floor((v - mn) / safe)
-    q = torch.where(s > 0, q, torch.zeros_like(q))
-    return torch.clamp(q, 0, (1 << bits) - 1).to(torch.int64)
+    safe = torch.where(s > 0, s, torch.full_like(s, math.inf))
+    q = torch.sub(v, mn)
+    q.div_(safe).floor_().clamp_(0, (1 << bits) - 1)
+    return q.to(dtype)
 
 
 def _midpoint(idx: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
+    """``mn + (idx + ½)·s`` (one buffer)."""
     s = (mx - mn) / (1 << bits)
-    return mn + (idx.to(mn.dtype) + 0.5) * s
+    if tuple(idx.shape) != tuple(torch.broadcast_shapes(idx.shape, mn.shape, s.shape)):
+        return mn + (idx.to(mn.dtype) + 0.5) * s
+    return idx.to(mn.dtype, copy=True).add_(0.5).mul_(s).add_(mn)
+
+
+def _token_groups(v: torch.Tensor, g: int) -> torch.Tensor | None:
+    """``(B, H, T, P)`` → the view ``(B, H, T/G, G, P)`` when G divides T (no copy), else None."""
+    t = v.shape[-2]
+    return v.reshape(*v.shape[:-2], t // g, g, v.shape[-1]) if t % g == 0 else None
 
 
 @register
@@ -143,10 +154,18 @@ class PolarQuant(Quantizer):
         rho, phi = to_polar(xf)  # (B, H, T, P)
         qt = self._new_qt(x, kind, bits, group_size=self.group_size)
         for name, v in (("rho", rho), ("phi", phi)):
-            vg, restore = to_groups(v, -2, self.group_size)  # (B, H, P, nG, G)
-            mn = vg.amin(dim=-1, keepdim=True)
-            mx = vg.amax(dim=-1, keepdim=True)
-            qt.add_codes(f"{name}_codes", restore(_floor_quantize(vg, mn, mx, bits)), bits)
+            vt = _token_groups(v, self.group_size)
+            if vt is not None:  # groups along the token axis as a view: reduce over it, no transposes
+                mn = vt.amin(dim=-2, keepdim=True)  # (B, H, nG, 1, P)
+                mx = vt.amax(dim=-2, keepdim=True)
+                codes = _floor_quantize(vt, mn, mx, bits, torch.uint8).reshape(v.shape)
+                mn, mx = mn.movedim(-1, -3), mx.movedim(-1, -3)  # stored as (B, H, P, nG, 1), views
+            else:
+                vg, restore = to_groups(v, -2, self.group_size)  # (B, H, P, nG, G)
+                mn = vg.amin(dim=-1, keepdim=True)
+                mx = vg.amax(dim=-1, keepdim=True)
+                codes = restore(_floor_quantize(vg, mn, mx, bits, torch.uint8))
+            qt.add_codes(f"{name}_codes", codes, bits)
             qt.fields[f"{name}_min"] = Stored(mn, 16)
             qt.fields[f"{name}_max"] = Stored(mx, 16)
         return qt
@@ -156,7 +175,7 @@ class PolarQuant(Quantizer):
         if self.v_fp16:
             qt.fields["passthrough"] = Stored(x.clone(), 16)
             return qt
-        codes, lo, scale = rtn_quantize(x, bits, PerToken())
+        codes, lo, scale = rtn_quantize(x, bits, PerToken(), codes_dtype=torch.uint8)
         qt.add_codes("codes", codes, bits)
         qt.fields["scale"] = Stored(scale, 16)
         qt.fields["zero"] = Stored(lo, 16)
@@ -164,12 +183,18 @@ class PolarQuant(Quantizer):
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
-            return rtn_dequantize(qt.codes("codes"), qt["zero"], qt["scale"], PerToken())
+            return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], PerToken())
         g = qt.meta["group_size"]
         polar = []
         for name in ("rho", "phi"):
-            cg, restore = to_groups(qt.codes(f"{name}_codes"), -2, g)
-            polar.append(restore(_midpoint(cg, qt[f"{name}_min"], qt[f"{name}_max"], qt.bits)))
+            codes = qt.codes(f"{name}_codes", torch.uint8)
+            mn, mx = qt[f"{name}_min"], qt[f"{name}_max"]
+            ct = _token_groups(codes, g)
+            if ct is not None:
+                polar.append(_midpoint(ct, mn.movedim(-3, -1), mx.movedim(-3, -1), qt.bits).reshape(codes.shape))
+            else:
+                cg, restore = to_groups(codes, -2, g)
+                polar.append(restore(_midpoint(cg, mn, mx, qt.bits)))
         return from_polar(*polar)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:

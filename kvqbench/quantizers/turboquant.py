@@ -202,14 +202,16 @@ class TurboQuant(Quantizer):
         qt.fields["norm"] = Stored(norm, 16)
 
         mse_bits = self._mse_bits(bits, self.variant)
-        u_hat = torch.zeros_like(u)
+        prod = self.variant == "prod"
+        u_hat = torch.zeros_like(u) if prod else None
         if mse_bits > 0:
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
             idx = nearest_centroid(u @ pi.T, thr)
             qt.add_codes("codes", idx, mse_bits)
-            u_hat = cent[idx] @ pi
-        if self.variant == "prod":
+            if prod:  # the MSE stage's reconstruction is needed only for the QJL residual
+                u_hat = cent.index_select(0, idx.reshape(-1)).reshape(idx.shape) @ pi
+        if prod:
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
             r = u - u_hat
             qt.add_codes("qjl", (r @ s.T >= 0).to(torch.int64), 1)
@@ -226,7 +228,8 @@ class TurboQuant(Quantizer):
         if mse_bits > 0:
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            u_hat = cent[qt.codes("codes").to(dev)] @ pi
+            codes = qt.codes("codes").to(dev)
+            u_hat = cent.index_select(0, codes.reshape(-1)).reshape(codes.shape) @ pi
         if meta["variant"] == "prod":
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
             signs = qt.codes("qjl").to(device=dev, dtype=cdt) * 2 - 1
