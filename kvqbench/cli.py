@@ -16,8 +16,20 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 __all__ = ["main", "build_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose epilog may be computed when the help is printed (``epilog_fn``)."""
+
+    epilog_fn: Callable[[], str] | None = None
+
+    def format_help(self) -> str:
+        if self.epilog_fn is not None and self.epilog is None:
+            self.epilog = self.epilog_fn()
+        return super().format_help()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,14 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
                "  kvqbench compare leaderboard/ results/ --fail-on rel_mse:5",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", metavar="{run,report,merge,compare,publish,methods,perf}")
+    sub = p.add_subparsers(dest="cmd", metavar="{run,report,merge,compare,publish,methods,perf}",
+                           parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
-                       description="Run benchmark cells. Unknown arguments are passed to pytest "
-                                   "(e.g. -k kvarn, -n auto, --kvq-seeds 5, --device cuda, --kvq-out DIR).")
+                       description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
+                                   "(about 10 min on an idle 2-core CPU; the progress line's ETA says how long "
+                                   "yours takes). Unknown arguments are passed to "
+                                   "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
-    size.add_argument("--smoke", action="store_true", help="tiny cells (seconds)")
+    size.add_argument("--smoke", action="store_true",
+                      help="tiny synthetic cells only (measured: 22 CPU-seconds, about 1 min wall on a busy "
+                           "2-core machine); add --kvq-real for the real-model smoke cells too (over 2 min)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
-    r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only)")
+    r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
+                                                          "--smoke implies it unless --kvq-real is given)")
     r.add_argument("--tests", default="tests/bench", help="folder of the benchmark cells (default tests/bench)")
     r.add_argument("--shard", metavar="I/N", default=None,
                    help="run only shard I of N (duration-balanced, the same on every machine) into "
@@ -98,6 +118,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OptionRecorder:
+    """Stands in for pytest's ``Parser``/``OptionGroup``: records every ``addoption`` call so the
+    plugin's own option definitions can be shown in ``kvqbench run --help`` (one source, no drift)."""
+
+    def __init__(self) -> None:
+        self.options: list[tuple[tuple[str, ...], dict]] = []
+
+    def getgroup(self, *args: object, **kwargs: object) -> _OptionRecorder:
+        return self
+
+    def addoption(self, *names: str, **kwargs: object) -> None:
+        self.options.append((names, dict(kwargs)))
+
+    def addini(self, *args: object, **kwargs: object) -> None:  # ini values are not command-line options
+        return None
+
+
+def plugin_options() -> list[tuple[tuple[str, ...], dict]]:
+    """Every command-line option the kvqbench pytest plugin defines, as ``(flags, addoption kwargs)``,
+    read by running the plugin's ``pytest_addoption`` against a recorder (imports pytest, not torch)."""
+    from kvqbench.plugin import pytest_addoption
+
+    rec = _OptionRecorder()
+    pytest_addoption(rec)  # type: ignore[arg-type]
+    return rec.options
+
+
+def plugin_options_help() -> str:
+    """The ``kvqbench (pytest plugin) options`` section of ``kvqbench run --help``: each option with
+    its help text and its default, formatted by argparse from the plugin's definitions."""
+    helper = argparse.ArgumentParser(prog="kvqbench run", add_help=False,
+                                     formatter_class=argparse.HelpFormatter)
+    group = helper.add_argument_group("kvqbench options (passed to pytest; defaults shown)")
+    for names, kw in plugin_options():
+        kw = {k: v for k, v in kw.items() if k in ("action", "default", "metavar", "help", "choices", "nargs")}
+        default = kw.get("default")
+        shown = "off" if kw.get("action") == "store_true" else ("none" if default is None else str(default))
+        text = str(kw.get("help") or "").replace("%", "%%")
+        if "(default" not in text:
+            text += f" (default {shown})"
+        kw["help"] = text
+        group.add_argument(*names, **kw)
+    body = helper.format_help().split("\n\n", 1)[-1]  # drop the usage line
+    return (body + "\nAny other pytest option works too (pytest --help). Selecting: -k kivi (a method id), "
+            "-k reconstruction (an experiment's test name); a selection that matches no cell lists both.")
+
+
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
     import pytest
 
@@ -107,7 +174,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
               file=sys.stderr)
         return 2
     cmd = [str(tests), "-m", "smoke" if args.smoke else "full"]
-    if not args.no_real and "--kvq-real" not in extra:
+    if not args.no_real and not args.smoke and "--kvq-real" not in extra:  # --smoke: synthetic unless asked
         cmd.append("--kvq-real")
     if args.shard is not None or args.ray is not None or args.shards is not None:
         from kvqbench.shard import parse_shard

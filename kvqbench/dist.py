@@ -111,6 +111,7 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
         init["address"] = address
         init["runtime_env"] = {"working_dir": str(rootdir), "excludes": SHIP_EXCLUDES}
     t0 = time.time()
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every shard's progress lines, not "[repeated 2x …]"
     ray.init(**init)
     try:
         res = ray.cluster_resources()

@@ -20,6 +20,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
+from kvqbench.progress import Progress, coarse_kind_of, hms
 
 RECORD_KEY = "kvqbench"
 
@@ -65,78 +67,6 @@ class SessionState:
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 STATE_KEY = pytest.StashKey[SessionState]()
-
-
-@dataclass
-class Progress:
-    """Progress/ETA of a session, printed by the controller (serial or xdist).
-
-    Every ``interval_s`` seconds (``--kvq-progress``, default 10; 0 = off) at most one line
-    ``kvqbench: 120/660 tests, elapsed 1m30s, ETA 6m10s`` is written, counted from finished tests
-    (one teardown report per test, which xdist forwards to the controller). The total comes from
-    collection (``session.items``, or the first xdist node's collected ids). *elapsed* counts from the
-    session start. The ETA weights what is left by kind: tests are grouped by test function and by
-    the data source/size in their id (a real full-size cell costs far more than a synthetic smoke
-    one), each pending test is charged its group's median measured duration (the overall median for a
-    group not seen yet; medians ignore one-off costs such as loading the model), and the sum is divided by the parallelism observed so far (busy test-seconds per wall
-    second since collection ended, which accounts for xdist workers). Without durations it falls back to
-    the average pace of the finished tests.
-    """
-
-    interval_s: float = 10.0
-    total: int = 0
-    done: int = 0
-    t0: float = 0.0
-    t_run: float = 0.0
-    last: float = 0.0
-    pending: dict[str, int] = field(default_factory=dict)
-    durations: dict[str, list[float]] = field(default_factory=dict)
-    partial: dict[str, float] = field(default_factory=dict)  # setup+call seconds of running tests
-
-    @staticmethod
-    def group(nodeid: str) -> str:
-        base, _, params = nodeid.partition("[")
-        tags = [t for t in ("real", "synthetic", "full", "smoke") if f"-{t}" in params]
-        return base + ("|" + "-".join(tags) if tags else "")
-
-    def collected(self, nodeids: list[str]) -> None:
-        self.total = len(nodeids)
-        self.pending = {}
-        for n in nodeids:
-            g = self.group(n)
-            self.pending[g] = self.pending.get(g, 0) + 1
-
-    def finished(self, nodeid: str, duration_s: float) -> None:
-        g = self.group(nodeid)
-        self.done += 1
-        if self.pending.get(g, 0) > 0:
-            self.pending[g] -= 1
-        self.durations.setdefault(g, []).append(max(duration_s, 0.0))
-
-    def eta(self, now: float) -> float:
-        import statistics
-
-        run = max(now - (self.t_run or self.t0), 1e-9)
-        busy = sum(sum(v) for v in self.durations.values())
-        if not self.durations or busy <= 0:
-            return run / self.done * (self.total - self.done) if self.done else 0.0
-        # medians, so a one-off cost (the first real cell loads the model) does not inflate a group
-        typical_all = statistics.median(d for v in self.durations.values() for d in v)
-        left = sum(k * (statistics.median(self.durations[g]) if self.durations.get(g) else typical_all)
-                   for g, k in self.pending.items() if k > 0)
-        return left / max(busy / run, 1e-3)
-
-    def line(self, now: float) -> str:
-        el = now - self.t0
-        return (f"kvqbench: {self.done}/{self.total} tests, elapsed {_hms(el)}, "
-                f"ETA {_hms(self.eta(now)) if self.done else '?'}")
-
-
-def _hms(sec: float) -> str:
-    sec = int(round(sec))
-    h, rem = divmod(sec, 3600)
-    m, s_ = divmod(rem, 60)
-    return f"{h}h{m:02d}m{s_:02d}s" if h else (f"{m}m{s_:02d}s" if m else f"{s_}s")
 
 
 PROGRESS_KEY = pytest.StashKey[Progress]()
@@ -198,10 +128,10 @@ def _check_model(model: str) -> None:
                                 ) from None
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``--kvq-shard I/N``: keep shard I of the collected (and -k/-m selected) items, deselect the rest
-    (see :mod:`kvqbench.shard`). Runs after pytest's own -k/-m deselection."""
+    (see :mod:`kvqbench.shard`). Runs after pytest's own -k/-m deselection (from the
+    ``pytest_collection_modifyitems`` wrapper below)."""
     s = config.stash.get(SETTINGS_KEY, None)
     if s is None or s.shard is None:
         return
@@ -213,7 +143,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     except (FileNotFoundError, ValueError) as e:
         raise pytest.UsageError(f"--kvq-shard: {e}") from None
     matrix = [it.nodeid for it in items]
-    est = sh.estimate_durations(matrix, durations, Progress.group)
+    est = sh.estimate_durations(matrix, durations, coarse_kind_of)
     keep = set(sh.split(matrix, count, est)[index - 1])
     selected = [it for it in items if it.nodeid in keep]
     deselected = [it for it in items if it.nodeid not in keep]
@@ -229,22 +159,37 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         config.hook.pytest_deselected(items=deselected)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node: Any, error: Any) -> None:
-    """xdist controller: take the shard description a worker computed at collection."""
-    config = _CONFIG.get("config")
-    doc = (getattr(node, "workeroutput", None) or {}).get("kvqbench_shard")
-    if config is not None and doc is not None and STATE_KEY in config.stash:
-        config.stash[STATE_KEY].shard = config.stash[STATE_KEY].shard or doc
+
+
+#: pytest cache key of the per-test / per-kind / per-step durations kept between runs
+DURATIONS_CACHE_KEY = "kvqbench/durations"
+#: a test's user property naming a step paid inside it: ``("kvqbench_step", {"kind": ..., "seconds": ...})``
+STEP_KEY = "kvqbench_step"
+
+
+def _progress(config: pytest.Config | None) -> Progress | None:
+    if config is None or _is_worker(config):
+        return None
+    return config.stash.get(PROGRESS_KEY, None)
+
+
+def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> None:
+    prog = _progress(config)
+    if prog is None or prog.total:
+        return
+    with _PROGRESS_LOCK:
+        prog.workers = max(1, workers)
+        prog.collected(nodeids)
+        prog.t_run = time.time()
+    if prog.interval_s > 0 and prog.total:
+        _PrintThread(config, prog).start()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     if not _is_worker(session.config):
         _expect_cells(session.config, [it.nodeid for it in session.items if _is_cell_item(it)])
-    prog = session.config.stash.get(PROGRESS_KEY, None)
-    if prog is not None and not _is_worker(session.config):
-        prog.collected([it.nodeid for it in session.items])
-        prog.t_run = time.time()
+        if session.items:
+            _start_progress(session.config, [it.nodeid for it in session.items], 1)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -252,30 +197,102 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     config = _CONFIG.get("config")
     if config is not None:
         _expect_cells(config, [i for i in ids if _CELL_ID.search(i)])
-    prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
-    if prog is not None and not prog.total:
-        prog.collected(list(ids))
-        prog.t_run = time.time()
+        n = getattr(config.option, "numprocesses", None)
+        _start_progress(config, list(ids), n if isinstance(n, int) and n > 0 else 1)
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    prog = _progress(_CONFIG.get("config"))
+    if prog is not None:
+        with _PROGRESS_LOCK:
+            prog.started(nodeid, time.time())
+
+
+_PROGRESS_LOCK = threading.Lock()
+
+
+class _PrintThread(threading.Thread):
+    """Writes the progress line every ``interval_s`` seconds (steady, also while a long test or the
+    real-model capture runs) until the session finishes."""
+
+    def __init__(self, config: pytest.Config, prog: Progress) -> None:
+        super().__init__(name="kvqbench-progress", daemon=True)
+        self.config, self.prog, self.stop = config, prog, threading.Event()
+        config.stash[PRINTER_KEY] = self
+
+    def run(self) -> None:
+        # While reports arrive, the main thread prints (in _progress_tick) so lines never interleave with
+        # pytest's own dots; this thread speaks only when nothing has arrived for a whole interval (a
+        # long test, the real-model capture, the closing report).
+        while not self.stop.wait(self.prog.interval_s / 2):
+            with _PROGRESS_LOCK:
+                now = time.time()
+                if self.stop.is_set():
+                    return
+                quiet = max(self.prog.interval_s, 2.0)  # no test report for that long: pytest is not writing
+                if now - max(self.prog.last, self.prog.last_report) >= quiet:
+                    _print_progress(self.config, self.prog, now)
+
+
+def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is None:
+        return
+    prog.last = now
+    if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+        tr.write("\n")  # after the progress dots of -q / xdist
+    tr.write_line(prog.line(now))
+
+
+PRINTER_KEY = pytest.StashKey[_PrintThread]()
+
+
+def _stop_progress(config: pytest.Config) -> None:
+    printer = config.stash.get(PRINTER_KEY, None)
+    if printer is not None:
+        with _PROGRESS_LOCK:
+            printer.stop.set()
 
 
 def _progress_tick(report: pytest.TestReport) -> None:
-    config = _CONFIG.get("config")
-    prog = config.stash.get(PROGRESS_KEY, None) if config is not None else None
-    if prog is None or _is_worker(config):
+    prog = _progress(_CONFIG.get("config"))
+    if prog is None:
         return
-    prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + float(getattr(report, "duration", 0.0) or 0.0)
-    if report.when != "teardown":
+    with _PROGRESS_LOCK:
+        d = float(getattr(report, "duration", 0.0) or 0.0)
+        if report.when == "setup":
+            for k, v in getattr(report, "user_properties", []) or []:
+                if k == STEP_KEY and isinstance(v, dict):  # e.g. the real-model capture inside kvq_data
+                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)))
+                    d -= float(v.get("seconds", 0.0))
+        prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
+        now = time.time()
+        prog.last_report = now
+        if report.when == "teardown":
+            prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0), now)
+            if prog.interval_s > 0 and now - prog.last >= prog.interval_s and prog.total:
+                _print_progress(_CONFIG["config"], prog, now)
+
+
+def _load_history(config: pytest.Config) -> dict:
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return {}
+    try:
+        h = cache.get(DURATIONS_CACHE_KEY, {})
+    except Exception:  # a corrupt cache never breaks a run
+        return {}
+    return h if isinstance(h, dict) and h.get("version") == 1 else {}
+
+
+def _save_history(config: pytest.Config, prog: Progress) -> None:
+    cache = getattr(config, "cache", None)
+    if cache is None or not prog.measured:
         return
-    prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0))
-    now = time.time()
-    if prog.interval_s <= 0 or prog.done >= prog.total or now - prog.last < prog.interval_s:
-        return
-    prog.last = now
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        if getattr(getattr(tr, "_tw", None), "width_of_current_line", 1):
-            tr.write("\n")  # after the progress dots of -q / xdist
-        tr.write_line(prog.line(now))
+    try:
+        cache.set(DURATIONS_CACHE_KEY, prog.updated_history(base=_load_history(config)))
+    except Exception as e:  # an unwritable cache costs only the next run's ETA
+        print(f"kvqbench: could not keep test durations in the pytest cache ({type(e).__name__})", file=sys.stderr)
 
 
 def _device_type(text: str) -> str:
@@ -345,7 +362,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "the thread count, so it is fixed to keep serial and -n N runs byte-identical; "
                      "parallelize with pytest-xdist (-n auto) instead")
     g.addoption("--kvq-bits", action="store", default=None, type=_argtype(parse_bits),
-                metavar="2,3,4,8,16", help="bit-widths of the sweeps (default 2,3,4,8,16)")
+                metavar="2,3,4,8,16", help="bit-widths of every experiment's sweep (default: each experiment's "
+                                           "own, 2,3,4,8,16 for reconstruction and 2,4 for the others)")
     g.addoption("--kvq-shard", action="store", default=None, type=_argtype(_parse_shard), metavar="I/N",
                 help="run only shard I of N of the collected cells (duration-balanced, the same on every machine; "
                      "the N shards together are the whole matrix). Results go to their own folder "
@@ -421,8 +439,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE_KEY] = SessionState(t0=time.time())
     if not config.pluginmanager.has_plugin("kvqbench-benchmark-json"):
         config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
-    config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
-                                          last=time.time())
+    if not _is_worker(config):
+        config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
+                                              last=time.time(), history=_load_history(config))
 
 
 def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:
@@ -545,14 +564,16 @@ def _real_layers(spec: Any, n_layers: int | None) -> Any:
 
 
 @pytest.fixture
-def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
-    """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process)."""
+def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
+    """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process). The
+    real-model capture is timed and reported as its own progress step (not as the cell's duration)."""
     _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
            kvq_settings.model, kvq_settings.dtype)
     if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
         pytest.fail(_DATA_FAILED[key], pytrace=False)
     if key not in _DATA_CACHE:
+        t = time.time()
         try:
             _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
         except Exception as e:
@@ -560,6 +581,9 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
             _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
                                  f"cell: {type(e).__name__}: {first}")
             raise  # the first cell shows the full error
+        if cell.source == "real":
+            request.node.user_properties.append(
+                (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
 
 
@@ -950,6 +974,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
+    t_report = time.time()
+    prog = _progress(config)
+    if prog is not None and prog.report_started is not None:
+        t_report = min(t_report, prog.report_started)  # the report step counts from the last test's end
     try:
         write_results(config, session, exitstatus)
     except Exception as e:  # never lose the session to a report bug; say what happened
@@ -957,11 +985,98 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if tr is not None:
             tr.write_line(f"kvqbench: writing results failed: {type(e).__name__}: {e}", red=True)
         raise
+    finally:
+        _finish_progress(config, time.time() - t_report)
+
+
+def _finish_progress(config: pytest.Config, report_s: float) -> None:
+    """Stop the progress line, keep this run's durations for the next ETA, print the closing line."""
+    _stop_progress(config)
+    prog = _progress(config)
+    if prog is None or not prog.total:
+        return
+    with _PROGRESS_LOCK:
+        for kind in [k for k in prog.expected_steps if k.startswith("report|")]:
+            prog.step(kind, report_s)
+        _save_history(config, prog)
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None and prog.interval_s > 0:
+        if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
+            tr.write("\n")
+        tr.write_line(f"kvqbench: finished {prog.done}/{prog.total} tests, elapsed {hms(time.time() - prog.t0)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# a selection that matches no cell
+SELECTION_KEY = pytest.StashKey[dict]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]):
+    """Count benchmark cells before and after ``-k``/``-m`` deselection (which runs inside this hook),
+    so that a selection matching no cell can name what exists. Workers hand the counts to the
+    controller through ``workeroutput``."""
+    kvq = [it for it in items if it.get_closest_marker("kvq") is not None]
+    experiments: dict[str, set[str]] = {}
+    for it in kvq:
+        m = it.get_closest_marker("kvq")
+        exp = m.kwargs.get("experiment") or (m.args[0] if m.args else "?")
+        experiments.setdefault(str(exp), set()).add(getattr(it, "originalname", it.name))
+    yield
+    _apply_shard(config, items)
+    cells_left = sum(1 for it in items if isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("cell"),
+                                                     Cell))
+    other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
+    sel = {"kvq_items": len(kvq), "cells_left": cells_left, "other_left": other_left,
+           "experiments": {e: sorted(v) for e, v in sorted(experiments.items())}}
+    if _is_worker(config):
+        config.workeroutput["kvqbench_selection"] = sel  # type: ignore[attr-defined]
+    else:
+        config.stash[SELECTION_KEY] = sel
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: take what a worker computed at collection — the shard description and the
+    selection counts."""
+    config = _CONFIG.get("config")
+    out = getattr(node, "workeroutput", None) or {}
+    doc = out.get("kvqbench_shard")
+    if config is not None and doc is not None and STATE_KEY in config.stash:
+        config.stash[STATE_KEY].shard = config.stash[STATE_KEY].shard or doc
+    sel = out.get("kvqbench_selection")
+    if sel and config is not None and SELECTION_KEY not in config.stash:
+        config.stash[SELECTION_KEY] = sel
+
+
+def no_cell_message(config: pytest.Config, sel: dict[str, Any]) -> str | None:
+    """The explanation printed when benchmark cells existed but the selection (``-k``, ``-m``,
+    ``--kvq-methods``) left none and nothing else ran: the selection, the registered method ids and the
+    experiments with their test names; ``None`` when it does not apply."""
+    if not sel or not sel.get("kvq_items") or sel.get("cells_left") or sel.get("other_left"):
+        return None
+    from kvqbench.quantizers import available
+
+    asked = []
+    if config.getoption("keyword", None):
+        asked.append(f"-k {config.getoption('keyword')!r}")
+    if config.getoption("markexpr", None):
+        asked.append(f"-m {config.getoption('markexpr')!r}")
+    if config.getoption("--kvq-methods", None):
+        asked.append(f"--kvq-methods {config.getoption('--kvq-methods')}")
+    exps = "; ".join(f"{e}: {', '.join(names)}" for e, names in sel.get("experiments", {}).items())
+    return (f"kvqbench: no benchmark cell matches {' '.join(asked) or 'this selection'}. "
+            f"Method ids: {', '.join(available())}. Experiments (test names): {exps}. "
+            "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real>-<smoke|full>]; "
+            "real cells need --kvq-real, full-size ones -m full.")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if _is_worker(config) or STATE_KEY not in config.stash:
         return
+    msg = no_cell_message(config, config.stash.get(SELECTION_KEY, {}))
+    if msg:
+        terminalreporter.write_line(msg, yellow=True, bold=True)
     state = config.stash[STATE_KEY]
     if not state.board:
         return

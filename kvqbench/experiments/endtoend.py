@@ -54,7 +54,7 @@ from typing import Any, Sequence
 import torch
 
 from kvqbench.data.types import KVData, apply_rope
-from kvqbench.experiments.common import fit_method
+from kvqbench.experiments.common import fit_method, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.experiments.streaming import Stream
 from kvqbench.numerics.attention import kl_rows
@@ -372,7 +372,8 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
     Returns:
         :class:`~kvqbench.experiments.reconstruction.CellResult` with metrics ``e2e_{regime}_kl_nats``,
         ``…_kl_p99_nats``, ``…_top1_agree``, ``…_dloss_nats``, ``…_bits_billed`` and ``extra`` (window,
-        schedule, scored positions, reference loss, stream policies, token hash).
+        schedule, scored positions, reference loss, stream policies, token hash, and the non-finite
+        element counts of the cache contents, :data:`~kvqbench.experiments.common.ROUNDTRIP_NONFINITE`).
     Raises:
         ValueError: a config whose window differs from the source's.
     """
@@ -399,6 +400,8 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
         for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
             res.metrics[pre + name] = m[name]
         res.metrics[pre + "bits_billed"] = hook.bits_billed()
+        for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
+            tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
         res.extra[regime] = {"scored_positions": [a, b], "loss_ref_nats": m["loss_ref_nats"],
                              "forward_calls": len(cfg.chunks(regime)), **hook.describe()}
     return res

@@ -5,8 +5,10 @@ For K and V separately (a token = one ``head_dim`` vector of one (layer, head, p
 
 * **norm-difference density** — histogram of the per-token norm difference ``‖x̂‖ − ‖x‖``, expressed in
   units of the RMS token norm of its layer (``d = (‖x̂‖ − ‖x‖) / RMS_t ‖x_t‖``) so one fixed set of bin
-  edges serves every model and layer: :data:`NORM_DIFF_EDGES` = 40 equal bins on ``[−0.2, 0.2]``, plus an
-  underflow and an overflow bin. Stored in ``series`` as a density (shares of tokens, summing to 1).
+  edges serves every model and layer: :data:`NORM_DIFF_EDGES` = 40 equal bins on ``[−0.2, 0.2]`` and, on
+  each side, 16 bins growing by √2 out to ±51.2 (a 2-bit method can move a norm by many RMS units), plus
+  an underflow and an overflow bin. Stored in ``series`` as shares of tokens (summing to 1); the
+  figure chooses its x-range from the data.
 * **off-diagonal mass** of the joint density of ``(‖x‖, ‖x̂‖)``: the share of tokens with
   ``|‖x̂‖/‖x‖ − 1| > τ``, :data:`TAU` = 0.1 (a 10 % norm change; tokens with ``‖x‖ = 0`` count when
   ``‖x̂‖ > 0``).
@@ -44,7 +46,9 @@ EXPERIMENT = "exp3"
 #: relative norm change beyond which a token is off the diagonal of the (‖x‖, ‖x̂‖) joint density
 TAU = 0.1
 #: fixed bin edges of the norm-difference density, in units of the layer's RMS token norm
-NORM_DIFF_EDGES: tuple[float, ...] = tuple(round(-0.2 + 0.01 * i, 10) for i in range(41))
+_NORM_DIFF_TAIL = tuple(round(0.2 * 2 ** (i / 2), 10) for i in range(1, 17))  # 0.283 … 51.2
+NORM_DIFF_EDGES: tuple[float, ...] = (tuple(-t for t in reversed(_NORM_DIFF_TAIL))
+                                      + tuple(round(-0.2 + 0.01 * i, 10) for i in range(41)) + _NORM_DIFF_TAIL)
 #: top error quantiles of the tail magnitude share (name → quantile)
 TAIL_QUANTILES: dict[str, float] = {"p99": 0.99, "p999": 0.999}
 

@@ -424,8 +424,8 @@ def _check_roundtrip_finite(records: list[dict]) -> dict:
                  "every method's reconstruction K̂, V̂ is finite (no NaN/inf) in every experiment", offenders)
 
 
-DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_roundtrip_finite,
-                            _check_fp16_endtoend])
+DATA_QUALITY_CHECKS.extend([_check_fp16_accumulation, _check_local_codebook_gap, _check_fp16_endtoend,
+                            _check_roundtrip_finite])
 
 
 def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", quality: str = "decode_attn_kl_fwd_nats",

@@ -49,7 +49,8 @@ from typing import Any, Callable, Iterable
 
 from kvqbench.report.io import read_json
 
-__all__ = ["write_figures", "figure_names", "iter_curves", "iter_histograms", "X_KEYS", "DPI"]
+__all__ = ["write_figures", "figure_names", "iter_curves", "iter_histograms", "iter_histogram_bins", "X_KEYS",
+           "DPI"]
 
 X_KEYS: tuple[str, ...] = ("context_len", "context_lens", "context_length", "context_lengths", "context",
                            "ctx_len", "ctx", "lengths", "tokens", "positions", "seq_lens", "x")
@@ -117,36 +118,47 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
                     ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
     """Yield ``(path, centers, density)`` for every histogram in ``series`` (see module doc).
 
-    Counts are normalised to a density (integral 1 including any under/overflow bins) so seeds and
-    methods are comparable; values named ``density``/``share`` that already sum to 1 are divided by
-    the bin width. A flat layout is read too: an ``…edges`` list beside ``…density`` lists with one
+    Counts are normalised to a density (count / total / bin width: integral 1, bins of unequal width
+    allowed) so seeds and methods are comparable; values named ``density`` are rescaled to integral 1;
+    shares that already sum to 1 are divided by the bin width. A flat layout is read too: an ``…edges`` list beside ``…density`` lists with one
     value fewer than the edges, or two more (an underflow and an overflow bin, not drawn).
     """
+    for p, edges, dens in iter_histogram_bins(series, path):
+        yield p, [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)], dens
+
+
+def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
+                        ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
+    """Like :func:`iter_histograms` but yields the bin ``edges`` (one more than the densities), so
+    bins of unequal width (e.g. fine near 0, wider in the tails) keep their true extent."""
     if not isinstance(series, dict):
         return
     edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
-    vals = next((_as_curve(series[k]) for k in VALUE_KEYS if k in series and _as_curve(series[k])), None)
+    vkey = next((k for k in VALUE_KEYS if k in series and _as_curve(series[k])), None)
+    vals = _as_curve(series[vkey]) if vkey is not None else None
     centers = series.get("centers") if _is_num_list(series.get("centers")) else None
     if vals is not None and (edges is not None or centers is not None):
         if edges is not None and len(edges) == len(vals) + 1:
             e = [float(v) for v in edges]
-            widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-            c = [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)]
         elif centers is not None and len(centers) == len(vals):
             c = [float(v) for v in centers]
             step = (c[-1] - c[0]) / max(len(c) - 1, 1) or 1.0
-            widths = [step] * len(c)
+            e = [x - step / 2 for x in c] + [c[-1] + step / 2]
         else:
-            c = None
-        if c is not None:
-            area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
-            yield path, c, [v / area if area > 0 else 0.0 for v in vals]
+            e = None
+        if e is not None:
+            widths = [b - a for a, b in zip(e, e[1:], strict=False)]
+            if vkey == "density":  # already per unit x: rescale to integral 1
+                area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
+                yield path, e, [v / area if area > 0 else 0.0 for v in vals]
+            else:  # counts per bin: divide by the total and by each bin's own width
+                total = math.fsum(vals)
+                yield path, e, [v / total / w if total > 0 else 0.0 for v, w in zip(vals, widths, strict=False)]
             return
     flat_edges = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
     if flat_edges:
         e = [float(v) for v in series[flat_edges[0]]]
         widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-        c = [(a + b) / 2 for a, b in zip(e, e[1:], strict=False)]
         found = False
         for key in sorted(series):
             vals = _as_curve(series[key]) if any(w in str(key) for w in ("density", "counts", "hist")) else None
@@ -155,13 +167,13 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
             total = math.fsum(vals)
             inner = vals[1:-1] if len(vals) == len(e) + 1 else vals
             if total > 0:
-                yield path + (str(key),), c, [v / total / w for v, w in zip(inner, widths, strict=True)]
+                yield path + (str(key),), e, [v / total / w for v, w in zip(inner, widths, strict=True)]
                 found = True
         if found:
             return
     for key in sorted(series):
         if isinstance(series[key], dict):
-            yield from iter_histograms(series[key], path + (str(key),))
+            yield from iter_histogram_bins(series[key], path + (str(key),))
 
 
 def _regime(name: str) -> str:
@@ -240,7 +252,7 @@ def _mean_curves(cells: list[dict[str, Any]], setting: str, kind: Callable[[str]
         if c.get("status") != "passed" or setting_key(c) != setting:
             continue
         found: dict[Any, tuple[list[float], list[float]]] = {}
-        walker = iter_histograms if hist else iter_curves
+        walker = iter_histogram_bins if hist else iter_curves  # histograms: x = the bin edges
         for path, xs, ys in walker(c.get("series") or {}):
             key = kind("/".join(path).lower())
             if key is not None and key not in found:
@@ -329,17 +341,10 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
         labels: dict[tuple[float, float], list[str]] = {}
         for p, y in zip(front, fy, strict=False):
             labels.setdefault((round(p["bits_effective"], 6), y), []).append(f"{p['method']} {p['setting']}")
-        prev_x, stagger = None, 0
-        for (x, y), names in sorted(labels.items()):
-            text = names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else \
-                f"{names[0]} +{len(names) - 1}"
-            right = x >= 12
-            # neighbours closer than ~10 % in bits get staggered vertical offsets so labels stay readable
-            stagger = stagger + 1 if prev_x is not None and math.log2(x / prev_x) < 0.15 else 0
-            prev_x = x
-            dy = (3, -12, 14, -22)[stagger % 4]
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(-9 if right else 9, dy), fontsize=7,
-                        ha="right" if right else "left", va="bottom")
+        texts = [(x, y, names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else
+                  f"{names[0]} +{len(names) - 1}") for (x, y), names in sorted(labels.items())]
+    else:
+        texts = []
     ax.set_yscale("log")
     if not all(p["rel_mse"] > 0 for p in pts):
         ax.axhline(floor, color="grey", linewidth=0.6, linestyle="--")
@@ -352,7 +357,94 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
     ax.set_title(f"Quality vs bits — Pareto front ({src})")
     ax.grid(True, which="major", alpha=0.3)
     _legend_outside(ax)
+    markers = [(p["bits_effective"], p["rel_mse"] if p["rel_mse"] > 0 else floor) for p in pts]
+    _place_labels(fig, ax, texts, markers)
     return _finish(fig, out / f"pareto_{src}.png")
+
+
+#: label offsets tried around a point, in points: the four sides first, then rings of 16 directions
+#: at growing distance (a leader line then joins label and point)
+_LABEL_OFFSETS = [(9.0, 2.0), (9.0, -10.0), (-9.0, 2.0), (-9.0, -10.0)] + [
+    (r * math.cos(2 * math.pi * k / 16), r * math.sin(2 * math.pi * k / 16) - 4.0)
+    for r in (22.0, 34.0, 48.0, 64.0, 82.0) for k in range(16)]
+
+
+def log_debug(msg: str) -> None:
+    import os
+
+    if os.environ.get("KVQBENCH_PLOTS_DEBUG"):
+        print(msg, file=sys.stderr)
+
+
+def _text_extent(a: Any, renderer: Any) -> Any:
+    from matplotlib.text import Text
+
+    a.update_positions(renderer)  # place the text where the annotation puts it
+    return Text.get_window_extent(a, renderer)
+
+
+def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]], markers: list[tuple[float, float]],
+                  fontsize: float = 7.0) -> None:
+    """Label points so that no label overlaps another label, a marker, or leaves the axes: each label
+    takes the first free spot of :data:`_LABEL_OFFSETS` (measured in display space after a draw); when
+    some label finds none, every point is numbered instead and the numbers are explained in a key
+    below the legend."""
+    if not texts:
+        return
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax_box = ax.get_window_extent(renderer)
+    pad = 6.0 * fig.dpi / 72.0  # a front point's ring radius, in pixels
+    occupied = []
+    for mx, my in markers:
+        px, py = ax.transData.transform((mx, my))
+        occupied.append((px - pad, py - pad, px + pad, py + pad))
+    for t in ax.texts:  # notes already on the axes
+        b = t.get_window_extent(renderer)
+        occupied.append((b.x0, b.y0, b.x1, b.y1))
+
+    def free(b: Any) -> bool:
+        if b.x0 < ax_box.x0 or b.x1 > ax_box.x1 or b.y0 < ax_box.y0 or b.y1 > ax_box.y1:
+            return False
+        return not any(b.x0 < o[2] and b.x1 > o[0] and b.y0 < o[3] and b.y1 > o[1] for o in occupied)
+
+    def place(items: list[tuple[float, float, str]]) -> list[Any] | None:
+        placed = []
+        for x, y, text in items:
+            for dx, dy in _LABEL_OFFSETS:
+                far = math.hypot(dx, dy) > 16  # away from its point: a thin leader line says whose it is
+                a = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize,
+                                ha="left" if dx > 0 else "right" if dx < 0 else "center", va="bottom", zorder=5,
+                                arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6,
+                                            "shrinkA": 0, "shrinkB": 5} if far else None)
+                b = _text_extent(a, renderer)  # the text alone, not its leader line
+                if free(b):
+                    occupied.append((b.x0, b.y0, b.x1, b.y1))
+                    placed.append(a)
+                    break
+                a.remove()
+            else:
+                for a in placed:
+                    a.remove()
+                log_debug(f"no free spot for label {text!r}")
+                return None
+        return placed
+
+    base = list(occupied)
+    if place(texts) is not None:
+        return
+    occupied[:] = base
+    numbered = [(x, y, str(i + 1)) for i, (x, y, _) in enumerate(texts)]
+    if place(numbered) is None:  # even numbers collide: put them on anyway, the key still names them
+        for x, y, n in numbered:
+            ax.annotate(n, (x, y), textcoords="offset points", xytext=(6, 3), fontsize=fontsize, zorder=5)
+    key = "\n".join(f"{i + 1}  {t}" for i, (_, _, t) in enumerate(texts))
+    legend = ax.get_legend()
+    top = 1.0
+    if legend is not None:  # the key goes below the legend
+        top = ax.transAxes.inverted().transform((0, legend.get_window_extent(renderer).y0))[1] - 0.03
+    ax.text(1.01, top, "Pareto front points:\n" + key, transform=ax.transAxes, fontsize=fontsize,
+            va="top", ha="left")
 
 
 def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path) -> Path | None:
@@ -437,7 +529,16 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     if not curves or kind is None:
         return None
     regimes = [r for r in ("static", "pseudo-decode") if any(k[1] == r for k in curves)]
-    fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True, squeeze=False)
+    billed = _decode_billed_bits(exp2, setting) if "pseudo-decode" in regimes else {}
+    if billed:  # a second row: the billed bits under the pseudo-decode panel
+        fig, grid = plt.subplots(2, len(regimes), figsize=(6 * len(regimes) + 1.5, 6.6), squeeze=False,
+                                 gridspec_kw={"height_ratios": [3, 1.35]}, sharex="col")
+        axes = grid[:1]
+        for ax in grid[0][1:]:
+            ax.sharey(grid[0][0])
+    else:
+        fig, axes = plt.subplots(1, len(regimes), figsize=(6 * len(regimes) + 1.5, 4.6), sharey=True,
+                                 squeeze=False)
     allv = [y for xs, ys in curves.values() for y in ys]
     log = _span_decades(allv) >= 1.5
     zero_points = False
@@ -473,11 +574,70 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     if order:
         axes[0][-1].legend([handles[m] for m in order], order, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                            fontsize=8, frameon=False)
+    if billed:
+        _draw_billed_bits(grid, regimes, billed, style, axes)
     what = "Attention KL" if quantity == "kl" else "Attention error"
     note = "; points at exactly 0 (e.g. inside an fp16 residual window) omitted on the log scale" if zero_points else ""
     fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds{note})", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
+
+
+def _decode_billed_bits(exp2: dict[str, Any] | None, setting: str | None
+                       ) -> dict[str, tuple[list[float], list[float]]]:
+    """``{method: (context lengths, billed bits/element)}`` in pseudo-decode, for the methods whose
+    billed bits change with the length by more than 5 % (their fp16 share — attention sinks, a
+    residual window, a partial last tile — changes with it). Empty when none does."""
+    if setting is None:
+        return {}
+
+    def kind(name: str) -> Any:
+        last = name.split("/")[-1]
+        return "bits" if _regime(name) == "pseudo-decode" and last in ("bits_effective", "bits") else None
+
+    cells = (exp2 or {}).get("cells") or []
+    out = {}
+    for (m, _), (xs, ys) in _mean_curves(cells, setting, kind).items():
+        lo, hi = min(ys), max(ys)
+        if lo > 0 and (hi - lo) / lo > 0.05:
+            out[m] = (xs, ys)
+    return out
+
+
+def _draw_billed_bits(grid: Any, regimes: list[str], billed: dict[str, tuple[list[float], list[float]]],
+                      style: _Style, top_axes: Any) -> None:
+    ax = grid[1][regimes.index("pseudo-decode")]
+    for m in sorted(billed, key=lambda m: style.idx.get(m, 99)):
+        st = style(m)
+        xs, ys = billed[m]
+        ax.plot(xs, ys, color=st["color"], marker=st["marker"], linestyle=st["linestyle"], markersize=4,
+                linewidth=1.3, label=m)
+    ax.set_ylabel("billed bits/element", fontsize=8)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_title("billed bits in pseudo-decode (fp16 sink / residual / partial-tile tokens at 16 bits)",
+                 fontsize=8)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
+    names = ", ".join(sorted(billed, key=lambda m: style.idx.get(m, 99)))
+    note = (f"Pseudo-decode, {names}: which tokens stay fp16 (attention sinks, a residual window, a partly "
+            "filled last tile of the most recent tokens) changes with the length, so their error jumps "
+            "between neighbouring lengths: it drops where the most recent tokens — which draw the most "
+            "attention — are still fp16, and rises where the length fills the last tile and they are "
+            "quantized too. The billed bits (right) show the fp16 share at each length.")
+    for i, reg in enumerate(regimes):
+        if reg != "pseudo-decode":
+            a = grid[1][i]
+            a.axis("off")
+            top_axes[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
+            top_axes[0][i].set_xlabel("context length (tokens)")
+            a.text(0.0, 0.80, "\n".join(_wrap(note, 88)), transform=a.transAxes, fontsize=8, va="top")
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)
 
 
 def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, Any] | None, style: _Style,
@@ -502,22 +662,21 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     kvs = [kv for kv in ("K", "V") if any(k == kv for _, k in curves)]
     ncol = min(4, len(methods))
     nrow = math.ceil(len(methods) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol + 0.5, 2.5 * nrow + 0.8), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.2 * ncol + 0.5, 2.5 * nrow + 0.8), squeeze=False)
     for i, m in enumerate(methods):
         ax = axes[i // ncol][i % ncol]
         st = style(m)
+        drawn = {kv: curves[(m, kv)] for kv in kvs if (m, kv) in curves}
+        lo, hi = _mass_range([d for d in drawn.values()])
         outside = []
-        for kv in kvs:
-            if (m, kv) not in curves:
-                continue
-            xs, ys = curves[(m, kv)]
-            step = (xs[-1] - xs[0]) / max(len(xs) - 1, 1) if len(xs) > 1 else 1.0
-            share_out = 1.0 - math.fsum(ys) * step
-            if share_out > 0.01:
-                outside.append(f"{kv} {share_out:.0%}")
-            ax.fill_between(xs, ys, step="mid", alpha=0.35 if kv == "K" else 0.15, color=st["color"])
-            ax.step(xs, ys, where="mid", color=st["color"], linewidth=1.0,
-                    linestyle="-" if kv == "K" else "--", label=kv)
+        for kv, (edges, dens) in drawn.items():
+            share_out = 1.0 - _mass_within(edges, dens, lo, hi)
+            if share_out > 0.005:
+                outside.append(f"{kv} {share_out:.0%}" if share_out >= 0.01 else f"{kv} <1%")
+            ax.stairs(dens, edges, fill=True, alpha=0.35 if kv == "K" else 0.15, color=st["color"])
+            ax.stairs(dens, edges, color=st["color"], linewidth=1.0, linestyle="-" if kv == "K" else "--", label=kv)
+        ax.set_xlim(lo, hi)
+        ax.xaxis.set_major_locator(plt.MaxNLocator(5))
         ax.axvline(0, color="grey", linewidth=0.6)
         if outside:
             ax.text(0.02, 0.97, "off scale: " + ", ".join(outside), transform=ax.transAxes, fontsize=7,
@@ -526,17 +685,61 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.25)
         if len(kvs) > 1 and i == 0:
-            ax.legend(fontsize=7, frameon=False)
+            ax.legend(fontsize=7, frameon=False, loc="upper right")
     for j in range(len(methods), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
-    for ax in axes[-1]:
-        ax.set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
+    for j in range(ncol):  # the x label on the lowest drawn panel of each column
+        col = [axes[r][j] for r in range(nrow) if r * ncol + j < len(methods)]
+        if col:
+            col[-1].set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
-    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; "
-                 "0 = norm preserved)", fontsize=11)
+    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; 0 = norm preserved; "
+                 "x-range per method holds ≥ 98 % of its tokens)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"norm_diff_density_{src}.png")
+
+
+def _mass_within(edges: list[float], dens: list[float], lo: float, hi: float) -> float:
+    """Share of a density (on ``edges``) inside ``[lo, hi]`` (partial bins pro rata)."""
+    tot = 0.0
+    for a, b, d in zip(edges, edges[1:], dens, strict=False):
+        overlap = max(0.0, min(b, hi) - max(a, lo))
+        tot += d * overlap
+    return tot
+
+
+def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1
+                ) -> tuple[float, float]:
+    """An x-range chosen from the data: it holds at least ``keep`` of every histogram's drawn mass
+    (equal tails cut on each side), always includes 0, spans at least ``min_span``, padded by 5 %;
+    falls back to the edges' span."""
+    los, his = [], []
+    for edges, dens in hists:
+        mass = [d * (b - a) for a, b, d in zip(edges, edges[1:], dens, strict=False)]
+        total = math.fsum(mass)
+        if total <= 0:
+            continue
+        cut = (1.0 - keep) / 2 * total
+        acc, i = 0.0, 0
+        while i < len(mass) - 1 and acc + mass[i] <= cut:
+            acc += mass[i]
+            i += 1
+        acc, j = 0.0, len(mass) - 1
+        while j > i and acc + mass[j] <= cut:
+            acc += mass[j]
+            j -= 1
+        los.append(edges[i])
+        his.append(edges[j + 1])
+    if not los:
+        e = hists[0][0] if hists else [-1.0, 1.0]
+        return e[0], e[-1]
+    lo, hi = min(min(los), 0.0), max(max(his), 0.0)
+    if hi - lo < min_span:  # e.g. everything in the bin at 0 (fp16): show some room around it
+        mid = (hi + lo) / 2
+        lo, hi = min(lo, mid - min_span / 2), max(hi, mid + min_span / 2)
+    pad = 0.05 * (hi - lo)
+    return lo - pad, hi + pad
 
 
 def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], style: _Style,
@@ -567,6 +770,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in (exp4_doc or {}).get("cells", []))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
+        drawn_bits: list[tuple[Any, list[float], list[float]]] = []
         vals_all = []
         for j, n in enumerate(metric_names):
             xs, ys, es = [], [], []
@@ -580,8 +784,10 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
                 es.append(e.get("ci95") or 0.0)
             vals_all += ys
             unit = catalog.get(n, {}).get("unit", "")
-            ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=f"{n} [{unit}]" if unit else n,
-                   color=_COLORS[j % len(_COLORS)], alpha=0.85)
+            bars = ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=f"{n} [{unit}]" if unit else n,
+                          color=_COLORS[j % len(_COLORS)], alpha=0.85)
+            if kind == "bits":
+                drawn_bits.append((bars, ys, es))
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
         if kind == "latency":
@@ -592,13 +798,46 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
             ax.set_title("Quantize / dequantize latency (median of repeats)"
                          + ("\nCPU timing: indicative only (unreliable_timing)" if unreliable else ""), fontsize=10)
         else:
-            ax.set_ylabel("bits per element")
+            ax.set_ylabel("bits per element (value on each bar)")
             ax.set_title("Bits per element (nominal vs effective)", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
+        if kind == "bits" and drawn_bits:  # after the legend, whose swatches stay plain
+            _clip_tall_bars(ax, drawn_bits)
     fig.suptitle(f"Cost at {setting} ({src}; mean ± 95% CI over seeds)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"cost_{src}.png")
+
+
+def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) -> None:
+    """Bits bars on a linear scale fitted to the compressed methods: a bar taller than 2.5× the
+    median (fp16's 16 bits beside ~2-bit methods) is cut at the top of the axis, hatched, and keeps
+    its value as a label; every bar carries its value, so 2.0 vs 2.7 bits reads at a glance."""
+    vals = [y for _, ys, _ in drawn for y in ys]
+    if not vals:
+        return
+    med = sorted(vals)[len(vals) // 2]
+    tall = [y > 2.5 * med for y in vals]
+    rest = [y + e for _, ys, es in drawn for y, e in zip(ys, es, strict=False) if not y > 2.5 * med]
+    top = 1.22 * max(rest) if any(tall) and rest else None
+    for bars, ys, _ in drawn:
+        for bar, y in zip(bars, ys, strict=False):
+            x = bar.get_x() + bar.get_width() / 2
+            if top is not None and y > 2.5 * med:
+                bar.set_height(top * 0.93)
+                bar.set_hatch("//")
+                ax.annotate(f"{y:.3g} ↑", (x, top * 0.93), textcoords="offset points", xytext=(0, -3),
+                            ha="center", va="top", fontsize=7, fontweight="bold", rotation=90,
+                            bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
+                                  "alpha": 0.85})
+            else:
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 2), ha="center",
+                            va="bottom", fontsize=5.5, rotation=90)
+    if top is not None:
+        ax.set_ylim(0, top)
+        ax.text(0.99, 0.80, f"hatched bars are cut at the top (value written on them);\naxis fitted to the bars "
+                f"under {2.5 * med:.3g} bits", transform=ax.transAxes, ha="right", va="top", fontsize=7,
+                color="dimgrey")
 
 
 def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path, top: int = 4

@@ -9,6 +9,7 @@ import math
 
 import pytest
 
+from kvqbench.experiments.common import check_roundtrip_finite
 from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, REGIMES, run_endtoend
 
 
@@ -16,6 +17,7 @@ from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, REGIMES, run_endtoend
 def test_endtoend(cell, kvq_method, kvq_model, kvq_record):
     res = run_endtoend(kvq_method, kvq_model, cell.seed, CONFIG_BY_SIZE[cell.size])
     kvq_record(res)
+    check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"
     for regime in REGIMES:

@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from kvqbench.quantizers import available  # imported here: pytester restores sys.modules after each test
+
 pytest_plugins = ["pytester"]
 
 CELL_TEST = '''
@@ -176,3 +178,18 @@ def test_a_new_run_removes_the_previous_runs_outputs(pytester, plugin_loaded_onc
     names = {p.name for p in out.iterdir()}
     assert "exp3_real.json" not in names and "pareto_real.png" not in names
     assert "notes.txt" in names and "exp1_synthetic.json" in names
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_selection_matching_no_cell_names_methods_and_experiments(pytester, plugin_loaded_once, workers):
+    pytester.makepyfile(test_cells=CELL_TEST)
+    r = pytester.runpytest_subprocess(*plugin_loaded_once, *workers, "-k", "nosuchmethod")
+    assert r.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    out = r.stdout.str()
+    line = next(ln for ln in out.splitlines() if "no benchmark cell matches" in ln)
+    assert "-k 'nosuchmethod'" in line
+    assert all(m in line for m in available())  # every registered id, from the registry itself
+    assert "exp1: test_reconstruction" in line
+    if not workers:  # a selection that matches: no such line
+        r = pytester.runpytest_subprocess(*plugin_loaded_once, "-k", "kivi", "--collect-only")
+        assert r.ret == 0 and "no benchmark cell matches" not in r.stdout.str()

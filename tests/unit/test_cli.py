@@ -119,6 +119,58 @@ def test_report_accepts_a_well_formed_leaderboard(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+def _help_of_run(capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines; compare word streams
+
+
+def test_run_help_lists_every_plugin_option_with_its_default(capsys):
+    """The options come from pytest's own parser fed the plugin's ``pytest_addoption`` (a second reader
+    of the same definitions): each flag is in ``kvqbench run --help`` followed by its default."""
+    from _pytest.config.argparsing import Parser
+
+    from kvqbench.plugin import pytest_addoption
+
+    parser = Parser()
+    pytest_addoption(parser)
+    opts = parser.getgroup("kvqbench").options
+    assert len(opts) >= 9
+    text = _help_of_run(capsys)
+    text = text[text.index("kvqbench options"):]
+    flags = [o.names()[0] for o in opts]
+    starts = []
+    for flag in flags:  # each entry starts where its flag is listed (in definition order)
+        assert f" {flag} " in text[(starts[-1] if starts else 0):], flag
+        starts.append(text.index(f" {flag} ", starts[-1] if starts else 0))
+    for i, opt in enumerate(opts):
+        flag = flags[i]
+        entry = text[starts[i]:starts[i + 1] if i + 1 < len(starts) else len(text)]
+        default = opt.attrs().get("default")
+        assert "default" in entry, (flag, entry)
+        if default is False:  # a store_true flag
+            assert "(default off)" in entry, entry
+        elif default is not None:
+            assert str(default) in entry, (flag, default, entry)
+
+
+def test_run_smoke_is_synthetic_unless_kvq_real(monkeypatch, tmp_path):
+    import pytest as pytest_mod
+
+    calls = []
+    monkeypatch.setattr(pytest_mod, "main", lambda args: calls.append(list(args)) or 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests" / "bench").mkdir(parents=True)
+    assert main(["run", "--smoke"]) == 0
+    assert main(["run", "--smoke", "--kvq-real"]) == 0
+    assert main(["run"]) == 0
+    smoke, smoke_real, full = calls
+    assert "--kvq-real" not in smoke and smoke[:3] == ["tests/bench", "-m", "smoke"]
+    assert smoke_real.count("--kvq-real") == 1
+    assert "--kvq-real" in full and "full" in full
+
+
 @pytest.mark.parametrize("argv,message", [
     (["run", "--shard", "4/3"], "--shard expects I/N with 1 <= I <= N"),
     (["run", "--shard", "two"], "--shard expects I/N"),

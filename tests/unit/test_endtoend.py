@@ -180,6 +180,7 @@ def test_smoke_cells_fp16_exact_and_kvquant_calibrated(model) -> None:
     kvq = E.run_endtoend(create("kvquant", 2, 2), src, 0, cfg)
     assert ctl.extra["tokens_sha256"] == kvq.extra["tokens_sha256"]
     assert kvq.extra["window_tokens"] == [cfg.window, 2 * cfg.window]  # disjoint from calibration [0, W)
+    assert kvq.extra["roundtrip_nonfinite"] == {"k": 0, "v": 0}
     for regime in E.REGIMES:
         assert kvq.metrics[f"e2e_{regime}_kl_nats"] > 0
         assert 0.0 <= kvq.metrics[f"e2e_{regime}_top1_agree"] <= 1.0

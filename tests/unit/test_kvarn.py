@@ -166,3 +166,23 @@ def test_deterministic() -> None:
 def test_bad_params_raise(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         KVarN(2, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_scale_window_outside_normal_scales(kind: str) -> None:
+    """Issue 9: tiles far outside unit scale are moved into KVarN's window by an exact power of two, so
+    inputs 2^-40 and 2^-70 (both below the window) give round trips exactly 2^30 apart, and nothing
+    collapses (the 1e-10 scale floor used to decode every row to its minimum). Inside the window
+    (this randn tensor at scale 1) the stored vectors carry no factor."""
+    x = _x((1, 2, 160, 64), seed=21)
+    q = KVarN(2)
+    lo, hi = q.roundtrip(x * 2.0**-70, kind), q.roundtrip(x * 2.0**-40, kind)
+    assert torch.equal(lo, hi * 2.0**-30)
+    e = lambda y, s: float((y.double() - (x * s).double()).norm() / (x * s).double().norm())  # noqa: E731
+    e1 = e(q.roundtrip(x, kind), 1.0)
+    assert e1 / 2 < e(hi, 2.0**-40) < 2 * e1
+    assert e1 / 2 < e(q.roundtrip(x * 2.0**40, kind), 2.0**40) < 2 * e1
+    from kvqbench.quantizers.kvarn import tile_window
+
+    tiles = x.reshape(1, 2, 1, 160, 64)
+    assert bool((tile_window(tiles, kind) == 1).all())

@@ -215,3 +215,31 @@ def test_grad_shape_mismatch_raises() -> None:
 def test_bad_params_raise(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         KVQuant(2, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_zero_head_does_not_move_the_codebook(kind: str, bits: int) -> None:
+    """Issue 9: a zero (or constant) head decodes exactly whatever the codebook, so it has no say in it:
+    the codebook with an extra zero head equals the codebook of the other heads alone, and its levels
+    are distinct (a zero head used to pull levels onto 0)."""
+    g = torch.Generator().manual_seed(9)
+    live = torch.randn(1, 2, 64, 32, generator=g)
+    with_zero = torch.cat([torch.zeros(1, 1, 64, 32), live, torch.full((1, 1, 64, 32), 2.5)], dim=1)
+    cb_live = create("kvquant", bits, bits).quantize(live, kind)["codebook"]
+    qt = create("kvquant", bits, bits).quantize(with_zero, kind)
+    torch.testing.assert_close(qt["codebook"], cb_live, rtol=0, atol=1e-6)
+    assert bool((qt["codebook"][:, 1:] > qt["codebook"][:, :-1]).all())
+    y = create("kvquant", bits, bits).dequantize(qt)
+    assert torch.equal(y[:, 0], with_zero[:, 0]) and torch.equal(y[:, -1], with_zero[:, -1])
+
+
+def test_constant_layer_codebook_has_distinct_levels() -> None:
+    """All vectors constant: no data for k-means; the levels still differ (halving the widest gaps of
+    [−1, 1]) and the tensor round-trips exactly."""
+    x = torch.full((2, 1, 16, 8), -0.5)
+    qt = create("kvquant", 3, 3).quantize(x, "v")
+    cb = qt["codebook"]
+    assert bool((cb[:, 1:] > cb[:, :-1]).all())
+    assert bool((cb >= -1).all() and (cb <= 1).all())
+    assert torch.equal(create("kvquant", 3, 3).dequantize(qt), x)

@@ -49,18 +49,21 @@ def test_offdiag_mass_counts_tokens_beyond_tau():
 
 
 def test_norm_diff_density_bins():
-    x = torch.zeros(1, 1, 4, 2, dtype=torch.float64)
+    x = torch.zeros(1, 1, 5, 2, dtype=torch.float64)
     x[..., 0] = 1.0  # every token norm 1, RMS token norm 1
     x_hat = x.clone()
     x_hat[..., 0, 0] = 1.005  # +0.005 → bin [0, 0.01)
     x_hat[..., 1, 0] = 0.985  # −0.015 → bin [−0.02, −0.01)
-    x_hat[..., 2, 0] = 2.0  # +1 → overflow
+    x_hat[..., 2, 0] = 2.0  # +1 → the tail bin [0.8, 0.8·√2)
+    x_hat[..., 4, 0] = 101.0  # +100 → beyond the last edge (51.2): overflow
     dens = norm_diff_density(x, x_hat)
     assert len(dens) == len(NORM_DIFF_EDGES) + 1 and sum(dens) == pytest.approx(1.0)
     zero_bin = 1 + NORM_DIFF_EDGES.index(0.0)
-    assert dens[zero_bin] == pytest.approx(0.5)  # token 0 and the unchanged token 3
-    assert dens[zero_bin - 2] == pytest.approx(0.25)
-    assert dens[-1] == pytest.approx(0.25) and dens[0] == 0.0
+    assert dens[zero_bin] == pytest.approx(0.4)  # token 0 and the unchanged token 3
+    assert dens[zero_bin - 2] == pytest.approx(0.2)
+    assert dens[1 + NORM_DIFF_EDGES.index(0.8)] == pytest.approx(0.2)
+    assert NORM_DIFF_EDGES[NORM_DIFF_EDGES.index(0.8) + 1] == pytest.approx(0.8 * 2 ** 0.5)
+    assert dens[-1] == pytest.approx(0.2) and dens[0] == 0.0
 
 
 def test_tail_em_share_pure_magnitude_and_pure_direction():

@@ -111,3 +111,175 @@ def test_exp2_series_names_are_classified():
     for ignored in ("static/logit_mse", "static/out_norm_gap", "static/attn_k_rel_err", "decode/bits_effective"):
         assert _error_kind(ignored) is None, ignored
     assert _regime("decode/out_mse") == "pseudo-decode" and _regime("static/out_mse") == "static"
+
+
+# ------------------------------------------------------------------------------------------------
+# what each figure holds (axes, series by label), read from the matplotlib figure before it is closed
+def _bars(ax) -> list:
+    from matplotlib.container import BarContainer
+
+    return [b for c in ax.containers if isinstance(c, BarContainer) for b in c]
+
+
+def _bar_labels(ax) -> list[str]:
+    from matplotlib.container import BarContainer
+
+    return sorted(c.get_label() for c in ax.containers if isinstance(c, BarContainer))
+
+
+def _line_labels(ax) -> list[str]:
+    return [ln.get_label() for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+
+
+def _rich_records():
+    """The sample records plus what the figures must explain: a pseudo-decode billed-bits series
+    that changes with the length for kvarn only, a norm-difference histogram with a wide tail
+    (rtn_token K), and cost bits of 2.0 (kivi) and 2.7 (kvarn) beside fp16's 16."""
+    from test_report_samples import CTX
+
+    recs = records()
+    for r in recs:
+        if r["experiment"] == "exp2":
+            flat = 16.0 if r["method"] == "fp16" else r["k_bits"] + 0.25
+            r["series"]["pseudo_decode"]["bits_effective"] = (
+                [16.0, 8.0, 5.0, 6.0] if r["method"] == "kvarn" and r["k_bits"] == 2 else [flat] * len(CTX))
+        if r["experiment"] == "exp3" and r["method"] == "rtn_token":
+            edges = [-2.0 + 0.25 * i for i in range(17)] + [4.0, 8.0, 16.0]
+            counts = [0.0] * 8 + [120.0, 40.0, 15.0, 8.0, 5.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.6]  # a tail out to 16
+            r["series"]["k_norm_diff"] = {"edges": edges, "counts": counts}
+        if r["experiment"] == "exp4" and r["k_bits"] == 2 and r["method"] in ("kvarn", "kivi"):
+            r["metrics"]["cost_bits_effective"] = 2.7 if r["method"] == "kvarn" else 2.0
+    return recs
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    """Every figure of the rich sample, rendered once: ``(records, {file name: Figure}, written names)``."""
+    from kvqbench.report import plots
+
+    recs = _rich_records()
+    got = {}
+    orig = plots._finish
+
+    def keep(fig, path):
+        got[path.name] = fig
+        return orig(fig, path)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plots, "_finish", keep)
+        names = {p.name for p in write_figures(write_results(tmp_path_factory.mktemp("rich"), recs))}
+    return recs, got, names
+
+
+def test_figure_axes_hold_the_expected_series(rendered):
+    from test_report_samples import METHODS
+
+    _, figs, names = rendered
+    assert names == {f"{n}_synthetic.png" for n in ALL} == set(figs)
+    compressed = [m for m in METHODS if m != "fp16"]
+
+    # pareto: one scatter per method plus the front
+    ax = figs["pareto_synthetic.png"].axes[0]
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == set(METHODS) | {"Pareto front"}
+
+    # mse vs bits: K and V panels, one errorbar series per method with a non-zero error
+    for ax in figs["mse_vs_bits_synthetic.png"].axes[:2]:
+        assert sorted(c.get_label() for c in ax.containers) == sorted(compressed)
+
+    # attention error / KL vs context: static and pseudo-decode panels with every method (fp16, exactly
+    # 0, is either a line or named in the "exactly 0" note), and the billed-bits panel holding exactly
+    # the method whose fp16 share changes with length
+    for name in ("attn_error_vs_context_synthetic.png", "attn_kl_vs_context_synthetic.png"):
+        axes = {ax.get_title().split(" ")[0]: ax for ax in figs[name].axes if ax.get_title()}
+        for reg in ("static", "pseudo-decode"):
+            labels = set(_line_labels(axes[reg]))
+            noted = " ".join(t.get_text() for t in axes[reg].texts)
+            assert set(compressed) <= labels and ("fp16" in labels or "fp16" in noted), (name, reg)
+        bits_ax = axes["billed"]
+        assert _line_labels(bits_ax) == ["kvarn"]
+        assert list(bits_ax.get_lines()[0].get_ydata()) == [16.0, 8.0, 5.0, 6.0]
+        notes = " ".join(t.get_text() for ax in figs[name].axes for t in ax.texts)
+        assert "kvarn" in notes and "fp16" in notes
+
+    # norm-difference density: one panel per method, K and V drawn
+    panels = {ax.get_title(): ax for ax in figs["norm_diff_density_synthetic.png"].axes if ax.get_title()}
+    assert set(panels) == set(METHODS)
+    for m, ax in panels.items():
+        assert sorted(p.get_label() for p in ax.patches if p.get_label() and not p.get_label().startswith("_")) == ["K", "V"], m
+
+    # cost: latency and bits panels, bars labelled by metric
+    lat_ax, bits_ax = figs["cost_synthetic.png"].axes
+    assert _bar_labels(lat_ax) == ["dequantize_ms [ms]", "quantize_ms [ms]"]
+    assert _bar_labels(bits_ax) == ["cost_bits_effective [bits/element]"]
+
+
+def test_density_x_range_is_chosen_from_the_data_and_off_scale_share_is_shown(rendered):
+    recs, figs, _ = rendered
+    panels = {ax.get_title(): ax for ax in figs["norm_diff_density_synthetic.png"].axes if ax.get_title()}
+    # the wide rtn_token K histogram (k2v2, both seeds alike): share of tokens inside the drawn range,
+    # computed from the record's own edges and counts
+    rec = next(r for r in recs if r["experiment"] == "exp3" and r["method"] == "rtn_token" and r["k_bits"] == 2)
+    edges, counts = rec["series"]["k_norm_diff"]["edges"], rec["series"]["k_norm_diff"]["counts"]
+    lo, hi = panels["rtn_token"].get_xlim()
+    inside = sum(c * max(0.0, min(b, hi) - max(a, lo)) / (b - a) for a, b, c in zip(edges, edges[1:], counts))
+    share_in = inside / sum(counts)
+    assert share_in >= 0.98  # the range holds ≥ 98 % of the tokens …
+    assert 2.0 < hi < 16.0  # … reaches into the tail, yet not to its end
+    texts = " ".join(t.get_text() for t in panels["rtn_token"].texts)
+    assert f"K {1 - share_in:.0%}" in texts or (1 - share_in < 0.01 and "K <1%" in texts), texts
+    # a narrow method's range is narrower than the wide one's
+    k_lo, k_hi = panels["kvarn"].get_xlim()
+    assert k_hi - k_lo < hi - lo
+
+
+def test_cost_bits_scale_separates_2_from_2_7_bits(rendered):
+    _, figs, _ = rendered
+    ax = figs["cost_synthetic.png"].axes[1]
+    bottom, top = ax.get_ylim()
+    assert bottom == 0 and top < 16.0  # fp16's 16 bits do not set the scale
+    assert (2.7 - 2.0) / (top - bottom) >= 0.15  # 0.7 bits span ≥ 15 % of the axis height
+    heights = {round(float(b.get_height()), 6) for b in _bars(ax) if not b.get_hatch()}
+    assert {2.0, 2.7} <= heights
+    cut = [b for b in _bars(ax) if b.get_hatch()]
+    assert len(cut) == 1 and cut[0].get_height() <= top  # fp16, cut at the top, hatched …
+    assert any(t.get_text().startswith("16 ") for t in ax.texts)  # … its value written on it
+
+
+def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch):
+    """A crowded front (12 points between 2 and 3 bits, each with a neighbour): every label's text box
+    is clear of every other label and of every marker."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from kvqbench.report import plots
+
+    got = {}
+    monkeypatch.setattr(plots, "_finish", lambda fig, path: got.setdefault("fig", fig))
+    methods = [f"m{i}" for i in range(12)]
+    front = [{"method": m, "setting": "k2v2", "bits_effective": 2.0 + 0.08 * i, "rel_mse": 0.1 * 0.85 ** i}
+             for i, m in enumerate(methods)]
+    others = [{"method": m, "setting": "k3v3", "bits_effective": p["bits_effective"] + 0.03,
+               "rel_mse": p["rel_mse"] * 1.3} for m, p in zip(methods, front)]
+    plots._fig_pareto(plt, "synthetic", {"pareto": {"points": front + others, "front": front}},
+                      plots._Style(methods), tmp_path)
+    fig = got["fig"]
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    wanted = {f"{m} k2v2" for m in methods} | {str(i + 1) for i in range(12)}
+    labels = [t for t in ax.texts if t.get_text() in wanted]
+    assert len(labels) == 12
+    boxes = [plots._text_extent(t, renderer) for t in labels]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), (a, b)
+    pad = 3.0 * fig.dpi / 72.0
+    for p in front + others:
+        x, y = ax.transData.transform((p["bits_effective"], p["rel_mse"]))
+        for b in boxes:
+            assert not (b.x0 < x + pad and b.x1 > x - pad and b.y0 < y + pad and b.y1 > y - pad), (p, b)
+    plt.close(fig)

@@ -94,3 +94,16 @@ def test_fp16_is_billed_16_bits_and_exact():
     qt = q.quantize(x, "k")
     assert qt.effective_bits() == 16.0 and q.nominal_bits("k") == 16.0
     assert torch.equal(q.dequantize(qt), x)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+def test_kivi_representation_decodes_with_a_default_instance(kind: str) -> None:
+    """Issue 9: the group size travels in the representation; a default KIVI (G = 128) decodes a G = 32
+    representation like its maker, equal to per-group RTN computed directly."""
+    from kvqbench.quantizers.kivi import KIVI
+
+    x = torch.randn(1, 2, 129, 64, generator=torch.Generator().manual_seed(2))
+    qt = KIVI(2, group_size=32).quantize(x, kind)
+    gran = PerChannel(32) if kind == "k" else PerToken(32)
+    assert torch.equal(KIVI().dequantize(qt), KIVI(2, group_size=32).dequantize(qt))
+    assert torch.equal(KIVI().dequantize(qt), rtn_roundtrip(x, 2, gran))

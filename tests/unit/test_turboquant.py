@@ -231,3 +231,19 @@ def test_bad_options_raise() -> None:
             TurboQuant(2, **kw)
     with pytest.raises(ValueError, match="1..8"):
         TurboQuant(10).quantize(torch.ones(1, 1, 2, 8), "k")
+
+
+@pytest.mark.parametrize("variant", ["mse", "prod"])
+@pytest.mark.parametrize("exp", [-110, -60, 60, 100])
+def test_norms_neither_overflow_nor_underflow(variant: str, exp: int) -> None:
+    """Issue 9: ‖x‖ is computed from x/2^⌊log2 max|x|⌋, so at any power-of-two scale of fp32 data the round
+    trip is exactly that multiple of the round trip at scale 1 (it used to be NaN from an overflowing sum
+    of squares above ~1e19, and all zeros from an underflowing one below ~1e-19)."""
+    x = torch.randn(1, 2, 16, 64, generator=torch.Generator().manual_seed(4))
+    q = TurboQuant(3, variant=variant)
+    y1 = q.roundtrip(x, "k")
+    s = 2.0**exp
+    assert torch.equal(q.roundtrip(x * s, "k"), y1 * s)
+    big = q.roundtrip(x * 1e30, "v")
+    assert bool(torch.isfinite(big).all())
+    torch.testing.assert_close(big / 1e30, q.roundtrip(x, "v"), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""How wrong was the ETA? Reads the output of a kvqbench/pytest run and scores its progress lines.
+
+Usage::
+
+    kvqbench run 2>&1 | tee run.log            # or: python -m pytest -n auto 2>&1 | tee suite.log
+    python scripts/eta_error.py run.log [--from 0.2] [--floor 10]
+
+Every ``kvqbench: D/T tests, elapsed E, ETA R`` line gives a prediction R at time E (both counted from
+the session start). The run's end is the closing ``kvqbench: finished D/T tests, elapsed E_end`` line
+(else pytest's ``… in 123.45s`` summary). The truth at a line is ``E_end − E``; the relative error is
+``(R − truth) / truth``. Lines from ``--from`` (default 20 %) of the run's duration onwards are scored.
+``--floor S`` also reports the share within max(30 % of the truth, S seconds) — near the end a second
+of rounding is a large relative error.
+
+Prints one row per scored line and a summary (max |error|, median |error|, share within ±30 %); exit
+status 0. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from pathlib import Path
+
+LINE = re.compile(r"kvqbench: (\d+)/(\d+) tests, elapsed ([0-9hms]+), ETA ([0-9hms]+|\?)")
+END = re.compile(r"kvqbench: finished (\d+)/(\d+) tests, elapsed ([0-9hms]+)")
+PYTEST_END = re.compile(r" in (\d+(?:\.\d+)?)s(?: \(|\s*=|$)")
+
+
+def seconds(text: str) -> float:
+    """``1h02m05s`` / ``3m07s`` / ``12s`` → seconds. Raises ValueError on anything else."""
+    m = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", text.strip().rstrip(","))
+    if not m or not any(m.groups()):
+        raise ValueError(f"not a duration: {text!r}")
+    h, mi, s = (int(g) if g else 0 for g in m.groups())
+    return 3600 * h + 60 * mi + s
+
+
+def parse(text: str) -> tuple[list[tuple[int, int, float, float | None]], float]:
+    """``([(done, total, elapsed_s, eta_s or None), …], end_s)`` of a run's output.
+
+    Raises:
+        ValueError: no progress line, or no end of run in the text.
+    """
+    rows = []
+    ends: dict[int, float] = {}  # total → the closing line's elapsed (first one per total)
+    pytest_end = None
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln.startswith("kvqbench: "):  # e.g. progress lines quoted inside a failure report
+            m = PYTEST_END.search(ln)
+            if m and ln.startswith("=") and ("passed" in ln or "failed" in ln):
+                pytest_end = float(m.group(1))
+            continue
+        try:
+            m = END.match(ln)
+            if m:
+                ends.setdefault(int(m.group(2)), seconds(m.group(3)))
+                continue
+            m = LINE.match(ln)
+            if m:
+                eta = m.group(4)
+                rows.append((int(m.group(1)), int(m.group(2)), seconds(m.group(3)),
+                             None if eta.startswith("?") else seconds(eta)))
+        except ValueError:
+            continue
+    if not rows:
+        raise ValueError("no 'kvqbench: D/T tests, elapsed …, ETA …' line in the log")
+    # the run's own lines have the largest total (a pytester run inside the test suite is a small one
+    # whose lines may be quoted in a failure report)
+    total = max(r[1] for r in rows)
+    rows = [r for r in rows if r[1] == total]
+    end = ends.get(total, pytest_end)
+    if end is None:
+        raise ValueError("no end of run ('kvqbench: finished …' or pytest's '… in Ns') in the log")
+    return rows, end
+
+
+def score(rows: list[tuple[int, int, float, float | None]], end: float, start_share: float = 0.2,
+          floor_s: float = 0.0) -> dict:
+    """Relative errors of the ETA lines from ``start_share`` of the run onwards (see module doc)."""
+    scored = []
+    for done, total, el, eta in rows:
+        truth = end - el
+        if el < start_share * end or truth <= 0:
+            continue
+        err = None if eta is None else (eta - truth) / truth
+        ok_floor = eta is not None and abs(eta - truth) <= max(0.3 * truth, floor_s)
+        scored.append({"done": done, "total": total, "elapsed": el, "eta": eta, "truth": truth, "err": err,
+                       "ok_floor": ok_floor})
+    errs = [abs(r["err"]) for r in scored if r["err"] is not None]
+    return {
+        "end_s": end, "lines": len(rows), "scored": len(scored),
+        "unknown": sum(r["eta"] is None for r in scored),
+        "max_abs_err": max(errs) if errs else None,
+        "median_abs_err": statistics.median(errs) if errs else None,
+        "within_30": sum(e <= 0.3 for e in errs) / len(scored) if scored else None,
+        "within_30_or_floor": sum(r["ok_floor"] for r in scored) / len(scored) if scored else None,
+        "rows": scored,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("log", type=Path, help="captured output of the run (stdout+stderr)")
+    ap.add_argument("--from", dest="start", type=float, default=0.2, help="score from this share of the run (0.2)")
+    ap.add_argument("--floor", type=float, default=10.0, help="absolute tolerance floor in seconds (10)")
+    ap.add_argument("-q", "--quiet", action="store_true", help="summary only")
+    a = ap.parse_args(argv)
+    try:
+        rows, end = parse(a.log.read_text(errors="replace"))
+    except (OSError, ValueError) as e:
+        print(f"eta_error: {e}", file=sys.stderr)
+        return 2
+    res = score(rows, end, a.start, a.floor)
+    if not a.quiet:
+        print(f"{'done':>11} {'elapsed':>8} {'ETA':>7} {'truth':>7} {'error':>8}")
+        for r in res["rows"]:
+            err = "?" if r["err"] is None else f"{r['err']:+.0%}"
+            eta = "?" if r["eta"] is None else f"{r['eta']:.0f}"
+            print(f"{r['done']:>5}/{r['total']:<5} {r['elapsed']:>8.0f} {eta:>7} {r['truth']:>7.0f} {err:>8}")
+
+    def fmt(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.0%}"
+
+    print(f"run {end:.0f} s, {res['lines']} progress lines, {res['scored']} from {a.start:.0%} of the run on: "
+          f"max |error| {fmt(res['max_abs_err'])}, median |error| {fmt(res['median_abs_err'])}, "
+          f"within ±30 % {fmt(res['within_30'])}, within max(±30 %, {a.floor:g} s) {fmt(res['within_30_or_floor'])}"
+          + (f", {res['unknown']} lines without an ETA" if res["unknown"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

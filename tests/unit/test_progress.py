@@ -1,0 +1,164 @@
+"""Progress/ETA bookkeeping (kvqbench/progress.py) and the ETA scorer (scripts/eta_error.py).
+
+Closed forms on hand-built sessions, and a simulated two-worker session on a fake clock whose true end
+is known: from 20 % of the run on the ETA must be within ±30 % of the truth."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from kvqbench.progress import Progress, coarse_kind_of, hms, kind_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _eta_script():
+    spec = importlib.util.spec_from_file_location("eta_error", ROOT / "scripts" / "eta_error.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_hms_and_line_format():
+    assert (hms(3725), hms(95), hms(7), hms(-1)) == ("1h02m05s", "1m35s", "7s", "0s")
+    assert Progress(total=5, t0=0.0).line(3725.0) == "kvqbench: 0/5 tests, elapsed 1h02m05s, ETA ?"
+
+
+def test_kinds_separate_method_and_data_size():
+    cell = "tests/bench/t.py::test_a[kivi-k2v2-seed0-real-full]"
+    assert kind_of(cell) == "tests/bench/t.py::test_a|kivi|real-full"
+    assert coarse_kind_of(cell) == "tests/bench/t.py::test_a|real-full"
+    assert kind_of("tests/unit/t.py::test_b[3-x]") == "tests/unit/t.py::test_b"
+
+
+def test_without_history_pending_tests_are_charged_their_kinds_median():
+    ids = [f"t.py::test_a[m-k2v2-seed{i}-synthetic-full]" for i in range(10)] + \
+          [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(10)]
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=2)
+    p.collected(ids)
+    assert p.total == 20 and p.expected_steps == {"capture|real-full": 2, "report|real-full,synthetic-full": 1}
+    for i in range(10):  # the synthetic cells ran first: 1 s each
+        p.finished(ids[i], 1.0)
+    p.step("capture|real-full", 30.0)  # paid inside the first real cell, not part of its 9 s
+    p.finished(ids[10], 9.0)
+    # 9 real cells × 9 s + one more capture (2 workers) × 30 s, at the observed parallelism
+    # (10 + 9 + 30 busy s in 25 wall s); no report history yet → 0 for it
+    assert p.eta(25.0) == pytest.approx((81.0 + 30.0) / (49.0 / 25.0))
+    assert p.line(25.0) == "kvqbench: 11/20 tests, elapsed 25s, ETA 57s"
+
+
+def test_history_predicts_unseen_tests_scaled_by_this_runs_speed():
+    ids = [f"t.py::test_{c}[{i}]" for c in "ab" for i in range(4)]
+    hist = {"version": 1, "tests": {n: (2.0 if "test_a" in n else 10.0) for n in ids},
+            "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, history=hist)
+    p.collected(ids)
+    assert p.eta(0.0) == pytest.approx(4 * 2.0 + 4 * 10.0)  # before any test: the history alone
+    for n in ids[:4]:
+        p.finished(n, 3.0)  # this run is 1.5× slower than the history
+    assert p.speed() == pytest.approx(1.5)
+    assert p.eta(12.0) == pytest.approx(4 * 10.0 * 1.5)
+    p.started(ids[4], 12.0)  # running for 5 s of its predicted 15 s
+    assert p.eta(17.0) == pytest.approx(10.0 + 3 * 15.0)
+
+
+def test_report_step_is_added_once_and_counts_down_after_the_last_test():
+    ids = ["t.py::test_a[m-k2v2-seed0-synthetic-smoke]"]
+    hist = {"version": 1, "tests": {ids[0]: 4.0}, "kinds": {}, "steps": {"report|synthetic-smoke": 6.0}}
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, history=hist)
+    p.collected(ids)
+    assert p.eta(0.0) == pytest.approx(4.0 + 6.0)
+    p.finished(ids[0], 4.0, now=4.0)
+    assert p.eta(5.0) == pytest.approx(6.0 - 1.0)
+    p.step("report|synthetic-smoke", 7.0)
+    h = p.updated_history()
+    assert h["tests"] == {ids[0]: 4.0} and h["steps"] == {"report|synthetic-smoke": 7.0}
+    assert h["kinds"] == {"t.py::test_a|m|synthetic-smoke": 4.0}
+
+
+def _simulate(history: dict | None, speed: float, seed: int) -> tuple[list[tuple[float, float | None]], float,
+                                                                         Progress]:
+    """Two workers pulling from one queue on a fake clock (like xdist's load scheduling); the base
+    cost of a test depends on its kind, with ±20 % noise, times ``speed``. Returns (now, ETA) samples
+    every 5 s, the true end and the progress object."""
+    rng = random.Random(seed)
+    cost = {"syn": 1.0, "real": 4.0}
+    ids = [f"t.py::test_{e}[{m}-k2v2-seed{s}-{src}-full]" for e in ("x", "y") for src in ("synthetic", "real")
+           for m in ("m1", "m2", "m3") for s in range(8)]
+    base = {n: cost["real" if "-real-" in n else "syn"] * (1.0 + ("test_y" in n)) * (1 + 0.5 * ("m3" in n))
+            for n in ids}
+    p = Progress(interval_s=0, t0=0.0, history=history or {})
+    p.workers = 2
+    p.collected(ids)
+    p.t_run = 2.0
+    free = [2.0, 2.0]
+    events = []  # (end time, nodeid, duration, capture seconds)
+    captured = [False, False]
+    for n in ids:
+        w = min(range(2), key=lambda i: free[i])
+        start = free[w]
+        cap = 0.0
+        if "-real-" in n and not captured[w]:
+            cap, captured[w] = 20.0 * speed, True
+        d = base[n] * speed * rng.uniform(0.8, 1.2)
+        free[w] = start + cap + d
+        events.append((start, free[w], n, d, cap))
+    end_tests = max(free)
+    report = 6.0 * speed
+    end = end_tests + report
+    samples = []
+    t = 5.0
+    done_events = sorted(events, key=lambda e: e[1])
+    i = 0
+    started = sorted(events, key=lambda e: e[0])
+    j = 0
+    while t < end:
+        while j < len(started) and started[j][0] <= t:
+            p.started(started[j][2], started[j][0])
+            j += 1
+        while i < len(done_events) and done_events[i][1] <= t:
+            _, fin, n, d, cap = done_events[i]
+            if cap:
+                p.step("capture|real-full", cap)
+            p.finished(n, d, now=fin)
+            i += 1
+        samples.append((t, p.eta(t)))
+        t += 5.0
+    for k in [k for k in p.expected_steps if k.startswith("report|")]:
+        p.step(k, report)
+    return samples, end, p
+
+
+def test_simulated_session_eta_is_within_30_percent_from_20_percent_on():
+    _, _, first = _simulate(None, speed=1.0, seed=1)  # the run that fills the cache
+    history = first.updated_history()
+    samples, end, _ = _simulate(history, speed=1.6, seed=2)  # a busier machine next time
+    errs = [abs(eta - (end - t)) / (end - t) for t, eta in samples if t >= 0.2 * end and end - t >= 5.0]
+    assert errs and max(errs) <= 0.30, [round(e, 2) for e in errs]
+
+
+def test_eta_script_scores_a_logged_run(tmp_path):
+    mod = _eta_script()
+    log = tmp_path / "run.log"
+    log.write_text("\n".join([
+        "kvqbench: 1/10 tests, elapsed 10s, ETA 1m30s",   # before 20 % of 100 s: not scored
+        "....",
+        "kvqbench: 5/10 tests, elapsed 50s, ETA 40s",     # truth 50 → −20 %
+        "kvqbench: 8/10 tests, elapsed 1m20s, ETA 30s",   # truth 20 → +50 %
+        "kvqbench: 9/10 tests, elapsed 1m30s, ETA ?",
+        "kvqbench: finished 10/10 tests, elapsed 1m40s",
+        "==== 10 passed in 101.00s ====",
+    ]))
+    rows, end = mod.parse(log.read_text())
+    assert end == 100.0 and len(rows) == 4 and rows[1] == (5, 10, 50.0, 40.0)
+    res = mod.score(rows, end, 0.2, floor_s=10.0)
+    assert res["scored"] == 3 and res["unknown"] == 1
+    assert res["max_abs_err"] == pytest.approx(0.5) and res["median_abs_err"] == pytest.approx(0.35)
+    assert res["within_30"] == pytest.approx(1 / 3)
+    assert res["within_30_or_floor"] == pytest.approx(2 / 3)  # |30 − 20| = 10 s ≤ the 10 s floor
+    assert mod.main([str(log), "-q"]) == 0
+    assert mod.main([str(tmp_path / "missing.log")]) == 2
