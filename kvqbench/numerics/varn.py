@@ -104,7 +104,18 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> VarNResult:
     r, c = tiles.shape[-2:]
     x = tiles.to(torch.float32).reshape(-1, r, c)
     per = max(1, _BLOCK_BYTES // max(1, r * c * 4))
-    parts = [_varn_block(x[i : i + per].contiguous(), n_iter) for i in range(0, x.shape[0], per)]
+    # a block's ops are small (cache-sized): on the CPU they run on one thread — splitting each of them
+    # across the intra-op pool costs more in synchronization than it saves (and stalls when the cores
+    # are shared)
+    nt = torch.get_num_threads()
+    single = x.device.type == "cpu" and nt > 1
+    if single:
+        torch.set_num_threads(1)
+    try:
+        parts = [_varn_block(x[i : i + per].contiguous(), n_iter) for i in range(0, x.shape[0], per)]
+    finally:
+        if single:
+            torch.set_num_threads(nt)
     if not parts:  # no tiles
         parts = [_varn_block(x, n_iter)]
     out = [torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts)]
