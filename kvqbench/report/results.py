@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable
 
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
 
-__all__ = ["write_result_set", "load_result_set", "completeness", "merge_completeness", "holds_complete_set",
+__all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set",
            "check_writable",
            "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "record_sort_key"]
 
@@ -110,24 +110,6 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
         if reason:
             why.append(reason)
         out["summary"] = f"incomplete: {finished} of {total} cells finished, " + ", ".join(why)
-    return out
-
-
-def merge_completeness(parts: Iterable[dict[str, Any] | None], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """The completeness of a merge of several result sets (shards): expected cells and not-run ids are
-    summed, reasons joined, counts recomputed from the merged ``records``. A part without completeness
-    (``None``, an older set) leaves the expected count unknown."""
-    parts = list(parts)
-    known = [p for p in parts if p is not None]
-    if len(known) == len(parts) and all(p.get("expected") is not None for p in known):
-        expected: int | None = sum(int(p["expected"]) for p in known)
-    else:
-        expected = None
-    reasons = list(dict.fromkeys(p["reason"] for p in known if p.get("reason")))
-    out = completeness(records, expected, "; ".join(reasons) or None)
-    if known and all("not_run_ids" in p for p in known):
-        seen = {r.get("nodeid") for r in records}
-        out["not_run_ids"] = [i for p in known for i in p["not_run_ids"] if i not in seen]
     return out
 
 

@@ -201,17 +201,3 @@ def test_publish_refuses_and_compare_warns_on_an_incomplete_set(tmp_path):
     buf = io.StringIO()
     compare_main(tmp_path / "part", tmp_path / "part", [], out=buf)
     assert "warning: NEW is incomplete: 10 of 24 cells finished, 14 not run, interrupted" in buf.getvalue()
-
-
-def test_merged_shards_sum_their_expected_cells_and_not_run_ids():
-    from kvqbench.report.results import merge_completeness
-
-    recs = records(experiments=("exp1",))
-    ids = [r["nodeid"] for r in recs]
-    a = completeness(recs[:12], expected=ids[:12])
-    b = completeness(recs[12:20], expected=ids[12:], reason="interrupted")
-    m = merge_completeness([a, b], recs[:20])
-    assert m["summary"] == "incomplete: 20 of 24 cells finished, 4 not run, interrupted"
-    assert m["not_run_ids"] == ids[20:]
-    assert merge_completeness([a, completeness(recs[12:], expected=ids[12:])], recs)["complete"]
-    assert merge_completeness([a, None], recs)["expected"] is None
