@@ -888,20 +888,26 @@ class _BenchmarkJson:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int):
-        _point_benchmark_json(session)
+        _point_benchmark_json(session, exitstatus)
         return (yield)
 
 
-def _point_benchmark_json(session: pytest.Session) -> None:
+def _point_benchmark_json(session: pytest.Session, exitstatus: int = 0) -> None:
     """pytest-benchmark's JSON goes beside the results when the user gave no ``--benchmark-json`` and it
-    timed something; a stale one from an earlier run is removed."""
+    timed something; a stale one from an earlier run is removed. An incomplete run whose folder holds a
+    complete set writes into ``incomplete/`` like its other files, so the complete set keeps its own."""
+    from kvqbench.report.results import completeness, holds_complete_set
+
     config = session.config
     bs = getattr(config, "_benchmarksession", None)
     if bs is not None and not _is_worker(config) and STATE_KEY in config.stash and SETTINGS_KEY in config.stash:
         records = [r for r in config.stash[STATE_KEY].records if r.get("experiment") != "adhoc"]
         if records:
-            out_dir = _out_dir(config, config.stash[SETTINGS_KEY], records,
-                               getattr(config.stash[STATE_KEY], "expected", None))
+            expected = getattr(config.stash[STATE_KEY], "expected", None)
+            out_dir = _out_dir(config, config.stash[SETTINGS_KEY], records, expected)
+            if (not completeness(records, expected, _end_reason(session, exitstatus))["complete"]
+                    and holds_complete_set(out_dir)):
+                out_dir = out_dir / "incomplete"
             stale = out_dir / BENCHMARK_JSON
             if stale.is_file():
                 stale.unlink()

@@ -144,10 +144,14 @@ def check_writable(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def _remove_stale_outputs(out_dir: Path) -> None:
+def _remove_stale_outputs(out_dir: Path, *, keep_figures: bool = False) -> None:
+    """Remove the previous result set's files; ``keep_figures`` leaves its PNGs (a write without figures
+    must not delete the ones already drawn)."""
     if not out_dir.is_dir():
         return
     for pattern in OUTPUT_PATTERNS:
+        if keep_figures and pattern.endswith(".png"):
+            continue
         for p in out_dir.glob(pattern):
             if p.is_file():
                 p.unlink()
@@ -192,9 +196,9 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     return written, board
 
 
-def _move_in(staging: Path, dest: Path, written: list[Path]) -> list[str]:
+def _move_in(staging: Path, dest: Path, written: list[Path], *, keep_figures: bool = False) -> list[str]:
     """Replace ``dest``'s result files by the staged ones; the leaderboard moves last."""
-    _remove_stale_outputs(dest)
+    _remove_stale_outputs(dest, keep_figures=keep_figures)
     entries = sorted(staging.iterdir(), key=lambda p: (p.name == "leaderboard.json", p.name))
     for e in entries:
         target = dest / e.name
@@ -264,7 +268,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     written: list[Path] = []
     try:
         written, board = _write_all(recs, provenance, comp, staging, catalog, update_board, write_extra, figures, log)
-        paths = _move_in(staging, dest, written)
+        paths = _move_in(staging, dest, written, keep_figures=not figures)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
         return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e)

@@ -19,8 +19,9 @@ from kvqbench.experiments.reconstruction import run_reconstruction
 
 pytestmark = pytest.mark.kvq(experiment="exp1")
 
-def test_reconstruction(request, cell, kvq_method, kvq_data, kvq_record):
+def test_reconstruction(request, cell, kvq_method, kvq_data, kvq_record, benchmark):
     pathlib.Path(os.environ["RAN_MARKER"]).write_text("a cell ran")
+    benchmark.pedantic(kvq_method.roundtrip, args=(kvq_data.k, "k"), rounds=1, iterations=1)
     if os.environ.get("STOP_AT") and os.environ["STOP_AT"] in request.node.nodeid:
         raise KeyboardInterrupt
     if os.environ.get("FAIL_AT") and os.environ["FAIL_AT"] in request.node.nodeid:
@@ -65,6 +66,7 @@ def test_interrupt_and_x_keep_the_complete_set_and_stamp_the_partial_one(pyteste
     run("--kvq-out", str(out)).assert_outcomes(passed=8)
     complete = _files(out)
     assert json.loads(complete["leaderboard.json"])["completeness"]["summary"] == "complete: 8 cells"
+    assert len(json.loads(complete["benchmark_exp4.json"])["benchmarks"]) == 8  # pytest-benchmark's own JSON
 
     res = run("--kvq-out", str(out), STOP_AT="kivi-k2v2-seed1")  # Ctrl-C in the 6th cell
     assert res.ret == pytest.ExitCode.INTERRUPTED
@@ -75,6 +77,7 @@ def test_interrupt_and_x_keep_the_complete_set_and_stamp_the_partial_one(pyteste
     assert board["completeness"]["summary"] == "incomplete: 5 of 8 cells finished, 3 not run, interrupted"
     assert (inc / "summary.json").read_text().splitlines()[1].strip() == '"completeness": {'
     assert "incomplete: 5 of 8 cells finished" in (inc / "LEADERBOARD.md").read_text().splitlines()[2]
+    assert len(json.loads((inc / "benchmark_exp4.json").read_text())["benchmarks"]) == 6  # beside its own set (the 6th cell timed before its Ctrl-C)
     res.stdout.fnmatch_lines(["*the complete results in*are kept*incomplete*",
                               "kvqbench: incomplete: 5 of 8 cells finished, 3 not run, interrupted"])
 

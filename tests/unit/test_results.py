@@ -201,3 +201,16 @@ def test_publish_refuses_and_compare_warns_on_an_incomplete_set(tmp_path):
     buf = io.StringIO()
     compare_main(tmp_path / "part", tmp_path / "part", [], out=buf)
     assert "warning: NEW is incomplete: 10 of 24 cells finished, 14 not run, interrupted" in buf.getvalue()
+
+
+def test_a_write_without_figures_keeps_the_figures_already_drawn(tmp_path):
+    recs = records(experiments=("exp1",))
+    out = tmp_path / "results"
+    _write(out, recs, expected=len(recs))
+    fig = out / "pareto_synthetic.png"
+    fig.write_bytes(b"\x89PNG drawn by an earlier render")
+    stale_json = out / "exp9_synthetic.json"  # a result file of another run is still replaced
+    stale_json.write_text("{}")
+    _write(out, recs, expected=len(recs), in_place=True)  # figures=False, as `kvqbench report --no-figures`
+    assert fig.read_bytes() == b"\x89PNG drawn by an earlier render"
+    assert not stale_json.exists()
