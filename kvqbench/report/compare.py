@@ -16,7 +16,8 @@ noise. Methods, settings and sources present on one side only are listed, never 
 
 Exit status of :func:`main`: 0 no threshold crossed, 1 a threshold crossed, 2 unreadable input or a
 malformed ``--fail-on`` or one naming a metric neither set nor the catalog knows (the message names the
-closest known metric).
+closest known metric), or a ``--fail-on`` whose metric neither set recorded (such a gate would always pass; a metric
+recorded on one side only, e.g. for a new method, is reported as compared nothing, not an error).
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ def _shared_keys(base: dict[str, Any], new: dict[str, Any], prefix: str, out: "C
     return sorted(set(base) & set(new))
 
 
+def _recorded_metrics(board: dict[str, Any]) -> set[str]:
+    """Names of the metrics a leaderboard document holds a value of (any source, method, setting)."""
+    return {name for src in (board.get("sources") or {}).values() for exp in (src.get("stats") or {}).values()
+            for meth in exp.values() for setting in meth.values() for name in setting}
+
+
 def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
     """Compare two leaderboard documents (see module doc)."""
     catalog = {**(new.get("metrics_catalog") or {}), **(base.get("metrics_catalog") or {})}
@@ -315,9 +322,14 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         if comp.get("complete") is False:
             print(f"kvqbench compare: warning: {label} is {comp.get('summary', 'incomplete')}", file=out)
     print(render_comparison(cmp, catalog, rules=rules, show_percent=show_percent, max_rows=max_rows), file=out)
-    for r in rules:
-        if r.metric != "any" and not any(c.metric == r.metric for c in cmp.changes):
-            print(f"kvqbench compare: warning: --fail-on {r.metric}: no such metric in both sets", file=out)
+    idle = [r for r in rules if not any(r.metric in ("any", c.metric) for c in cmp.changes)]
+    recorded = _recorded_metrics(b) | _recorded_metrics(n)
+    for r in idle:  # a gate that compared nothing would always pass: say so
+        print(f"kvqbench compare: --fail-on {r.metric}:{r.percent:g} compared nothing: no setting has "
+              f"{'any metric' if r.metric == 'any' else repr(r.metric)} in both sets", file=out)
+    # recorded on one side only (e.g. a new method, absent from BASE) is nothing to gate; recorded on
+    # neither side, the gate is misconfigured and fails
+    idle = [r for r in idle if r.metric != "any" and r.metric not in recorded]
     hits = violations(cmp, rules, catalog)
     if hits:
         print("", file=out)
@@ -327,6 +339,8 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
                   f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g})",
                   file=out)
         return 1
+    if idle:
+        return 2
     if rules:
         print("", file=out)
         print("OK: no --fail-on threshold crossed (" + ", ".join(f"{r.metric}:{r.percent:g}" for r in rules) + ")",

@@ -138,6 +138,18 @@ def test_unknown_fail_on_metric_exits_2_naming_the_closest(base_dir, capsys):
     assert err == ["kvqbench compare: --fail-on rel_mes:5: unknown metric 'rel_mes'; did you mean 'rel_mse'?"]
     rc, _ = _run(base_dir, base_dir, "rel_mse:5", "bogus_metric:5")
     assert rc == 2
-    # a metric of the catalog that this sample did not record is known: a warning, not an error
+    # a metric of the catalog that neither set recorded is known, but a gate on it would always pass:
+    # exit 2, naming it
     rc, text = _run(base_dir, base_dir, "attn_kl_fwd:5", "decode_attn_kl_fwd_nats:5")
-    assert rc == 0 and "warning: --fail-on decode_attn_kl_fwd_nats: no such metric in both sets" in text
+    assert rc == 2
+    assert "--fail-on decode_attn_kl_fwd_nats:5 compared nothing: no setting has 'decode_attn_kl_fwd_nats' in both sets" in text
+    assert "attn_kl_fwd:5 compared nothing" not in text
+    assert _run(base_dir, base_dir, "attn_kl_fwd:5")[0] == 0
+
+
+def test_a_metric_recorded_on_one_side_only_is_reported_not_failed(base_dir, tmp_path):
+    """A method new in NEW (a method PR adding one) has nothing in BASE to gate against."""
+    only_new = write_results(tmp_path / "new", [r for r in records() if r["method"] == "kivi"])
+    only_base = write_results(tmp_path / "old", [r for r in records() if r["method"] == "rtn_token"])
+    rc, text = _run(only_base, only_new, "rel_mse:5")
+    assert rc == 0 and "--fail-on rel_mse:5 compared nothing: no setting has 'rel_mse' in both sets" in text
