@@ -98,7 +98,7 @@ def parse_bits(text: str) -> list[int]:
         raise ValueError(f"--kvq-bits expects a comma list of ints in 1..8 or 16 (e.g. 2,4,16); got {text!r}") from None
 
 
-def parse_methods(text: str | None, known: list[str]) -> list[str]:
+def parse_methods(text: str | None, known: list[str], option: str = "--kvq-methods") -> list[str]:
     """``None``/``"all"`` → every known id; else a comma list validated against ``known``.
 
     Raises:
@@ -108,8 +108,8 @@ def parse_methods(text: str | None, known: list[str]) -> list[str]:
         return list(known)
     asked = [m.strip() for m in str(text).split(",") if m.strip()]
     if not asked:
-        raise ValueError(f"--kvq-methods got no method id ({text!r}); registered: {', '.join(known)}")
+        raise ValueError(f"{option} got no method id ({text!r}); registered: {', '.join(known)}")
     unknown = [m for m in asked if m not in known]
     if unknown:
-        raise ValueError(f"unknown method id(s) {', '.join(unknown)} in --kvq-methods; registered: {', '.join(known)}")
+        raise ValueError(f"unknown method id(s) {', '.join(unknown)} in {option}; registered: {', '.join(known)}")
     return asked

@@ -53,15 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 22 CPU-seconds, about 1 min wall on a busy "
-                           "2-core machine); add --kvq-real for the real-model smoke cells too (over 2 min)")
+                      help="tiny synthetic cells only (measured on a shared 2-core machine: 22-39 CPU-seconds, "
+                           "34-66 s wall); add --kvq-real for the real-model smoke cells too (over 2 min)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
     r.add_argument("--tests", default="tests/bench", help="folder of the benchmark cells (default tests/bench)")
     r.add_argument("--shard", metavar="I/N", default=None,
                    help="run only shard I of N (duration-balanced, the same on every machine) into "
-                        "results/shards/shard-I-of-N (or --kvq-out); join the N folders with kvqbench merge")
+                        "results/shards/shard-I-of-N (results/smoke/shards/… for smoke cells; or --kvq-out); join the N folders with kvqbench merge")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the shards as Ray tasks and merge them (needs the dist extra): no ADDRESS = a local "
                         "Ray instance on this machine; 'auto', HOST:6379 or ray://HOST:10001 joins a cluster. "

@@ -224,7 +224,7 @@ def run_perf(
     from kvqbench.data.synthetic import make_synthetic
     from kvqbench.quantizers import available
 
-    ids = parse_methods(None if methods is None else ",".join(methods), available())
+    ids = parse_methods(None if methods is None else ",".join(methods), available(), option="--methods")
     if repeats < 1 or bits < 1 or kv_heads < 1 or head_dim < 2:
         raise ValueError("repeats, bits and kv_heads must be >= 1 and head_dim >= 2")
     dev = torch.device(device)

@@ -367,10 +367,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--kvq-shard", action="store", default=None, type=_argtype(_parse_shard), metavar="I/N",
                 help="run only shard I of N of the collected cells (duration-balanced, the same on every machine; "
                      "the N shards together are the whole matrix). Results go to their own folder "
-                     "(default results/shards/shard-I-of-N); join them with `kvqbench merge`")
+                     "(default results/shards/shard-I-of-N, results/smoke/shards/… for smoke cells); join them with `kvqbench merge`")
     g.addoption("--kvq-durations", action="store", default=None, metavar="FILE",
-                help="cell durations for --kvq-shard (pytest-split's JSON node id -> seconds; default the "
-                     "committed kvqbench/data/durations.json)")
+                help="cell durations for --kvq-shard (pytest-split's JSON node id -> seconds; when not given, "
+                     "the committed kvqbench/data/durations.json)")
     g.addoption("--kvq-dtype", action="store", default="float32", type=_dtype_type,
                 metavar="float32|bfloat16|float16",
                 help="dtype the real model is loaded and run in for capture (default float32; bfloat16/float16 "

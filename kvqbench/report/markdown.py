@@ -260,12 +260,14 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
     if h.get("from_predictivity"):
         where = "pooled over bit widths" if h.get("group") == "pooled" else f"at {h.get('group')}"
         model = ((board.get("sources", {}).get(h.get("source"), {}).get("data") or {}).get("model")) or "the real model"
-        sentence = (f"Ranked on `{metric}` ({h.get('experiment')}), the tensor metric that best predicts model damage: "
+        sentence = (f"Ranked on `{metric}` ({h.get('experiment')}), the scale-free tensor metric that best predicts model damage "
+                    f"(metrics in units of the data, which do not compare across layers or models, are not candidates): "
                     f"Spearman ρ = {_rho_text(h.get('rho'), h.get('ci95'))} (95% bootstrap CI over methods) against "
                     f"the end-to-end next-token KL of {model}, {where}.")
     else:
-        sentence = (f"Ranked on `{metric}` (no end-to-end run in this result set, so which tensor metric predicts "
-                    "model damage is unknown here; run with the real model to find out).")
+        sentence = (f"Ranked on `{metric}`: this result set has no predictivity (it needs the end-to-end experiment "
+                    "and the tensor experiments 1–3 on the same real source), so which tensor metric predicts model "
+                    "damage is unknown here; run both with the real model to find out.")
     rows = []
     for b in src.get("headline") or []:
         kl = fmt(b.get("e2e_kl"), b.get("e2e_kl_ci95")) if b.get("e2e_kl") is not None else "—"
