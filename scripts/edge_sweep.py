@@ -46,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from kvqbench.numerics.layouts import layout_variants
 from kvqbench.quantizers import available, get
 
 ALL_LAYOUTS = False
@@ -177,19 +178,6 @@ def _relerr(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor | None = None) -
     return num / den
 
 
-def _layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The same values in other memory layouts."""
-    b, h, t, d = x.shape
-    big = torch.zeros(b, h, 2 * t, d + 3, dtype=x.dtype)
-    big[:, :, ::2, 1 : d + 1] = x
-    flat = torch.zeros(x.numel() + 1, dtype=x.dtype)
-    flat[1:] = x.reshape(-1)
-    return {
-        "transposed": x.transpose(-1, -2).contiguous().transpose(-1, -2),
-        "heads_last": x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
-        "strided": big[:, :, ::2, 1 : d + 1],
-        "offset": flat[1:].view(x.shape),  # contiguous, storage offset of one element
-    }
 
 
 class Cell:
@@ -232,7 +220,7 @@ def run_cell(mid: str, params: dict, case: str, x64: torch.Tensor, calib64: torc
         if case == "zero" and bool((y != 0).any()):
             cell.fail("zero input did not decode to zeros")
         # layouts (one per cell, cycling, unless --all-layouts)
-        layouts = list(_layouts(x).items())
+        layouts = list(layout_variants(x).items())
         if not ALL_LAYOUTS:
             pick = (bits + (kind == "v") + len(case)) % len(layouts)
             layouts = layouts[pick : pick + 1]

@@ -25,6 +25,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvqbench.numerics.layouts import layout_variants
 from kvqbench.quantizers import available, create, get
 from kvqbench.quantizers.base import QuantizedTensor, Quantizer, Stored, _saturate
 
@@ -134,18 +135,6 @@ def test_base_saturates_a_reconstruction_beyond_the_dtype_range():
     assert torch.equal(_saturate(torch.tensor([float("inf")]), torch.float32), torch.tensor([torch.finfo(torch.float32).max]))
 
 
-def _layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
-    b, h, t, d = x.shape
-    big = torch.zeros(b, h, 2 * t, d + 3, dtype=x.dtype)
-    big[:, :, ::2, 1 : d + 1] = x
-    flat = torch.zeros(x.numel() + 1, dtype=x.dtype)
-    flat[1:] = x.reshape(-1)
-    return {
-        "transposed back": x.transpose(-1, -2).contiguous().transpose(-1, -2),
-        "heads last": x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2),
-        "strided slice": big[:, :, ::2, 1 : d + 1],
-        "storage offset": flat[1:].view(x.shape),
-    }
 
 
 @pytest.mark.parametrize("method_id", ALL)
@@ -155,7 +144,7 @@ def test_result_depends_only_on_the_values_not_the_layout(method_id):
     def prop(x, kind, bits):
         q = _make(method_id, bits, x.flip(2))
         y = q.roundtrip(x, kind)
-        for name, xl in _layouts(x).items():
+        for name, xl in layout_variants(x).items():
             assert torch.equal(xl, x)
             assert torch.equal(q.roundtrip(xl, kind), y), f"{name} layout gives other bits"
 

@@ -64,3 +64,15 @@ def test_all_finite_is_exact() -> None:
     assert all_finite(x)
     x[500] = float("nan")
     assert not all_finite(x)
+
+
+def test_layout_variants_hold_the_same_values_in_other_layouts():
+    import torch
+
+    from kvqbench.numerics.layouts import layout_variants
+
+    x = torch.randn(2, 3, 5, 7, generator=torch.Generator().manual_seed(0))
+    for name, y in layout_variants(x).items():
+        assert torch.equal(y, x), name
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert y.stride() != x.stride() or y.storage_offset() != x.storage_offset(), name
