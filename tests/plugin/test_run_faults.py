@@ -43,6 +43,10 @@ def run(pytester, monkeypatch):
     pytester.makepyfile(test_cells=CELL_TEST)
     marker = pytester.path / "ran"
     monkeypatch.setenv("RAN_MARKER", str(marker))
+    # the inner run is a session of its own: under an outer `-n auto` the worker's variables would make
+    # pytest-benchmark think it runs under xdist and switch itself off
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(var, raising=False)
 
     def go(*extra, **env):
         for k in ("STOP_AT", "FAIL_AT"):
