@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import fit_method, roundtrip_kv, tally_nonfinite
+from kvqbench.experiments.common import check_positive_ints, fit_method, roundtrip_kv, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.experiments.streaming import StreamResult, simulate_stream
 from kvqbench.numerics.attention import (
@@ -96,10 +96,7 @@ class AccumulationConfig:
     regimes: tuple[str, ...] = REGIMES
 
     def __post_init__(self) -> None:
-        for name in ("n_lengths", "n_queries", "block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(self, "n_lengths", "n_queries", "block")
         bad = [r for r in self.regimes if r not in REGIMES]
         if bad or not self.regimes:
             raise ValueError(f"regimes must be a non-empty subset of {REGIMES}, got {self.regimes!r}")

@@ -14,7 +14,7 @@ import torch
 from kvqbench.data.types import KVData
 from kvqbench.quantizers.base import QuantizedTensor, Quantizer
 
-__all__ = ["RoundTrip", "fit_method", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
+__all__ = ["RoundTrip", "check_positive_ints", "fit_method", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
            "NonFiniteRoundTrip", "ROUNDTRIP_NONFINITE"]
 
 #: ``extra`` key of every experiment's result: ``{"k": n, "v": n}`` — non-finite (NaN/±inf) elements in the
@@ -24,6 +24,19 @@ ROUNDTRIP_NONFINITE = "roundtrip_nonfinite"
 
 class NonFiniteRoundTrip(ValueError):
     """A method's reconstruction K̂ or V̂ holds NaN or ±inf (see :func:`check_roundtrip_finite`)."""
+
+
+def check_positive_ints(config: object, *names: str) -> None:
+    """Validate an experiment config's integer knobs.
+
+    Raises:
+        ValueError: ``"NAME must be a positive int, got VALUE"`` for the first attribute of ``config`` in
+            ``names`` that is not an ``int`` ≥ 1 (``bool`` is refused).
+    """
+    for name in names:
+        v = getattr(config, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
 def count_nonfinite(x: torch.Tensor) -> int:

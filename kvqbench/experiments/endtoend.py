@@ -54,7 +54,7 @@ from typing import Any, Sequence
 import torch
 
 from kvqbench.data.types import KVData, apply_rope
-from kvqbench.experiments.common import fit_method, tally_nonfinite
+from kvqbench.experiments.common import check_positive_ints, fit_method, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.experiments.streaming import Stream
 from kvqbench.numerics.attention import kl_rows
@@ -84,10 +84,7 @@ class EndToEndConfig:
     regimes: tuple[str, ...] = REGIMES
 
     def __post_init__(self) -> None:
-        for name in ("window", "prefill", "block"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_positive_ints(self, "window", "prefill", "block")
         if not self.prefill < self.window:
             raise ValueError(f"prefill ({self.prefill}) must be shorter than the window ({self.window})")
         if (self.window - self.prefill) % self.block:
