@@ -39,7 +39,7 @@ from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
 __all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix"]
 
@@ -120,6 +120,7 @@ class TurboQuant(Quantizer):
     rotation = True
     fidelity = "faithful"
     local_stats = True  # the codebook depends only on (bits, D), never on data
+    finite_check = "stats"  # each token's max |x| holds its NaN/Inf
     deltas = (
         "Codebook: Lloyd–Max for the N(0, 1/D) limit of the coordinate density (the paper's Algorithm 1 "
         "solves it for the exact scaled-Beta density); codebook='beta' selects the exact one. At D = 128 "
@@ -193,11 +194,15 @@ class TurboQuant(Quantizer):
         xf = x.to(cdt)
         # ‖x‖ and x/‖x‖ from x / 2^⌊log2 max|x|⌋ (exact): the sum of squares neither overflows (huge
         # inputs gave Inf norms and NaN output) nor underflows (tiny inputs decoded to all zeros); at
-        # normal scales both equal the direct formulas bit for bit
-        p = pow2_floor(xf.abs().amax(-1, keepdim=True))
-        xs = xf / p
-        norm_s = torch.linalg.vector_norm(xs, dim=-1, keepdim=True)
-        u = xs / torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s))  # a zero vector stays 0
+        # normal scales both equal the direct formulas bit for bit. max|x| = max(−min, max) (no |x| buffer)
+        # holds any NaN/Inf of the token, so it is also the finiteness check.
+        mn, mx = torch.aminmax(xf, dim=-1, keepdim=True)
+        amax = torch.maximum(mn.neg_(), mx)
+        check_finite(x, amax, name=kind.upper())
+        p = pow2_floor(amax)
+        u = xf / p
+        norm_s = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+        u.div_(torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s)))  # a zero vector stays 0
         norm = norm_s * p
         qt.fields["norm"] = Stored(norm, 16)
 
@@ -207,14 +212,14 @@ class TurboQuant(Quantizer):
         if mse_bits > 0:
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
-            idx = nearest_centroid(u @ pi.T, thr)
+            idx = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
             qt.add_codes("codes", idx, mse_bits)
             if prod:  # the MSE stage's reconstruction is needed only for the QJL residual
-                u_hat = cent.index_select(0, idx.reshape(-1)).reshape(idx.shape) @ pi
+                u_hat = cent.index_select(0, idx.reshape(-1).to(torch.int32)).reshape(idx.shape) @ pi
         if prod:
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
             r = u - u_hat
-            qt.add_codes("qjl", (r @ s.T >= 0).to(torch.int64), 1)
+            qt.add_codes("qjl", (r @ s.T >= 0).to(torch.uint8), 1)
             qt.fields["res_norm"] = Stored(torch.linalg.vector_norm(r, dim=-1, keepdim=True), 16)
         return qt
 
@@ -224,17 +229,18 @@ class TurboQuant(Quantizer):
         cdt, dev = norm.dtype, norm.device
         d = qt.shape[-1]
         mse_bits = self._mse_bits(qt.bits, meta["variant"])
-        u_hat = torch.zeros(qt.shape, dtype=cdt, device=dev)
         if mse_bits > 0:
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            codes = qt.codes("codes").to(dev)
+            codes = qt.codes("codes", torch.int32).to(dev)
             u_hat = cent.index_select(0, codes.reshape(-1)).reshape(codes.shape) @ pi
+        else:
+            u_hat = torch.zeros(qt.shape, dtype=cdt, device=dev)
         if meta["variant"] == "prod":
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
-            signs = qt.codes("qjl").to(device=dev, dtype=cdt) * 2 - 1
+            signs = qt.codes("qjl", torch.uint8).to(device=dev, dtype=cdt) * 2 - 1
             u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * qt["res_norm"] * (signs @ s)
-        return norm * u_hat
+        return u_hat.mul_(norm)
 
     # ------------------------------------------------------------------------------------------
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
