@@ -52,6 +52,8 @@ def count_below(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype
     """
     t = thresholds.to(device=x.device, dtype=x.dtype)
     m = t.shape[-1]
+    if t.dim() > 1 and t.numel() == m:  # one row broadcast over every row of x: the shared thresholds
+        t = t.reshape(m)
     if t.dim() == 1 and m <= COMPARE_MAX_SCALAR:
         idx = torch.zeros(x.shape, dtype=dtype, device=x.device)
         for v in t.tolist():

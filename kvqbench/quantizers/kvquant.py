@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics.blocks import row_blocks
 from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d
 from kvqbench.quantizers.base import (
     Kind,
@@ -331,6 +332,11 @@ class KVQuant(Quantizer):
         return self
 
     # --- quantize / dequantize ----------------------------------------------------------------
+    @staticmethod
+    def _blocks(n_vec: int, n: int, b_: int) -> list[slice]:
+        """Cache-sized blocks of the vectors ``[B, n_vec, n]`` (:func:`kvqbench.numerics.blocks.row_blocks`)."""
+        return row_blocks(n_vec, b_ * n)
+
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         qt = self._new_qt(x, kind, bits)
         xf = x.to(torch.float32)
@@ -343,16 +349,12 @@ class KVQuant(Quantizer):
         if body.shape[2] == 0:
             check_finite(x, name=kind.upper())
             return qt
-        vec = self._vectors(body, kind)
-        b_, n_vec, n = vec.shape
-        out_idx, lo, mid, half = self._split(vec)
-        outlier_value = torch.gather(vec, -1, out_idx) if out_idx.shape[-1] else None
-        # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
-        check_finite(x, *sink, lo, mid, *(() if outlier_value is None else (outlier_value,)), name=kind.upper())
-        y = self._normalize(vec, mid, half)
+        b_, h, t, d = body.shape
+        n_vec, n = (h * d, t) if kind == "k" else (h * t, d)
         cb = self._codebooks.get(kind)
         if cb is None:
-            cb = self._kmeans(y, self._dense_mask(vec, out_idx), bits, None, half)
+            check_finite(x, name=kind.upper())  # in-sample k-means reads every value: reject NaN/Inf first
+            cb = self._fit_codebook(x, kind, bits, None)
             qt.meta["codebook"] = "in-sample"
         else:
             qt.meta["codebook"] = "fisher" if self._fisher.get(kind) else "calibrated"
@@ -366,7 +368,20 @@ class KVQuant(Quantizer):
                 f"{kind} codebook was fitted on {cb.shape[0]} layers but the tensor has {x.shape[0]} "
                 "(dim 0 is the layer axis); fit on tensors with the same number of layers"
             )
-        codes = assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8).reshape(vec.shape)
+        # every vector on its own, in cache-sized blocks: split, normalize and snap; only the codes and the
+        # per-vector results are full size
+        vecs = self._vectors(body, kind)  # [B, n_vec, n]: K's one transposed copy, V's view
+        codes = torch.empty(b_, n_vec, n, dtype=torch.uint8, device=x.device)
+        parts = []
+        for rows in self._blocks(n_vec, n, b_):
+            vec = vecs[:, rows]
+            out_idx, lo, mid, half = self._split(vec)
+            y = self._normalize(vec, mid, half)
+            codes[:, rows] = assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8).view(y.shape)
+            parts.append((out_idx, lo, mid, half, torch.gather(vec, -1, out_idx)))
+        out_idx, lo, mid, half, outlier_value = (torch.cat(p, 1) for p in zip(*parts))
+        # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
+        check_finite(x, *sink, lo, mid, outlier_value, name=kind.upper())
         qt.add_codes("codes", codes, bits)
         qt.fields["mid"] = Stored(mid, 16)
         qt.fields["half"] = Stored(half, 16)
@@ -385,19 +400,29 @@ class KVQuant(Quantizer):
             parts.append(qt["sink"])
         body_shape = qt.meta["body_shape"]
         if body_shape[2] > 0:
-            codes = qt.codes("codes", torch.int32)  # [B, n_vec, n]
-            b_, n_vec, n = codes.shape
+            b_, h, t, d = body_shape
+            codes = qt.codes("codes", torch.uint8)  # [B, n_vec, n]
             cb = qt["codebook"]  # [B, 2^b]
-            if b_ > 1:  # layer l's codes index row l of the flattened codebooks
-                codes += torch.arange(b_, dtype=torch.int32, device=codes.device).view(-1, 1, 1) * cb.shape[1]
-            # c[q]·r + m in the looked-up buffer (same two roundings as c*r + m); outliers written into it
-            vec = cb.reshape(-1).index_select(0, codes.view(-1)).view(codes.shape).mul_(qt["half"]).add_(qt["mid"])
-            if "outlier_ptr" in qt.fields:
+            flat_cb = cb.reshape(-1)
+            half, mid = qt["half"], qt["mid"]
+            # layer l's codes index row l of the flattened codebooks
+            offset = (torch.arange(b_, dtype=torch.int32, device=codes.device).view(-1, 1, 1) * cb.shape[1]
+                      if b_ > 1 else None)
+            out = torch.empty(b_, *codes.shape[1:], dtype=cb.dtype, device=cb.device)  # [B, n_vec, n]
+            for rows in self._blocks(codes.shape[1], codes.shape[2], b_):
+                c = codes[:, rows].to(torch.int32)
+                if offset is not None:
+                    c += offset
+                # c[q]·r + m in the looked-up buffer (same two roundings as c*r + m)
+                torch.mul(flat_cb.index_select(0, c.view(-1)).view(c.shape), half[:, rows], out=out[:, rows])
+                out[:, rows] += mid[:, rows]
+            if "outlier_ptr" in qt.fields:  # written back exactly, at their places in the output layout
                 ptr = qt["outlier_ptr"]
                 counts = ptr[1:] - ptr[:-1]
-                vec_id = torch.repeat_interleave(torch.arange(b_ * n_vec, device=ptr.device), counts)
-                vec.view(-1)[vec_id * n + qt["outlier_index"].to(torch.int64)] = qt["outlier_value"].to(vec.dtype)
-            parts.append(self._unvectors(vec, qt.kind, body_shape))
+                vec_id = torch.repeat_interleave(torch.arange(ptr.numel() - 1, device=ptr.device), counts)
+                flat = vec_id * codes.shape[2] + qt["outlier_index"].to(torch.int64)
+                out.view(-1)[flat] = qt["outlier_value"].to(out.dtype)
+            parts.append(self._unvectors(out, qt.kind, body_shape))
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
