@@ -7,10 +7,12 @@ from 4k to 16k tokens at (1, 8, T, 128) fp32). Processing ``rows`` in blocks of 
 :data:`BLOCK_ELEMS` elements keeps every temporary in the core's cache and reuses the same heap memory
 block after block; only the outputs are full size.
 
-Invariant (tested by the methods that use it): the blocks are consecutive, non-empty, cover
-``range(n_rows)`` exactly once in order, and each holds whole multiples of ``multiple`` rows except
-possibly the last. A method whose per-row results do not depend on the other rows (row-wise reductions,
-elementwise ops, per-row selection) gives the same bits blocked or not.
+Invariant (tested): the blocks are consecutive, non-empty, cover ``range(n_rows)`` exactly once in order,
+each holds a whole multiple of ``multiple`` rows except possibly the last, and the last is never shorter
+than half a block unless it is the only one (a short tail joins the block before it, so a matrix
+product over a block never degenerates to a few rows, where BLAS switches kernels and rounds
+differently). A method whose per-row results do not depend on the other rows (row-wise reductions,
+elementwise ops, per-row selection, a product with a fixed matrix) gives the same bits blocked or not.
 """
 
 from __future__ import annotations
@@ -38,4 +40,7 @@ def row_blocks(n_rows: int, row_elems: int, *, multiple: int = 1, target: int = 
         raise ValueError(f"row_blocks needs n_rows >= 0 and positive sizes, got {n_rows}, {row_elems}, "
                          f"{multiple}, {target}")
     per = max(1, target // (row_elems * multiple)) * multiple
-    return [slice(s, min(s + per, n_rows)) for s in range(0, n_rows, per)]
+    starts = list(range(0, n_rows, per))
+    if len(starts) > 1 and n_rows - starts[-1] < per / 2:
+        starts.pop()  # the short tail joins the block before it
+    return [slice(s, e) for s, e in zip(starts, starts[1:] + [n_rows])]
