@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics.blocks import row_blocks
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import (
@@ -218,33 +219,47 @@ class Kitty(Quantizer):
             )
         pages, valid = self._pages(xf)  # (B, H, nP, D, G), (nP, G)
         n_pages, g = valid.shape
-        if n_pages * g == t:  # no padded token: the mean |K| over the page needs no mask (×1 is exact)
-            score = pages.abs().sum(-1) / g
-        else:
-            vmask = valid.to(pages.dtype)
-            score = (pages.abs() * vmask[:, None, :]).sum(-1) / vmask.sum(-1)[:, None]  # (B, H, nP, D)
-        top = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
-        cmap = torch.full(score.shape, n_boost, dtype=torch.int64, device=x.device)
-        cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
-        boosted = (cmap < n_boost).unsqueeze(-1)  # (B, H, nP, D, 1)
-
-        lo, hi = torch.aminmax(pages, dim=-1, keepdim=True)
+        pf = pages.reshape(-1, d, g)  # every page of every (b, h): (B·H·nP, D, G), a view
+        n_all = pf.shape[0]
+        blocks = row_blocks(n_all, d * g)  # cache-sized blocks of pages (every page on its own)
+        padded = n_pages * g != t
+        if padded:  # mean |K| over the valid tokens of each page only
+            vmask = valid.to(pages.dtype).repeat(b * h, 1)  # (B·H·nP, G)
+            vcount = vmask.sum(-1)[:, None]
+        # pass 1, per page: the boosted channels (mean |K| over the page) and the min/max per channel
+        top = torch.empty(n_all, n_boost, dtype=torch.int64, device=x.device)
+        lo = torch.empty(n_all, d, 1, dtype=pages.dtype, device=x.device)
+        hi = torch.empty_like(lo)
+        for sl in blocks:
+            if padded:  # (×1 is exact: the unpadded pages need no mask)
+                score = (pf[sl].abs() * vmask[sl, None, :]).sum(-1) / vcount[sl]
+            else:
+                score = pf[sl].abs().sum(-1) / g
+            top[sl] = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
+            torch.aminmax(pf[sl], dim=-1, keepdim=True, out=(lo[sl], hi[sl]))
         check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
+        cmap = torch.full((n_all, d), n_boost, dtype=torch.int64, device=x.device)
+        cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
+        boosted = (cmap < n_boost).unsqueeze(-1)  # (B·H·nP, D, 1)
         levels = torch.where(boosted, (1 << (bits + BOOST_EXTRA_BITS)) - 1, (1 << bits) - 1).to(pages.dtype)
         scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
-        # codes in pages' memory layout (token-major), so the token-major view below is free
-        q = _asym_codes(pages, lo, scale, levels, _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1))
+        # pass 2, per page: codes in the pages' memory layout (token-major), the low plane token-major and
+        # the top 2 bits of the boosted channels in slot order
+        low = torch.empty(n_all, g, d, dtype=torch.uint8, device=x.device)
+        high = torch.empty(n_all, n_boost, g, dtype=torch.uint8, device=x.device)
+        cdt = _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1)
+        for sl in blocks:
+            q = _asym_codes(pf[sl], lo[sl], scale[sl], levels[sl], cdt)  # (n, D, G), token-major in memory
+            low[sl] = (q & ((1 << bits) - 1)).transpose(-1, -2)
+            high[sl] = torch.gather(q, 1, top[sl].unsqueeze(-1).expand(-1, -1, g)) >> bits
 
         qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)
-        low = (q & ((1 << bits) - 1)).transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
-        qt.add_codes("low", low, bits)
-        # high plane: the top 2 bits of the boosted channels, in slot order, valid tokens only
-        hi_bits = torch.gather(q, 3, top.unsqueeze(-1).expand(-1, -1, -1, -1, g)) >> bits  # (B,H,nP,nb,G)
-        high = hi_bits.permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)[..., :t]
-        qt.add_codes("high", high, BOOST_EXTRA_BITS)
-        qt.add_codes("channel_map", cmap, _INDEX_BITS)
-        qt.fields["scale"] = Stored(scale.squeeze(-1), 16)
-        qt.fields["zero"] = Stored(lo.squeeze(-1), 16)
+        qt.add_codes("low", low.view(b, h, n_pages * g, d)[:, :, :t], bits)
+        high = high.view(b, h, n_pages, n_boost, g).permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)
+        qt.add_codes("high", high[..., :t], BOOST_EXTRA_BITS)
+        qt.add_codes("channel_map", cmap.view(b, h, n_pages, d), _INDEX_BITS)
+        qt.fields["scale"] = Stored(scale.view(b, h, n_pages, d), 16)
+        qt.fields["zero"] = Stored(lo.view(b, h, n_pages, d), 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
@@ -259,21 +274,27 @@ class Kitty(Quantizer):
         low = qt.codes("low", cdt).to(scale.device)
         if pad:
             low = torch.cat([low, low.new_zeros(b, h, pad, d)], dim=2)
-        q = low.reshape(b, h, n_pages, g, d).transpose(-1, -2)  # (B, H, nP, D, G), a view of a fresh buffer
+        low = low.view(-1, g, d)  # (B·H·nP, G, D): a fresh buffer, token-major pages
+        n_all = low.shape[0]
+        scale, lo = scale.reshape(n_all, d, 1), lo.reshape(n_all, d, 1)
         if n_boost:
-            cmap = qt.codes("channel_map").to(scale.device)  # (B, H, nP, D): slot, or n_boost if plain
+            cmap = qt.codes("channel_map").to(scale.device).view(n_all, d)  # slot, or n_boost if plain
             high = qt.codes("high", cdt).to(scale.device)
             if pad:
                 high = torch.cat([high, high.new_zeros(b, h, n_boost, pad)], dim=-1)
-            high = high.reshape(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4)  # (B, H, nP, nb, G)
-            # slot → channel (plain channels all land on the dropped slot n_boost), then add the top bits
-            # of each boosted channel into its codes in place
-            chan = torch.empty(*cmap.shape[:-1], n_boost + 1, dtype=torch.int64, device=cmap.device)
+            high = high.view(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4).reshape(n_all, n_boost, g)
+            # slot → channel (plain channels all land on the dropped slot n_boost)
+            chan = torch.empty(n_all, n_boost + 1, dtype=torch.int64, device=cmap.device)
             chan.scatter_(-1, cmap, torch.arange(d, device=cmap.device).expand_as(cmap))
-            idx = chan[..., :n_boost].unsqueeze(-1).expand(-1, -1, -1, -1, g)
-            q.scatter_add_(3, idx, high << bits)
-        x = q.to(scale.dtype).mul_(scale.unsqueeze(-1)).add_(lo.unsqueeze(-1))  # token-major, like q
-        return x.transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
+            chan = chan[:, :n_boost]
+        out = torch.empty(n_all, g, d, dtype=scale.dtype, device=scale.device)
+        for sl in row_blocks(n_all, d * g):  # blocks of pages, as in quantize
+            q = low[sl].transpose(-1, -2)  # (n, D, G), a view of token-major codes
+            if n_boost:  # the top bits of each boosted channel added into its codes in place
+                q.scatter_add_(1, chan[sl].unsqueeze(-1).expand(-1, -1, g), high[sl] << bits)
+            xq = q.to(scale.dtype).mul_(scale[sl]).add_(lo[sl])  # token-major, like q
+            out[sl] = xq.transpose(-1, -2)
+        return out.view(b, h, n_pages * g, d)[:, :, :t]
 
     # ------------------------------------------------------------------------------------------
     def _k_bits(self, bits: int, shape: tuple[int, int, int, int], aux: int) -> float:
