@@ -191,7 +191,11 @@ class Kitty(Quantizer):
             levels = (1 << bits) - 1
             scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
             qt = self._new_qt(x, kind, bits)
-            qt.add_codes("codes", _asym_codes(xf, lo, scale, levels, torch.uint8), bits)
+            rows, lo_r, scale_r = xf.reshape(-1, xf.shape[-1]), lo.reshape(-1, 1), scale.reshape(-1, 1)
+            codes = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
+            for sl in row_blocks(rows.shape[0], rows.shape[1]):  # cache-sized blocks of tokens
+                codes[sl] = _asym_codes(rows[sl], lo_r[sl], scale_r[sl], levels, torch.uint8)
+            qt.add_codes("codes", codes.view(x.shape), bits)
             qt.fields["scale"] = Stored(scale, 16)
             qt.fields["zero"] = Stored(lo, 16)
             return qt
