@@ -23,19 +23,22 @@ __all__ = ["BLOCK_ELEMS", "row_blocks"]
 BLOCK_ELEMS = 1 << 18
 
 
-def row_blocks(n_rows: int, row_elems: int, *, multiple: int = 1, target: int = BLOCK_ELEMS) -> list[slice]:
+def row_blocks(n_rows: int, row_elems: int, *, multiple: int = 1, target: int | None = None) -> list[slice]:
     """Consecutive slices of ``range(n_rows)`` of about ``target`` elements each (``row_elems`` per row).
 
     Args:
         n_rows: rows to cover (>= 0).
         row_elems: elements per row (>= 1), e.g. ``batch · row_length``.
         multiple: block sizes are multiples of this many rows (e.g. a group size), except the last.
-        target: elements per block (at least one ``multiple`` of rows per block).
+        target: elements per block (at least one ``multiple`` of rows per block); default
+            :data:`BLOCK_ELEMS`, read at call time.
     Returns:
         list of ``slice(start, stop)``; empty for ``n_rows == 0``.
     Raises:
         ValueError: a size below its minimum.
     """
+    if target is None:
+        target = BLOCK_ELEMS
     if n_rows < 0 or row_elems < 1 or multiple < 1 or target < 1:
         raise ValueError(f"row_blocks needs n_rows >= 0 and positive sizes, got {n_rows}, {row_elems}, "
                          f"{multiple}, {target}")

@@ -48,6 +48,9 @@ MAX_BITS = 8
 VARIANTS = ("mse", "prod")
 ROTATIONS = ("random", "hadamard")
 CODEBOOKS = ("gaussian", "beta")
+#: token blocks are multiples of this many rows (a block's products with Π and S are then never a
+#: matrix–vector product of a few rows, which BLAS rounds differently; row_blocks' tail is >= half a block)
+_BLOCK_ROWS = 64
 #: benchmark budget of one per-token norm: a scale, billed FP8
 _NORM_NOMINAL = 8
 _NORM_EFFECTIVE = 16
@@ -217,7 +220,7 @@ class TurboQuant(Quantizer):
         norm = torch.empty(n_rows, 1, dtype=cdt, device=x.device)
         # every token on its own, in cache-sized blocks of tokens (the products with Π and S per block give
         # the same bits as over the whole tensor: no block is only a few rows, see row_blocks)
-        for sl in row_blocks(n_rows, d):
+        for sl in row_blocks(n_rows, d, multiple=_BLOCK_ROWS):
             u = rows[sl] / p[sl]
             norm_s = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
             u.div_(torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s)))  # a zero vector stays 0
@@ -256,7 +259,7 @@ class TurboQuant(Quantizer):
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
             signs8 = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d)
             res_norm = qt["res_norm"].reshape(-1, 1)
-        for sl in row_blocks(out.shape[0], d):  # token blocks, as in quantize
+        for sl in row_blocks(out.shape[0], d, multiple=_BLOCK_ROWS):  # token blocks, as in quantize
             if mse_bits > 0:
                 u_hat = cent.index_select(0, codes[sl].reshape(-1).to(torch.int32)).reshape(-1, d) @ pi
             else:
