@@ -30,6 +30,7 @@ import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
 from kvqbench.progress import Progress, coarse_kind_of, hms
+from kvqbench.report.results import BENCHMARK_JSON
 
 RECORD_KEY = "kvqbench"
 
@@ -878,8 +879,6 @@ def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] |
     return out_dir
 
 
-#: pytest-benchmark's JSON of the exp4 round trips, written beside the results (serial runs)
-BENCHMARK_JSON = "benchmark_exp4.json"
 
 
 class _BenchmarkJson:
