@@ -18,6 +18,7 @@ import datetime as _dt
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -850,7 +851,7 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "capture_dtype": s.dtype if s.real else None,
         "threads": s.threads,
         "shapes": [{"source": a, "size": b, "k": list(c)} for a, b, c in shapes],
-        "command": "pytest " + " ".join(str(a) for a in config.invocation_params.args),
+        "command": shlex.join(["pytest", *(str(a) for a in config.invocation_params.args)]),
         "start_time": s.start_time,
         **({"shard": f"{s.shard[0]}/{s.shard[1]}"} if s.shard else {}),
     }

@@ -14,6 +14,7 @@ holds are listed and the merged set is stamped incomplete, as a partial run is.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,10 @@ def check_compatible(shards: list[Shard]) -> None:
 
 
 def _strip_shard_args(command: str) -> str:
-    toks = command.split()
+    try:
+        toks = shlex.split(command)
+    except ValueError:  # not shell-quoted (an older provenance): words
+        toks = command.split()
     out, skip = [], False
     for t in toks:
         if skip:
@@ -166,7 +170,7 @@ def _strip_shard_args(command: str) -> str:
         if t.startswith(("--kvq-shard=", "--kvq-out=")):
             continue
         out.append(t)
-    return " ".join(out)
+    return shlex.join(out)
 
 
 def merged_provenance(shards: list[Shard]) -> dict[str, Any]:
