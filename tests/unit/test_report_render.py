@@ -93,3 +93,6 @@ def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "leaderboard.json not found" in capsys.readouterr().err
+    # a results tree whose only set is in a subfolder (a smoke run writes results/smoke): named in the error
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"result sets below it: {out}" in capsys.readouterr().err
