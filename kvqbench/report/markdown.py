@@ -309,12 +309,15 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
         row = [f"`{m}`"]
         for s, r in cols:
             e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
-            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+            b = e2e[m].get(s, {}).get(f"e2e_{r}_bits_billed") if r == "decode" else None
+            row.append((fmt(e["mean"], e["ci95"]) if e else "—") + (f" @ {b['mean']:.3g} b" if e and b else ""))
         rows.append(row)
     out = ["### End-to-end damage: next-token KL(p‖p̂) in nats against the unquantized model", "",
            "Each method's quantize → dequantize inside the model's KV cache; prefill = the text in one pass, "
-           "decode = a prefill then blocks under the method's streaming rules (fp16 windows billed at 16 bits; "
-           "see the `e2e_*_bits_billed` metrics). Mean ± 95% CI over seeds (text windows).", "",
+           "decode = a prefill then blocks under the method's streaming rules. Decode cells give the bits billed "
+           "per element (`@ … b`, `e2e_decode_bits_billed`): tokens a method keeps in fp16 windows count at 16 bits, "
+           "so a low decode KL at high billed bits is the fp16 window, not the quantizer (exactly 0 at 16 b: the "
+           "whole window stayed in fp16). Mean ± 95% CI over seeds (text windows).", "",
            tabulate(rows, headers=["method", *[f"{r} {s}" for s, r in cols]], tablefmt="github"), ""]
     pr = src.get("predictivity") or {}
     groups = pr.get("groups") or []
