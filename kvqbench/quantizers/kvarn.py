@@ -34,9 +34,17 @@ import torch
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.scale import pow2_floor, pow2_window
 from kvqbench.numerics.varn import DEFAULT_ITERS, varn
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    StreamPolicy,
+    check_finite,
+    register,
+)
 
-__all__ = ["KVarN", "rtn_rows", "tile_window", "SCALE_FLOOR", "SINK_TOKENS", "WINDOW"]
+__all__ = ["KVarN", "rtn_rows", "tile_absmax", "tile_window", "SCALE_FLOOR", "SINK_TOKENS", "WINDOW"]
 
 SCALE_FLOOR = 1e-10
 #: per kind, the exponents ``(lo, hi)`` of the tile-RMS window ``[2^lo, 2^(hi+1))`` the reference
@@ -63,17 +71,28 @@ def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _rtn_rows_inplace(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries)."""
-    lo = b.amin(-1, keepdim=True)
-    hi = b.amax(-1, keepdim=True)
+    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries; min and max
+    in one pass)."""
+    lo, hi = torch.aminmax(b, dim=-1, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).clamp_min(SCALE_FLOOR)
     q = b.sub_(lo).div_(scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
     return q, lo, scale
 
 
-def tile_window(tiles: torch.Tensor, kind: str) -> torch.Tensor:
+def tile_absmax(tiles: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over the last two dims of ``tiles`` ``[..., R, C]`` (keepdim), in one pass without a
+    full-size ``|x|``; NaN when the tile holds a NaN, +Inf for an Inf (so it also proves finiteness)."""
+    if tiles.stride(-2) != tiles.shape[-1] * tiles.stride(-1):  # e.g. K's transposed view: its transpose is
+        tiles = tiles.transpose(-1, -2)  # the same elements with mergeable last dims
+    flat = tiles.flatten(-2)
+    lo, hi = torch.aminmax(flat, dim=-1, keepdim=True)
+    return torch.maximum(hi, lo.neg_()).unsqueeze(-1)
+
+
+def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = None) -> torch.Tensor:
     """The power of two ``c`` ``[..., 1, 1]`` that brings each tile's RMS into KVarN's window
-    (:data:`WINDOW`); 1 for a tile already inside it (and for an all-zero tile).
+    (:data:`WINDOW`); 1 for a tile already inside it (and for an all-zero tile). ``absmax``: the tiles'
+    :func:`tile_absmax`, when already computed.
 
     VarN's constants (std clamp ``[1e-3, 1e3]``, log-scale clip ``[−0.3, 10]``, imbalance floor 1e-8) and
     the RTN scale floor 1e-10 are absolute and assume tiles of roughly unit scale: far below it VarN stops
@@ -83,8 +102,9 @@ def tile_window(tiles: torch.Tensor, kind: str) -> torch.Tensor:
     nothing changes, bit for bit. The RMS is taken after an exact power-of-two prescale, so it neither
     under- nor overflows.
     """
-    p = pow2_floor(tiles.abs().amax(dim=(-2, -1), keepdim=True))
-    rms = torch.sqrt(((tiles / p) ** 2).mean(dim=(-2, -1), keepdim=True)) * p
+    p = pow2_floor(tile_absmax(tiles) if absmax is None else absmax)
+    sq = tiles / p
+    rms = torch.sqrt(sq.mul_(sq).mean(dim=(-2, -1), keepdim=True)) * p
     lo_exp, hi_exp = WINDOW[kind]
     return pow2_window(rms, lo_exp, hi_exp)
 
@@ -116,6 +136,7 @@ class KVarN(Quantizer):
     rotation = True
     grouped = True
     fidelity = "faithful"
+    finite_check = "stats"  # the tiles' max |x| (the scale window's statistic) covers every element
     deltas = (
         "The three absorbed scale vectors are held at working precision (fp32) and billed as fp16; the "
         "reference rounds them to fp16.",
@@ -184,10 +205,19 @@ class KVarN(Quantizer):
             g = min(self.group_size, n)
             blk = xr[:, :, start : start + n, :].reshape(b_, h, n // g, g, d)  # [B, H, nt, G, D]
             tiles = blk.transpose(-1, -2) if kind == "k" else blk  # rows: K channels, V tokens
-            c = tile_window(tiles, kind)  # 1 for every tile of normal scale
-            # a contiguous buffer of our own (xr is ours; K's transpose is copied once), scaled and
-            # balanced in place
-            tiles = tiles.contiguous().div_(c)
+            absmax = tile_absmax(blk)
+            # finite_check "stats": a NaN/Inf of x spreads over its token's rotated row, so its tile's max |x|
+            # is not finite (and a finite x whose rotation overflows is told apart by check_finite)
+            check_finite(x, absmax, name=kind.upper())
+            c = tile_window(tiles, kind, absmax)  # 1 for every tile of normal scale
+            unit = bool((c == 1).all())  # then dividing by c changes nothing: skipped
+            # a contiguous buffer of our own (xr is ours; K's transpose is copied once, divided by c on the
+            # way), scaled and balanced in place
+            if kind == "k":
+                buf = torch.empty(b_, h, n // g, d, g, dtype=xr.dtype, device=xr.device)
+                tiles = buf.copy_(tiles) if unit else torch.div(tiles, c, out=buf)
+            else:
+                tiles = tiles.contiguous() if unit else tiles.contiguous().div_(c)
             res = varn(tiles, self.varn_iters)
             bal = tiles.div_(res.s_col).div_(res.s_row)
             q, lo, scale = _rtn_rows_inplace(bal, bits)
@@ -205,8 +235,13 @@ class KVarN(Quantizer):
             a = qt[f"{name}.row_scale"].unsqueeze(-1)
             z = qt[f"{name}.row_zero"].unsqueeze(-1)
             c = qt[f"{name}.col_scale"].unsqueeze(-2)
-            tiles = q.to(a.dtype).mul_(a).add_(z).mul_(c)  # (q·a + z)·c, one buffer
-            blk = tiles.transpose(-1, -2) if qt.kind == "k" else tiles  # [B, H, nt, G, D]
+            if qt.kind == "k":  # decoded straight into the token-major layout (no transposing copy)
+                nt_, rows, cols = q.shape[-3:]
+                out = torch.empty(b_, h, nt_, cols, rows, dtype=a.dtype, device=a.device)
+                torch.mul(q, a, out=out.transpose(-1, -2)).add_(z).mul_(c)  # (q·a + z)·c, one buffer
+                blk = out  # [B, H, nt, G, D]
+            else:
+                blk = q.to(a.dtype).mul_(a).add_(z).mul_(c)
             parts.append(blk.reshape(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return hadamard_transform(xr)
