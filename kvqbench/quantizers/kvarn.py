@@ -55,6 +55,8 @@ SCALE_FLOOR = 1e-10
 WINDOW = {"k": (-1, 12), "v": (-6, 12)}
 #: fp16 attention-sink tokens of the reference runtime (pseudo-decode regime)
 SINK_TOKENS = 128
+#: bytes of tiles per slice of :func:`tile_window`'s mean-square pass (stays in the core's cache)
+_SLICE_BYTES = 1 << 20
 
 
 def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,22 +73,21 @@ def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _rtn_rows_inplace(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries; min and max
-    in one pass)."""
-    lo, hi = torch.aminmax(b, dim=-1, keepdim=True)
+    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries)."""
+    lo = b.amin(-1, keepdim=True)  # (torch.aminmax is not vectorized on the CPU: two passes are faster)
+    hi = b.amax(-1, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).clamp_min(SCALE_FLOOR)
     q = b.sub_(lo).div_(scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
     return q, lo, scale
 
 
 def tile_absmax(tiles: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` over the last two dims of ``tiles`` ``[..., R, C]`` (keepdim), in one pass without a
-    full-size ``|x|``; NaN when the tile holds a NaN, +Inf for an Inf (so it also proves finiteness)."""
+    """``max |x|`` over the last two dims of ``tiles`` ``[..., R, C]`` (keepdim), as ``max(max x, −min x)``
+    (no full-size ``|x|``); NaN when the tile holds a NaN, +Inf for an Inf (so it also proves finiteness)."""
     if tiles.stride(-2) != tiles.shape[-1] * tiles.stride(-1):  # e.g. K's transposed view: its transpose is
         tiles = tiles.transpose(-1, -2)  # the same elements with mergeable last dims
     flat = tiles.flatten(-2)
-    lo, hi = torch.aminmax(flat, dim=-1, keepdim=True)
-    return torch.maximum(hi, lo.neg_()).unsqueeze(-1)
+    return torch.maximum(flat.amax(-1, keepdim=True), flat.amin(-1, keepdim=True).neg_()).unsqueeze(-1)
 
 
 def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +104,16 @@ def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = No
     under- nor overflows.
     """
     p = pow2_floor(tile_absmax(tiles) if absmax is None else absmax)
-    sq = tiles / p
-    rms = torch.sqrt(sq.mul_(sq).mean(dim=(-2, -1), keepdim=True)) * p
+    # the mean square tile by tile in cache-sized slices (no full-size temporary; a tile's mean is the same
+    # reduction of the same values whatever the slice)
+    r, c = tiles.shape[-2:]
+    flat, pf = tiles.reshape(-1, r, c), p.reshape(-1, 1, 1)
+    step = max(1, _SLICE_BYTES // max(1, r * c * 4))
+    ms = torch.empty_like(pf)
+    for i in range(0, flat.shape[0], step):
+        sq = flat[i : i + step] / pf[i : i + step]
+        torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[i : i + step])
+    rms = torch.sqrt(ms.reshape(p.shape)) * p
     lo_exp, hi_exp = WINDOW[kind]
     return pow2_window(rms, lo_exp, hi_exp)
 
@@ -235,13 +244,13 @@ class KVarN(Quantizer):
             a = qt[f"{name}.row_scale"].unsqueeze(-1)
             z = qt[f"{name}.row_zero"].unsqueeze(-1)
             c = qt[f"{name}.col_scale"].unsqueeze(-2)
-            if qt.kind == "k":  # decoded straight into the token-major layout (no transposing copy)
-                nt_, rows, cols = q.shape[-3:]
-                out = torch.empty(b_, h, nt_, cols, rows, dtype=a.dtype, device=a.device)
-                torch.mul(q, a, out=out.transpose(-1, -2)).add_(z).mul_(c)  # (q·a + z)·c, one buffer
-                blk = out  # [B, H, nt, G, D]
-            else:
-                blk = q.to(a.dtype).mul_(a).add_(z).mul_(c)
+            # (q·a + z)·c in one buffer; K's is decoded straight into the token-major layout (no
+            # transposing copy)
+            nt_, rows, cols = q.shape[-3:]
+            shape = (b_, h, nt_, cols, rows) if qt.kind == "k" else q.shape
+            blk = torch.empty(shape, dtype=a.dtype, device=a.device)  # [B, H, nt, G, D]
+            tiles = blk.transpose(-1, -2) if qt.kind == "k" else blk
+            tiles.copy_(q).mul_(a).add_(z).mul_(c)
             parts.append(blk.reshape(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return hadamard_transform(xr)
