@@ -239,3 +239,22 @@ def test_bit_identical_on_kvarn_sized_batches() -> None:
     x = torch.randn(65, 128, 128, generator=g) + 30.0 * (torch.rand(65, 1, 1, generator=g) < 0.1)
     for a, b in zip(varn(x), _plain_varn(x, 16)):
         assert torch.equal(a.reshape(b.shape), b)
+
+
+def test_same_bits_at_every_thread_count() -> None:
+    """On the CPU the chunks go to a pool of torch.get_num_threads() threads: 1, 2 and 3 threads give the
+    plain recipe's bits (six chunks of one group each, a last group of one tile, the fallback in some)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(41, 128, 128, generator=g) + 30.0 * (torch.rand(41, 1, 1, generator=g) < 0.15)
+    want = _plain_varn(x, 6)
+    nt = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with patch.object(varn_mod, "_CHUNK_BYTES", 8 * 128 * 128 * 4):
+                got = varn(x, 6)
+            assert torch.get_num_threads() == threads  # restored
+            for a, b in zip(got, want):
+                assert torch.equal(a.reshape(b.shape), b)
+    finally:
+        torch.set_num_threads(nt)
