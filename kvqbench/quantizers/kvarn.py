@@ -106,13 +106,15 @@ def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = No
     p = pow2_floor(tile_absmax(tiles) if absmax is None else absmax)
     # the mean square tile by tile in cache-sized slices (no full-size temporary; a tile's mean is the same
     # reduction of the same values whatever the slice)
-    r, c = tiles.shape[-2:]
-    flat, pf = tiles.reshape(-1, r, c), p.reshape(-1, 1, 1)
-    step = max(1, _SLICE_BYTES // max(1, r * c * 4))
-    ms = torch.empty_like(pf)
-    for i in range(0, flat.shape[0], step):
-        sq = flat[i : i + step] / pf[i : i + step]
-        torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[i : i + step])
+    # [outer, n, R, C]: the tile axis next to the tile stays a view even when the tiles are a strided slice
+    t4 = tiles.reshape(-1, *tiles.shape[-3:]) if tiles.dim() >= 3 else tiles.reshape(1, 1, *tiles.shape)
+    p4 = p.reshape(t4.shape[0], t4.shape[1], 1, 1)
+    step = max(1, _SLICE_BYTES // max(1, t4.shape[-2] * t4.shape[-1] * 4))
+    ms = torch.empty_like(p4)
+    for o in range(t4.shape[0]):
+        for i in range(0, t4.shape[1], step):
+            sq = t4[o, i : i + step] / p4[o, i : i + step]
+            torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[o, i : i + step])
     rms = torch.sqrt(ms.reshape(p.shape)) * p
     lo_exp, hi_exp = WINDOW[kind]
     return pow2_window(rms, lo_exp, hi_exp)
