@@ -179,8 +179,8 @@ def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> 
         return
     with _PROGRESS_LOCK:
         prog.workers = max(1, workers)
-        prog.collected(nodeids)
         prog.t_run = time.time()
+        prog.collected(nodeids)
     if prog.interval_s > 0 and prog.total:
         _PrintThread(config, prog).start()
 
@@ -263,7 +263,7 @@ def _progress_tick(report: pytest.TestReport) -> None:
         if report.when == "setup":
             for k, v in getattr(report, "user_properties", []) or []:
                 if k == STEP_KEY and isinstance(v, dict):  # e.g. the real-model capture inside kvq_data
-                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)))
+                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)), time.time())
                     d -= float(v.get("seconds", 0.0))
         prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
         now = time.time()
@@ -1003,7 +1003,7 @@ def _finish_progress(config: pytest.Config, report_s: float) -> None:
         return
     with _PROGRESS_LOCK:
         for kind in [k for k in prog.expected_steps if k.startswith("report|")]:
-            prog.step(kind, report_s)
+            prog.step(kind, report_s, time.time())
         _save_history(config, prog)
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None and prog.interval_s > 0:

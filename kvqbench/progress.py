@@ -22,6 +22,7 @@ end, is added undivided.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -96,11 +97,23 @@ class Progress:
     report_started: float | None = None  # when the last test finished: the session-end report began
     last_report: float = 0.0  # when the controller last received a test report
     debug: str = ""
+    #: append every event as a JSON line to this file (``KVQBENCH_PROGRESS_TRACE``), for replaying a real
+    #: session through the estimate (``scripts/eta_error.py --replay``)
+    trace_path: str | None = field(default_factory=lambda: os.environ.get("KVQBENCH_PROGRESS_TRACE") or None)
+
+    def _trace(self, *event: object) -> None:
+        if self.trace_path:
+            try:
+                with open(self.trace_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(event) + "\n")
+            except OSError:
+                self.trace_path = None  # an unwritable trace never breaks a run
 
     # ---------------------------------------------------------------- events
     def collected(self, nodeids: list[str]) -> None:
         """The selected tests (after deselection). Expect one real-model capture per worker per real
         data size, and one report step at the end."""
+        self._trace("collected", self.t0, self.t_run, self.workers, list(nodeids), self.history)
         self.total = len(nodeids)
         self.pending = {n: kind_of(n) for n in nodeids}
         tags = [_split(n)[2] for n in nodeids]
@@ -116,11 +129,13 @@ class Progress:
         return "report|" + (",".join(sorted(cell_tags)) or "no-cells")
 
     def started(self, nodeid: str, now: float) -> None:
+        self._trace("started", nodeid, now)
         if nodeid in self.pending:
             self.running[nodeid] = now
 
-    def step(self, kind: str, seconds: float) -> None:
+    def step(self, kind: str, seconds: float, now: float | None = None) -> None:
         """A step of ``kind`` took ``seconds`` (it was paid inside a test, whose duration it leaves)."""
+        self._trace("step", kind, seconds, now)
         self.steps.setdefault(kind, []).append(max(seconds, 0.0))
         if self.expected_steps.get(kind, 0) > 0:
             self.expected_steps[kind] -= 1
@@ -128,6 +143,7 @@ class Progress:
     def finished(self, nodeid: str, duration_s: float, now: float | None = None) -> None:
         """A test is over (at ``now``); ``duration_s`` is its setup+call+teardown seconds minus any step
         inside. When it is the last one, the report step starts."""
+        self._trace("finished", nodeid, duration_s, now)
         d = max(float(duration_s), 0.0)
         if self.done + 1 >= self.total and now is not None:
             self.report_started = now
