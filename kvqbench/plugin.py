@@ -263,7 +263,7 @@ def _progress_tick(report: pytest.TestReport) -> None:
         if report.when == "setup":
             for k, v in getattr(report, "user_properties", []) or []:
                 if k == STEP_KEY and isinstance(v, dict):  # e.g. the real-model capture inside kvq_data
-                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)), time.time())
+                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)), time.time(), report.nodeid)
                     d -= float(v.get("seconds", 0.0))
         prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
         now = time.time()

@@ -35,27 +35,116 @@ def test_kinds_separate_method_and_data_size():
     assert kind_of("tests/unit/t.py::test_b[3-x]") == "tests/unit/t.py::test_b"
 
 
-def test_without_history_pending_tests_are_charged_their_kinds_median():
+def test_weighted_median_and_schedule_closed_forms():
+    from kvqbench.progress import schedule_end, weighted_median
+
+    assert weighted_median([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == 2.0
+    assert weighted_median([1.0, 10.0], [1.0, 3.0]) == 10.0  # the heavy value holds most of the weight
+    with pytest.raises(ValueError):
+        weighted_median([], [])
+    assert schedule_end([], [1.0, 2.0, 3.0], 1) == 6.0  # serial: the sum
+    assert schedule_end([], [1.0] * 10 + [20.0], 2) == 25.0  # the tail: one worker runs the last long test
+    assert schedule_end([3.0], [1.0] * 4, 2) == 4.0  # one worker busy 3 s: the other takes three, then one more
+    assert schedule_end([5.0, 1.0], [], 2) == 5.0  # nothing pending: the longest running test
+    with pytest.raises(ValueError):
+        schedule_end([], [1.0], 0)
+
+
+def test_without_any_table_pending_tests_are_charged_their_kinds_median():
     ids = [f"t.py::test_a[m-k2v2-seed{i}-synthetic-full]" for i in range(10)] + \
           [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(10)]
-    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=2)
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, trace_path=None)
     p.collected(ids)
-    assert p.total == 20 and p.expected_steps == {"capture|real-full": 2, "report|real-full,synthetic-full": 1}
+    assert p.total == 20 and p.expected_steps == {"capture|real-full": 1, "report|real-full,synthetic-full": 1}
+    assert p.eta(0.0) is None  # nothing to go on
     for i in range(10):  # the synthetic cells ran first: 1 s each
         p.finished(ids[i], 1.0)
+    # the real cells: this run's median of everything (1 s) each; the capture: nothing known yet
+    assert p.eta(10.0) == pytest.approx(10 * 1.0)
     p.step("capture|real-full", 30.0)  # paid inside the first real cell, not part of its 9 s
     p.finished(ids[10], 9.0)
-    # 9 real cells × 9 s + one more capture (2 workers) × 30 s, at the observed parallelism
-    # (10 + 9 + 30 busy s in 25 wall s); no report history yet → 0 for it
-    assert p.eta(25.0) == pytest.approx((81.0 + 30.0) / (49.0 / 25.0))
-    assert p.line(25.0) == "kvqbench: 11/20 tests, elapsed 25s, ETA 57s"
+    assert p.eta(49.0) == pytest.approx(9 * 9.0)  # the kind's median now; the only capture is done
+
+
+def test_prior_on_a_constant_speed_machine_gives_the_exact_eta():
+    """A machine 2× slower than the prior, serial: after the first test the ETA is the exact rest."""
+    ids = [f"t.py::test_{c}[{i}]" for c in "abc" for i in range(5)]
+    cost = {n: {"a": 0.5, "b": 3.0, "c": 12.0}[n[11]] for n in ids}
+    prior = {"version": 1, "tests": dict(cost), "kinds": {}, "steps": {"report|no-cells": 4.0}}
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, prior=prior, trace_path=None)
+    p.collected(ids)
+    assert p.eta(0.0) == pytest.approx(sum(cost.values()) + 4.0)  # the prior alone before any test
+    now, truth_end = 0.0, 2.0 * sum(cost.values()) + 2.0 * 4.0
+    for n in ids:
+        p.started(n, now)
+        now += 2.0 * cost[n]
+        p.finished(n, 2.0 * cost[n], now)
+        assert p.eta(now) == pytest.approx(truth_end - now)
+    assert p.speed() == pytest.approx(2.0)
+
+
+def test_two_workers_constant_speed_eta_is_exact_mid_test_and_in_the_tail():
+    """Two workers dealt tests in collection order as they free up (xdist's load scheduling), a machine
+    1.5× slower than the prior and a last long test: the ETA sampled at any instant is the true rest."""
+    ids = [f"t.py::test_x[{i}]" for i in range(12)] + ["t.py::test_long"]
+    cost = {n: (1.0 + (i % 3)) for i, n in enumerate(ids)}
+    cost["t.py::test_long"] = 20.0
+    prior = {"version": 1, "tests": dict(cost), "kinds": {}, "steps": {}}
+    c = 1.5
+    free, events = [0.0, 0.0], []
+    for n in ids:
+        w = min(range(2), key=lambda i: free[i])
+        events.append((free[w], "start", n))
+        free[w] += c * cost[n]
+        events.append((free[w], "end", n))
+    end = max(free)
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=2, prior=prior, trace_path=None)
+    p.collected(ids)
+    events.sort(key=lambda e: (e[0], e[1] == "start"))
+    t, checked = 0.25, 0
+    for at, what, n in events:
+        while t < at:
+            if p.done >= 1:
+                assert p.eta(t) == pytest.approx(end - t), (t, p.debug)
+                checked += 1
+            t += 0.5
+        if what == "start":
+            p.started(n, at)
+        else:
+            p.finished(n, c * cost[n], at)
+    assert checked > 20
+
+
+def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file():
+    prior = {"version": 1, "tests": {"t.py::test_a": 10.0, "t.py::test_b": 2.0, "u.py::test_c": 7.0},
+             "kinds": {"v.py::test_d": 3.0}, "steps": {}}
+    hist = {"version": 1, "tests": {"t.py::test_a": 4.0}, "kinds": {}, "steps": {}}
+    p = Progress(prior=prior, history=hist, trace_path=None)
+    assert p.base("t.py::test_a") == 4.0  # this machine's history first
+    assert p.base("t.py::test_b") == 2.0  # the prior for what the history lacks
+    assert p.base("v.py::test_d[3]") == 3.0  # the kind's median
+    assert p.base("t.py::test_new") == pytest.approx(3.0)  # median of its file (history 4, prior 2)
+    assert p.base("w.py::test_e") is None
+
+
+def test_a_kind_that_got_slower_is_charged_more_than_the_rest():
+    ids = [f"t.py::test_{c}[{i}]" for i in range(6) for c in "ab"]
+    prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(ids)
+    for n in ids[:6]:  # three of each kind: a as in the prior, b 3× slower (its code changed)
+        p.finished(n, 3.0 if "test_b" in n else 1.0)
+    # the typical ratio (base-weighted median of 1,1,1,3,3,3) is 1: a is charged its prior; b 3× that,
+    # shrunk towards 1 by 3 / (3 + 2) while only three b's have finished
+    assert p.predict("t.py::test_a[5]") == pytest.approx(1.0)
+    assert p.predict("t.py::test_b[5]") == pytest.approx(1.0 + 2.0 * 0.6)
 
 
 def test_history_predicts_unseen_tests_scaled_by_this_runs_speed():
     ids = [f"t.py::test_{c}[{i}]" for c in "ab" for i in range(4)]
     hist = {"version": 1, "tests": {n: (2.0 if "test_a" in n else 10.0) for n in ids},
             "kinds": {}, "steps": {}}
-    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, history=hist)
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, history=hist, trace_path=None)
     p.collected(ids)
     assert p.eta(0.0) == pytest.approx(4 * 2.0 + 4 * 10.0)  # before any test: the history alone
     for n in ids[:4]:
@@ -64,12 +153,13 @@ def test_history_predicts_unseen_tests_scaled_by_this_runs_speed():
     assert p.eta(12.0) == pytest.approx(4 * 10.0 * 1.5)
     p.started(ids[4], 12.0)  # running for 5 s of its predicted 15 s
     assert p.eta(17.0) == pytest.approx(10.0 + 3 * 15.0)
+    assert p.eta(32.0) == pytest.approx(0.25 * 5.0 + 3 * 15.0)  # overran by 5 s: a quarter of that again
 
 
 def test_report_step_is_added_once_and_counts_down_after_the_last_test():
     ids = ["t.py::test_a[m-k2v2-seed0-synthetic-smoke]"]
     hist = {"version": 1, "tests": {ids[0]: 4.0}, "kinds": {}, "steps": {"report|synthetic-smoke": 6.0}}
-    p = Progress(interval_s=0, t0=0.0, t_run=0.0, history=hist)
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, history=hist, trace_path=None)
     p.collected(ids)
     assert p.eta(0.0) == pytest.approx(4.0 + 6.0)
     p.finished(ids[0], 4.0, now=4.0)
@@ -78,6 +168,21 @@ def test_report_step_is_added_once_and_counts_down_after_the_last_test():
     h = p.updated_history()
     assert h["tests"] == {ids[0]: 4.0} and h["steps"] == {"report|synthetic-smoke": 7.0}
     assert h["kinds"] == {"t.py::test_a|m|synthetic-smoke": 4.0}
+
+
+def test_pending_capture_is_charged_to_the_first_real_cell_of_each_worker():
+    ids = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(4)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {},
+             "steps": {"capture|real-full": 30.0, "report|real-full": 5.0}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(ids)
+    assert p.expected_steps["capture|real-full"] == 2
+    assert p.eta(0.0) == pytest.approx(31.0 + 1.0 + 5.0)  # both workers capture, then two cells each
+    p.started(ids[0], 0.0)
+    p.started(ids[1], 0.0)
+    p.step("capture|real-full", 30.0, 30.0, ids[0])  # the clocks of the two cells restart after it
+    p.step("capture|real-full", 30.0, 30.0, ids[1])
+    assert p.eta(30.0) == pytest.approx(1.0 + 1.0 + 5.0)
 
 
 def _simulate(history: dict | None, speed: float, seed: int) -> tuple[list[tuple[float, float | None]], float,
