@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
-from kvqbench.progress import Progress, coarse_kind_of, hms
+from kvqbench.progress import Progress, coarse_kind_of, hms, load_prior
 
 RECORD_KEY = "kvqbench"
 
@@ -441,7 +441,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
     if not _is_worker(config):
         config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
-                                              last=time.time(), history=_load_history(config))
+                                              last=time.time(), history=_load_history(config), prior=load_prior())
 
 
 def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:
