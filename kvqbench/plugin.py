@@ -234,11 +234,23 @@ class _PrintThread(threading.Thread):
                     _print_progress(self.config, self.prog, now)
 
 
+def _xdist_queues(config: pytest.Config) -> list[list[str]] | None:
+    """Per xdist worker, the tests its load scheduler has sent it and that have not finished (the running
+    one first); ``None`` when not under xdist or its scheduler keeps no such lists."""
+    try:
+        sched = config.pluginmanager.get_plugin("dsession").sched
+        coll = list(sched.collection)
+        return [[coll[i] for i in list(pend)] for pend in list(sched.node2pending.values())]
+    except Exception:  # serial, another --dist mode, or the lists changed while being read
+        return None
+
+
 def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None:
         return
     prog.last = now
+    prog.set_queues(_xdist_queues(config), now)
     if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
         tr.write("\n")  # after the progress dots of -q / xdist
     tr.write_line(prog.line(now))

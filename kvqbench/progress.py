@@ -18,14 +18,18 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
 2. **This machine's speed**, estimated online from the tests finished so far: the duration-weighted
    median of measured/base over the most recent quarter of the finished work (at least
    :data:`SPEED_WINDOW_S` base seconds), so a busier, faster or changing machine is tracked; and per kind,
-   how much faster or slower that kind runs than the rest (measured/base of the kind over the typical
-   measured/base of the whole run, shrunk towards 1 while it has few tests), so a method whose code got faster since the
-   table was made is tracked too. A pending test is charged base × speed × its kind's factor; a test with
-   no base at all, this run's median of its kind (or of its kind without the method, or of everything).
-3. **The schedule**: the pending tests, in collection order, are dealt to the ``workers`` (pytest-xdist
-   workers; 1 when serial) as each becomes free — a running test occupies its worker for what its charge
-   has left — so the tail where one worker runs the last long test is counted; each test also costs the
-   per-test overhead seen so far (idle worker-seconds / finished tests: xdist's bookkeeping, fixtures).
+   how much faster or slower its kind — else its file, else its folder — runs than the rest
+   (measured/base of the group over the typical measured/base of the whole run, shrunk towards 1 while
+   it has few tests), so a method whose code got faster since the table was made, or tests that spawn a
+   pytest or load a model and suffer more on a busy machine, are tracked too. A pending test is charged
+   base × speed × that factor; a test with no base at all, this run's median of its kind (or of its kind
+   without the method, or of everything).
+3. **The schedule**: each of the ``workers`` (pytest-xdist workers; 1 when serial) first finishes what
+   xdist has already sent it (its running test for what its charge has left, then its queue; see
+   :meth:`Progress.set_queues`), then the tests not sent yet are dealt, in collection order, to whichever
+   worker is free first — so the tail where one worker runs the last long tests is counted; each test
+   also costs the per-test overhead seen so far (idle worker-seconds / finished tests: xdist's
+   bookkeeping, fixtures).
    A pending real-model capture is charged to the first cell that needs it on each worker.
 4. **The report step** (results and figures, after the last test, alone) is added at the end, and counts
    down once it has begun.
@@ -171,6 +175,8 @@ class Progress:
     steps: dict[str, list[float]] = field(default_factory=dict)  # step kind -> this run's seconds
     expected_steps: dict[str, int] = field(default_factory=dict)  # step kind -> how many are left
     observed: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, base s, measured s)
+    #: per xdist worker, the tests sent to it and not finished yet, in order (see :meth:`set_queues`)
+    queues: list[list[str]] | None = None
     busy: float = 0.0
     report_started: float | None = None  # when the last test finished: the session-end report began
     last_report: float = 0.0  # when the controller last received a test report
@@ -223,6 +229,14 @@ class Progress:
         self.steps.setdefault(kind, []).append(max(seconds, 0.0))
         if self.expected_steps.get(kind, 0) > 0:
             self.expected_steps[kind] -= 1
+
+    def set_queues(self, queues: list[list[str]] | None, now: float | None = None) -> None:
+        """What pytest-xdist has already sent to each worker (its running test first, then its queue):
+        those tests run on that worker whatever the others do — at the end of a session one worker may
+        still hold several long tests while the other is idle. ``None``: unknown (serial run, or a
+        scheduler that does not say); the pending tests are then dealt as workers free up."""
+        self._trace("queues", queues, now)
+        self.queues = [list(q) for q in queues] if queues is not None else None
 
     def finished(self, nodeid: str, duration_s: float, now: float | None = None) -> None:
         """A test is over (at ``now``); ``duration_s`` is its setup+call+teardown seconds minus any step
@@ -296,25 +310,38 @@ class Progress:
         return min(max(weighted_median(ratios, weights), 0.05), 20.0)
 
     def _kind_factors(self) -> dict[str, float]:
-        """Per kind: its measured/base (sum over its finished tests) over the whole run's typical
-        measured/base (the base-weighted median of all finished tests, the statistic :meth:`speed` uses),
-        shrunk towards 1 with few tests (n / (n + 2)), clamped to [0.2, 5]."""
+        """How much slower or faster than the run's typical test each group of finished tests ran: per
+        kind, per file and per folder (``("kind", k)``, ``("file", f)``, ``("dir", d)``), the group's
+        measured/base (sums) over the whole run's typical measured/base (the base-weighted median of all
+        finished tests, the statistic :meth:`speed` uses), shrunk towards 1 with few tests
+        (n / (n + 2)), clamped to [0.2, 5]. Tests of one file or folder share a harness (a subprocess
+        pytest, a model load) and so slow down alike when the machine is busy."""
         if not self.observed:
             return {}
         run = weighted_median([d / b for _, b, d in self.observed], [b for _, b, _ in self.observed])
         if run <= 0:
             return {}
-        per: dict[str, list[float]] = {}
+        per: dict[tuple[str, str], list[float]] = {}
         for kind, b, d in self.observed:
-            acc = per.setdefault(kind, [0.0, 0.0, 0])
-            acc[0] += b
-            acc[1] += d
-            acc[2] += 1
+            f = file_of(kind)
+            for key in (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0])):
+                acc = per.setdefault(key, [0.0, 0.0, 0])
+                acc[0] += b
+                acc[1] += d
+                acc[2] += 1
         out = {}
-        for kind, (b, d, n) in per.items():
+        for key, (b, d, n) in per.items():
             f = min(max((d / b) / run, 0.2), 5.0)
-            out[kind] = 1.0 + (f - 1.0) * n / (n + 2)
+            out[key] = 1.0 + (f - 1.0) * n / (n + 2)
         return out
+
+    @staticmethod
+    def _factor(factors: dict, kind: str) -> float:
+        f = file_of(kind)
+        for key in (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0])):
+            if key in factors:
+                return factors[key]
+        return 1.0
 
     def predict(self, nodeid: str, kind: str | None = None, speed: float | None = None,
                 factors: dict[str, float] | None = None) -> float | None:
@@ -323,8 +350,7 @@ class Progress:
         b = self.base(nodeid, kind)
         if b is not None:
             s = self.speed() if speed is None else speed
-            f = (self._kind_factors() if factors is None else factors).get(kind, 1.0)
-            return b * s * f
+            return b * s * self._factor(self._kind_factors() if factors is None else factors, kind)
         if self.durations.get(kind):
             return _median(self.durations[kind])
         ck = coarse_kind_of(nodeid)
@@ -363,7 +389,7 @@ class Progress:
         captures = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
                     if k.startswith("capture|") and v > 0}
         cap_s = {tag: self._step_prediction("capture|" + tag, speed) for tag in captures}
-        busy, costs = [], []
+        charge: dict[str, float] = {}  # pending test -> seconds it still takes (running: what is left)
         for n, kind in self.pending.items():
             p = self.predict(n, kind, speed, factors)
             if p is None:
@@ -375,9 +401,16 @@ class Progress:
             if n in self.running:
                 ran = now - self.running[n]
                 # what its charge has left; once overrun, a quarter of the overrun again
-                busy.append(max(p - ran, 0.25 * (ran - p)))
+                charge[n] = max(p - ran, 0.25 * (ran - p))
             else:
-                costs.append(p + over)
+                charge[n] = p + over
+        busy, queued = [], set()
+        for q in self.queues or ():  # tests already sent to a worker run there, in that order
+            mine = [n for n in q if n in charge and n not in queued]
+            queued.update(mine)
+            busy.append(sum(charge[n] for n in mine))
+        busy += [charge[n] for n in self.running if n in charge and n not in queued]
+        costs = [c for n, c in charge.items() if n not in queued and n not in self.running]
         tests = schedule_end(busy, costs, max(self.workers, 1, len(busy)))
         report = sum(self._step_prediction(k, speed) for k, v in self.expected_steps.items()
                      if k.startswith("report|") and v > 0)

@@ -130,8 +130,16 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
         _, t0, t_run, workers, ids, hist = head
         known = set(ids)
         reports = [i for i, e in enumerate(events) if e[0] == "step" and str(e[1]).startswith("report|")]
-        events = [e for i, e in enumerate(events) if e[0] != "collected" and (
-            e[1] in known if e[0] in ("started", "finished") else (i == reports[-1] or not e[1].startswith("report|")))]
+        seen: set[tuple[str, str]] = set()  # inner sessions may run the same node ids later: keep the first
+        kept = []
+        for i, e in enumerate(events):
+            if e[0] in ("started", "finished"):
+                if e[1] in known and (e[0], e[1]) not in seen:
+                    seen.add((e[0], e[1]))
+                    kept.append(e)
+            elif e[0] == "step" and (i == reports[-1] or not str(e[1]).startswith("report|")):
+                kept.append(e)
+        events = kept
     else:
         _, _, t0, t_run, workers, ids, hist = head
         events = [e[1:] for e in events if e[0] == head[0] and e[1] != "collected"]
@@ -139,7 +147,7 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
                  history=hist if history is None else history, prior=load_prior() if prior is None else prior)
     p.collected(ids)
     def when(e: list) -> float | None:
-        return e[2] if e[0] == "started" else e[3]
+        return {"started": e[2], "queues": e[2]}.get(e[0], e[3] if len(e) > 3 else None)
 
     end = max(when(e) for e in events if when(e) is not None)
     rows, t = [], t0 + every
@@ -152,6 +160,8 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
             p.started(e[1], e[2])
         elif e[0] == "finished":
             p.finished(e[1], e[2], e[3])
+        elif e[0] == "queues":
+            p.set_queues(e[1], e[2])
         elif e[0] == "step":
             p.step(e[1], e[2], e[3], e[4] if len(e) > 4 else None)
     return rows, end - t0

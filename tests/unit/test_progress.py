@@ -116,6 +116,22 @@ def test_two_workers_constant_speed_eta_is_exact_mid_test_and_in_the_tail():
     assert checked > 20
 
 
+def test_tests_already_sent_to_a_worker_stay_there():
+    """xdist has sent worker A two more 3 s tests behind its running one (5 s left); worker B is idle and
+    only a 1 s test is unsent: A finishes at 5 + 3 + 3, whatever B does."""
+    ids = ["t.py::test_r", "t.py::test_a", "t.py::test_b", "t.py::test_c"]
+    prior = {"version": 1, "tests": {"t.py::test_r": 8.0, "t.py::test_a": 3.0, "t.py::test_b": 3.0,
+                                     "t.py::test_c": 1.0}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(ids)
+    p.started(ids[0], 0.0)
+    assert p.eta(3.0) == pytest.approx(5.0 + 1.0)  # not knowing the queues: a, b, c dealt to both workers
+    p.set_queues([ids[:3], []], 3.0)
+    assert p.eta(3.0) == pytest.approx(5.0 + 3.0 + 3.0)
+    p.set_queues(None)
+    assert p.eta(3.0) == pytest.approx(6.0)
+
+
 def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file():
     prior = {"version": 1, "tests": {"t.py::test_a": 10.0, "t.py::test_b": 2.0, "u.py::test_c": 7.0},
              "kinds": {"v.py::test_d": 3.0}, "steps": {}}
