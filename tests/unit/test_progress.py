@@ -132,6 +132,18 @@ def test_tests_already_sent_to_a_worker_stay_there():
     assert p.eta(3.0) == pytest.approx(6.0)
 
 
+def test_plugin_reads_the_xdist_queues_and_falls_back_to_none():
+    from types import SimpleNamespace
+
+    from kvqbench.plugin import _xdist_queues
+
+    sched = SimpleNamespace(collection=["a", "b", "c", "d"], node2pending={"gw0": [0, 2], "gw1": [3]})
+    pm = SimpleNamespace(get_plugin=lambda name: SimpleNamespace(sched=sched) if name == "dsession" else None)
+    assert _xdist_queues(SimpleNamespace(pluginmanager=pm)) == [["a", "c"], ["d"]]
+    serial = SimpleNamespace(pluginmanager=SimpleNamespace(get_plugin=lambda name: None))
+    assert _xdist_queues(serial) is None
+
+
 def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file():
     prior = {"version": 1, "tests": {"t.py::test_a": 10.0, "t.py::test_b": 2.0, "u.py::test_c": 7.0},
              "kinds": {"v.py::test_d": 3.0}, "steps": {}}
