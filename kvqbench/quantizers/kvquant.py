@@ -54,6 +54,9 @@ __all__ = ["KVQuant", "outlier_count_per_tail", "distinct_levels"]
 
 POINTER_BITS = 32
 VALUE_BITS = 16
+#: tokens per tile of K's channel-major copy (a whole-tensor transposed copy reads with a stride that
+#: leaves the cache once a head's tokens outgrow it: 2.6× slower at 4k tokens, 2.4× at 16k)
+_TRANSPOSE_TILE = 1024
 
 
 def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
@@ -216,10 +219,15 @@ class KVQuant(Quantizer):
 
     @staticmethod
     def _vectors(x: torch.Tensor, kind: str) -> torch.Tensor:
-        """``[B, n_vec, n]``: K channels over tokens, or V tokens over head_dim."""
+        """``[B, n_vec, n]``: K channels over tokens (a copy, transposed in tiles of
+        :data:`_TRANSPOSE_TILE` tokens so that the strided reads stay in the cache), or V tokens over
+        head_dim (a view of a contiguous ``x``)."""
         b_, h, t, d = x.shape
         if kind == "k":
-            return x.transpose(-1, -2).reshape(b_, h * d, t)
+            out = torch.empty(b_, h, d, t, dtype=x.dtype, device=x.device)
+            for t0 in range(0, t, _TRANSPOSE_TILE):
+                out[..., t0 : t0 + _TRANSPOSE_TILE] = x[:, :, t0 : t0 + _TRANSPOSE_TILE, :].transpose(-1, -2)
+            return out.view(b_, h * d, t)
         return x.reshape(b_, h * t, d)
 
     @staticmethod
