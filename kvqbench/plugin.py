@@ -660,8 +660,8 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
     from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
 
     _pin_threads(kvq_settings.threads)
-    cache_dir = None
-    if getattr(pytestconfig, "cache", None) is not None:
+    cache_dir = kvq_settings.capture_cache
+    if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
         cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
     return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
                        device=kvq_settings.device, cache_dir=cache_dir)

@@ -261,7 +261,7 @@ _SOURCES: dict[tuple, RealSource] = {}
 def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str | None = None) -> RealSource:
     """The model (loaded once per process, :func:`kvqbench.data.capture.load_model`) and a calibration
     capture of the first ``window`` tokens (all layers, with Fisher weights; disk-cached in
-    ``cache_dir``). Cached per process.
+    ``cache_dir``, like a GGUF model's converted weights). Cached per process.
 
     Raises:
         MissingDependencyError, FileNotFoundError, ValueError: see :func:`kvqbench.data.capture.capture_kv`.
@@ -270,7 +270,7 @@ def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str 
     if key not in _SOURCES:
         from kvqbench.data.capture import capture_kv, load_model
 
-        net, tok = load_model(model, device=device)
+        net, tok = load_model(model, device=device, cache_dir=cache_dir)
         cal = capture_kv(model=model, seq_len=window, with_grads=True, device=device, cache_dir=cache_dir)
         _SOURCES[key] = RealSource(model, net, tok, cal, window, device)
     return _SOURCES[key]
