@@ -18,6 +18,7 @@ import datetime as _dt
 import os
 import platform
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
 from kvqbench.progress import Progress, coarse_kind_of, hms
+from kvqbench.report.results import BENCHMARK_JSON
 
 RECORD_KEY = "kvqbench"
 
@@ -849,7 +851,7 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "capture_dtype": s.dtype if s.real else None,
         "threads": s.threads,
         "shapes": [{"source": a, "size": b, "k": list(c)} for a, b, c in shapes],
-        "command": "pytest " + " ".join(str(a) for a in config.invocation_params.args),
+        "command": shlex.join(["pytest", *(str(a) for a in config.invocation_params.args)]),
         "start_time": s.start_time,
         **({"shard": f"{s.shard[0]}/{s.shard[1]}"} if s.shard else {}),
     }
@@ -878,8 +880,6 @@ def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] |
     return out_dir
 
 
-#: pytest-benchmark's JSON of the exp4 round trips, written beside the results (serial runs)
-BENCHMARK_JSON = "benchmark_exp4.json"
 
 
 class _BenchmarkJson:

@@ -14,7 +14,12 @@ setting). Timing metrics (unit ``s``/``ms``/``us``/``ns``, ``GB/s``, or a name w
 ``throughput``, ``time`` or ``peak_mem``) are skipped unless named explicitly, because CPU timings are
 noise. Methods, settings and sources present on one side only are listed, never an error.
 
-Exit status of :func:`main`: 0 no threshold crossed, 1 a threshold crossed, 2 unreadable input or a
+A gate (any ``--fail-on``) on an *incomplete* NEW set (failed, interrupted or missing cells, an unmerged
+shard) fails: the cells that did not run could hide the regression the gate is there to catch. Without
+a gate an incomplete set on either side is only a warning.
+
+Exit status of :func:`main`: 0 no threshold crossed, 1 a threshold crossed or a gate on an incomplete
+NEW set, 2 unreadable input or a
 malformed ``--fail-on`` or one naming a metric neither set nor the catalog knows (the message names the
 closest known metric), or a ``--fail-on`` whose metric neither set recorded (such a gate would always pass; a metric
 recorded on one side only, e.g. for a new method, is reported as compared nothing, not an error).
@@ -341,6 +346,12 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         return 1
     if idle:
         return 2
+    ncomp = n.get("completeness") or {}
+    if rules and ncomp.get("complete") is False:
+        print("", file=out)
+        print(f"FAILED: NEW is {ncomp.get('summary', 'incomplete')}: a --fail-on gate needs every cell "
+              "(the cells that did not run could hide a regression); rerun or merge the missing cells", file=out)
+        return 1
     if rules:
         print("", file=out)
         print("OK: no --fail-on threshold crossed (" + ", ".join(f"{r.metric}:{r.percent:g}" for r in rules) + ")",

@@ -214,7 +214,8 @@ def render_markdown(board: dict[str, Any]) -> str:
         if dq:
             lines += ["### Data-quality flags (sanity checks on the measurement, not verdicts on methods)", ""]
             lines += [tabulate([[d["name"], {True: "ok", False: "FLAGGED", None: "n/a"}[d["ok"]], d["detail"],
-                                 "; ".join(map(str, d["offenders"][:5])) + (" …" if len(d["offenders"]) > 5 else "")]
+                                 _listed(d["offenders"]) + ("; " if d["offenders"] and d.get("noted") else "")
+                                 + (f"noted, not flagged: {_listed(d['noted'])}" if d.get("noted") else "")]
                                 for d in dq], headers=["flag", "status", "check", "offenders"], tablefmt="github"), ""]
         if src.get("failures"):
             lines += ["### Failed cells", ""]
@@ -308,12 +309,15 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
         row = [f"`{m}`"]
         for s, r in cols:
             e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
-            row.append(fmt(e["mean"], e["ci95"]) if e else "—")
+            b = e2e[m].get(s, {}).get(f"e2e_{r}_bits_billed") if r == "decode" else None
+            row.append((fmt(e["mean"], e["ci95"]) if e else "—") + (f" @ {b['mean']:.3g} b" if e and b else ""))
         rows.append(row)
     out = ["### End-to-end damage: next-token KL(p‖p̂) in nats against the unquantized model", "",
            "Each method's quantize → dequantize inside the model's KV cache; prefill = the text in one pass, "
-           "decode = a prefill then blocks under the method's streaming rules (fp16 windows billed at 16 bits; "
-           "see the `e2e_*_bits_billed` metrics). Mean ± 95% CI over seeds (text windows).", "",
+           "decode = a prefill then blocks under the method's streaming rules. Decode cells give the bits billed "
+           "per element (`@ … b`, `e2e_decode_bits_billed`): tokens a method keeps in fp16 windows count at 16 bits, "
+           "so a low decode KL at high billed bits is the fp16 window, not the quantizer (exactly 0 at 16 b: the "
+           "whole window stayed in fp16). Mean ± 95% CI over seeds (text windows).", "",
            tabulate(rows, headers=["method", *[f"{r} {s}" for s, r in cols]], tablefmt="github"), ""]
     pr = src.get("predictivity") or {}
     groups = pr.get("groups") or []
@@ -351,8 +355,14 @@ def completeness_banner(board: dict[str, Any]) -> str | None:
             "asked are marked with their n and are not ranked; compare with care.")
 
 
+def _listed(items: list, n: int = 5) -> str:
+    return "; ".join(map(str, items[:n])) + (" …" if len(items) > n else "")
+
+
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
-    """A short table per source: methods ranked by relative MSE at the lowest bit-width that ran."""
+    """A short table per source: methods ranked by the board's headline metric (the tensor metric that
+    best predicts end-to-end damage, ``board["headline"]``; relative MSE when that source did not record
+    it) at the lowest bit-width that ran, with effective bits and, where exp5 ran, the end-to-end KL."""
     from kvqbench.report.leaderboard import _setting_sort
 
     board = canonical(board)
@@ -360,20 +370,31 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     comp = board.get("completeness") or {}
     if comp and not comp.get("complete", True):
         out.append(f"kvqbench: {comp.get('summary', 'incomplete')}")
+    head = board.get("headline") or {}
     for src_name, src in board.get("sources", {}).items():
-        rk = src["rankings"].get("rel_mse")
+        metric = head.get("metric") if head.get("metric") in src["rankings"] else "rel_mse"
+        rk = src["rankings"].get(metric)
         if not rk:
             continue
         settings = [s for s in sorted(rk["by_setting"], key=_setting_sort) if "-" not in s]
         if not settings:
             continue
         s = settings[0]
-        eff = {x["method"]: x for x in src["rankings"].get("bits_effective", {}).get("by_setting", {}).get(s, [])}
+
+        eff, e2e = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
+                    for name in ("bits_effective", "e2e_prefill_kl_nats"))
         rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
                  fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
+                + ([fmt(e2e.get(r["method"], {}).get("mean"))] if e2e else [])
                 for r in rk["by_setting"][s][:max_rows]]
         flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
-        out.append(f"kvqbench [{src_name}] relative MSE at {s} (cells: {_cells_text(src['cells'])})"
+        label = f"headline {metric}" if metric == head.get("metric") else metric
+        why = f"{rk.get('experiment', '?')}"
+        if metric == head.get("metric") and head.get("from_predictivity") and head.get("rho") is not None:
+            on = f" on {head['source']}" if head.get("source") and head["source"] != src_name else ""
+            why += f"; Spearman rho {head['rho']:.2f} with {head.get('target')}{on}"
+        out.append(f"kvqbench [{src_name}] {label} ({why}) at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
-        out.append(tabulate(rows, headers=["rank", "method", "rel. MSE", "bits eff."], tablefmt="simple"))
+        out.append(tabulate(rows, headers=["rank", "method", metric, "bits eff."] + (["e2e KL (nats)"] if e2e else []),
+                            tablefmt="simple"))
     return "\n".join(out)

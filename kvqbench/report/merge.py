@@ -14,16 +14,24 @@ holds are listed and the merged set is stamped incomplete, as a partial run is.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvqbench.report.io import read_json
-from kvqbench.report.results import ResultSet, UpdateBoard, WriteExtra, load_result_set, write_result_set
+from kvqbench.report.io import read_json, write_json_atomic
+from kvqbench.report.results import (
+    BENCHMARK_JSON,
+    ResultSet,
+    UpdateBoard,
+    WriteExtra,
+    load_result_set,
+    write_result_set,
+)
 
 __all__ = ["MergeError", "Shard", "read_shard", "check_compatible", "merged_provenance", "merge_shards",
-           "MergeResult", "CHECKED"]
+           "MergeResult", "CHECKED", "merge_benchmark_json"]
 
 #: provenance fields every shard must agree on, with the words the error uses
 CHECKED: tuple[tuple[str, str], ...] = (
@@ -147,7 +155,10 @@ def check_compatible(shards: list[Shard]) -> None:
 
 
 def _strip_shard_args(command: str) -> str:
-    toks = command.split()
+    try:
+        toks = shlex.split(command)
+    except ValueError:  # not shell-quoted (an older provenance): words
+        toks = command.split()
     out, skip = [], False
     for t in toks:
         if skip:
@@ -159,7 +170,7 @@ def _strip_shard_args(command: str) -> str:
         if t.startswith(("--kvq-shard=", "--kvq-out=")):
             continue
         out.append(t)
-    return " ".join(out)
+    return shlex.join(out)
 
 
 def merged_provenance(shards: list[Shard]) -> dict[str, Any]:
@@ -184,6 +195,46 @@ def merged_provenance(shards: list[Shard]) -> dict[str, Any]:
     out["merged"] = {"shards": shards[0].doc["count"],
                      "folders": [sh.path.name for sh in sorted(shards, key=lambda s: s.doc["index"])]}
     return out
+
+
+def merge_benchmark_json(shards: list[Shard], out_dir: Path) -> Path | None:
+    """Join the shards' pytest-benchmark files (``benchmark_exp4.json``: exp4's timed round trips, written
+    by serial shard sessions) into one in ``out_dir``, so ``--benchmark-compare`` and
+    ``pytest-benchmark compare`` see every timed cell of the run.
+
+    The ``benchmarks`` lists are concatenated in node-id order; ``machine_info``, ``commit_info`` and
+    ``version`` are the first shard's (the shards share the commit: :func:`check_compatible`), the
+    ``datetime`` the earliest. A stale file in ``out_dir`` is removed when no shard has one.
+
+    Returns the path written, or ``None`` when no shard had a benchmark file.
+
+    Raises:
+        MergeError: a shard's benchmark file is not valid JSON or has no ``benchmarks`` list.
+    """
+    docs = []
+    for sh in sorted(shards, key=lambda s: s.doc["index"]):
+        f = sh.path / BENCHMARK_JSON
+        if f.is_file():
+            try:
+                doc = read_json(f)
+            except ValueError as e:
+                raise MergeError(f"{f} is not valid JSON ({e})") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
+                raise MergeError(f"{f} is not a pytest-benchmark file (no benchmarks list)")
+            docs.append(doc)
+    dest = out_dir / BENCHMARK_JSON
+    if not docs:
+        if dest.is_file():
+            dest.unlink()
+        return None
+    merged = {k: v for k, v in docs[0].items() if k != "benchmarks"}
+    stamps = [d["datetime"] for d in docs if d.get("datetime")]
+    if stamps:
+        merged["datetime"] = min(stamps)
+    merged["benchmarks"] = sorted((b for d in docs for b in d["benchmarks"]),
+                                  key=lambda b: (str(b.get("fullname", "")), str(b.get("name", ""))))
+    write_json_atomic(dest, merged)
+    return dest
 
 
 @dataclass
@@ -218,7 +269,8 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
 
     Raises:
         MergeError: no folder, a folder that is not a shard, shards of different runs (one line naming
-            the difference), a shard given twice, or cells held by more than one folder (listed).
+            the difference), a shard given twice, cells held by more than one folder (listed), or a
+            shard's ``benchmark_exp4.json`` that cannot be read.
     """
     log = log or (lambda m: print(m, file=sys.stderr))
     if not folders:
@@ -247,6 +299,10 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
     records = [r for sh in shards for r in sh.records]
     res = write_result_set(records, merged_provenance(shards), out_dir, expected=cells, reason=reason,
                            figures=figures, log=log, update_board=update_board, write_extra=write_extra)
+    if res.out_dir is not None:
+        bench = merge_benchmark_json(shards, res.out_dir)
+        if bench is not None:
+            res.paths.append(str(bench))
     if missing:
         log(f"kvqbench merge: {len(missing)} of {len(cells)} cells missing: " + ", ".join(missing[:10])
             + (" …" if len(missing) > 10 else ""))

@@ -858,6 +858,7 @@ def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out
     fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows) + 1.6, 3.8), squeeze=False)
     shapes = ["o", "s", "^", "D", "v"]
     for ax, r in zip(axes[0], rows, strict=False):
+        negative = False  # a signed metric (a slope, a bias) is drawn as |value| on the log axis: say so
         for m in sorted(e2e, key=lambda m: style.idx.get(m, 99)):
             for setting, metrics in sorted(e2e[m].items()):
                 x = (stats.get(r["experiment"], {}).get(m, {}).get(setting, {}).get(r["metric"]) or {}).get("mean")
@@ -865,12 +866,14 @@ def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out
                 if x is None or y is None or not (abs(x) > 0 and y > 0):
                     continue
                 b = _setting_bits(setting)
+                negative |= x < 0
                 ax.scatter([abs(x)], [y], color=style(m)["color"], s=28,
                            marker=shapes[(b[0] if b else 0) % len(shapes)],
                            label=f"{m} {setting}" if ax is axes[0][-1] else None)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(f"{r['metric']} ({r['experiment']})")
+        ax.set_xlabel(f"|{r['metric']}| ({r['experiment']}; negative values drawn by magnitude)" if negative
+                      else f"{r['metric']} ({r['experiment']})", fontsize=9 if negative else None)
         ci = f" [{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]" if r.get("ci95") else ""
         ax.set_title(f"ρ = {r['rho']:+.2f}{ci}", fontsize=9)
         ax.grid(True, which="major", alpha=0.3)

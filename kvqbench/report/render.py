@@ -85,7 +85,10 @@ def leaderboard_path(path: str | Path) -> Path:
         raise FileNotFoundError(f"{d} does not exist; point at a folder written by a kvqbench run")
     src = d / "leaderboard.json" if d.is_dir() else d
     if not src.exists():
-        raise FileNotFoundError(f"{src} not found; point at a folder written by a kvqbench run")
+        below = sorted(str(p.parent) for p in d.glob("**/leaderboard.json")) if d.is_dir() else []
+        hint = (f"; result sets below it: {', '.join(below[:6])}" + (" …" if len(below) > 6 else "")) if below \
+            else "; point at a folder written by a kvqbench run"
+        raise FileNotFoundError(f"{src} not found{hint}")
     return src
 
 

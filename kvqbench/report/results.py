@@ -35,12 +35,14 @@ from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
 
 __all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set",
            "check_writable",
-           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "record_sort_key"]
+           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "BENCHMARK_JSON", "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
                    "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
                    "norm_diff_density_*.png", "cost_*.png", "predictivity_*.png")
+#: pytest-benchmark's JSON of exp4's timed round trips, beside the results (serial sessions; a merge joins the shards')
+BENCHMARK_JSON = "benchmark_exp4.json"
 #: where an incomplete set goes when the destination already holds a complete one
 INCOMPLETE_DIR = "incomplete"
 

@@ -68,7 +68,7 @@ def test_records_and_writes_valid_json(pytester, plugin_loaded_once):
     flags = {d["name"]: d["ok"] for d in syn["data_quality"]}
     assert flags["fp16_roundtrip_exact"] is True and flags["exact_at_16_bits"] is True
     assert "kivi" in (out / "LEADERBOARD.md").read_text()
-    res.stdout.fnmatch_lines(["*kvqbench summary*", "*relative MSE at k2v2*"])
+    res.stdout.fnmatch_lines(["*kvqbench summary*", "*headline rel_mse (exp1) at k2v2*"])
 
 
 def test_xdist_gives_identical_metrics(pytester, plugin_loaded_once):

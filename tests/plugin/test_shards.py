@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -152,6 +153,14 @@ def test_three_shards_merge_to_the_single_session(runs, tmp_path):
     _assert_same_run(tmp_path / "merged", runs / "single")
     prov = _load(tmp_path / "merged" / "leaderboard.json")["provenance"]
     assert prov["merged"]["shards"] == 3 and "--kvq-shard" not in prov["command"]
+    assert "reconstruction or cost" in shlex.split(prov["command"])  # the -k expression, still one argument
+    # exp4's pytest-benchmark records: the merged file holds exactly the timed cells of the single session
+    bench = [_load(runs / f"shard{i}" / "benchmark_exp4.json")["benchmarks"]
+             for i in (1, 2, 3) if (runs / f"shard{i}" / "benchmark_exp4.json").is_file()]
+    single = _load(runs / "single" / "benchmark_exp4.json")["benchmarks"]
+    merged = _load(tmp_path / "merged" / "benchmark_exp4.json")["benchmarks"]
+    assert single and sorted(b["fullname"] for b in merged) == sorted(b["fullname"] for b in single)
+    assert len(merged) == sum(len(b) for b in bench)
 
 
 def test_merge_lists_missing_cells_and_stamps_the_result_incomplete(runs, tmp_path):

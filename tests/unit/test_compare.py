@@ -153,3 +153,19 @@ def test_a_metric_recorded_on_one_side_only_is_reported_not_failed(base_dir, tmp
     only_base = write_results(tmp_path / "old", [r for r in records() if r["method"] == "rtn_token"])
     rc, text = _run(only_base, only_new, "rel_mse:5")
     assert rc == 0 and "--fail-on rel_mse:5 compared nothing: no setting has 'rel_mse' in both sets" in text
+
+
+def test_a_gate_on_an_incomplete_new_set_fails(tmp_path, base_dir):
+    new = tmp_path / "partial"
+    new.mkdir()
+    doc = json.loads((base_dir / "leaderboard.json").read_text())
+    doc["completeness"] = {"complete": False, "summary": "incomplete: 7 of 9 cells finished, 2 failed"}
+    (new / "leaderboard.json").write_text(json.dumps(doc))
+    rc, text = _run(base_dir, new, "rel_mse:5")  # identical values: only the missing cells can fail it
+    assert rc == 1
+    assert "warning: NEW is incomplete: 7 of 9 cells finished" in text
+    assert "FAILED: NEW is incomplete: 7 of 9 cells finished, 2 failed" in text
+    rc, text = _run(base_dir, new)  # no gate: a warning, exit 0
+    assert rc == 0 and "FAILED" not in text
+    rc, text = _run(new, base_dir, "rel_mse:5")  # an incomplete BASE only warns
+    assert rc == 0 and "warning: BASE is incomplete" in text

@@ -151,6 +151,30 @@ def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_predictivity_figure_panels_hold_the_best_metrics_and_every_point(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib")
+    from kvqbench.report import plots
+    from tests.unit.test_report_samples import write_results
+
+    got = {}
+    orig = plots._finish
+    monkeypatch.setattr(plots, "_finish", lambda fig, path: got.setdefault(path.name, fig) and orig(fig, path))
+    out = write_results(tmp_path / "r", _records())
+    plots.write_figures(out, log=lambda m: None)
+    fig = got["predictivity_real.png"]
+    board = assemble(_records(), catalog(), copy.deepcopy(PROVENANCE))
+    rows = board["sources"]["real"]["predictivity"]["targets"][PREDICTIVITY_TARGETS[0]]["pooled"][:4]
+    axes = [ax for ax in fig.axes if ax.get_xlabel()]
+    assert len(axes) == len(rows) and "k_norm_bias" in [r["metric"] for r in rows]
+    for ax, r in zip(axes, rows):
+        assert r["metric"] in ax.get_xlabel() and f"{r['rho']:+.2f}" in ax.get_title()
+        # a signed metric (k_norm_bias = −KL here) is drawn by magnitude, and the axis says so
+        assert ax.get_xlabel().startswith(f"|{r['metric']}|") == (r["metric"] == "k_norm_bias")
+        assert len(ax.collections) == 2 * (len(METHODS) - 1)  # every method × bits but fp16 (KL exactly 0)
+    legend = {t.get_text() for t in axes[-1].get_legend().get_texts()}
+    assert legend == {f"{m} {s}" for m in METHODS if m != "fp16" for s in ("k2v2", "k4v4")}
+
+
 def test_fp16_endtoend_flag(board) -> None:
     flags = {d["name"]: d for d in board["sources"]["real"]["data_quality"]}
     assert flags["fp16_endtoend_exact"]["ok"] is True

@@ -57,7 +57,7 @@ def test_report_without_torch_is_byte_identical(smoke_run, tmp_path):
                          env=_env_without_torch(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert (d / "LEADERBOARD.md").read_bytes() == original
-    assert "kvqbench [synthetic] relative MSE at k2v2" in res.stdout
+    assert "kvqbench [synthetic] headline rel_mse (exp1) at k2v2" in res.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -85,7 +85,7 @@ def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
     before = (out / "LEADERBOARD.md").read_bytes()
     written = render_dir(out, figures=False)
     assert written == [str(out / "LEADERBOARD.md")] and (out / "LEADERBOARD.md").read_bytes() == before
-    assert "relative MSE" in capsys.readouterr().out
+    assert "headline rel_mse" in capsys.readouterr().out
     from kvqbench.cli import main
 
     assert main(["report", str(tmp_path / "missing")]) == 2
@@ -93,3 +93,6 @@ def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "leaderboard.json not found" in capsys.readouterr().err
+    # a results tree whose only set is in a subfolder (a smoke run writes results/smoke): named in the error
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"result sets below it: {out}" in capsys.readouterr().err
