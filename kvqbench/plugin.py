@@ -54,6 +54,7 @@ class Settings:
     durations: str | None = None  # --kvq-durations FILE (default: the committed kvqbench/data/durations.json)
     dtype: str = "float32"  # --kvq-dtype: the dtype the real model is loaded and run in for capture
     capture_cache: str | None = None  # --kvq-capture-cache DIR (default: pytest's cache folder)
+    figures: str = "auto"  # --kvq-figures: auto (full runs only), on, off
 
 
 @dataclass
@@ -392,6 +393,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--kvq-capture-cache", action="store", default=None, metavar="DIR",
                 help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder); "
                      "shards on one machine that share it capture each model once")
+    g.addoption("--kvq-figures", action="store", default="auto", choices=("auto", "on", "off"),
+                help="draw the PNG figures at the end: auto = only when full-size cells ran (a smoke run "
+                     "skips them: they take longer than its cells; `kvqbench report DIR` draws them later), "
+                     "on, off (default auto)")
     g.addoption("--kvq-progress", action="store", default="10", type=_progress_interval, metavar="SECONDS",
                 help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
 
@@ -417,6 +422,7 @@ def pytest_configure(config: pytest.Config) -> None:
         durations=config.getoption("--kvq-durations"),
         dtype=config.getoption("--kvq-dtype"),
         capture_cache=config.getoption("--kvq-capture-cache"),
+        figures=config.getoption("--kvq-figures"),
         start_time=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
     methods_opt = config.getoption("--kvq-methods")
@@ -674,8 +680,8 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
     from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
 
     _pin_threads(kvq_settings.threads)
-    cache_dir = None
-    if getattr(pytestconfig, "cache", None) is not None:
+    cache_dir = kvq_settings.capture_cache
+    if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
         cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
     return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
                        device=kvq_settings.device, cache_dir=cache_dir)
@@ -970,10 +976,16 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
         reason = f"shard {state.shard['shard']} (join the shards with kvqbench merge)" + (f", {reason}" if reason else "")
     out_dir = _out_dir(config, s, records, state.expected)
     prov = provenance(config, s, records)
+    figures = _figures(s, records)
+    if not figures and records and s.figures == "auto":
+        log(f"kvqbench: figures skipped for a smoke run (`kvqbench report {out_dir}` draws them; "
+            "or pass --kvq-figures on)")
     res = write_result_set(
         records, prov if records else {}, out_dir, expected=expected, reason=reason,
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
-        write_extra=extra, log=log)
+        write_extra=extra, figures=figures, log=log)
+    if not figures and res.out_dir is not None and Path(res.out_dir) == out_dir:
+        _remove_stale_figures(out_dir)
     if state.shard is not None:  # the shard's own description, also for a shard that got no cell
         from kvqbench.report.io import write_json_atomic
         from kvqbench.shard import SHARD_FILE
@@ -985,6 +997,25 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
     state.board = res.board
     state.out_dir = str(res.out_dir) if res.out_dir else None
     return res
+
+
+def _remove_stale_figures(folder: Path) -> None:
+    """A run that draws no figures replaced the folder's result set: the figures of the previous set no
+    longer describe it, so they go (``kvqbench report`` keeps figures when it only re-renders)."""
+    from kvqbench.report.results import OUTPUT_PATTERNS
+
+    for pattern in OUTPUT_PATTERNS:
+        if pattern.endswith(".png"):
+            for p in folder.glob(pattern):
+                if p.is_file():
+                    p.unlink()
+
+
+def _figures(s: Settings, records: list[dict[str, Any]]) -> bool:
+    """Whether this session draws the figures (``--kvq-figures``; auto: not when only smoke cells ran)."""
+    if s.figures != "auto":
+        return s.figures == "on"
+    return not records or any(r.get("size") != "smoke" for r in records)
 
 
 @pytest.hookimpl(trylast=True)
