@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.blocks import row_blocks
+from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import (
@@ -181,6 +181,7 @@ class Kitty(Quantizer):
         )
 
     # ------------------------------------------------------------------------------------------
+    @on_one_cpu_thread
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         if bits > MAX_BITS:
             raise ValueError(f"kitty supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
@@ -266,6 +267,7 @@ class Kitty(Quantizer):
         qt.fields["zero"] = Stored(lo.view(b, h, n_pages, d), 16)
         return qt
 
+    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
             return qt.codes("codes", torch.uint8).to(qt["zero"].dtype).mul_(qt["scale"]).add_(qt["zero"])

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.blocks import row_blocks
+from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d
 from kvqbench.quantizers.base import (
     Kind,
@@ -345,6 +345,7 @@ class KVQuant(Quantizer):
         """Cache-sized blocks of the vectors ``[B, n_vec, n]`` (:func:`kvqbench.numerics.blocks.row_blocks`)."""
         return row_blocks(n_vec, b_ * n)
 
+    @on_one_cpu_thread
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         qt = self._new_qt(x, kind, bits)
         xf = x.to(torch.float32)
@@ -402,6 +403,7 @@ class KVQuant(Quantizer):
             qt.fields["outlier_ptr"] = Stored(ptr, POINTER_BITS)
         return qt
 
+    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         parts = []
         if "sink" in qt.fields:

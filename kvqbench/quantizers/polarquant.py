@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.blocks import row_blocks
+from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.rtn import PerToken, compute_dtype, rtn_dequantize, rtn_quantize, to_groups
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
@@ -165,6 +165,7 @@ class PolarQuant(Quantizer):
             qt.fields[f"{name}_max"] = Stored(mx, 16)
         return qt
 
+    @on_one_cpu_thread
     def _quantize_k_blocks(self, xf: torch.Tensor, qt: QuantizedTensor, bits: int) -> QuantizedTensor:
         """K when G divides T: groups along the token axis as views ``(B·H·nG, G, D)``, reduced over the
         token axis (no transposes), polar transform and codes in cache-sized blocks of groups."""
@@ -199,6 +200,7 @@ class PolarQuant(Quantizer):
         qt.fields["zero"] = Stored(lo, 16)
         return qt
 
+    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
             return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], PerToken())

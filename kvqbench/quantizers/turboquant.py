@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvqbench.numerics.blocks import row_blocks
+from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
 from kvqbench.numerics.rtn import compute_dtype
@@ -187,6 +187,7 @@ class TurboQuant(Quantizer):
             cb = lloyd_max("gaussian", bits, (1.0 / math.sqrt(dim),))
         return cb.tensors(device=device, dtype=dtype)
 
+    @on_one_cpu_thread
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         if bits > MAX_BITS:
             raise ValueError(f"turboquant supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
@@ -242,6 +243,7 @@ class TurboQuant(Quantizer):
             qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
         return qt
 
+    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         meta = qt.meta
         norm = qt["norm"]

@@ -27,3 +27,26 @@ def test_blocks_partition_the_rows_in_order(n_rows: int, row_elems: int, multipl
 def test_bad_sizes_raise() -> None:
     with pytest.raises(ValueError, match="positive sizes"):
         row_blocks(10, 0)
+
+
+@pytest.mark.parametrize("method", ["kvquant", "turboquant", "kitty", "polarquant"])
+def test_blocked_methods_same_bits_at_two_threads_and_restore_the_pool(method: str) -> None:
+    """The block loops run on one CPU thread (one_cpu_thread): the result at 2 threads is the 1-thread
+    result, bit for bit, and torch's thread count is restored afterwards."""
+    import torch
+
+    from kvqbench.quantizers import create
+
+    x = torch.randn(1, 2, 640, 64, generator=torch.Generator().manual_seed(11)) * 2
+    nt = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            q = create(method, 2, 2, seed=0)
+            outs.append([q.roundtrip(x, kind) for kind in ("k", "v")])
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(nt)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
