@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
-from kvqbench.progress import Progress, coarse_kind_of, hms
+from kvqbench.progress import Progress, coarse_kind_of, hms, load_prior
 from kvqbench.report.results import BENCHMARK_JSON
 
 RECORD_KEY = "kvqbench"
@@ -182,8 +182,8 @@ def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> 
         return
     with _PROGRESS_LOCK:
         prog.workers = max(1, workers)
-        prog.collected(nodeids)
         prog.t_run = time.time()
+        prog.collected(nodeids)
     if prog.interval_s > 0 and prog.total:
         _PrintThread(config, prog).start()
 
@@ -237,11 +237,23 @@ class _PrintThread(threading.Thread):
                     _print_progress(self.config, self.prog, now)
 
 
+def _xdist_queues(config: pytest.Config) -> list[list[str]] | None:
+    """Per xdist worker, the tests its load scheduler has sent it and that have not finished (the running
+    one first); ``None`` when not under xdist or its scheduler keeps no such lists."""
+    try:
+        sched = config.pluginmanager.get_plugin("dsession").sched
+        coll = list(sched.collection)
+        return [[coll[i] for i in list(pend)] for pend in list(sched.node2pending.values())]
+    except Exception:  # serial, another --dist mode, or the lists changed while being read
+        return None
+
+
 def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None:
         return
     prog.last = now
+    prog.set_queues(_xdist_queues(config), now)
     if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
         tr.write("\n")  # after the progress dots of -q / xdist
     tr.write_line(prog.line(now))
@@ -266,7 +278,7 @@ def _progress_tick(report: pytest.TestReport) -> None:
         if report.when == "setup":
             for k, v in getattr(report, "user_properties", []) or []:
                 if k == STEP_KEY and isinstance(v, dict):  # e.g. the real-model capture inside kvq_data
-                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)))
+                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)), time.time(), report.nodeid)
                     d -= float(v.get("seconds", 0.0))
         prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
         now = time.time()
@@ -449,7 +461,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
     if not _is_worker(config):
         config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
-                                              last=time.time(), history=_load_history(config))
+                                              last=time.time(), history=_load_history(config), prior=load_prior())
 
 
 def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:
@@ -1034,7 +1046,7 @@ def _finish_progress(config: pytest.Config, report_s: float) -> None:
         return
     with _PROGRESS_LOCK:
         for kind in [k for k in prog.expected_steps if k.startswith("report|")]:
-            prog.step(kind, report_s)
+            prog.step(kind, report_s, time.time())
         _save_history(config, prog)
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None and prog.interval_s > 0:

@@ -24,6 +24,7 @@ undefined; it is taken as 1 (no rescaling along that axis) instead of NaN.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -69,21 +70,28 @@ def imbalance(tile: torch.Tensor) -> torch.Tensor:
     return col.amax(-1) / col.amin(-1).clamp_min(MIN_FLOOR) + row.amax(-1) / row.amin(-1).clamp_min(MIN_FLOOR)
 
 
-#: tiles per block: a block's working set (the tile and one scaled copy, fp32) stays in the core's cache
-#: across all iterations instead of streaming the whole tensor through memory once per iteration
-_BLOCK_BYTES = 1 << 19
+#: the granularity of the two-pass fallback (:func:`_std_from_sums`): groups of ``max(1, 512 KiB // tile
+#: bytes)`` consecutive tiles (counted from the first tile of the call). When any std of a group would lose
+#: digits to cancellation, the stds of the whole group are recomputed two-pass. This grouping is part of the
+#: numerics (it decides which stds are one-pass and which two-pass), kept fixed so that results are
+#: reproducible bit for bit; it no longer sets how many tiles are processed together
+_GROUP_BYTES = 1 << 19
+#: at most this many bytes of tiles are processed together: enough that the ~50 small per-iteration
+#: operations on the scale vectors cost little beside the four mat-vecs over the chunk (a multiple of the
+#: fallback group; smaller when that gives each CPU thread a chunk)
+_CHUNK_BYTES = 1 << 24
 
 
 @torch.no_grad()
 def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> VarNResult:
     """Run VarN on a batch of tiles.
 
-    Everything is fp32, as the recipe. Per iteration, two scaled copies of the tile and two std
-    reductions: the column stds of ``tile·ir·ic`` are ``ic ⊙ std_rows(tile·ir)`` and its row stds
-    ``ir ⊙ std_cols(tile·ic)`` (``ir = 1/exp(log_s_row)``, ``ic = 1/exp(log_s_col)``); the row stds after
-    the row update are the row stds before it rescaled by the new ``ir`` (no extra pass). Stds are
-    torch's (unbiased, numerically stable: no sum-of-squares cancellation, so no fp64 is needed). Tiles
-    are processed in blocks of at most 512 KiB so that the 16 iterations run from the cache.
+    Everything is fp32, as the recipe. Per iteration, four mat-vecs over the tiles give the sums and the
+    sums of squares of the rescaled tile along both axes (one-pass stds); the balanced tile is never
+    materialized (see :func:`_varn_chunk`). Stds that would lose digits to cancellation are recomputed
+    two-pass, per group of tiles (:data:`_GROUP_BYTES`), so every std is accurate to fp32 rounding.
+    The result of a tile depends only on the tile and on whether a tile of its group needed the two-pass
+    fallback; it is bit for bit the same at every thread count.
 
     Args:
         tiles: ``[..., R, C]`` floating tensor (computed in fp32); every leading index is an
@@ -103,49 +111,76 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> VarNResult:
     lead = tiles.shape[:-2]
     r, c = tiles.shape[-2:]
     x = tiles.to(torch.float32).reshape(-1, r, c)
-    per = max(1, _BLOCK_BYTES // max(1, r * c * 4))
-    # a block's ops are small (cache-sized): on the CPU they run on one thread — splitting each of them
-    # across the intra-op pool costs more in synchronization than it saves (and stalls when the cores
-    # are shared)
+    tile_bytes = max(1, r * c * 4)
+    group = max(1, _GROUP_BYTES // tile_bytes)
+    n = x.shape[0]
     nt = torch.get_num_threads()
-    single = x.device.type == "cpu" and nt > 1
-    if single:
+    cpu_pool = x.device.type == "cpu" and nt > 1
+    groups_per_chunk = max(1, _CHUNK_BYTES // (group * tile_bytes))
+    if cpu_pool:  # at least one chunk per thread
+        groups_per_chunk = min(groups_per_chunk, max(1, -(-n // (group * nt))))
+    chunk = group * groups_per_chunk if group > 1 else 1
+    spans = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+    if spans and spans[-1][1] - spans[-1][0] > 1 and (spans[-1][1] - spans[-1][0]) % group == 1:
+        # a group of one tile is a batch of one (torch runs its mat-vecs with other kernels, which round
+        # differently): keep it one
+        i, j = spans.pop()
+        spans += [(i, j - 1), (j - 1, j)]
+
+    def run(span: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+        if cpu_pool:
+            torch.set_num_threads(1)  # this thread's operations on one core
+        return _varn_chunk(x[span[0] : span[1]].contiguous(), n_iter, group)
+
+    # On the CPU every operation runs on one thread (the kernels, hence the results, are then the same at
+    # every thread count; splitting such small operations across the intra-op pool cost more than it
+    # saved) and the chunks are spread over up to torch.get_num_threads() Python threads instead (torch
+    # releases the GIL inside its kernels). The result does not depend on how the tiles are chunked.
+    if cpu_pool:
         torch.set_num_threads(1)
     try:
-        parts = [_varn_block(x[i : i + per].contiguous(), n_iter) for i in range(0, x.shape[0], per)]
+        if cpu_pool and len(spans) > 1:
+            with ThreadPoolExecutor(min(nt, len(spans))) as ex:
+                parts = list(ex.map(run, spans))
+        else:
+            parts = [run(sp) for sp in spans]
     finally:
-        if single:
+        if cpu_pool:
             torch.set_num_threads(nt)
     if not parts:  # no tiles
-        parts = [_varn_block(x, n_iter)]
+        parts = [_varn_chunk(x, n_iter, group)]
     out = [torch.cat(p) if len(p) > 1 else p[0] for p in zip(*parts)]
     s_row, s_col, imb, imb0, best_iter = out
     return VarNResult(s_row.reshape(*lead, r, 1), s_col.reshape(*lead, 1, c), imb.reshape(lead),
                       imb0.reshape(lead), best_iter.reshape(lead))
 
 
-def _scaled_std(x: torch.Tensor, scale: torch.Tensor, dim: int, buf: torch.Tensor) -> torch.Tensor:
-    """Unbiased std of ``x·scale`` over ``dim`` (keepdim), two-pass (mean, then the norm of the deviations)
-    in the scratch ``buf``; 1 where the axis has a single sample."""
+def _scaled_std(x: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased std of ``x·scale`` over ``dim`` (keepdim), two-pass (mean, then the norm of the
+    deviations); 1 where the axis has a single sample."""
     n = x.shape[dim]
     if n < 2:
         return torch.ones_like(x.narrow(dim, 0, 1))
-    z = torch.mul(x, scale, out=buf)
+    z = torch.mul(x, scale, out=torch.empty_like(x))
     z.sub_(z.mean(dim, keepdim=True))
     return torch.linalg.vector_norm(z, dim=dim, keepdim=True) / math.sqrt(n - 1)
 
 
 #: one-pass variances ``(Σz² − (Σz)²/n)/(n − 1)`` are trusted while ``mean² ≤ CANCEL·var`` (fp32 keeps
-#: ~6 significant digits there); a std past it is recomputed two-pass
+#: ~6 significant digits there); past it the group's stds are recomputed two-pass
 _CANCEL = 15.0
 
 
-def _std_from_sums(s1: torch.Tensor, s2: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
-    """Unbiased std from ``Σz``, ``Σz²`` over ``n`` samples, and whether any value lost too many digits to
-    cancellation (then the caller recomputes it two-pass)."""
-    mean2 = (s1 / n) ** 2
-    var = ((s2 - s1 * s1 / n) / (n - 1)).clamp_min(0.0)
-    return torch.sqrt(var), bool((mean2 > _CANCEL * var).any())
+def _std_from_sums(s1: torch.Tensor, s2: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unbiased std from ``Σz``, ``Σz²`` over ``n`` samples (``s1``, ``s2`` ``[t, a, b]``, consumed), and
+    ``None`` or, when some value lost too many digits to cancellation, the ``[t]`` mask of those tiles."""
+    mean2 = torch.div(s1, n)
+    mean2.mul_(mean2)
+    var = s2.sub_(s1.mul_(s1).div_(n)).div_(n - 1).clamp_min_(0.0)
+    bad = mean2.gt_(var * _CANCEL)
+    if not bool(bad.any()):
+        return var.sqrt_(), None
+    return var.sqrt_(), bad.flatten(1).any(1)
 
 
 def _imb(cs: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
@@ -153,34 +188,42 @@ def _imb(cs: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
     return cs.amax(-1) / cs.amin(-1).clamp_min(MIN_FLOOR) + rs.amax(-1) / rs.amin(-1).clamp_min(MIN_FLOOR)
 
 
-def _varn_block(x: torch.Tensor, n_iter: int) -> tuple[torch.Tensor, ...]:
-    """VarN on ``x`` ``[n, R, C]`` (contiguous fp32): ``(s_row, s_col, imbalance, imbalance_init, best_iter)``.
+def _varn_chunk(x: torch.Tensor, n_iter: int, group: int) -> tuple[torch.Tensor, ...]:
+    """VarN on ``x`` ``[n, R, C]`` (contiguous fp32; its first tile starts a fallback group of ``group``
+    tiles): ``(s_row, s_col, imbalance, imbalance_init, best_iter)``.
 
     Stds of the rebalanced tile without materializing it: with ``ir = 1/exp(log_s_row)``, ``ic =
     1/exp(log_s_col)``, its column sums are ``ic ⊙ (irᵀ·x)`` and its row sums ``ir ⊙ (x·ic)`` (and the same
-    with ``x²``, ``ir²``, ``ic²`` for the sums of squares): four fp32 mat-vecs per iteration on the cached
-    block. Where the one-pass formula would cancel (a mean large against the std) the std is recomputed
-    two-pass on the materialized scaled tile, so every std is accurate to fp32 rounding.
+    with ``x²``, ``ir²``, ``ic²`` for the sums of squares): four fp32 mat-vecs per iteration. Where the
+    one-pass formula would cancel (a mean large against the std) the stds of the tile's group are
+    recomputed two-pass on the materialized scaled tile.
     """
     n, r, c = x.shape
     lo_clip, hi_clip = LOG_SCALE_CLIP
     lo_std, hi_std = STD_CLAMP
     x2 = x * x
-    buf = torch.empty_like(x)
+
+    def fallback(sd: torch.Tensor, bad: torch.Tensor | None, scale: torch.Tensor, dim: int) -> torch.Tensor:
+        if bad is not None:
+            groups = torch.nonzero(_group_any(bad, group)).flatten().tolist()
+            for g in groups:
+                sl = slice(g * group, (g + 1) * group)
+                sd[sl] = _scaled_std(x[sl], scale[sl], dim)
+        return sd
 
     def col_std(ir: torch.Tensor, ic: torch.Tensor) -> torch.Tensor:  # [n, 1, C]: stds over rows of x·ir·ic
         if r < 2:
             return x.new_ones(n, 1, c)
         irt = ir.transpose(-1, -2)
-        sd, risky = _std_from_sums(torch.matmul(irt, x), torch.matmul(irt * irt, x2), r)
-        return (_scaled_std(x, ir, -2, buf) if risky else sd) * ic
+        sd, bad = _std_from_sums(torch.matmul(irt, x), torch.matmul(irt * irt, x2), r)
+        return fallback(sd, bad, ir, -2).mul_(ic)
 
     def row_std_unscaled(ic: torch.Tensor) -> torch.Tensor:  # [n, R, 1]: stds over columns of x·ic
         if c < 2:
             return x.new_ones(n, r, 1)
         ict = ic.transpose(-1, -2)
-        sd, risky = _std_from_sums(torch.matmul(x, ict), torch.matmul(x2, ict * ict), c)
-        return _scaled_std(x, ic, -1, buf) if risky else sd
+        sd, bad = _std_from_sums(torch.matmul(x, ict), torch.matmul(x2, ict * ict), c)
+        return fallback(sd, bad, ic, -1)
 
     log_col = x.new_zeros(n, 1, c)
     log_row = x.new_zeros(n, r, 1)
@@ -190,19 +233,31 @@ def _varn_block(x: torch.Tensor, n_iter: int) -> tuple[torch.Tensor, ...]:
     best_imb = _imb(cs, rs)
     imb0 = best_imb.clone()
     best_iter = torch.zeros(n, dtype=torch.int64, device=x.device)
+    e_row = torch.ones_like(log_row)  # exp(log_row)
     for it in range(1, n_iter + 1):
-        log_col = torch.clamp(log_col + torch.log(cs.clamp(lo_std, hi_std)), lo_clip, hi_clip)
-        ic = 1.0 / torch.exp(log_col)
+        log_col = log_col.add_(cs.clamp_(lo_std, hi_std).log_()).clamp_(lo_clip, hi_clip)
+        ic = torch.exp(log_col).reciprocal_()
         rz = row_std_unscaled(ic)  # row stds of tile·ic
-        rs_before = rz / torch.exp(log_row)
-        log_row = torch.clamp(log_row + torch.log(rs_before.clamp(lo_std, hi_std)), lo_clip, hi_clip)
-        ir = 1.0 / torch.exp(log_row)
-        rs = rz * ir
+        rs_before = rz / e_row
+        log_row = log_row.add_(rs_before.clamp_(lo_std, hi_std).log_()).clamp_(lo_clip, hi_clip)
+        e_row = torch.exp(log_row)
+        ir = torch.reciprocal(e_row)
+        rs = rz.mul_(ir)
         cs = col_std(ir, ic)  # also the column stds the next iteration starts from
         cur = _imb(cs, rs)
         better = cur <= best_imb  # ties go to the later iterate
-        best_imb = torch.where(better, cur, best_imb)
-        best_col = torch.where(better[..., None, None], log_col, best_col)
-        best_row = torch.where(better[..., None, None], log_row, best_row)
-        best_iter = torch.where(better, torch.full_like(best_iter, it), best_iter)
+        torch.where(better, cur, best_imb, out=best_imb)
+        mask = better[..., None, None]
+        torch.where(mask, log_col, best_col, out=best_col)
+        torch.where(mask, log_row, best_row, out=best_row)
+        best_iter.masked_fill_(better, it)
     return torch.exp(best_row), torch.exp(best_col), best_imb, imb0, best_iter
+
+
+def _group_any(bad: torch.Tensor, group: int) -> torch.Tensor:
+    """``[ceil(n / group)]``: whether any tile of each group of ``group`` consecutive tiles is flagged."""
+    n = bad.shape[0]
+    pad = -n % group
+    if pad:
+        bad = torch.cat([bad, bad.new_zeros(pad)])
+    return bad.view(-1, group).any(1)

@@ -34,9 +34,17 @@ import torch
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.scale import pow2_floor, pow2_window
 from kvqbench.numerics.varn import DEFAULT_ITERS, varn
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    StreamPolicy,
+    check_finite,
+    register,
+)
 
-__all__ = ["KVarN", "rtn_rows", "tile_window", "SCALE_FLOOR", "SINK_TOKENS", "WINDOW"]
+__all__ = ["KVarN", "rtn_rows", "tile_absmax", "tile_window", "SCALE_FLOOR", "SINK_TOKENS", "WINDOW"]
 
 SCALE_FLOOR = 1e-10
 #: per kind, the exponents ``(lo, hi)`` of the tile-RMS window ``[2^lo, 2^(hi+1))`` the reference
@@ -47,6 +55,8 @@ SCALE_FLOOR = 1e-10
 WINDOW = {"k": (-1, 12), "v": (-6, 12)}
 #: fp16 attention-sink tokens of the reference runtime (pseudo-decode regime)
 SINK_TOKENS = 128
+#: bytes of tiles per slice of :func:`tile_window`'s mean-square pass (stays in the core's cache)
+_SLICE_BYTES = 1 << 20
 
 
 def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,16 +74,26 @@ def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 def _rtn_rows_inplace(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries)."""
-    lo = b.amin(-1, keepdim=True)
+    lo = b.amin(-1, keepdim=True)  # (torch.aminmax is not vectorized on the CPU: two passes are faster)
     hi = b.amax(-1, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).clamp_min(SCALE_FLOOR)
     q = b.sub_(lo).div_(scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
     return q, lo, scale
 
 
-def tile_window(tiles: torch.Tensor, kind: str) -> torch.Tensor:
+def tile_absmax(tiles: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` over the last two dims of ``tiles`` ``[..., R, C]`` (keepdim), as ``max(max x, −min x)``
+    (no full-size ``|x|``); NaN when the tile holds a NaN, +Inf for an Inf (so it also proves finiteness)."""
+    if tiles.stride(-2) != tiles.shape[-1] * tiles.stride(-1):  # e.g. K's transposed view: its transpose is
+        tiles = tiles.transpose(-1, -2)  # the same elements with mergeable last dims
+    flat = tiles.flatten(-2)
+    return torch.maximum(flat.amax(-1, keepdim=True), flat.amin(-1, keepdim=True).neg_()).unsqueeze(-1)
+
+
+def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = None) -> torch.Tensor:
     """The power of two ``c`` ``[..., 1, 1]`` that brings each tile's RMS into KVarN's window
-    (:data:`WINDOW`); 1 for a tile already inside it (and for an all-zero tile).
+    (:data:`WINDOW`); 1 for a tile already inside it (and for an all-zero tile). ``absmax``: the tiles'
+    :func:`tile_absmax`, when already computed.
 
     VarN's constants (std clamp ``[1e-3, 1e3]``, log-scale clip ``[−0.3, 10]``, imbalance floor 1e-8) and
     the RTN scale floor 1e-10 are absolute and assume tiles of roughly unit scale: far below it VarN stops
@@ -83,8 +103,19 @@ def tile_window(tiles: torch.Tensor, kind: str) -> torch.Tensor:
     nothing changes, bit for bit. The RMS is taken after an exact power-of-two prescale, so it neither
     under- nor overflows.
     """
-    p = pow2_floor(tiles.abs().amax(dim=(-2, -1), keepdim=True))
-    rms = torch.sqrt(((tiles / p) ** 2).mean(dim=(-2, -1), keepdim=True)) * p
+    p = pow2_floor(tile_absmax(tiles) if absmax is None else absmax)
+    # the mean square tile by tile in cache-sized slices (no full-size temporary; a tile's mean is the same
+    # reduction of the same values whatever the slice)
+    # [outer, n, R, C]: the tile axis next to the tile stays a view even when the tiles are a strided slice
+    t4 = tiles.reshape(-1, *tiles.shape[-3:]) if tiles.dim() >= 3 else tiles.reshape(1, 1, *tiles.shape)
+    p4 = p.reshape(t4.shape[0], t4.shape[1], 1, 1)
+    step = max(1, _SLICE_BYTES // max(1, t4.shape[-2] * t4.shape[-1] * 4))
+    ms = torch.empty_like(p4)
+    for o in range(t4.shape[0]):
+        for i in range(0, t4.shape[1], step):
+            sq = t4[o, i : i + step] / p4[o, i : i + step]
+            torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[o, i : i + step])
+    rms = torch.sqrt(ms.reshape(p.shape)) * p
     lo_exp, hi_exp = WINDOW[kind]
     return pow2_window(rms, lo_exp, hi_exp)
 
@@ -116,6 +147,7 @@ class KVarN(Quantizer):
     rotation = True
     grouped = True
     fidelity = "faithful"
+    finite_check = "stats"  # the tiles' max |x| (the scale window's statistic) covers every element
     deltas = (
         "The three absorbed scale vectors are held at working precision (fp32) and billed as fp16; the "
         "reference rounds them to fp16.",
@@ -184,10 +216,19 @@ class KVarN(Quantizer):
             g = min(self.group_size, n)
             blk = xr[:, :, start : start + n, :].reshape(b_, h, n // g, g, d)  # [B, H, nt, G, D]
             tiles = blk.transpose(-1, -2) if kind == "k" else blk  # rows: K channels, V tokens
-            c = tile_window(tiles, kind)  # 1 for every tile of normal scale
-            # a contiguous buffer of our own (xr is ours; K's transpose is copied once), scaled and
-            # balanced in place
-            tiles = tiles.contiguous().div_(c)
+            absmax = tile_absmax(blk)
+            # finite_check "stats": a NaN/Inf of x spreads over its token's rotated row, so its tile's max |x|
+            # is not finite (and a finite x whose rotation overflows is told apart by check_finite)
+            check_finite(x, absmax, name=kind.upper())
+            c = tile_window(tiles, kind, absmax)  # 1 for every tile of normal scale
+            unit = bool((c == 1).all())  # then dividing by c changes nothing: skipped
+            # a contiguous buffer of our own (xr is ours; K's transpose is copied once, divided by c on the
+            # way), scaled and balanced in place
+            if kind == "k":
+                buf = torch.empty(b_, h, n // g, d, g, dtype=xr.dtype, device=xr.device)
+                tiles = buf.copy_(tiles) if unit else torch.div(tiles, c, out=buf)
+            else:
+                tiles = tiles.contiguous() if unit else tiles.contiguous().div_(c)
             res = varn(tiles, self.varn_iters)
             bal = tiles.div_(res.s_col).div_(res.s_row)
             q, lo, scale = _rtn_rows_inplace(bal, bits)
@@ -205,8 +246,13 @@ class KVarN(Quantizer):
             a = qt[f"{name}.row_scale"].unsqueeze(-1)
             z = qt[f"{name}.row_zero"].unsqueeze(-1)
             c = qt[f"{name}.col_scale"].unsqueeze(-2)
-            tiles = q.to(a.dtype).mul_(a).add_(z).mul_(c)  # (q·a + z)·c, one buffer
-            blk = tiles.transpose(-1, -2) if qt.kind == "k" else tiles  # [B, H, nt, G, D]
+            # (q·a + z)·c in one buffer; K's is decoded straight into the token-major layout (no
+            # transposing copy)
+            nt_, rows, cols = q.shape[-3:]
+            shape = (b_, h, nt_, cols, rows) if qt.kind == "k" else q.shape
+            blk = torch.empty(shape, dtype=a.dtype, device=a.device)  # [B, H, nt, G, D]
+            tiles = blk.transpose(-1, -2) if qt.kind == "k" else blk
+            tiles.copy_(q).mul_(a).add_(z).mul_(c)
             parts.append(blk.reshape(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return hadamard_transform(xr)

@@ -1,11 +1,14 @@
-"""KVarN: a loop-based second implementation, bits accounting (2.25 / 2.375), partial tiles, edge cases."""
+"""KVarN: a loop-based second implementation, bit-identity with the plain pipeline, bits accounting
+(2.25 / 2.375), partial tiles, edge cases."""
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import scipy.linalg
 import torch
+from hypothesis import assume, given, settings
 
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
@@ -186,3 +189,74 @@ def test_scale_window_outside_normal_scales(kind: str) -> None:
 
     tiles = x.reshape(1, 2, 1, 160, 64)
     assert bool((tile_window(tiles, kind) == 1).all())
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimized pipeline (finiteness from the window's statistic, min/max without |x|, mean squares in
+# slices, division by the window factor skipped or fused into K's copy, K decoded into token-major layout)
+# against the steps written plainly, each a fresh tensor: same codes, same stored vectors, same round trip.
+
+
+def _plain_kvarn(x: torch.Tensor, kind: str, bits: int, g: int, n_iter: int):
+    """``(codes, row_scale, row_zero, col_scale)`` per span and the round trip, step by step."""
+    from kvqbench.numerics.hadamard import hadamard_transform
+    from kvqbench.numerics.scale import pow2_floor, pow2_window
+    from kvqbench.numerics.varn import varn
+    from kvqbench.quantizers.kvarn import WINDOW, rtn_rows
+
+    b_, h, t, d = x.shape
+    xr = hadamard_transform(x.float())
+    spans, out = [], []
+    starts = [(0, t // g * g)] if t >= g else []
+    if t % g:
+        starts.append((t // g * g, t % g))
+    for start, n in starts:
+        gg = min(g, n)
+        blk = xr[:, :, start : start + n, :].reshape(b_, h, n // gg, gg, d)
+        tiles = blk.transpose(-1, -2) if kind == "k" else blk
+        p = pow2_floor(tiles.abs().amax(dim=(-2, -1), keepdim=True))
+        rms = torch.sqrt(((tiles / p) ** 2).mean(dim=(-2, -1), keepdim=True)) * p
+        c = pow2_window(rms, *WINDOW[kind])
+        tiles = tiles.contiguous() / c
+        res = varn(tiles, n_iter)
+        q, lo, scale = rtn_rows(tiles / res.s_col / res.s_row, bits)
+        a, z, cs = res.s_row * scale * c, res.s_row * lo * c, res.s_col
+        spans.append((q, a.squeeze(-1), z.squeeze(-1), cs.squeeze(-2)))
+        rec = (q.float() * a + z) * cs
+        out.append((rec.transpose(-1, -2) if kind == "k" else rec).reshape(b_, h, n, d))
+    y = hadamard_transform(torch.cat(out, dim=2))
+    return spans, y.clamp(-torch.finfo(x.dtype).max, torch.finfo(x.dtype).max).to(x.dtype)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 300),
+       d=st.sampled_from([16, 64, 96, 128]), g=st.sampled_from([16, 64, 128]), kind=st.sampled_from(["k", "v"]),
+       bits=st.sampled_from([1, 2, 3, 4, 8]), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       scale=st.sampled_from([2.0**-40, 1e-3, 1.0, 1e3, 2.0**30]), offset=st.booleans())
+def test_bit_identical_to_the_plain_pipeline(seed, b, h, t, d, g, kind, bits, dtype, scale, offset) -> None:
+    x = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(seed)) * scale
+    if offset:
+        x[..., d // 3] += 6.0 * scale  # a channel offset: VarN's two-pass fallback and large row means
+    x = x.to(dtype)
+    assume(bool(torch.isfinite(x).all()))  # fp16 overflows at 2^30
+    q = KVarN(bits, group_size=g, varn_iters=8)
+    qt = q.quantize(x, kind)
+    spans, want = _plain_kvarn(x, kind, bits, g, 8)
+    names = [nm for nm, _s, _n in qt.meta["spans"]]
+    assert len(names) == len(spans)
+    for nm, (codes, a, z, cs) in zip(names, spans):
+        assert torch.equal(qt.codes(f"{nm}.codes"), codes)
+        assert torch.equal(qt[f"{nm}.row_scale"], a)
+        assert torch.equal(qt[f"{nm}.row_zero"], z)
+        assert torch.equal(qt[f"{nm}.col_scale"], cs)
+    assert torch.equal(q.dequantize(qt), want)
+
+
+def test_non_finite_input_is_rejected_by_the_window_statistic() -> None:
+    """finite_check "stats": a NaN or Inf anywhere is still reported, with the count of bad values."""
+    for kind in ("k", "v"):
+        for bad, pos in ((float("nan"), (0, 1, 140, 5)), (float("inf"), (0, 0, 3, 63))):
+            x = _x((1, 2, 160, 64))
+            x[pos] = bad
+            with pytest.raises(ValueError, match="contains 1 NaN/Inf"):
+                KVarN(2).quantize(x, kind)

@@ -1,12 +1,17 @@
-"""VarN (KVarN step 2): matches a literal implementation, never increases imbalance, equalizes planted scales."""
+"""VarN (KVarN step 2): matches a literal implementation, bit-identical to the plain blockwise recipe, never
+increases imbalance, equalizes planted scales."""
 
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
+from kvqbench.numerics import varn as varn_mod
 from kvqbench.numerics.varn import LOG_SCALE_CLIP, imbalance, varn
 
 
@@ -133,3 +138,123 @@ def test_rejects_rank_one() -> None:
 def test_rejects_negative_iterations() -> None:
     with pytest.raises(ValueError):
         varn(torch.ones(2, 2), -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The optimized VarN (chunks of many tiles, in-place updates, a fallback applied per group) against the
+# same recipe written plainly — blocks of 512 KiB of tiles, each run through the iterations on its own,
+# every intermediate a fresh tensor. Bit for bit: same scales, imbalances and iterations.
+
+
+def _plain_std(x: torch.Tensor, scale: torch.Tensor, dim: int, s1: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """One-pass unbiased std from the sums; the whole block two-pass when any value would cancel."""
+    n = x.shape[dim]
+    mean2 = (s1 / n) ** 2
+    var = ((s2 - s1 * s1 / n) / (n - 1)).clamp_min(0.0)
+    if bool((mean2 > 15.0 * var).any()):
+        z = x * scale
+        z = z - z.mean(dim, keepdim=True)
+        return torch.linalg.vector_norm(z, dim=dim, keepdim=True) / math.sqrt(n - 1)
+    return torch.sqrt(var)
+
+
+def _plain_block(x: torch.Tensor, n_iter: int) -> tuple[torch.Tensor, ...]:
+    n, r, c = x.shape
+    x2 = x * x
+
+    def col_std(ir, ic):
+        if r < 2:
+            return torch.ones(n, 1, c)
+        irt = ir.transpose(-1, -2)
+        return _plain_std(x, ir, -2, torch.matmul(irt, x), torch.matmul(irt * irt, x2)) * ic
+
+    def row_std(ic):
+        if c < 2:
+            return torch.ones(n, r, 1)
+        ict = ic.transpose(-1, -2)
+        return _plain_std(x, ic, -1, torch.matmul(x, ict), torch.matmul(x2, ict * ict))
+
+    def imb(cs, rs):
+        cs, rs = cs.flatten(-2), rs.flatten(-2)
+        return cs.amax(-1) / cs.amin(-1).clamp_min(1e-8) + rs.amax(-1) / rs.amin(-1).clamp_min(1e-8)
+
+    lc, lr = torch.zeros(n, 1, c), torch.zeros(n, r, 1)
+    best_c, best_r = lc.clone(), lr.clone()
+    cs, rs = col_std(torch.ones(n, r, 1), torch.ones(n, 1, c)), row_std(torch.ones(n, 1, c))
+    best = imb(cs, rs)
+    best0, best_it = best.clone(), torch.zeros(n, dtype=torch.int64)
+    for it in range(1, n_iter + 1):
+        lc = torch.clamp(lc + torch.log(cs.clamp(1e-3, 1e3)), -0.3, 10.0)
+        ic = 1.0 / torch.exp(lc)
+        rz = row_std(ic)
+        lr = torch.clamp(lr + torch.log((rz / torch.exp(lr)).clamp(1e-3, 1e3)), -0.3, 10.0)
+        ir = 1.0 / torch.exp(lr)
+        rs = rz * ir
+        cs = col_std(ir, ic)
+        cur = imb(cs, rs)
+        better = cur <= best
+        best = torch.where(better, cur, best)
+        best_c = torch.where(better[:, None, None], lc, best_c)
+        best_r = torch.where(better[:, None, None], lr, best_r)
+        best_it = torch.where(better, torch.full_like(best_it, it), best_it)
+    return torch.exp(best_r), torch.exp(best_c), best, best0, best_it
+
+
+def _plain_varn(tiles: torch.Tensor, n_iter: int) -> tuple[torch.Tensor, ...]:
+    r, c = tiles.shape[-2:]
+    x = tiles.float().reshape(-1, r, c)
+    per = max(1, (1 << 19) // (r * c * 4))
+    nt = torch.get_num_threads()
+    torch.set_num_threads(1)  # as varn (its kernels are the same at every thread count; small ops are faster)
+    try:
+        parts = [_plain_block(x[i : i + per].contiguous(), n_iter) for i in range(0, x.shape[0], per)]
+    finally:
+        torch.set_num_threads(nt)
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 40), r=st.sampled_from([1, 2, 7, 32, 64, 128]),
+       c=st.sampled_from([1, 3, 16, 64, 128]), offset=st.sampled_from([0.0, 4.0, 40.0]),
+       n_iter=st.sampled_from([0, 1, 4, 16]), chunk_groups=st.integers(1, 3))
+def test_bit_identical_to_the_plain_recipe(seed, n, r, c, offset, n_iter, chunk_groups) -> None:
+    """Tiles with a random offset on some rows/columns (so the two-pass fallback fires in some groups),
+    counts that leave a last group of one tile, and chunks of 1–3 groups (chunk boundaries inside small
+    inputs): every output equals the plain recipe's exactly."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, r, c, generator=g) * torch.exp(torch.randn(n, r, 1, generator=g))
+    x = x + offset * (torch.rand(n, 1, c, generator=g) < 0.1) + offset * (torch.rand(n, r, 1, generator=g) < 0.1)
+    per = max(1, (1 << 19) // (r * c * 4))
+    with patch.object(varn_mod, "_CHUNK_BYTES", chunk_groups * per * r * c * 4):
+        got = varn(x, n_iter)
+    want = _plain_varn(x, n_iter)
+    for name, a, b in zip(("s_row", "s_col", "imbalance", "imbalance_init", "best_iter"), got, want):
+        assert torch.equal(a.reshape(b.shape), b), name
+
+
+def test_bit_identical_on_kvarn_sized_batches() -> None:
+    """KVarN's own case: 65 tiles [128, 128] (eight groups of 8 and a last group of one; 64 KiB tiles),
+    some with a large offset (two-pass fallback), in the default chunking."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(65, 128, 128, generator=g) + 30.0 * (torch.rand(65, 1, 1, generator=g) < 0.1)
+    for a, b in zip(varn(x), _plain_varn(x, 16)):
+        assert torch.equal(a.reshape(b.shape), b)
+
+
+def test_same_bits_at_every_thread_count() -> None:
+    """On the CPU the chunks go to a pool of torch.get_num_threads() threads: 1, 2 and 3 threads give the
+    plain recipe's bits (six chunks of one group each, a last group of one tile, the fallback in some)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(41, 128, 128, generator=g) + 30.0 * (torch.rand(41, 1, 1, generator=g) < 0.15)
+    want = _plain_varn(x, 6)
+    nt = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with patch.object(varn_mod, "_CHUNK_BYTES", 8 * 128 * 128 * 4):
+                got = varn(x, 6)
+            assert torch.get_num_threads() == threads  # restored
+            for a, b in zip(got, want):
+                assert torch.equal(a.reshape(b.shape), b)
+    finally:
+        torch.set_num_threads(nt)
