@@ -300,7 +300,7 @@ def test_concurrent_captures_sharing_a_cache_run_the_model_once(tmp_path, monkey
     pytest.importorskip("transformers", reason="the cache key names the transformers version")
     calls: list[int] = []
 
-    def fake_capture(ref, seq_len, layers, with_grads, dev, dtype="float32"):
+    def fake_capture(ref, seq_len, layers, with_grads, dev, dtype="float32", cache_dir=None):
         calls.append(1)
         time.sleep(0.3)  # long enough for the other callers to arrive while the "model" runs
         x = torch.full((2, 3, seq_len, 4), float(len(calls)))

@@ -95,7 +95,7 @@ def fake_model(monkeypatch, tmp_path):
     monkeypatch.setattr(cap, "_require_real_deps", lambda **kw: None)
     monkeypatch.setattr(cap, "_cache_path", lambda d, *a: d / "kv-fake.pt")
 
-    def run(ref, seq_len, layers, with_grads, dev, dtype="float32"):
+    def run(ref, seq_len, layers, with_grads, dev, dtype="float32", cache_dir=None):
         state["runs"] += 1
         return state["data"] if state["data"] is not None else sample(seq_len)
 

@@ -89,7 +89,8 @@ def test_xdist_progress_no_hooks_and_figures(pytester, args):
     pytester.makepyfile(test_cells=CELL_TEST)
     pytester.makeconftest(SLOW)
     out = pytester.path / "out"
-    res = pytester.runpytest_subprocess(*args, "-n", "2", "--kvq-progress", "0.01", "--kvq-out", str(out))
+    res = pytester.runpytest_subprocess(*args, "-n", "2", "--kvq-progress", "0.01", "--kvq-figures", "on",
+                                       "--kvq-out", str(out))  # smoke cells: figures only when asked
     res.assert_outcomes(passed=8)
     assert _progress(res), res.stdout.str()
     assert "custom" not in json.loads((out / "leaderboard.json").read_text())

@@ -33,7 +33,7 @@ def smoke_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("run") / "results"
     cmd = [sys.executable, "-m", "pytest", "tests/bench", "-m", "smoke", "-q", "-p", "no:cacheprovider",
            "-p", "no:randomly", "--kvq-methods", "fp16,kivi", "--kvq-seeds", "2", "--kvq-bits", "2,16",
-           "--kvq-progress", "0", "--kvq-out", str(out), "-k", "reconstruction"]
+           "--kvq-progress", "0", "--kvq-figures", "on", "--kvq-out", str(out), "-k", "reconstruction"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (out / "LEADERBOARD.md").exists()
