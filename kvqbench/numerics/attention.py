@@ -89,9 +89,13 @@ def kl_rows(logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor | None = Non
     """
     p = logp.exp() if p is None else p
     diff = logp - logq
-    if not bool(torch.isfinite(diff).all()):  # −inf − (−inf) or an underflowed log q: p·diff → 0 or +inf
-        diff = torch.where(p > 0, diff, torch.zeros_like(diff))
-    return (p * diff).sum(-1).clamp_min(0.0)
+    out = (p * diff).sum(-1)
+    # a non-finite term (−inf − (−inf) = NaN where p = 0, or an underflowed log q) makes its row's sum
+    # non-finite: only then are the rows summed again with the p = 0 terms set to 0 (checking the
+    # (rows,) result instead of every (rows × seq_len) term; the same numbers either way)
+    if not bool(torch.isfinite(out).all()):
+        out = (p * torch.where(p > 0, diff, torch.zeros_like(diff))).sum(-1)
+    return out.clamp_min(0.0)
 
 
 @dataclass
@@ -148,6 +152,7 @@ class AttentionReference:
     o: torch.Tensor
     knorm2: torch.Tensor
     head_dim: int
+    w_ref: torch.Tensor | None = None  # (batch, kv_heads, g·n_queries, 1): Σ_t p_t‖k_t‖² (exact side only)
 
 
 @torch.no_grad()
@@ -167,14 +172,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> At
     # so K and V are never copied per query head
     qg = _f64(q).reshape(b, hkv, (hq // hkv) * nq, d)
     kf, vf = _f64(k), _f64(v)
+    knorm2 = (kf * kf).sum(-1)
     parts = []
     for i in range(b):  # one batch index at a time keeps the (rows × seq_len) temporaries cache-sized
         ip = torch.matmul(qg[i : i + 1], kf[i : i + 1].transpose(-1, -2))  # unscaled inner products
         logp = torch.log_softmax(ip / math.sqrt(d), dim=-1)
         p = logp.exp()
-        parts.append((ip, logp, p, torch.matmul(p, vf[i : i + 1])))
-    ip, logp, p, o = (torch.cat(t) for t in zip(*parts))
-    return AttentionReference(qg, kf, ip, logp, p, o, (kf * kf).sum(-1), d)
+        parts.append((ip, logp, p, torch.matmul(p, vf[i : i + 1]), torch.matmul(p, knorm2[i : i + 1].unsqueeze(-1))))
+    ip, logp, p, o, w_ref = (torch.cat(t) for t in zip(*parts))
+    return AttentionReference(qg, kf, ip, logp, p, o, knorm2, d, w_ref)
 
 
 def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -215,7 +221,7 @@ def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> 
         "var": per_b(((e - e_mean.unsqueeze(-1)) ** 2).mean(-1)),
         "msq": per_b((e * e).mean(-1)),
         "w_err": per_b(torch.matmul(ref.p, kerr.unsqueeze(-1))),
-        "w_ref": per_b(torch.matmul(ref.p, ref.knorm2.unsqueeze(-1))),
+        "w_ref": per_b(ref.w_ref if ref.w_ref is not None else torch.matmul(ref.p, ref.knorm2.unsqueeze(-1))),
     }
 
 
@@ -282,7 +288,7 @@ def attention_error_by_batch(reference: AttentionReference, k_hat: torch.Tensor,
 def _slice(ref: AttentionReference, i: int) -> AttentionReference:
     one = slice(i, i + 1)
     return AttentionReference(ref.qg[one], ref.k[one], ref.ip[one], ref.logp[one], ref.p[one], ref.o[one],
-                              ref.knorm2[one], ref.head_dim)
+                              ref.knorm2[one], ref.head_dim, None if ref.w_ref is None else ref.w_ref[one])
 
 
 def _reduce(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor, *, pooled: bool) -> list[AttentionError]:
