@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
-from kvqbench.progress import Progress, coarse_kind_of, hms
+from kvqbench.progress import Progress, coarse_kind_of, hms, load_prior
 from kvqbench.report.results import BENCHMARK_JSON
 
 RECORD_KEY = "kvqbench"
@@ -54,6 +54,7 @@ class Settings:
     durations: str | None = None  # --kvq-durations FILE (default: the committed kvqbench/data/durations.json)
     dtype: str = "float32"  # --kvq-dtype: the dtype the real model is loaded and run in for capture
     capture_cache: str | None = None  # --kvq-capture-cache DIR (default: pytest's cache folder)
+    figures: str = "auto"  # --kvq-figures: auto (full runs only), on, off
 
 
 @dataclass
@@ -181,8 +182,8 @@ def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> 
         return
     with _PROGRESS_LOCK:
         prog.workers = max(1, workers)
-        prog.collected(nodeids)
         prog.t_run = time.time()
+        prog.collected(nodeids)
     if prog.interval_s > 0 and prog.total:
         _PrintThread(config, prog).start()
 
@@ -236,11 +237,23 @@ class _PrintThread(threading.Thread):
                     _print_progress(self.config, self.prog, now)
 
 
+def _xdist_queues(config: pytest.Config) -> list[list[str]] | None:
+    """Per xdist worker, the tests its load scheduler has sent it and that have not finished (the running
+    one first); ``None`` when not under xdist or its scheduler keeps no such lists."""
+    try:
+        sched = config.pluginmanager.get_plugin("dsession").sched
+        coll = list(sched.collection)
+        return [[coll[i] for i in list(pend)] for pend in list(sched.node2pending.values())]
+    except Exception:  # serial, another --dist mode, or the lists changed while being read
+        return None
+
+
 def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None:
         return
     prog.last = now
+    prog.set_queues(_xdist_queues(config), now)
     if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
         tr.write("\n")  # after the progress dots of -q / xdist
     tr.write_line(prog.line(now))
@@ -265,7 +278,7 @@ def _progress_tick(report: pytest.TestReport) -> None:
         if report.when == "setup":
             for k, v in getattr(report, "user_properties", []) or []:
                 if k == STEP_KEY and isinstance(v, dict):  # e.g. the real-model capture inside kvq_data
-                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)))
+                    prog.step(str(v.get("kind")), float(v.get("seconds", 0.0)), time.time(), report.nodeid)
                     d -= float(v.get("seconds", 0.0))
         prog.partial[report.nodeid] = prog.partial.get(report.nodeid, 0.0) + d
         now = time.time()
@@ -380,6 +393,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--kvq-capture-cache", action="store", default=None, metavar="DIR",
                 help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder); "
                      "shards on one machine that share it capture each model once")
+    g.addoption("--kvq-figures", action="store", default="auto", choices=("auto", "on", "off"),
+                help="draw the PNG figures at the end: auto = only when full-size cells ran (a smoke run "
+                     "skips them: they take longer than its cells; `kvqbench report DIR` draws them later), "
+                     "on, off (default auto)")
     g.addoption("--kvq-progress", action="store", default="10", type=_progress_interval, metavar="SECONDS",
                 help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
 
@@ -405,6 +422,7 @@ def pytest_configure(config: pytest.Config) -> None:
         durations=config.getoption("--kvq-durations"),
         dtype=config.getoption("--kvq-dtype"),
         capture_cache=config.getoption("--kvq-capture-cache"),
+        figures=config.getoption("--kvq-figures"),
         start_time=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
     )
     methods_opt = config.getoption("--kvq-methods")
@@ -443,7 +461,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
     if not _is_worker(config):
         config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
-                                              last=time.time(), history=_load_history(config))
+                                              last=time.time(), history=_load_history(config), prior=load_prior())
 
 
 def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:
@@ -662,8 +680,8 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
     from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
 
     _pin_threads(kvq_settings.threads)
-    cache_dir = None
-    if getattr(pytestconfig, "cache", None) is not None:
+    cache_dir = kvq_settings.capture_cache
+    if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
         cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
     return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
                        device=kvq_settings.device, cache_dir=cache_dir)
@@ -958,10 +976,16 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
         reason = f"shard {state.shard['shard']} (join the shards with kvqbench merge)" + (f", {reason}" if reason else "")
     out_dir = _out_dir(config, s, records, state.expected)
     prov = provenance(config, s, records)
+    figures = _figures(s, records)
+    if not figures and records and s.figures == "auto":
+        log(f"kvqbench: figures skipped for a smoke run (`kvqbench report {out_dir}` draws them; "
+            "or pass --kvq-figures on)")
     res = write_result_set(
         records, prov if records else {}, out_dir, expected=expected, reason=reason,
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
-        write_extra=extra, log=log)
+        write_extra=extra, figures=figures, log=log)
+    if not figures and res.out_dir is not None and Path(res.out_dir) == out_dir:
+        _remove_stale_figures(out_dir)
     if state.shard is not None:  # the shard's own description, also for a shard that got no cell
         from kvqbench.report.io import write_json_atomic
         from kvqbench.shard import SHARD_FILE
@@ -973,6 +997,25 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
     state.board = res.board
     state.out_dir = str(res.out_dir) if res.out_dir else None
     return res
+
+
+def _remove_stale_figures(folder: Path) -> None:
+    """A run that draws no figures replaced the folder's result set: the figures of the previous set no
+    longer describe it, so they go (``kvqbench report`` keeps figures when it only re-renders)."""
+    from kvqbench.report.results import OUTPUT_PATTERNS
+
+    for pattern in OUTPUT_PATTERNS:
+        if pattern.endswith(".png"):
+            for p in folder.glob(pattern):
+                if p.is_file():
+                    p.unlink()
+
+
+def _figures(s: Settings, records: list[dict[str, Any]]) -> bool:
+    """Whether this session draws the figures (``--kvq-figures``; auto: not when only smoke cells ran)."""
+    if s.figures != "auto":
+        return s.figures == "on"
+    return not records or any(r.get("size") != "smoke" for r in records)
 
 
 @pytest.hookimpl(trylast=True)
@@ -1003,7 +1046,7 @@ def _finish_progress(config: pytest.Config, report_s: float) -> None:
         return
     with _PROGRESS_LOCK:
         for kind in [k for k in prog.expected_steps if k.startswith("report|")]:
-            prog.step(kind, report_s)
+            prog.step(kind, report_s, time.time())
         _save_history(config, prog)
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is not None and prog.interval_s > 0:

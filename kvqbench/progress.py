@@ -7,28 +7,56 @@ of the session. It prints one line every ``interval_s`` seconds::
 
     kvqbench: 120/660 tests, elapsed 1m30s, ETA 6m10s
 
-How the ETA is formed. Each pending test is charged a predicted duration: its own duration in the
-previous runs (``history``, kept in pytest's cache by the plugin), else the median of its *kind* in the
-history, else the median of its kind in this run, else the median of everything finished so far. A kind
-is the test function plus, for benchmark cells, the method and the data source/size in the id
-(``tests/bench/x.py::test_a|kivi|real-full``). History predictions are scaled by this run's speed
-(measured seconds / predicted seconds of the tests finished so far), so a busier or faster machine is
-accounted for. A test that is running is charged what its prediction has left. Pending captures of the
-real model and the report step are charged their history (or, without one, a capture's measured time
-in this run). The sum is divided by the parallelism observed so far (busy test-seconds per wall second
-since collection ended, at most the number of workers), and the report step, which runs alone at the
-end, is added undivided.
+How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and the clock):
+
+1. **A base duration per test**, in the seconds of the run it was measured in: the test's own seconds in
+   ``history`` (this machine's previous runs, kept in pytest's cache by the plugin), else in ``prior``
+   (the committed table ``kvqbench/data/eta_prior.json``, measured on a fresh clone — so a user's first
+   run has one too), else the median of its *kind* there, else the median of its file there. A kind is
+   the test function plus, for benchmark cells, the method and the data source/size in the id
+   (``tests/bench/x.py::test_a|kivi|real-full``).
+2. **This machine's speed**, estimated online from the tests finished so far: the duration-weighted
+   median of measured/base over the most recent quarter of the finished work (at least
+   :data:`SPEED_WINDOW_S` base seconds), so a busier, faster or changing machine is tracked; and per kind,
+   how much faster or slower its kind — else its file, else its folder — runs than the rest
+   (measured/base of the group over the typical measured/base of the whole run, shrunk towards 1 while
+   it has few tests), so a method whose code got faster since the table was made, or tests that spawn a
+   pytest or load a model and suffer more on a busy machine, are tracked too. A pending test is charged
+   base × speed × that factor; a test with no base at all, this run's median of its kind (or of its kind
+   without the method, or of everything).
+3. **The schedule**: each of the ``workers`` (pytest-xdist workers; 1 when serial) first finishes what
+   xdist has already sent it (its running test for what its charge has left, then its queue; see
+   :meth:`Progress.set_queues`), then the tests not sent yet are dealt, in collection order, to whichever
+   worker is free first — so the tail where one worker runs the last long tests is counted; each test
+   also costs the per-test overhead seen so far (idle worker-seconds / finished tests: xdist's
+   bookkeeping, fixtures).
+   A pending real-model capture is charged to the first cell that needs it on each worker.
+4. **The report step** (results and figures, after the last test, alone) is added at the end, and counts
+   down once it has begun.
+
+With a constant-speed machine ``c`` times slower than the table, the ETA is exact once the first tests
+have finished (tests/unit/test_progress.py checks this and the schedule's closed forms).
 """
 
 from __future__ import annotations
 
+import heapq
+import json
 import os
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
-__all__ = ["Progress", "kind_of", "coarse_kind_of", "hms"]
+__all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
+           "weighted_median", "PRIOR_PATH", "SPEED_WINDOW_S"]
 
 _TAGS = ("real", "synthetic", "full", "smoke")
+
+#: the committed per-test durations of a fresh-clone run of the test suite and of the main job
+#: (the history format of :meth:`Progress.updated_history`; regenerate with ``scripts/eta_prior.py``)
+PRIOR_PATH = Path(__file__).resolve().parent / "data" / "eta_prior.json"
+#: the speed is estimated from at least this many base seconds of the most recently finished tests
+SPEED_WINDOW_S = 30.0
 
 
 def hms(sec: float) -> str:
@@ -61,8 +89,62 @@ def kind_of(nodeid: str) -> str:
     return f"{base}|{params.split('-', 1)[0]}|{'-'.join(tags)}"
 
 
+def file_of(nodeid: str) -> str:
+    """The test file of a node id (``tests/unit/t.py::test_a[1]`` → ``tests/unit/t.py``)."""
+    return nodeid.split("::", 1)[0]
+
+
 def _median(v: list[float]) -> float:
     return float(statistics.median(v)) if v else 0.0
+
+
+def weighted_median(values: list[float], weights: list[float]) -> float:
+    """The smallest value whose cumulative weight reaches half the total (values sorted ascending).
+
+    Raises:
+        ValueError: empty input, lengths differ, or no positive weight.
+    """
+    if not values or len(values) != len(weights):
+        raise ValueError("weighted_median needs equally many values and weights (at least one)")
+    total = sum(w for w in weights if w > 0)
+    if total <= 0:
+        raise ValueError("weighted_median needs a positive weight")
+    acc = 0.0
+    for v, w in sorted(zip(values, weights)):
+        acc += max(w, 0.0)
+        if acc >= total / 2:
+            return float(v)
+    return float(max(values))  # pragma: no cover - rounding only
+
+
+def schedule_end(busy: list[float], costs: list[float], workers: int) -> float:
+    """When ``workers`` workers finish: each starts free after its entry of ``busy`` (seconds still
+    taken by a running test; missing entries are 0), then takes the next of ``costs`` in order whenever
+    it becomes free (list scheduling, as pytest-xdist's load scheduling deals tests). ``0`` for nothing.
+
+    Raises:
+        ValueError: ``workers`` < 1.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1; got {workers}")
+    free = sorted(max(b, 0.0) for b in busy)
+    free = (free + [0.0] * workers)[:max(workers, len(free))]
+    if workers == 1 and len(free) == 1:
+        return free[0] + sum(costs)
+    heapq.heapify(free)
+    for c in costs:
+        heapq.heapreplace(free, free[0] + c)
+    return max(free) if free else 0.0
+
+
+def load_prior(path: str | Path | None = None) -> dict:
+    """The committed prior (``{"tests": {nodeid: s}, "kinds": {kind: s}, "steps": {step: s}}``), or
+    ``{}`` when the file is missing or unreadable (the ETA then learns from this run alone)."""
+    try:
+        doc = json.loads(Path(path or PRIOR_PATH).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) and doc.get("version") == 1 else {}
 
 
 @dataclass
@@ -71,7 +153,8 @@ class Progress:
 
     Attributes set by the caller: ``interval_s`` (0 = no lines), ``t0`` (session start), ``t_run``
     (collection end), ``workers`` (pytest-xdist workers, 1 when serial), ``history`` (from a previous
-    run: ``{"tests": {nodeid: s}, "kinds": {kind: s}, "steps": {step kind: s}}``).
+    run: ``{"tests": {nodeid: s}, "kinds": {kind: s}, "steps": {step kind: s}}``) and ``prior`` (the same
+    form, the committed table; see :func:`load_prior`).
     """
 
     interval_s: float = 10.0
@@ -82,6 +165,7 @@ class Progress:
     last: float = 0.0
     workers: int = 1
     history: dict = field(default_factory=dict)
+    prior: dict = field(default_factory=dict)
     pending: dict[str, str] = field(default_factory=dict)  # nodeid -> kind, not finished yet
     running: dict[str, float] = field(default_factory=dict)  # nodeid -> start time
     durations: dict[str, list[float]] = field(default_factory=dict)  # kind -> this run's seconds
@@ -90,17 +174,33 @@ class Progress:
     partial: dict[str, float] = field(default_factory=dict)  # nodeid -> seconds of finished phases
     steps: dict[str, list[float]] = field(default_factory=dict)  # step kind -> this run's seconds
     expected_steps: dict[str, int] = field(default_factory=dict)  # step kind -> how many are left
+    observed: list[tuple[str, float, float]] = field(default_factory=list)  # (kind, base s, measured s)
+    #: per xdist worker, the tests sent to it and not finished yet, in order (see :meth:`set_queues`)
+    queues: list[list[str]] | None = None
     busy: float = 0.0
-    hist_pred: float = 0.0  # history predictions of finished tests …
-    hist_actual: float = 0.0  # … and what they really took
     report_started: float | None = None  # when the last test finished: the session-end report began
     last_report: float = 0.0  # when the controller last received a test report
     debug: str = ""
+    #: append every event as a JSON line to this file (``KVQBENCH_PROGRESS_TRACE``), for replaying a real
+    #: session through the estimate (``scripts/eta_error.py --replay``)
+    trace_path: str | None = field(default_factory=lambda: os.environ.get("KVQBENCH_PROGRESS_TRACE") or None)
+    _file_base: dict[str, float] | None = None
+
+    def _trace(self, *event: object) -> None:
+        """One JSON line ``[session key, event, …]``; the key tells this session from pytest sessions run
+        inside its tests (they inherit the variable and append to the same file)."""
+        if self.trace_path:
+            try:
+                with open(self.trace_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps([f"{os.getpid()}-{id(self)}", *event]) + "\n")
+            except OSError:
+                self.trace_path = None  # an unwritable trace never breaks a run
 
     # ---------------------------------------------------------------- events
     def collected(self, nodeids: list[str]) -> None:
-        """The selected tests (after deselection). Expect one real-model capture per worker per real
-        data size, and one report step at the end."""
+        """The selected tests (after deselection), in collection order. Expect one real-model capture per
+        worker per real data size, and one report step at the end."""
+        self._trace("collected", self.t0, self.t_run, self.workers, list(nodeids), self.history)
         self.total = len(nodeids)
         self.pending = {n: kind_of(n) for n in nodeids}
         tags = [_split(n)[2] for n in nodeids]
@@ -116,18 +216,32 @@ class Progress:
         return "report|" + (",".join(sorted(cell_tags)) or "no-cells")
 
     def started(self, nodeid: str, now: float) -> None:
+        self._trace("started", nodeid, now)
         if nodeid in self.pending:
             self.running[nodeid] = now
 
-    def step(self, kind: str, seconds: float) -> None:
-        """A step of ``kind`` took ``seconds`` (it was paid inside a test, whose duration it leaves)."""
+    def step(self, kind: str, seconds: float, now: float | None = None, nodeid: str | None = None) -> None:
+        """A step of ``kind`` took ``seconds`` (it was paid inside test ``nodeid``, whose duration it
+        leaves: a running test's clock restarts after it)."""
+        self._trace("step", kind, seconds, now, nodeid)
+        if nodeid in self.running:
+            self.running[nodeid] += max(seconds, 0.0)
         self.steps.setdefault(kind, []).append(max(seconds, 0.0))
         if self.expected_steps.get(kind, 0) > 0:
             self.expected_steps[kind] -= 1
 
+    def set_queues(self, queues: list[list[str]] | None, now: float | None = None) -> None:
+        """What pytest-xdist has already sent to each worker (its running test first, then its queue):
+        those tests run on that worker whatever the others do — at the end of a session one worker may
+        still hold several long tests while the other is idle. ``None``: unknown (serial run, or a
+        scheduler that does not say); the pending tests are then dealt as workers free up."""
+        self._trace("queues", queues, now)
+        self.queues = [list(q) for q in queues] if queues is not None else None
+
     def finished(self, nodeid: str, duration_s: float, now: float | None = None) -> None:
         """A test is over (at ``now``); ``duration_s`` is its setup+call+teardown seconds minus any step
         inside. When it is the last one, the report step starts."""
+        self._trace("finished", nodeid, duration_s, now)
         d = max(float(duration_s), 0.0)
         if self.done + 1 >= self.total and now is not None:
             self.report_started = now
@@ -135,10 +249,9 @@ class Progress:
         self.running.pop(nodeid, None)
         self.done += 1
         self.busy += d
-        hp = self._history_of(nodeid, kind)
-        if hp is not None:
-            self.hist_pred += hp
-            self.hist_actual += d
+        b = self.base(nodeid, kind)
+        if b is not None and b > 0:
+            self.observed.append((kind, b, d))
         self.durations.setdefault(kind, []).append(d)
         self.coarse.setdefault(coarse_kind_of(nodeid), []).append(d)
         self.measured[nodeid] = d
@@ -153,27 +266,91 @@ class Progress:
                     self.expected_steps[kind] = 0
 
     # ---------------------------------------------------------------- estimate
-    def _history_of(self, nodeid: str, kind: str) -> float | None:
-        tests = self.history.get("tests") or {}
-        if nodeid in tests:
-            return float(tests[nodeid])
-        kinds = self.history.get("kinds") or {}
-        return float(kinds[kind]) if kind in kinds else None
+    def _tables(self) -> tuple[dict, ...]:
+        return tuple(t for t in (self.history, self.prior) if t)
 
-    def _known(self, nodeid: str, kind: str) -> bool:
-        return self._history_of(nodeid, kind) is not None or len(self.durations.get(kind, ())) >= 3
+    def base(self, nodeid: str, kind: str | None = None) -> float | None:
+        """The test's base seconds (history, else prior: the test, else its kind, else its file's
+        median), or ``None`` when neither table knows anything like it."""
+        tables = self._tables()
+        for t in tables:
+            tests = t.get("tests") or {}
+            if nodeid in tests:
+                return float(tests[nodeid])
+        kind = kind or kind_of(nodeid)
+        for t in tables:
+            kinds = t.get("kinds") or {}
+            if kind in kinds:
+                return float(kinds[kind])
+        if self._file_base is None:
+            merged: dict[str, float] = {}
+            for t in reversed(tables):  # the history overrides the prior test by test
+                merged.update({n: float(v) for n, v in (t.get("tests") or {}).items()})
+            by_file: dict[str, list[float]] = {}
+            for n, v in merged.items():
+                by_file.setdefault(file_of(n), []).append(v)
+            self._file_base = {f: _median(v) for f, v in by_file.items()}
+        return self._file_base.get(file_of(nodeid))
 
     def speed(self) -> float:
-        """This run's seconds per history-predicted second (1 without history), clamped to [0.2, 5]."""
-        if self.hist_pred <= 0 or self.hist_actual <= 0:
+        """This run's seconds per base second: the base-weighted median of measured/base over the most
+        recently finished tests (the last quarter of the finished base seconds, at least
+        :data:`SPEED_WINDOW_S`); 1 before any test with a base has finished. Clamped to [0.05, 20]."""
+        if not self.observed:
             return 1.0
-        return min(max(self.hist_actual / self.hist_pred, 0.2), 5.0)
+        total = sum(b for _, b, _ in self.observed)
+        window = max(SPEED_WINDOW_S, 0.25 * total)
+        ratios, weights, acc = [], [], 0.0
+        for _, b, d in reversed(self.observed):
+            ratios.append(d / b)
+            weights.append(b)
+            acc += b
+            if acc >= window:
+                break
+        return min(max(weighted_median(ratios, weights), 0.05), 20.0)
 
-    def predict(self, nodeid: str, kind: str | None = None) -> float | None:
+    def _kind_factors(self) -> dict[str, float]:
+        """How much slower or faster than the run's typical test each group of finished tests ran: per
+        kind, per file and per folder (``("kind", k)``, ``("file", f)``, ``("dir", d)``), the group's
+        measured/base (sums) over the whole run's typical measured/base (the base-weighted median of all
+        finished tests, the statistic :meth:`speed` uses), shrunk towards 1 with few tests
+        (n / (n + 2)), clamped to [0.2, 5]. Tests of one file or folder share a harness (a subprocess
+        pytest, a model load) and so slow down alike when the machine is busy."""
+        if not self.observed:
+            return {}
+        run = weighted_median([d / b for _, b, d in self.observed], [b for _, b, _ in self.observed])
+        if run <= 0:
+            return {}
+        per: dict[tuple[str, str], list[float]] = {}
+        for kind, b, d in self.observed:
+            f = file_of(kind)
+            for key in (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0])):
+                acc = per.setdefault(key, [0.0, 0.0, 0])
+                acc[0] += b
+                acc[1] += d
+                acc[2] += 1
+        out = {}
+        for key, (b, d, n) in per.items():
+            f = min(max((d / b) / run, 0.2), 5.0)
+            out[key] = 1.0 + (f - 1.0) * n / (n + 2)
+        return out
+
+    @staticmethod
+    def _factor(factors: dict, kind: str) -> float:
+        f = file_of(kind)
+        for key in (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0])):
+            if key in factors:
+                return factors[key]
+        return 1.0
+
+    def predict(self, nodeid: str, kind: str | None = None, speed: float | None = None,
+                factors: dict[str, float] | None = None) -> float | None:
+        """The seconds a pending test is charged (see the module doc), or ``None`` with nothing to go on."""
         kind = kind or kind_of(nodeid)
-        hp = self._history_of(nodeid, kind)
-        if hp is not None:
-            return hp * self.speed()
+        b = self.base(nodeid, kind)
+        if b is not None:
+            s = self.speed() if speed is None else speed
+            return b * s * self._factor(self._kind_factors() if factors is None else factors, kind)
         if self.durations.get(kind):
             return _median(self.durations[kind])
         ck = coarse_kind_of(nodeid)
@@ -183,45 +360,64 @@ class Progress:
             return _median([d for v in self.durations.values() for d in v])
         return None
 
-    def _step_prediction(self, kind: str) -> float:
-        hist = (self.history.get("steps") or {}).get(kind)
-        if hist is not None:
-            return float(hist) * self.speed()
-        return _median(self.steps.get(kind, []))
+    def _step_prediction(self, kind: str, speed: float) -> float:
+        if self.steps.get(kind):
+            return _median(self.steps[kind])
+        for t in self._tables():
+            v = (t.get("steps") or {}).get(kind)
+            if v is not None:
+                return float(v) * speed
+        return 0.0
+
+    def overhead(self, now: float) -> float:
+        """Idle worker-seconds per finished test so far (xdist's bookkeeping between tests, fixtures
+        outside the timed phases); 0 when serial or before any test finished."""
+        if self.workers <= 1 or not self.done:
+            return 0.0
+        run = max(now - (self.t_run or self.t0), 0.0)
+        used = self.busy + sum(sum(v) for k, v in self.steps.items() if not k.startswith("report|")) \
+            + sum(max(now - t, 0.0) for t in self.running.values())
+        return max(self.workers * run - used, 0.0) / self.done
 
     def eta(self, now: float) -> float | None:
         """Seconds until the session ends (tests, captures, report), or ``None`` with nothing to go on."""
-        if not self.done and not self.history:
+        if not self.done and not self._tables():
             return None
-        left = 0.0
-        tail = 0.0
+        speed = self.speed()
+        factors = self._kind_factors()
+        over = self.overhead(now)
+        captures = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
+                    if k.startswith("capture|") and v > 0}
+        cap_s = {tag: self._step_prediction("capture|" + tag, speed) for tag in captures}
+        charge: dict[str, float] = {}  # pending test -> seconds it still takes (running: what is left)
         for n, kind in self.pending.items():
-            p = self.predict(n, kind)
+            p = self.predict(n, kind, speed, factors)
             if p is None:
                 return None
+            tag = "-".join(_split(n)[2])
+            if captures.get(tag, 0) > 0:  # the first cells of a size on each worker pay its capture
+                captures[tag] -= 1
+                p += cap_s[tag]
             if n in self.running:
                 ran = now - self.running[n]
-                # a known duration counts down; an unknown one (no history, kind rarely seen) is expected
-                # to run at least as long again as it has run so far
-                p = max(p - ran, 0.1 * p) if self._known(n, kind) else max(p - ran, ran)
-                tail = max(tail, p)
-            left += p
-        report = 0.0
-        for kind, k in self.expected_steps.items():
-            if k <= 0:
-                continue
-            if kind.startswith("report|"):
-                report = self._step_prediction(kind)
+                # what its charge has left; once overrun, a quarter of the overrun again
+                charge[n] = max(p - ran, 0.25 * (ran - p))
             else:
-                left += k * self._step_prediction(kind)
+                charge[n] = p + over
+        busy, queued = [], set()
+        for q in self.queues or ():  # tests already sent to a worker run there, in that order
+            mine = [n for n in q if n in charge and n not in queued]
+            queued.update(mine)
+            busy.append(sum(charge[n] for n in mine))
+        busy += [charge[n] for n in self.running if n in charge and n not in queued]
+        costs = [c for n, c in charge.items() if n not in queued and n not in self.running]
+        tests = schedule_end(busy, costs, max(self.workers, 1, len(busy)))
+        report = sum(self._step_prediction(k, speed) for k, v in self.expected_steps.items()
+                     if k.startswith("report|") and v > 0)
         if self.report_started is not None:
             report = max(report - (now - self.report_started), 0.0)
-        run = max(now - (self.t_run or self.t0), 1e-9)
-        busy = self.busy + sum(sum(v) for k, v in self.steps.items() if not k.startswith("report|")) \
-            + sum(max(now - t, 0.0) for t in self.running.values())  # running tests are busy too
-        par = min(max(busy / run, 0.1), max(self.workers, 1)) if busy > 0 else max(self.workers, 1)
-        self.debug = f"left={left:.1f} par={par:.2f} speed={self.speed():.2f} tail={tail:.1f} report={report:.1f}"
-        return max(left / par, tail) + report
+        self.debug = f"tests={tests:.1f} speed={speed:.2f} over={over:.3f} report={report:.1f}"
+        return tests + report
 
     def line(self, now: float) -> str:
         eta = self.eta(now)

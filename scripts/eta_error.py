@@ -15,11 +15,20 @@ of rounding is a large relative error.
 
 Prints one row per scored line and a summary (max |error|, median |error|, share within ±30 %); exit
 status 0. Standard library only.
+
+``--replay TRACE`` scores the estimate of :mod:`kvqbench.progress` on a recorded session instead: a run
+with ``KVQBENCH_PROGRESS_TRACE=TRACE`` writes every progress event (collection, test starts and ends,
+steps) with its time; the replay feeds them to a fresh :class:`~kvqbench.progress.Progress` on the
+recorded clock and asks for the ETA every ``--every`` seconds. ``--history FILE`` / ``--prior FILE``
+choose what it knows beforehand (a pytest-cache history or prior table; ``none`` for nothing; defaults:
+the history the recorded run had, and the committed prior), so one recorded run answers "how good would
+the ETA have been on a first run / a second run" without running it again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -103,15 +112,90 @@ def score(rows: list[tuple[int, int, float, float | None]], end: float, start_sh
     }
 
 
+def replay(events: list[list], history: dict | None = None, prior: dict | None = None,
+           every: float = 10.0) -> tuple[list[tuple[int, int, float, float | None]], float]:
+    """Rows ``(done, total, elapsed_s, eta_s)`` every ``every`` seconds of a traced session and its end
+    (the last event), as :func:`parse` gives them for a log. ``history=None`` keeps the recorded one.
+
+    Raises:
+        ValueError: no ``collected`` event in the trace.
+    """
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvqbench.progress import Progress, load_prior
+
+    head = next((e for e in events if "collected" in e[:2]), None)
+    if head is None:
+        raise ValueError("no 'collected' event in the trace")
+    if head[0] == "collected":  # an early trace without session keys: keep the first session's tests
+        _, t0, t_run, workers, ids, hist = head
+        known = set(ids)
+        reports = [i for i, e in enumerate(events) if e[0] == "step" and str(e[1]).startswith("report|")]
+        seen: set[tuple[str, str]] = set()  # inner sessions may run the same node ids later: keep the first
+        kept = []
+        for i, e in enumerate(events):
+            if e[0] in ("started", "finished"):
+                if e[1] in known and (e[0], e[1]) not in seen:
+                    seen.add((e[0], e[1]))
+                    kept.append(e)
+            elif e[0] == "step" and (i == reports[-1] or not str(e[1]).startswith("report|")):
+                kept.append(e)
+        events = kept
+    else:
+        _, _, t0, t_run, workers, ids, hist = head
+        events = [e[1:] for e in events if e[0] == head[0] and e[1] != "collected"]
+    p = Progress(interval_s=0, t0=t0, t_run=t_run, workers=workers, trace_path=None,
+                 history=hist if history is None else history, prior=load_prior() if prior is None else prior)
+    p.collected(ids)
+    def when(e: list) -> float | None:
+        return {"started": e[2], "queues": e[2]}.get(e[0], e[3] if len(e) > 3 else None)
+
+    end = max(when(e) for e in events if when(e) is not None)
+    rows, t = [], t0 + every
+    for e in events:
+        now = when(e)
+        while now is not None and t < now:
+            rows.append((p.done, p.total, t - t0, p.eta(t)))
+            t += every
+        if e[0] == "started":
+            p.started(e[1], e[2])
+        elif e[0] == "finished":
+            p.finished(e[1], e[2], e[3])
+        elif e[0] == "queues":
+            p.set_queues(e[1], e[2])
+        elif e[0] == "step":
+            p.step(e[1], e[2], e[3], e[4] if len(e) > 4 else None)
+    return rows, end - t0
+
+
+def _table(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    if path == "none":
+        return {}
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    return doc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("log", type=Path, help="captured output of the run (stdout+stderr)")
     ap.add_argument("--from", dest="start", type=float, default=0.2, help="score from this share of the run (0.2)")
     ap.add_argument("--floor", type=float, default=10.0, help="absolute tolerance floor in seconds (10)")
     ap.add_argument("-q", "--quiet", action="store_true", help="summary only")
+    ap.add_argument("--replay", action="store_true",
+                    help="LOG is a KVQBENCH_PROGRESS_TRACE file: replay it through kvqbench.progress")
+    ap.add_argument("--history", default=None, metavar="FILE",
+                    help="with --replay: the history to start from (pytest cache file, or 'none'; default: the recorded one)")
+    ap.add_argument("--prior", default=None, metavar="FILE",
+                    help="with --replay: the prior table (default: the committed kvqbench/data/eta_prior.json; 'none')")
+    ap.add_argument("--every", type=float, default=10.0, help="with --replay: seconds between ETA lines (10)")
     a = ap.parse_args(argv)
     try:
-        rows, end = parse(a.log.read_text(errors="replace"))
+        if a.replay:
+            events = [json.loads(ln) for ln in a.log.read_text().splitlines() if ln.strip()]
+            rows, end = replay(events, _table(a.history), _table(a.prior), a.every)
+        else:
+            rows, end = parse(a.log.read_text(errors="replace"))
     except (OSError, ValueError) as e:
         print(f"eta_error: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import torch
 from kvqbench.data.types import KVData
 from kvqbench.quantizers.base import QuantizedTensor, Quantizer
 
-__all__ = ["RoundTrip", "check_positive_ints", "fit_method", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
+__all__ = ["RoundTrip", "as_f64", "check_positive_ints", "fit_method", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
            "NonFiniteRoundTrip", "ROUNDTRIP_NONFINITE"]
 
 #: ``extra`` key of every experiment's result: ``{"k": n, "v": n}`` — non-finite (NaN/±inf) elements in the
@@ -40,7 +40,19 @@ def check_positive_ints(config: object, *names: str) -> None:
 
 
 def count_nonfinite(x: torch.Tensor) -> int:
-    """Number of NaN/±inf elements of ``x`` (any shape, floating dtype)."""
+    """Number of NaN/±inf elements of ``x`` (any shape, any dtype).
+
+    Fast path: one sum of ``x`` (in its own dtype; fp32 for 16-bit floats). A NaN or ±inf element makes
+    the sum NaN or ±inf, so a finite sum means no non-finite element; a non-finite sum (a non-finite
+    element, or finite ones whose sum overflows) falls back to the exact element count. One vectorized
+    reduction instead of ``isfinite``'s boolean mask (≈ 50× cheaper on the CPU, where the mask cost
+    more than some cells' metrics).
+    """
+    if x.numel() == 0 or not (x.is_floating_point() or x.is_complex()):
+        return 0
+    wide = torch.float32 if x.is_floating_point() and x.element_size() < 4 else None
+    if bool(torch.isfinite(x.sum(dtype=wide))):
+        return 0
     return int(x.numel() - int(torch.isfinite(x).sum()))
 
 
@@ -93,6 +105,13 @@ class RoundTrip:
     @property
     def v_bits_effective(self) -> float:
         return self.v_qt.effective_bits()
+
+
+def as_f64(data: KVData, name: str) -> torch.Tensor:
+    """``data.<name>`` (e.g. ``"k"``, ``"v"``) in fp64, converted once per data object and shared by every
+    method's cell on it (see :meth:`KVData.cached`; do not modify it in place). The fp64 metrics
+    convert their inputs anyway; handing them fp64 tensors makes those conversions no-ops."""
+    return data.cached(("fp64", name), lambda: getattr(data, name).to(torch.float64))
 
 
 def fit_method(method: Quantizer, data: KVData) -> Quantizer:

@@ -54,20 +54,33 @@ MIB = float(1 << 20)
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Timing knobs: ``warmup`` untimed calls then ``repeats`` timed calls (median reported)."""
+    """Timing knobs: ``warmup`` untimed calls then ``repeats`` timed calls (median reported).
+
+    ``benchmark_rounds``: how pytest-benchmark times the round trip — ``None``: its own calibration
+    (rounds until ``--benchmark-max-time``, 1 s by default, after calibrating the timer); an int: exactly
+    that many rounds after ``warmup`` warm-up rounds (``benchmark.pedantic``), for cells where a
+    calibrated second per cell would cost more than everything else (smoke).
+    """
 
     warmup: int = 1
     repeats: int = 5
+    benchmark_rounds: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         if not isinstance(self.repeats, int) or self.repeats < 1:
             raise ValueError(f"repeats must be an int >= 1, got {self.repeats!r}")
+        r = self.benchmark_rounds
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 1):
+            raise ValueError(f"benchmark_rounds must be None or an int >= 1, got {r!r}")
 
 
-#: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`)
-CONFIG_BY_SIZE: dict[str, CostConfig] = {"smoke": CostConfig(warmup=1, repeats=3), "full": CostConfig(warmup=1, repeats=5)}
+#: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`): smoke cells
+#: give pytest-benchmark fixed rounds (its calibration takes about a second per cell, the rest of a smoke
+#: cell milliseconds); full cells are calibrated
+CONFIG_BY_SIZE: dict[str, CostConfig] = {"smoke": CostConfig(warmup=1, repeats=3, benchmark_rounds=5),
+                                         "full": CostConfig(warmup=1, repeats=5)}
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -147,8 +160,8 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
         data: K/V ``(batch|layers, kv_heads, seq_len, head_dim)``; timed on their device.
         config: warm-up and repeats (default :class:`CostConfig`).
         benchmark: optional pytest-benchmark ``benchmark`` fixture (any callable ``benchmark(fn)`` with
-            the fixture's ``stats`` afterwards): it times the K + V round trip with calibrated rounds and
-            warm-up (``roundtrip_latency_ms`` = its median; min/median/IQR in ``extra["benchmark"]``).
+            ``benchmark.pedantic`` and the fixture's ``stats`` afterwards): it times the K + V round trip
+            with calibrated rounds and warm-up (or ``config.benchmark_rounds`` fixed rounds) (``roundtrip_latency_ms`` = its median; min/median/IQR in ``extra["benchmark"]``).
             Without it, or when pytest-benchmark is disabled (it disables itself under xdist), the round
             trip is timed like the other latencies.
     Returns:
@@ -193,7 +206,10 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
 
     bench_stats = None
     if benchmark is not None:
-        benchmark(roundtrip)
+        if cfg.benchmark_rounds is None:
+            benchmark(roundtrip)
+        else:
+            benchmark.pedantic(roundtrip, rounds=cfg.benchmark_rounds, warmup_rounds=cfg.warmup, iterations=1)
         bench_stats = _benchmark_stats(benchmark)
     if bench_stats is not None:
         rt_ms, rt_timer = bench_stats["median_ms"], "pytest-benchmark"

@@ -61,7 +61,8 @@ from kvqbench.numerics.attention import kl_rows
 from kvqbench.quantizers.base import Quantizer, StreamPolicy
 
 __all__ = ["EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
-           "quantized_cache", "run_model", "run_endtoend", "next_token_metrics"]
+           "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side",
+           "ReferenceSide"]
 
 EXPERIMENT = "exp5"
 REGIMES: tuple[str, str] = ("prefill", "decode")
@@ -260,7 +261,7 @@ _SOURCES: dict[tuple, RealSource] = {}
 def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str | None = None) -> RealSource:
     """The model (loaded once per process, :func:`kvqbench.data.capture.load_model`) and a calibration
     capture of the first ``window`` tokens (all layers, with Fisher weights; disk-cached in
-    ``cache_dir``). Cached per process.
+    ``cache_dir``, like a GGUF model's converted weights). Cached per process.
 
     Raises:
         MissingDependencyError, FileNotFoundError, ValueError: see :func:`kvqbench.data.capture.capture_kv`.
@@ -269,7 +270,7 @@ def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str 
     if key not in _SOURCES:
         from kvqbench.data.capture import capture_kv, load_model
 
-        net, tok = load_model(model, device=device)
+        net, tok = load_model(model, device=device, cache_dir=cache_dir)
         cal = capture_kv(model=model, seq_len=window, with_grads=True, device=device, cache_dir=cache_dir)
         _SOURCES[key] = RealSource(model, net, tok, cal, window, device)
     return _SOURCES[key]
@@ -300,38 +301,66 @@ def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], h
     return torch.cat(out, 0)
 
 
-def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ReferenceSide:
+    """The unquantized side of :func:`next_token_metrics` for some positions, computed once and shared
+    by every method's cell on the same text: ``log p`` and ``p`` ``(positions, vocab)`` fp64, the top-1
+    tokens and the cross-entropy of the true next tokens ``(positions,)``."""
+
+    logp: torch.Tensor
+    p: torch.Tensor
+    top1: torch.Tensor
+    nll: torch.Tensor
+
+
+def reference_side(logits_ref: torch.Tensor, targets: torch.Tensor) -> ReferenceSide:
+    """:class:`ReferenceSide` of the unquantized ``logits_ref`` ``(positions, vocab)`` and the true next
+    tokens ``targets`` ``(positions,)`` (computed in float64)."""
+    lp = torch.log_softmax(logits_ref.double(), -1)
+    t = targets.to(lp.device).long()[:, None]
+    return ReferenceSide(lp, lp.exp(), logits_ref.argmax(-1), -lp.gather(-1, t)[:, 0])
+
+
+def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, *,
+                       reference: ReferenceSide | None = None) -> dict[str, Any]:
     """Next-token damage of ``logits`` against ``logits_ref`` ``(positions, vocab)``.
 
     ``targets`` ``(positions,)`` are the true next tokens. Computed in float64. Returns ``kl_nats``
     (mean over positions of ``KL(p‖p̂)``, ``p = softmax(logits_ref)``; each term ≥ 0), ``kl_p99_nats``
     (its 99th percentile over positions, linear interpolation), ``top1_agree`` (share of positions whose
     argmax agrees, in ``[0, 1]``), ``dloss_nats`` (mean cross-entropy of ``targets`` under ``logits``
-    minus under ``logits_ref``), ``loss_ref_nats`` and the per-position KL list.
+    minus under ``logits_ref``), ``loss_ref_nats`` and the per-position KL list. ``reference``: the
+    precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once).
     """
-    lp = torch.log_softmax(logits_ref.double(), -1)
+    ref = reference_side(logits_ref, targets) if reference is None else reference
     lq = torch.log_softmax(logits.double(), -1)
-    kl = kl_rows(lp, lq)
-    agree = (logits_ref.argmax(-1) == logits.argmax(-1)).double()
-    t = targets.to(lp.device).long()[:, None]
-    nll_ref = -lp.gather(-1, t)[:, 0]
+    kl = kl_rows(ref.logp, lq, ref.p)
+    agree = (ref.top1 == logits.argmax(-1)).double()
+    t = targets.to(lq.device).long()[:, None]
     nll = -lq.gather(-1, t)[:, 0]
     return {"kl_nats": float(kl.mean()), "kl_p99_nats": float(torch.quantile(kl, 0.99)),
-            "top1_agree": float(agree.mean()), "dloss_nats": float((nll - nll_ref).mean()),
-            "loss_ref_nats": float(nll_ref.mean()), "kl_per_position": [float(v) for v in kl]}
+            "top1_agree": float(agree.mean()), "dloss_nats": float((nll - ref.nll).mean()),
+            "loss_ref_nats": float(ref.nll.mean()), "kl_per_position": [float(v) for v in kl]}
 
 
-_REFERENCES: dict[tuple, torch.Tensor] = {}
+_REFERENCES: dict[tuple, tuple[torch.Tensor, dict[tuple[int, int], ReferenceSide]]] = {}
 
 
-def _reference(src: RealSource, ids: list[int], regime: str, cfg: EndToEndConfig) -> torch.Tensor:
-    """Unquantized logits of a window under the regime's forward schedule (cached per process)."""
+def _reference(src: RealSource, ids: list[int], regime: str, cfg: EndToEndConfig
+               ) -> tuple[torch.Tensor, ReferenceSide]:
+    """Unquantized logits of a window under the regime's forward schedule and their
+    :class:`ReferenceSide` on the scored positions (cached per process: every method's cell on the same
+    window reuses them)."""
     key = (src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(), tuple(cfg.chunks(regime)))
     if key not in _REFERENCES:
         if len(_REFERENCES) >= 8:
             _REFERENCES.pop(next(iter(_REFERENCES)))
-        _REFERENCES[key] = run_model(src.net, ids, cfg.chunks(regime), None)
-    return _REFERENCES[key]
+        _REFERENCES[key] = (run_model(src.net, ids, cfg.chunks(regime), None), {})
+    logits, sides = _REFERENCES[key]
+    a, b = cfg.scored(regime)
+    if (a, b) not in sides:
+        sides[(a, b)] = reference_side(logits[a:b], torch.tensor(ids[a + 1:b + 1], dtype=torch.long))
+    return logits, sides[(a, b)]
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -390,9 +419,9 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
     for regime in cfg.regimes:
         hook = KVCacheHook(methods, streaming=regime == "decode", cos=cos, sin=sin)
         logits = run_model(src.net, ids, cfg.chunks(regime), hook)
-        ref = _reference(src, ids, regime, cfg)
+        ref, side = _reference(src, ids, regime, cfg)
         a, b = cfg.scored(regime)
-        m = next_token_metrics(ref[a:b], logits[a:b], targets[a:b])
+        m = next_token_metrics(ref[a:b], logits[a:b], targets[a:b], reference=side)
         pre = f"e2e_{regime}_"
         for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
             res.metrics[pre + name] = m[name]

@@ -38,7 +38,7 @@ import torch
 
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.experiments.common import as_f64, roundtrip_kv
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.numerics import metrics as M
 from kvqbench.quantizers.base import Quantizer
@@ -155,7 +155,8 @@ def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
     within = roundtrip_kv(fit_on(method, eval_b), eval_b, fit=False)
     cross.tally(res.extra)
     within.tally(res.extra)
-    for kv, x, xc, xi in (("k", eval_b.k, cross.k_hat, within.k_hat), ("v", eval_b.v, cross.v_hat, within.v_hat)):
+    for kv, xc, xi in (("k", cross.k_hat, within.k_hat), ("v", cross.v_hat, within.v_hat)):
+        x = as_f64(eval_b, kv)  # fp64 once per data (the metric computes in fp64)
         c = M.per_layer(M.rel_mse, x, xc)
         i = M.per_layer(M.rel_mse, x, xi)
         res.add(f"{kv}_codebook_gap", [a - b for a, b in zip(c, i)])
@@ -185,10 +186,12 @@ def run_group_size(method: Quantizer, data: KVData) -> CellResult:
     rt = roundtrip_kv(method, data)
     res = CellResult()
     rt.tally(res.extra)
-    res.add("gs_k_mse", M.per_layer(M.mse, data.k, rt.k_hat))
-    res.add("gs_v_mse", M.per_layer(M.mse, data.v, rt.v_hat))
-    res.add("gs_k_rel_mse", M.per_layer(M.rel_mse, data.k, rt.k_hat))
-    res.add("gs_v_rel_mse", M.per_layer(M.rel_mse, data.v, rt.v_hat))
+    k, v = as_f64(data, "k"), as_f64(data, "v")  # fp64 once (the metrics compute in fp64)
+    k_hat, v_hat = rt.k_hat.to(torch.float64), rt.v_hat.to(torch.float64)
+    res.add("gs_k_mse", M.per_layer(M.mse, k, k_hat))
+    res.add("gs_v_mse", M.per_layer(M.mse, v, v_hat))
+    res.add("gs_k_rel_mse", M.per_layer(M.rel_mse, k, k_hat))
+    res.add("gs_v_rel_mse", M.per_layer(M.rel_mse, v, v_hat))
     res.add("gs_rel_mse", [0.5 * (a + b) for a, b in zip(res.per_layer["gs_k_rel_mse"], res.per_layer["gs_v_rel_mse"])])
     res.metrics["gs_bits_effective"] = 0.5 * (rt.k_bits_effective + rt.v_bits_effective)
     res.extra["group_size"] = int(method.group_size)

@@ -33,7 +33,7 @@ import torch
 
 from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
-from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.experiments.common import as_f64, roundtrip_kv
 from kvqbench.numerics.attention import incoherence
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.metrics import error_split
@@ -64,7 +64,11 @@ def norm_diff_density(x: torch.Tensor, x_hat: torch.Tensor,
     Bins are ``[e_i, e_{i+1})`` (the last one closed). Sums to 1. ``x``, ``x_hat``:
     ``(batch, heads, seq_len, head_dim)``; all tokens pooled.
     """
-    nx, ny = _norms(x, x_hat)
+    return _density_of_norms(*_norms(x, x_hat), edges)
+
+
+def _density_of_norms(nx: torch.Tensor, ny: torch.Tensor, edges: tuple[float, ...]) -> list[float]:
+    """:func:`norm_diff_density` from the flat fp64 token norms ``nx`` (input) and ``ny`` (reconstruction)."""
     rms = float(nx.pow(2).mean().sqrt())
     d = (ny - nx) / (rms if rms > 0 else 1.0)
     e = torch.tensor(edges, dtype=torch.float64, device=d.device)
@@ -80,7 +84,10 @@ def norm_diff_density(x: torch.Tensor, x_hat: torch.Tensor,
 
 def offdiag_mass(x: torch.Tensor, x_hat: torch.Tensor, tau: float = TAU) -> float:
     """Share of tokens with ``|‖x̂‖/‖x‖ − 1| > tau`` (a token with ``‖x‖ = 0`` counts iff ``‖x̂‖ > 0``)."""
-    nx, ny = _norms(x, x_hat)
+    return _offdiag_of_norms(*_norms(x, x_hat), tau)
+
+
+def _offdiag_of_norms(nx: torch.Tensor, ny: torch.Tensor, tau: float) -> float:
     pos = nx > 0
     ratio_off = torch.where(pos, ((ny / nx.clamp_min(1e-300)) - 1.0).abs() > tau, ny > 0)
     return float(ratio_off.to(torch.float64).mean())
@@ -89,10 +96,18 @@ def offdiag_mass(x: torch.Tensor, x_hat: torch.Tensor, tau: float = TAU) -> floa
 def tail_em_share(x: torch.Tensor, x_hat: torch.Tensor, quantile: float) -> float:
     """``Σ E_M / Σ E_T`` over the tokens whose ``E_T`` is at or above the ``quantile`` of ``E_T``
     (the top ``⌈(1 − quantile)·n⌉`` tokens, at least one); 0 when they carry no error."""
+    _check_quantile(quantile)
+    e_t, e_m, _ = error_split(x, x_hat)
+    return _tail_share_of_split(e_t.reshape(-1), e_m.reshape(-1), quantile)
+
+
+def _check_quantile(quantile: float) -> None:
     if not 0.0 <= quantile < 1.0:
         raise ValueError(f"quantile must be in [0, 1), got {quantile!r}")
-    e_t, e_m, _ = error_split(x, x_hat)
-    e_t, e_m = e_t.reshape(-1), e_m.reshape(-1)
+
+
+def _tail_share_of_split(e_t: torch.Tensor, e_m: torch.Tensor, quantile: float) -> float:
+    """:func:`tail_em_share` from the flat per-token ``E_T`` and ``E_M`` (:func:`error_split`)."""
     n = e_t.numel()
     k = max(1, n - int(quantile * n))
     top = torch.topk(e_t, k, sorted=False).indices
@@ -125,24 +140,40 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     res.series["norm_diff_edges"] = list(NORM_DIFF_EDGES)
     res.series["norm_diff_bins"] = "[underflow, one share per [e_i, e_i+1) bin, overflow]"
     inp: dict[str, float] = {}
-    for kv, x, x_hat in (("k", data.k, rt.k_hat), ("v", data.v, rt.v_hat)):
-        sl = [(x[i : i + 1], x_hat[i : i + 1]) for i in layers]
-        dens = [norm_diff_density(a, b) for a, b in sl]
+    k_hat64 = rt.k_hat.to(torch.float64)
+    for kv, x, x_hat in (("k", as_f64(data, "k"), k_hat64), ("v", as_f64(data, "v"), rt.v_hat.to(torch.float64))):
+        # fp64 once per tensor (the input's once per data); per layer, the token norms and the error split
+        # are computed once and shared by the density, the off-diagonal mass and both tail quantiles
+        dens, off, err_inc, err_inc_h = [], [], [], []
+        tails: dict[str, list[float]] = {tag: [] for tag in TAIL_QUANTILES}
+        for i in layers:
+            a, b = x[i : i + 1], x_hat[i : i + 1]
+            nx, ny = _norms(a, b)
+            dens.append(_density_of_norms(nx, ny, NORM_DIFF_EDGES))
+            off.append(_offdiag_of_norms(nx, ny, TAU))
+            e_t, e_m, _ = error_split(a, b)
+            e_t, e_m = e_t.reshape(-1), e_m.reshape(-1)
+            for tag, q in TAIL_QUANTILES.items():
+                tails[tag].append(_tail_share_of_split(e_t, e_m, q))
+            e = b - a
+            err_inc.append(_mean_incoherence(e))
+            err_inc_h.append(_mean_incoherence(hadamard_transform(e)))
         res.series[f"{kv}_norm_diff_density"] = [sum(col) / len(dens) for col in zip(*dens)]
-        res.add(f"{kv}_offdiag_mass", [offdiag_mass(a, b) for a, b in sl])
-        for tag, q in TAIL_QUANTILES.items():
-            res.add(f"{kv}_tail_em_share_{tag}", [tail_em_share(a, b, q) for a, b in sl])
-        errs = [(b.to(torch.float64) - a.to(torch.float64)) for a, b in sl]
-        res.add(f"{kv}_err_incoherence", [_mean_incoherence(e) for e in errs])
-        res.add(f"{kv}_err_incoherence_hadamard", [_mean_incoherence(hadamard_transform(e)) for e in errs])
-        inp.update(data.cached(("exp3_input_incoherence", kv), lambda sl=sl, kv=kv: {
-            f"{kv}_incoherence": sum(_mean_incoherence(a) for a, _ in sl) / len(sl),
-            f"{kv}_incoherence_hadamard": sum(_mean_incoherence(hadamard_transform(a)) for a, _ in sl) / len(sl),
+        res.add(f"{kv}_offdiag_mass", off)
+        for tag in TAIL_QUANTILES:
+            res.add(f"{kv}_tail_em_share_{tag}", tails[tag])
+        res.add(f"{kv}_err_incoherence", err_inc)
+        res.add(f"{kv}_err_incoherence_hadamard", err_inc_h)
+        x_in = getattr(data, kv)  # the input's own dtype: its Hadamard rotation runs in that dtype
+        inp.update(data.cached(("exp3_input_incoherence", kv), lambda x_in=x_in, kv=kv: {
+            f"{kv}_incoherence": sum(_mean_incoherence(x_in[i : i + 1]) for i in layers) / len(layers),
+            f"{kv}_incoherence_hadamard": sum(_mean_incoherence(hadamard_transform(x_in[i : i + 1]))
+                                              for i in layers) / len(layers),
         }))
     k_inc = data.cached("exp3_k_incoherence_per_layer",
                         lambda: [_mean_incoherence(data.k[i : i + 1]) for i in layers])
     res.add("k_incoherence_shift", [
-        _mean_incoherence(rt.k_hat[i : i + 1]) / max(k_inc[i], 1e-300) - 1.0 for i in layers
+        _mean_incoherence(k_hat64[i : i + 1]) / max(k_inc[i], 1e-300) - 1.0 for i in layers
     ])
     res.metrics["offdiag_mass"] = 0.5 * (res.metrics["k_offdiag_mass"] + res.metrics["v_offdiag_mass"])
     res.per_layer["offdiag_mass"] = [0.5 * (a + b) for a, b in zip(res.per_layer["k_offdiag_mass"],

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.experiments.common import as_f64, roundtrip_kv
 from kvqbench.numerics import metrics as M
 from kvqbench.quantizers.base import Quantizer
 
@@ -58,8 +58,9 @@ def run_reconstruction(method: Quantizer, data: KVData) -> CellResult:
     rt = roundtrip_kv(method, data)
     res = CellResult()
     rt.tally(res.extra)
-    _tensor_metrics(res, "k", data.k, rt.k_hat)
-    _tensor_metrics(res, "v", data.v, rt.v_hat)
+    # fp64 once (the input's once per data, shared by every method's cell): the metrics compute in fp64
+    _tensor_metrics(res, "k", as_f64(data, "k"), rt.k_hat.to(torch.float64))
+    _tensor_metrics(res, "v", as_f64(data, "v"), rt.v_hat.to(torch.float64))
     shape = tuple(data.k.shape)
     res.metrics["k_bits_nominal"] = method.nominal_bits("k", shape)
     res.metrics["v_bits_nominal"] = method.nominal_bits("v", tuple(data.v.shape))

@@ -157,17 +157,24 @@ class Stream:
         method: a configured (and, if data-dependent, already fitted) quantizer.
         kind: ``"k"`` or ``"v"``.
         policy: the rules; default ``method.stream_policy(kind)``.
+        capacity: tokens to reserve room for at once (e.g. the whole sequence when it is known); the
+            buffers grow by doubling beyond it. Only a performance hint.
     """
 
-    def __init__(self, method: Quantizer, kind: Kind, policy: StreamPolicy | None = None) -> None:
+    def __init__(self, method: Quantizer, kind: Kind, policy: StreamPolicy | None = None, *,
+                 capacity: int = 0) -> None:
         self.method = method
         self.kind = kind
         self.policy = method.stream_policy(kind) if policy is None else policy
         pol = self.policy
         self._unit = pol.tile_tokens if pol.tile_tokens > 0 else (
             pol.residual_tokens if pol.residual_mode == "chunk" else 0)
-        self.x: torch.Tensor | None = None
-        self.x_hat: torch.Tensor | None = None
+        # tokens live in preallocated buffers (grown by doubling) so that an arrival copies only its own
+        # tokens, not the whole prefix again; ``capacity`` = the tokens expected in all (0: grow as needed)
+        self._capacity = max(0, int(capacity))
+        self._x: torch.Tensor | None = None
+        self._x_hat: torch.Tensor | None = None
+        self._len = 0
         self.segments: list[Segment] = []
         self.lengths: list[int] = []
         self.boundaries: dict[int, int] = {}
@@ -175,7 +182,30 @@ class Stream:
 
     @property
     def length(self) -> int:
-        return 0 if self.x is None else int(self.x.shape[-2])
+        return self._len
+
+    @property
+    def x(self) -> torch.Tensor | None:
+        """The exact tokens so far ``(batch, kv_heads, length, head_dim)`` (a view; ``None`` before any)."""
+        return None if self._x is None else self._x[..., : self._len, :]
+
+    @property
+    def x_hat(self) -> torch.Tensor | None:
+        """The tokens as the cache holds them so far (a view, updated in place by later arrivals)."""
+        return None if self._x_hat is None else self._x_hat[..., : self._len, :]
+
+    def _reserve(self, x_new: torch.Tensor, need: int) -> None:
+        if self._x is not None and need <= int(self._x.shape[-2]):
+            return
+        cap = max(need, self._capacity, 2 * (0 if self._x is None else int(self._x.shape[-2])))
+        b, h, _, d = x_new.shape
+        x = torch.empty((b, h, cap, d), dtype=x_new.dtype, device=x_new.device)
+        x_hat = torch.empty((b, h, cap, d), dtype=x_new.dtype if self._x_hat is None else self._x_hat.dtype,
+                            device=x_new.device)
+        if self._x is not None:
+            x[..., : self._len, :] = self._x[..., : self._len, :]
+            x_hat[..., : self._len, :] = self._x_hat[..., : self._len, :]
+        self._x, self._x_hat = x, x_hat
 
     @torch.no_grad()
     def extend(self, x_new: torch.Tensor) -> int:
@@ -188,19 +218,19 @@ class Stream:
         """
         if x_new.dim() != 4 or x_new.shape[-2] < 1:
             raise ValueError(f"x_new must be (batch, kv_heads, n>=1, head_dim), got shape {tuple(x_new.shape)}")
-        if self.x is None:
-            self.x, self.x_hat = x_new, x_new.clone()
-        else:
-            if self.x.shape[:2] != x_new.shape[:2] or self.x.shape[-1] != x_new.shape[-1]:
-                raise ValueError(f"x_new of shape {tuple(x_new.shape)} does not extend {tuple(self.x.shape)}")
-            self.x = torch.cat([self.x, x_new], dim=-2)
-            self.x_hat = torch.cat([self.x_hat, x_new.to(self.x_hat.dtype)], dim=-2)
-        length = self.length
+        if self._x is not None and (self._x.shape[:2] != x_new.shape[:2] or self._x.shape[-1] != x_new.shape[-1]):
+            raise ValueError(f"x_new of shape {tuple(x_new.shape)} does not extend {tuple(self.x.shape)}")
+        start = self._len
+        length = start + int(x_new.shape[-2])
+        self._reserve(x_new, length)
+        self._x[..., start:length, :] = x_new
+        self._x_hat[..., start:length, :] = x_new
+        self._len = length
         q = quantized_boundary(self.policy, length)
         if q > self._done:
             for a, b in _split(self._done, q, self._unit, self.policy.sink_tokens):
-                qt = self.method.quantize(self.x[..., a:b, :].contiguous(), self.kind)
-                self.x_hat[..., a:b, :] = self.method.dequantize(qt).to(self.x_hat.dtype)
+                qt = self.method.quantize(self._x[..., a:b, :].contiguous(), self.kind)
+                self._x_hat[..., a:b, :] = self.method.dequantize(qt).to(self._x_hat.dtype)
                 self.segments.append(Segment(a, b, length, int(qt.stored_bits())))
             self._done = q
         self.boundaries[length] = min(self._done, length)
@@ -208,10 +238,11 @@ class Stream:
         return length
 
     def result(self, block: int) -> StreamResult:
-        """The :class:`StreamResult` so far (``block`` is recorded as the arrival block size)."""
-        if self.x is None or self.x_hat is None:
+        """The :class:`StreamResult` so far (``block`` is recorded as the arrival block size). Its
+        ``x_hat`` is a view of the stream's buffer: later arrivals update it."""
+        if self._x is None or self._x_hat is None:
             raise ValueError("no token has arrived yet")
-        elems = int(self.x.shape[0] * self.x.shape[1] * self.x.shape[-1])
+        elems = int(self._x.shape[0] * self._x.shape[1] * self._x.shape[-1])
         return StreamResult(self.x_hat, self.segments, self.policy, block, list(self.lengths), elems,
                             dict(self.boundaries))
 
@@ -239,7 +270,7 @@ def simulate_stream(method: Quantizer, x: torch.Tensor, kind: Kind, *, block: in
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, kv_heads, seq_len, head_dim), got shape {tuple(x.shape)}")
     t = int(x.shape[-2])
-    stream = Stream(method, kind, policy)
+    stream = Stream(method, kind, policy, capacity=t)
     start = 0
     for length in list(range(block, t, block)) + [t]:
         stream.extend(x[..., start:length, :])

@@ -19,28 +19,71 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["kmeans_1d", "assign_nearest", "weighted_quantile_init", "weighted_sse"]
+__all__ = ["kmeans_1d", "assign_nearest", "count_below", "weighted_quantile_init", "weighted_sse"]
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def assign_nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+#: at most this many thresholds are counted by comparisons (one pass each) instead of a binary search:
+#: a comparison pass is several times cheaper than ``searchsorted``'s per-element search, which wins only
+#: for large codebooks (measured on CPU at 1 thread: 3 thresholds 2.6× faster, 15 about 1.2×)
+COMPARE_MAX_SCALAR = 15
+#: the same for per-row threshold tensors (a broadcast comparison costs a little more than a scalar one)
+COMPARE_MAX_ROWS = 7
+
+
+def count_below(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``#{j : thresholds[…, j] < x}`` for every element of ``x`` — the cell index for ascending thresholds,
+    a value exactly on a threshold counting to the lower cell (``searchsorted(…, right=False)``).
+
+    Small codebooks are counted with one comparison pass per threshold (Python scalars for 1-D thresholds,
+    a broadcast column per threshold for per-row ones), large ones with :func:`torch.searchsorted`; both
+    give the same integers for every non-NaN ``x`` (tested against each other).
+
+    Args:
+        x: ``[..., N]`` values.
+        thresholds: ``[m]`` (shared) or ``[..., m]`` with ``x``'s leading dims (one row per row of ``x``),
+            ascending; cast to ``x``'s dtype.
+        dtype: integer dtype of the result (``torch.uint8`` saves the int64 widening when ``m < 256``).
+    Returns:
+        ``dtype`` tensor of ``x``'s shape with values in ``[0, m]``.
+    """
+    t = thresholds.to(device=x.device, dtype=x.dtype)
+    m = t.shape[-1]
+    if t.dim() > 1 and t.numel() == m:  # one row broadcast over every row of x: the shared thresholds
+        t = t.reshape(m)
+    if t.dim() == 1 and m <= COMPARE_MAX_SCALAR:
+        idx = torch.zeros(x.shape, dtype=dtype, device=x.device)
+        for v in t.tolist():
+            idx += x > v
+        return idx
+    if t.dim() > 1 and m <= COMPARE_MAX_ROWS:
+        idx = torch.zeros(x.shape, dtype=dtype, device=x.device)
+        for j in range(m):
+            idx += x > t[..., j : j + 1]
+        return idx
+    if t.dim() == 1:
+        return torch.bucketize(x, t, right=False).to(dtype)
+    t = t.expand(*x.shape[:-1], m).contiguous()
+    return torch.searchsorted(t, x.contiguous(), right=False).to(dtype)
+
+
+def assign_nearest(x: torch.Tensor, centroids: torch.Tensor, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Index of the nearest centroid for every element of ``x``.
 
     Args:
         x: ``[..., N]`` values.
         centroids: ``[..., k]`` sorted ascending (same leading dims as ``x``, or 1-D ``[k]``).
+        dtype: integer dtype of the result (default int64; ``torch.uint8`` for ``k <= 256``).
     Returns:
-        int64 ``[..., N]`` in ``[0, k)``; a value exactly on a midpoint goes to the lower centroid.
+        ``[..., N]`` in ``[0, k)``; a value exactly on a midpoint goes to the lower centroid
+        (:func:`count_below` of the midpoints).
     """
     c = centroids.to(x.dtype)
     mids = (c[..., 1:] + c[..., :-1]) / 2
-    if mids.dim() == 1:
-        return torch.bucketize(x, mids, right=False)
-    mids = mids.expand(*x.shape[:-1], mids.shape[-1]).contiguous()
-    return torch.searchsorted(mids, x.contiguous(), right=False)
+    return count_below(x, mids, dtype=dtype)
 
 
 def weighted_sse(x: torch.Tensor, centroids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

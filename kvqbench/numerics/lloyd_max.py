@@ -41,6 +41,8 @@ import numpy as np
 import torch
 from scipy import linalg, special
 
+from kvqbench.numerics.kmeans import count_below
+
 __all__ = [
     "Codebook",
     "DENSITIES",
@@ -276,17 +278,12 @@ def sphere_codebook(bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return lloyd_max("sphere", bits, (int(dim),)).tensors(dtype=torch.float64)
 
 
-def nearest_centroid(x: torch.Tensor, thresholds: torch.Tensor) -> torch.Tensor:
+def nearest_centroid(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Index of the nearest centroid for every entry of ``x`` given the midpoint ``thresholds``
-    (``(L−1,)``, ascending): ``#{t : t < x}``, an int64 tensor of ``x``'s shape in ``[0, L−1]``.
-    A tie exactly on a threshold goes to the lower cell.
+    (``(L−1,)``, ascending): ``#{t : t < x}``, a ``dtype`` (default int64) tensor of ``x``'s shape in
+    ``[0, L−1]``. A tie exactly on a threshold goes to the lower cell.
 
-    Up to three thresholds (2-bit codebooks) the count is taken directly, one comparison per threshold
-    (about twice as fast as the binary search of :func:`torch.bucketize`, same result)."""
-    t = thresholds.to(device=x.device, dtype=x.dtype)
-    if t.numel() <= 3:
-        idx = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
-        for v in t.tolist():
-            idx += x > v
-        return idx
-    return torch.bucketize(x, t, right=False)
+    Counted by :func:`kvqbench.numerics.kmeans.count_below`: one comparison per threshold up to 15
+    thresholds (4-bit codebooks; cheaper than the binary search of :func:`torch.bucketize`, same result),
+    a binary search beyond."""
+    return count_below(x, thresholds, dtype=dtype)

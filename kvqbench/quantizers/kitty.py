@@ -33,9 +33,18 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics.blocks import row_blocks
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, register
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    StreamPolicy,
+    check_finite,
+    register,
+)
 from kvqbench.quantizers.rtn import _check_group_size
 
 __all__ = ["Kitty", "boost_count"]
@@ -57,21 +66,37 @@ def boost_count(head_dim: int, boost_fraction: float) -> int:
     return int(math.floor(boost_fraction * head_dim + 1e-6))
 
 
-def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
-    """``clamp(floor((x − lo)/scale + ½), 0, levels)`` as int64 (``scale > 0`` always, by ``EPS``)."""
-    q = torch.floor((x - lo) / scale + 0.5)
-    q = torch.clamp(q, min=0)
-    return torch.minimum(q, torch.as_tensor(levels, dtype=q.dtype, device=q.device)).to(torch.int64)
+def _code_dtype(max_code: int) -> torch.dtype:
+    """The narrowest integer dtype that holds codes up to ``max_code`` (uint8 up to 255, else int16)."""
+    return torch.uint8 if max_code <= 255 else torch.int16
 
 
-def _range_floor(xf: torch.Tensor) -> torch.Tensor:
-    """The range floor for tensor ``xf``: ``EPS·min(1, 2^⌊log2 max|x|⌋)`` (0-dim tensor).
+def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor | int,
+                dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``clamp(floor((x − lo)/scale + ½), 0, levels)`` as ``dtype`` (``scale > 0`` always, by ``EPS``),
+    computed in one float buffer in ``x``'s memory layout (every step rounds as the separate ops do)."""
+    q = torch.sub(x, lo).div_(scale).add_(0.5).floor_().clamp_(min=0)
+    if isinstance(levels, torch.Tensor):
+        torch.minimum(q, levels.to(q.dtype), out=q)
+    else:
+        q.clamp_(max=levels)
+    return q.to(dtype)
+
+
+def _abs_max(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` of a tensor from its group minima and maxima (which cover every element)."""
+    return torch.maximum(lo.amin().neg(), hi.amax())
+
+
+def _range_floor(abs_max: torch.Tensor) -> torch.Tensor:
+    """The range floor of a tensor whose ``max |x|`` is ``abs_max`` (0-dim; :func:`_abs_max` of its group
+    minima and maxima): ``EPS·min(1, 2^⌊log2 max|x|⌋)`` (0-dim tensor).
 
     The reference's absolute ``EPS`` only guards the division for a constant group; on data whose
     magnitude is far below 1 it would exceed every group's range and collapse the tensor to its group
     minima. Relative to the tensor's magnitude (an exact power of two) it keeps that role at every scale,
     and equals ``EPS`` for any tensor with ``max|x| >= 1`` (the reference numerics, bit for bit)."""
-    return EPS * torch.clamp(pow2_floor(xf.abs().amax()), max=1.0)
+    return EPS * torch.clamp(pow2_floor(abs_max), max=1.0)
 
 
 def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, floor: torch.Tensor | float = EPS) -> torch.Tensor:
@@ -110,6 +135,7 @@ class Kitty(Quantizer):
     fidelity = "faithful"
     grouped = True
     local_stats = True
+    finite_check = "stats"  # every element is inside one group's [lo, hi]
     deltas = (
         "Static cells quantize every token (no fp16 sink or partial page); the 32-token sink, the "
         "fp16 partial page and V's 128-token window apply in the pseudo-decode regime (stream_policy).",
@@ -160,12 +186,16 @@ class Kitty(Quantizer):
             raise ValueError(f"kitty supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
         xf = x.to(compute_dtype(x.dtype))
         if kind == "v":
-            lo = xf.amin(dim=-1, keepdim=True)
-            hi = xf.amax(dim=-1, keepdim=True)
+            lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+            check_finite(x, lo, hi, name="V")  # every element is inside its token's [lo, hi]
             levels = (1 << bits) - 1
-            scale = _scale(lo, hi, levels, _range_floor(xf))
+            scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
             qt = self._new_qt(x, kind, bits)
-            qt.add_codes("codes", _asym_codes(xf, lo, scale, levels), bits)
+            rows, lo_r, scale_r = xf.reshape(-1, xf.shape[-1]), lo.reshape(-1, 1), scale.reshape(-1, 1)
+            codes = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
+            for sl in row_blocks(rows.shape[0], rows.shape[1]):  # cache-sized blocks of tokens
+                codes[sl] = _asym_codes(rows[sl], lo_r[sl], scale_r[sl], levels, torch.uint8)
+            qt.add_codes("codes", codes.view(x.shape), bits)
             qt.fields["scale"] = Stored(scale, 16)
             qt.fields["zero"] = Stored(lo, 16)
             return qt
@@ -193,54 +223,82 @@ class Kitty(Quantizer):
             )
         pages, valid = self._pages(xf)  # (B, H, nP, D, G), (nP, G)
         n_pages, g = valid.shape
-        vmask = valid.to(pages.dtype)
-        score = (pages.abs() * vmask[:, None, :]).sum(-1) / vmask.sum(-1)[:, None]  # (B, H, nP, D)
-        top = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
-        cmap = torch.full(score.shape, n_boost, dtype=torch.int64, device=x.device)
+        pf = pages.reshape(-1, d, g)  # every page of every (b, h): (B·H·nP, D, G), a view
+        n_all = pf.shape[0]
+        blocks = row_blocks(n_all, d * g)  # cache-sized blocks of pages (every page on its own)
+        padded = n_pages * g != t
+        if padded:  # mean |K| over the valid tokens of each page only
+            vmask = valid.to(pages.dtype).repeat(b * h, 1)  # (B·H·nP, G)
+            vcount = vmask.sum(-1)[:, None]
+        # pass 1, per page: the boosted channels (mean |K| over the page) and the min/max per channel
+        top = torch.empty(n_all, n_boost, dtype=torch.int64, device=x.device)
+        lo = torch.empty(n_all, d, 1, dtype=pages.dtype, device=x.device)
+        hi = torch.empty_like(lo)
+        for sl in blocks:
+            if padded:  # (×1 is exact: the unpadded pages need no mask)
+                score = (pf[sl].abs() * vmask[sl, None, :]).sum(-1) / vcount[sl]
+            else:
+                score = pf[sl].abs().sum(-1) / g
+            top[sl] = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
+            torch.aminmax(pf[sl], dim=-1, keepdim=True, out=(lo[sl], hi[sl]))
+        check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
+        cmap = torch.full((n_all, d), n_boost, dtype=torch.int64, device=x.device)
         cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
-        boosted = (cmap < n_boost).unsqueeze(-1)  # (B, H, nP, D, 1)
-
-        lo = pages.amin(-1, keepdim=True)
-        hi = pages.amax(-1, keepdim=True)
+        boosted = (cmap < n_boost).unsqueeze(-1)  # (B·H·nP, D, 1)
         levels = torch.where(boosted, (1 << (bits + BOOST_EXTRA_BITS)) - 1, (1 << bits) - 1).to(pages.dtype)
-        scale = _scale(lo, hi, levels, _range_floor(xf))
-        q = _asym_codes(pages, lo, scale, levels)  # (B, H, nP, D, G)
+        scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
+        # pass 2, per page: codes in the pages' memory layout (token-major), the low plane token-major and
+        # the top 2 bits of the boosted channels in slot order
+        low = torch.empty(n_all, g, d, dtype=torch.uint8, device=x.device)
+        high = torch.empty(n_all, n_boost, g, dtype=torch.uint8, device=x.device)
+        cdt = _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1)
+        for sl in blocks:
+            q = _asym_codes(pf[sl], lo[sl], scale[sl], levels[sl], cdt)  # (n, D, G), token-major in memory
+            low[sl] = (q & ((1 << bits) - 1)).transpose(-1, -2)
+            high[sl] = torch.gather(q, 1, top[sl].unsqueeze(-1).expand(-1, -1, g)) >> bits
 
         qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)
-        low = (q & ((1 << bits) - 1)).transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
-        qt.add_codes("low", low, bits)
-        # high plane: the top 2 bits of the boosted channels, in slot order, valid tokens only
-        hi_bits = torch.gather(q >> bits, 3, top.unsqueeze(-1).expand(-1, -1, -1, -1, g))  # (B,H,nP,nb,G)
-        high = hi_bits.permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)[..., :t]
-        qt.add_codes("high", high, BOOST_EXTRA_BITS)
-        qt.add_codes("channel_map", cmap, _INDEX_BITS)
-        qt.fields["scale"] = Stored(scale.squeeze(-1), 16)
-        qt.fields["zero"] = Stored(lo.squeeze(-1), 16)
+        qt.add_codes("low", low.view(b, h, n_pages * g, d)[:, :, :t], bits)
+        high = high.view(b, h, n_pages, n_boost, g).permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)
+        qt.add_codes("high", high[..., :t], BOOST_EXTRA_BITS)
+        qt.add_codes("channel_map", cmap.view(b, h, n_pages, d), _INDEX_BITS)
+        qt.fields["scale"] = Stored(scale.view(b, h, n_pages, d), 16)
+        qt.fields["zero"] = Stored(lo.view(b, h, n_pages, d), 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
-            return qt.codes("codes").to(qt["zero"].dtype) * qt["scale"] + qt["zero"]
+            return qt.codes("codes", torch.uint8).to(qt["zero"].dtype).mul_(qt["scale"]).add_(qt["zero"])
         b, h, t, d = qt.shape
         g, n_boost, bits = qt.meta["group_size"], qt.meta["n_boost"], qt.bits
         scale, lo = qt["scale"], qt["zero"]  # (B, H, nP, D)
         n_pages = scale.shape[2]
         pad = n_pages * g - t
-        low = qt.codes("low").to(scale.device)
+        cdt = _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1)
+        low = qt.codes("low", cdt).to(scale.device)
         if pad:
             low = torch.cat([low, low.new_zeros(b, h, pad, d)], dim=2)
-        q = low.reshape(b, h, n_pages, g, d).transpose(-1, -2)  # (B, H, nP, D, G)
+        low = low.view(-1, g, d)  # (B·H·nP, G, D): a fresh buffer, token-major pages
+        n_all = low.shape[0]
+        scale, lo = scale.reshape(n_all, d, 1), lo.reshape(n_all, d, 1)
         if n_boost:
-            cmap = qt.codes("channel_map").to(scale.device)
-            high = qt.codes("high").to(scale.device)
+            cmap = qt.codes("channel_map").to(scale.device).view(n_all, d)  # slot, or n_boost if plain
+            high = qt.codes("high", cdt).to(scale.device)
             if pad:
                 high = torch.cat([high, high.new_zeros(b, h, n_boost, pad)], dim=-1)
-            high = high.reshape(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4)  # (B, H, nP, nb, G)
-            slot = torch.clamp(cmap, max=n_boost - 1).unsqueeze(-1).expand(-1, -1, -1, -1, g)
-            extra = torch.gather(high, 3, slot) * (cmap < n_boost).unsqueeze(-1)
-            q = q + (extra << bits)
-        x = q.to(scale.dtype) * scale.unsqueeze(-1) + lo.unsqueeze(-1)
-        return x.transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
+            high = high.view(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4).reshape(n_all, n_boost, g)
+            # slot → channel (plain channels all land on the dropped slot n_boost)
+            chan = torch.empty(n_all, n_boost + 1, dtype=torch.int64, device=cmap.device)
+            chan.scatter_(-1, cmap, torch.arange(d, device=cmap.device).expand_as(cmap))
+            chan = chan[:, :n_boost]
+        out = torch.empty(n_all, g, d, dtype=scale.dtype, device=scale.device)
+        for sl in row_blocks(n_all, d * g):  # blocks of pages, as in quantize
+            q = low[sl].transpose(-1, -2)  # (n, D, G), a view of token-major codes
+            if n_boost:  # the top bits of each boosted channel added into its codes in place
+                q.scatter_add_(1, chan[sl].unsqueeze(-1).expand(-1, -1, g), high[sl] << bits)
+            xq = q.to(scale.dtype).mul_(scale[sl]).add_(lo[sl])  # token-major, like q
+            out[sl] = xq.transpose(-1, -2)
+        return out.view(b, h, n_pages * g, d)[:, :, :t]
 
     # ------------------------------------------------------------------------------------------
     def _k_bits(self, bits: int, shape: tuple[int, int, int, int], aux: int) -> float:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics.blocks import row_blocks
 from kvqbench.numerics.rtn import PerToken, compute_dtype, rtn_dequantize, rtn_quantize, to_groups
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
@@ -151,23 +152,40 @@ class PolarQuant(Quantizer):
                 f"polarquant pairs channels (j, j + D/2) as RoPE does and needs an even head_dim, got {d}"
             )
         xf = x.to(compute_dtype(x.dtype))
-        rho, phi = to_polar(xf)  # (B, H, T, P)
         qt = self._new_qt(x, kind, bits, group_size=self.group_size)
+        if _token_groups(xf, self.group_size) is not None:
+            return self._quantize_k_blocks(xf, qt, bits)
+        rho, phi = to_polar(xf)  # (B, H, T, P)
         for name, v in (("rho", rho), ("phi", phi)):
-            vt = _token_groups(v, self.group_size)
-            if vt is not None:  # groups along the token axis as a view: reduce over it, no transposes
-                mn = vt.amin(dim=-2, keepdim=True)  # (B, H, nG, 1, P)
-                mx = vt.amax(dim=-2, keepdim=True)
-                codes = _floor_quantize(vt, mn, mx, bits, torch.uint8).reshape(v.shape)
-                mn, mx = mn.movedim(-1, -3), mx.movedim(-1, -3)  # stored as (B, H, P, nG, 1), views
-            else:
-                vg, restore = to_groups(v, -2, self.group_size)  # (B, H, P, nG, G)
-                mn = vg.amin(dim=-1, keepdim=True)
-                mx = vg.amax(dim=-1, keepdim=True)
-                codes = restore(_floor_quantize(vg, mn, mx, bits, torch.uint8))
-            qt.add_codes(f"{name}_codes", codes, bits)
+            vg, restore = to_groups(v, -2, self.group_size)  # (B, H, P, nG, G)
+            mn = vg.amin(dim=-1, keepdim=True)
+            mx = vg.amax(dim=-1, keepdim=True)
+            qt.add_codes(f"{name}_codes", restore(_floor_quantize(vg, mn, mx, bits, torch.uint8)), bits)
             qt.fields[f"{name}_min"] = Stored(mn, 16)
             qt.fields[f"{name}_max"] = Stored(mx, 16)
+        return qt
+
+    def _quantize_k_blocks(self, xf: torch.Tensor, qt: QuantizedTensor, bits: int) -> QuantizedTensor:
+        """K when G divides T: groups along the token axis as views ``(B·H·nG, G, D)``, reduced over the
+        token axis (no transposes), polar transform and codes in cache-sized blocks of groups."""
+        b, h, t, d = xf.shape
+        g, p = self.group_size, d // 2
+        xg = xf.reshape(-1, g, d)  # every group of G tokens of every (b, h), a view
+        n_all = xg.shape[0]
+        codes = {nm: torch.empty(n_all, g, p, dtype=torch.uint8, device=xf.device) for nm in ("rho", "phi")}
+        mins = {nm: torch.empty(n_all, 1, p, dtype=xf.dtype, device=xf.device) for nm in ("rho", "phi")}
+        maxs = {nm: torch.empty_like(mins[nm]) for nm in ("rho", "phi")}
+        for sl in row_blocks(n_all, g * d):
+            rho, phi = to_polar(xg[sl])  # (n, G, P)
+            for name, v in (("rho", rho), ("phi", phi)):
+                mn, mx = mins[name][sl], maxs[name][sl]
+                torch.aminmax(v, dim=-2, keepdim=True, out=(mn, mx))
+                codes[name][sl] = _floor_quantize(v, mn, mx, bits, torch.uint8)
+        for name in ("rho", "phi"):
+            qt.add_codes(f"{name}_codes", codes[name].view(b, h, t, p), bits)
+            # stored as (B, H, P, nG, 1), views
+            qt.fields[f"{name}_min"] = Stored(mins[name].view(b, h, t // g, 1, p).movedim(-1, -3), 16)
+            qt.fields[f"{name}_max"] = Stored(maxs[name].view(b, h, t // g, 1, p).movedim(-1, -3), 16)
         return qt
 
     def _quantize_v(self, x: torch.Tensor, bits: int) -> QuantizedTensor:
@@ -185,16 +203,24 @@ class PolarQuant(Quantizer):
         if qt.kind == "v":
             return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], PerToken())
         g = qt.meta["group_size"]
+        b, h, t, d = qt.shape
+        if t % g == 0:  # blocks of token groups, as in quantize
+            p = d // 2
+            codes = [qt.codes(f"{nm}_codes", torch.uint8).view(-1, g, p) for nm in ("rho", "phi")]
+            mins = [qt[f"{nm}_min"].movedim(-3, -1).reshape(-1, 1, p) for nm in ("rho", "phi")]
+            maxs = [qt[f"{nm}_max"].movedim(-3, -1).reshape(-1, 1, p) for nm in ("rho", "phi")]
+            out = torch.empty(codes[0].shape[0], g, d, dtype=mins[0].dtype, device=mins[0].device)
+            for sl in row_blocks(out.shape[0], g * d):
+                rho, phi = (_midpoint(c[sl], mn[sl], mx[sl], qt.bits) for c, mn, mx in zip(codes, mins, maxs))
+                torch.mul(rho, torch.cos(phi), out=out[sl, :, :p])
+                torch.mul(rho, torch.sin(phi), out=out[sl, :, p:])
+            return out.view(b, h, t, d)
         polar = []
         for name in ("rho", "phi"):
             codes = qt.codes(f"{name}_codes", torch.uint8)
             mn, mx = qt[f"{name}_min"], qt[f"{name}_max"]
-            ct = _token_groups(codes, g)
-            if ct is not None:
-                polar.append(_midpoint(ct, mn.movedim(-3, -1), mx.movedim(-3, -1), qt.bits).reshape(codes.shape))
-            else:
-                cg, restore = to_groups(codes, -2, g)
-                polar.append(restore(_midpoint(cg, mn, mx, qt.bits)))
+            cg, restore = to_groups(codes, -2, g)
+            polar.append(restore(_midpoint(cg, mn, mx, qt.bits)))
         return from_polar(*polar)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:

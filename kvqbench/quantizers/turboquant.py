@@ -35,11 +35,12 @@ from typing import Any, Literal
 
 import torch
 
+from kvqbench.numerics.blocks import row_blocks
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
 __all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix"]
 
@@ -47,6 +48,9 @@ MAX_BITS = 8
 VARIANTS = ("mse", "prod")
 ROTATIONS = ("random", "hadamard")
 CODEBOOKS = ("gaussian", "beta")
+#: token blocks are multiples of this many rows (a block's products with Π and S are then never a
+#: matrix–vector product of a few rows, which BLAS rounds differently; row_blocks' tail is >= half a block)
+_BLOCK_ROWS = 64
 #: benchmark budget of one per-token norm: a scale, billed FP8
 _NORM_NOMINAL = 8
 _NORM_EFFECTIVE = 16
@@ -120,6 +124,7 @@ class TurboQuant(Quantizer):
     rotation = True
     fidelity = "faithful"
     local_stats = True  # the codebook depends only on (bits, D), never on data
+    finite_check = "stats"  # each token's max |x| holds its NaN/Inf
     deltas = (
         "Codebook: Lloyd–Max for the N(0, 1/D) limit of the coordinate density (the paper's Algorithm 1 "
         "solves it for the exact scaled-Beta density); codebook='beta' selects the exact one. At D = 128 "
@@ -193,29 +198,48 @@ class TurboQuant(Quantizer):
         xf = x.to(cdt)
         # ‖x‖ and x/‖x‖ from x / 2^⌊log2 max|x|⌋ (exact): the sum of squares neither overflows (huge
         # inputs gave Inf norms and NaN output) nor underflows (tiny inputs decoded to all zeros); at
-        # normal scales both equal the direct formulas bit for bit
-        p = pow2_floor(xf.abs().amax(-1, keepdim=True))
-        xs = xf / p
-        norm_s = torch.linalg.vector_norm(xs, dim=-1, keepdim=True)
-        u = xs / torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s))  # a zero vector stays 0
-        norm = norm_s * p
-        qt.fields["norm"] = Stored(norm, 16)
+        # normal scales both equal the direct formulas bit for bit. max|x| = max(−min, max) (no |x| buffer)
+        # holds any NaN/Inf of the token, so it is also the finiteness check.
+        mn, mx = torch.aminmax(xf, dim=-1, keepdim=True)
+        amax = torch.maximum(mn.neg_(), mx)
+        check_finite(x, amax, name=kind.upper())
+        p = pow2_floor(amax).reshape(-1, 1)
+        rows = xf.reshape(-1, d)  # tokens (a view: the input has the canonical layout)
+        n_rows = rows.shape[0]
 
         mse_bits = self._mse_bits(bits, self.variant)
         prod = self.variant == "prod"
-        u_hat = torch.zeros_like(u) if prod else None
         if mse_bits > 0:
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
-            idx = nearest_centroid(u @ pi.T, thr)
-            qt.add_codes("codes", idx, mse_bits)
-            if prod:  # the MSE stage's reconstruction is needed only for the QJL residual
-                u_hat = cent.index_select(0, idx.reshape(-1)).reshape(idx.shape) @ pi
+            idx = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
         if prod:
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
-            r = u - u_hat
-            qt.add_codes("qjl", (r @ s.T >= 0).to(torch.int64), 1)
-            qt.fields["res_norm"] = Stored(torch.linalg.vector_norm(r, dim=-1, keepdim=True), 16)
+            qjl = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
+            res_norm = torch.empty(n_rows, 1, dtype=cdt, device=x.device)
+        norm = torch.empty(n_rows, 1, dtype=cdt, device=x.device)
+        # every token on its own, in cache-sized blocks of tokens (the products with Π and S per block give
+        # the same bits as over the whole tensor: no block is only a few rows, see row_blocks)
+        for sl in row_blocks(n_rows, d, multiple=_BLOCK_ROWS):
+            u = rows[sl] / p[sl]
+            norm_s = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+            u.div_(torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s)))  # a zero vector stays 0
+            torch.mul(norm_s, p[sl], out=norm[sl])
+            u_hat = torch.zeros_like(u) if prod else None
+            if mse_bits > 0:
+                idx[sl] = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
+                if prod:  # the MSE stage's reconstruction is needed only for the QJL residual
+                    u_hat = cent.index_select(0, idx[sl].reshape(-1).to(torch.int32)).reshape(u.shape) @ pi
+            if prod:
+                r = u - u_hat
+                qjl[sl] = r @ s.T >= 0
+                res_norm[sl] = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
+        qt.fields["norm"] = Stored(norm.reshape(*x.shape[:-1], 1), 16)
+        if mse_bits > 0:
+            qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
+        if prod:
+            qt.add_codes("qjl", qjl.reshape(x.shape), 1)
+            qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
@@ -223,18 +247,28 @@ class TurboQuant(Quantizer):
         norm = qt["norm"]
         cdt, dev = norm.dtype, norm.device
         d = qt.shape[-1]
+        norm = norm.reshape(-1, 1)
+        out = torch.empty(norm.shape[0], d, dtype=cdt, device=dev)
         mse_bits = self._mse_bits(qt.bits, meta["variant"])
-        u_hat = torch.zeros(qt.shape, dtype=cdt, device=dev)
+        prod = meta["variant"] == "prod"
         if mse_bits > 0:
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            codes = qt.codes("codes").to(dev)
-            u_hat = cent.index_select(0, codes.reshape(-1)).reshape(codes.shape) @ pi
-        if meta["variant"] == "prod":
+            codes = qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)
+        if prod:
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
-            signs = qt.codes("qjl").to(device=dev, dtype=cdt) * 2 - 1
-            u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * qt["res_norm"] * (signs @ s)
-        return norm * u_hat
+            signs8 = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d)
+            res_norm = qt["res_norm"].reshape(-1, 1)
+        for sl in row_blocks(out.shape[0], d, multiple=_BLOCK_ROWS):  # token blocks, as in quantize
+            if mse_bits > 0:
+                u_hat = cent.index_select(0, codes[sl].reshape(-1).to(torch.int32)).reshape(-1, d) @ pi
+            else:
+                u_hat = torch.zeros(sl.stop - sl.start, d, dtype=cdt, device=dev)
+            if prod:
+                signs = signs8[sl].to(cdt) * 2 - 1
+                u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * res_norm[sl] * (signs @ s)
+            torch.mul(u_hat, norm[sl], out=out[sl])
+        return out.reshape(qt.shape)
 
     # ------------------------------------------------------------------------------------------
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:

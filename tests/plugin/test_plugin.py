@@ -69,6 +69,17 @@ def test_records_and_writes_valid_json(pytester, plugin_loaded_once):
     assert flags["fp16_roundtrip_exact"] is True and flags["exact_at_16_bits"] is True
     assert "kivi" in (out / "LEADERBOARD.md").read_text()
     res.stdout.fnmatch_lines(["*kvqbench summary*", "*headline rel_mse (exp1) at k2v2*"])
+    # a smoke run draws no figures by default (they cost more than its cells) and says how to get them
+    assert not list(out.glob("*.png"))
+    res.stdout.fnmatch_lines(["*figures skipped for a smoke run (`kvqbench report *` draws them*"])
+
+
+def test_figures_option():
+    from kvqbench.plugin import Settings, _figures
+
+    smoke, full = [{"size": "smoke"}], [{"size": "smoke"}, {"size": "full"}]
+    assert (_figures(Settings(), smoke), _figures(Settings(), full)) == (False, True)  # auto
+    assert _figures(Settings(figures="on"), smoke) and not _figures(Settings(figures="off"), full)
 
 
 def test_xdist_gives_identical_metrics(pytester, plugin_loaded_once):

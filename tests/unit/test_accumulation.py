@@ -189,3 +189,28 @@ def test_pareto_metric_at_matched_decode_budget():
     assert [p["method"] for p in out["front"]] == ["a", "b"]
     assert [m["method"] for m in out["matched_budget"]] == ["a", "b", None]
     assert out["matched_budget"][1]["runner_up"] == "a"
+
+
+@pytest.mark.parametrize("method", ["rtn_token", "kivi"])
+def test_decode_errors_are_those_of_the_decode_states(method):
+    """Each decode length's errors equal attention_error of the stream's state at that length (the
+    reference), also when run_accumulation reuses the static errors for a state equal to the static
+    reconstruction (rtn_token quantizes each token on its own: equal; KIVI's windows: not equal)."""
+    from kvqbench.experiments.accumulation import PER_LENGTH_METRICS, _queries, _stream_states
+    from kvqbench.experiments.common import roundtrip_kv
+
+    data = make_synthetic(seed=3, batch=1, kv_heads=2, q_heads=4, seq_len=96, head_dim=32)
+    cfg = AccumulationConfig(n_lengths=3, n_queries=4, block=16)
+    res = run_accumulation(create(method, 2, 2), data, cfg)
+    m = create(method, 2, 2)
+    sk, sv = _stream_states(m, data, 16)
+    equal = []
+    for i, length in enumerate(res.series["context_lengths"]):
+        k_state, v_state = sk.state(data.k, length), sv.state(data.v, length)
+        static = roundtrip_kv(create(method, 2, 2), data.truncate(length))
+        equal.append(torch.equal(k_state, static.k_hat) and torch.equal(v_state, static.v_hat))
+        want = attention_error(_queries(data.q, length, 4), data.k[..., :length, :], data.v[..., :length, :],
+                               k_state, v_state).as_dict()
+        for field, suffix in PER_LENGTH_METRICS.items():
+            assert res.series["decode"][suffix][i] == pytest.approx(want[field], rel=1e-12, abs=1e-15), suffix
+    assert all(equal) == (method == "rtn_token") and any(equal) == (method == "rtn_token")

@@ -340,3 +340,25 @@ def test_bf16_capture_holds_the_bf16_model_values(captured) -> None:
         r = getattr(ref, name)[0]
         rel = float((x - r).norm() / r.norm())
         assert 0 < rel < 0.05, (name, rel)  # layer 0: a few bf16 roundings (eps 2**-8) of fp32's values
+
+
+@real
+def test_converted_model_cache_holds_the_same_weights_and_tokens(smollm2, tmp_path):
+    """A GGUF model's dequantized weights and tokenizer kept in the capture cache load back as the very
+    same tensors and token ids as the GGUF conversion (the reference), so every later process skips it."""
+    net, tok = smollm2
+    folder = cap._converted_dir(tmp_path, cap._resolve("smollm2"), torch.float32)
+    cap._save_converted(folder, net, tok)
+    tok2, net2 = cap._load_converted(folder, torch.float32)
+    sd, sd2 = net.state_dict(), net2.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert tok2.get_vocab() == tok.get_vocab()
+    text = corpus_text(1)
+    assert tok2(text)["input_ids"] == tok(text)["input_ids"]
+    ids = torch.tensor([tok(text)["input_ids"][:16]])
+    with torch.no_grad():
+        assert torch.equal(net2.eval()(input_ids=ids).logits, net(input_ids=ids).logits)
+    # a damaged entry is reported in one line and ignored (the caller converts the GGUF file again)
+    (folder / "model.safetensors").write_bytes(b"truncated")
+    with pytest.warns(cap.CaptureCacheWarning, match="unreadable"):
+        assert cap._load_converted(folder, torch.float32) is None

@@ -56,6 +56,44 @@ def test_cost_config_validation():
         CostConfig(repeats=0)
     with pytest.raises(ValueError):
         CostConfig(warmup=-1)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="benchmark_rounds"):
+            CostConfig(benchmark_rounds=bad)
+
+
+class _Bench:
+    """Stands in for pytest-benchmark's fixture: records how it was asked to time, runs the function the
+    number of times it was given and reports those rounds."""
+
+    def __init__(self):
+        self.asked, self.stats = None, None
+
+    def _run(self, fn, rounds):
+        import types
+
+        for _ in range(rounds):
+            fn()
+        st = types.SimpleNamespace(rounds=rounds, min=1e-3, median=2e-3, iqr=0.0, mean=2e-3)
+        self.stats = types.SimpleNamespace(stats=st)
+
+    def __call__(self, fn):
+        self.asked = "calibrated"
+        self._run(fn, 7)
+
+    def pedantic(self, fn, *, rounds, warmup_rounds, iterations):
+        self.asked = ("pedantic", rounds, warmup_rounds, iterations)
+        self._run(fn, warmup_rounds + rounds)
+
+
+@pytest.mark.parametrize("rounds", [None, 4])
+def test_benchmark_rounds_fixed_or_calibrated(rounds):
+    """``benchmark_rounds`` fixes pytest-benchmark's rounds (pedantic, after the warm-up rounds);
+    ``None`` leaves them to its calibration. Either way its median is the round-trip latency."""
+    bench = _Bench()
+    res = run_cost(create("kivi", 2, 2), _data(), CostConfig(warmup=1, repeats=1, benchmark_rounds=rounds),
+                   benchmark=bench)
+    assert bench.asked == ("calibrated" if rounds is None else ("pedantic", 4, 1, 1))
+    assert res.extra["roundtrip_timer"] == "pytest-benchmark" and res.metrics["roundtrip_latency_ms"] == 2.0
 
 
 def test_nondeterministic_metrics_are_catalogued():

@@ -101,6 +101,8 @@ def test_next_token_metrics_match_closed_forms() -> None:
     assert math.isclose(m["dloss_nats"], dloss, rel_tol=1e-9, abs_tol=1e-12)
     same = E.next_token_metrics(ref, ref.clone(), targets)
     assert (same["kl_nats"], same["kl_p99_nats"], same["top1_agree"], same["dloss_nats"]) == (0.0, 0.0, 1.0, 0.0)
+    # the unquantized side computed once (shared by every method's cell) gives the very same values
+    assert E.next_token_metrics(ref, other, targets, reference=E.reference_side(ref, targets)) == m
 
 
 # ------------------------------------------------------------------------------------------------

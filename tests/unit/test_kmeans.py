@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d, weighted_sse
+from kvqbench.numerics.kmeans import assign_nearest, count_below, kmeans_1d, weighted_sse
 
 CENTERS = torch.tensor([-3.0, 0.0, 2.0, 5.0])
 
@@ -117,3 +119,25 @@ def test_rejects_empty_and_high_rank() -> None:
         kmeans_1d(torch.empty(0), 2)
     with pytest.raises(ValueError):
         kmeans_1d(torch.randn(2, 2, 2), 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), rows=st.integers(0, 3), n=st.integers(1, 200), seed=st.integers(0, 2**31 - 1),
+       ties=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]))
+def test_count_below_comparisons_equal_binary_search(m: int, rows: int, n: int, seed: int, ties: bool,
+                                                    dtype: torch.dtype) -> None:
+    """Both paths of count_below (a comparison per threshold for small codebooks, searchsorted/bucketize
+    for large) against torch.searchsorted itself, with values exactly on thresholds when ``ties``."""
+    g = torch.Generator().manual_seed(seed)
+    lead = (rows,) if rows else ()
+    t, _ = torch.sort(torch.randn(*lead, m, generator=g).to(dtype), dim=-1)
+    x = torch.randn(*lead, n, generator=g).to(dtype) * 1.5
+    if ties:  # put every threshold (and its row) into x
+        k = min(m, n)
+        x[..., :k] = t[..., :k]
+    ref = torch.searchsorted(t.expand(*x.shape[:-1], m).contiguous(), x, right=False)
+    for out in (torch.int64, torch.uint8):
+        got = count_below(x, t, dtype=out)
+        assert got.dtype == out and torch.equal(got.to(torch.int64), ref)
+    if rows:  # one row: the shared (1-D, Python-scalar) path
+        assert torch.equal(count_below(x[0], t[0]), ref[0])

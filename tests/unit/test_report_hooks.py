@@ -48,7 +48,7 @@ def args():
 
 
 SLOW = "import time, pytest\n@pytest.fixture(autouse=True)\ndef slow():\n    time.sleep(0.05)\n"
-PROGRESS = re.compile(r"^kvqbench: (\d+)/8 tests, elapsed \d+s, ETA (\d+s|\d+m\d\ds|\?)$")
+PROGRESS = re.compile(r"^kvqbench: (\d+)/8 tests, elapsed (?:\d+h)?(?:\d+m)?\d+s, ETA ((?:\d+h)?(?:\d+m)?\d+s|\?)$")
 
 
 def _progress(res) -> list[int]:

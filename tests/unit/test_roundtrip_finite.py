@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.experiments.accumulation import AccumulationConfig, run_accumulation
-from kvqbench.experiments.common import NonFiniteRoundTrip, check_roundtrip_finite
+from kvqbench.experiments.common import NonFiniteRoundTrip, check_roundtrip_finite, count_nonfinite
 from kvqbench.experiments.cost import CostConfig, run_cost
 from kvqbench.experiments.generalization import run_codebook_gap, run_group_size
 from kvqbench.experiments.outliers import run_outliers
 from kvqbench.experiments.reconstruction import run_reconstruction
 from kvqbench.quantizers import create
 from kvqbench.report.leaderboard import data_quality
+from tests.property.strategies import kv_tensors
 
 RUNS = {
     "exp1": run_reconstruction,
@@ -68,3 +71,21 @@ def test_flag_names_the_method_with_a_nonfinite_round_trip():
     assert f["ok"] is False and len(f["offenders"]) == 1 and f["offenders"][0].startswith("broken: 2 cell(s)")
     assert data_quality([rec("kivi", "exp1", 0)])[-1]["ok"] is True
     assert {f["name"]: f for f in data_quality([])}["roundtrip_finite"]["ok"] is None
+
+
+@given(x=kv_tensors(dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64)),
+       bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([float("nan"), float("inf"), -float("inf"),
+                                                                       3e38, -3e38, 6e4])), max_size=6))
+def test_count_nonfinite_matches_the_elementwise_count(x, bad):
+    """The one-sum fast path gives the count of ``isfinite``'s mask (the reference), also when finite
+    values overflow the sum (3e38 in fp32, 6e4 in fp16) and when +inf and −inf cancel to NaN."""
+    flat = x.reshape(-1).clone()
+    for i, v in bad:
+        flat[i % flat.numel()] = v  # 3e38 overflows fp16/bf16 to ±inf: that is the value the tensor holds
+    y = flat.reshape(x.shape)
+    assert count_nonfinite(y) == y.numel() - int(torch.isfinite(y).sum())
+
+
+def test_count_nonfinite_of_empty_and_integer_tensors():
+    assert count_nonfinite(torch.empty(0)) == 0
+    assert count_nonfinite(torch.arange(5)) == 0
