@@ -24,7 +24,6 @@ undefined; it is taken as 1 (no rescaling along that axis) instead of NaN.
 from __future__ import annotations
 
 import math
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -78,7 +77,7 @@ def imbalance(tile: torch.Tensor) -> torch.Tensor:
 _GROUP_BYTES = 1 << 19
 #: at most this many bytes of tiles are processed together: enough that the ~50 small per-iteration
 #: operations on the scale vectors cost little beside the four mat-vecs over the chunk (a multiple of the
-#: fallback group; smaller when that gives each CPU thread a chunk)
+#: fallback group)
 _CHUNK_BYTES = 1 << 24
 
 
@@ -114,38 +113,25 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> VarNResult:
     tile_bytes = max(1, r * c * 4)
     group = max(1, _GROUP_BYTES // tile_bytes)
     n = x.shape[0]
-    nt = torch.get_num_threads()
-    cpu_pool = x.device.type == "cpu" and nt > 1
-    groups_per_chunk = max(1, _CHUNK_BYTES // (group * tile_bytes))
-    if cpu_pool:  # at least one chunk per thread
-        groups_per_chunk = min(groups_per_chunk, max(1, -(-n // (group * nt))))
-    chunk = group * groups_per_chunk if group > 1 else 1
+    chunk = group * max(1, _CHUNK_BYTES // (group * tile_bytes)) if group > 1 else 1
     spans = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
     if spans and spans[-1][1] - spans[-1][0] > 1 and (spans[-1][1] - spans[-1][0]) % group == 1:
         # a group of one tile is a batch of one (torch runs its mat-vecs with other kernels, which round
         # differently): keep it one
         i, j = spans.pop()
         spans += [(i, j - 1), (j - 1, j)]
-
-    def run(span: tuple[int, int]) -> tuple[torch.Tensor, ...]:
-        if cpu_pool:
-            torch.set_num_threads(1)  # this thread's operations on one core
-        return _varn_chunk(x[span[0] : span[1]].contiguous(), n_iter, group)
-
-    # On the CPU every operation runs on one thread (the kernels, hence the results, are then the same at
-    # every thread count; splitting such small operations across the intra-op pool cost more than it
-    # saved) and the chunks are spread over up to torch.get_num_threads() Python threads instead (torch
-    # releases the GIL inside its kernels). The result does not depend on how the tiles are chunked.
-    if cpu_pool:
+    # On the CPU every operation runs on one thread: the kernels, hence the results, are then the same at
+    # every thread count, and splitting such operations across the intra-op pool cost more than it saved.
+    # (Spreading the chunks over a pool of Python threads was tried: on the shared 2-core machine it was
+    # slower at 2 threads, the threads contending for the GIL and the cores.)
+    nt = torch.get_num_threads()
+    single = x.device.type == "cpu" and nt > 1
+    if single:
         torch.set_num_threads(1)
     try:
-        if cpu_pool and len(spans) > 1:
-            with ThreadPoolExecutor(min(nt, len(spans))) as ex:
-                parts = list(ex.map(run, spans))
-        else:
-            parts = [run(sp) for sp in spans]
+        parts = [_varn_chunk(x[i:j].contiguous(), n_iter, group) for i, j in spans]
     finally:
-        if cpu_pool:
+        if single:
             torch.set_num_threads(nt)
     if not parts:  # no tiles
         parts = [_varn_chunk(x, n_iter, group)]

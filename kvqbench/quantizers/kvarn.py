@@ -111,10 +111,18 @@ def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = No
     p4 = p.reshape(t4.shape[0], t4.shape[1], 1, 1)
     step = max(1, _SLICE_BYTES // max(1, t4.shape[-2] * t4.shape[-1] * 4))
     ms = torch.empty_like(p4)
-    for o in range(t4.shape[0]):
-        for i in range(0, t4.shape[1], step):
-            sq = t4[o, i : i + step] / p4[o, i : i + step]
-            torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[o, i : i + step])
+    nt = torch.get_num_threads()
+    single = tiles.device.type == "cpu" and nt > 1  # cache-sized operations: one thread (as VarN's)
+    if single:
+        torch.set_num_threads(1)
+    try:
+        for o in range(t4.shape[0]):
+            for i in range(0, t4.shape[1], step):
+                sq = t4[o, i : i + step] / p4[o, i : i + step]
+                torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[o, i : i + step])
+    finally:
+        if single:
+            torch.set_num_threads(nt)
     rms = torch.sqrt(ms.reshape(p.shape)) * p
     lo_exp, hi_exp = WINDOW[kind]
     return pow2_window(rms, lo_exp, hi_exp)

@@ -242,8 +242,8 @@ def test_bit_identical_on_kvarn_sized_batches() -> None:
 
 
 def test_same_bits_at_every_thread_count() -> None:
-    """On the CPU the chunks go to a pool of torch.get_num_threads() threads: 1, 2 and 3 threads give the
-    plain recipe's bits (six chunks of one group each, a last group of one tile, the fallback in some)."""
+    """1, 2 and 3 torch threads give the plain recipe's bits (six chunks of one group each, a last group of
+    one tile, the fallback in some), and the caller's thread count is restored."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(41, 128, 128, generator=g) + 30.0 * (torch.rand(41, 1, 1, generator=g) < 0.15)
     want = _plain_varn(x, 6)
