@@ -34,7 +34,13 @@ SELECT = ["tests/bench", "-m", "smoke", "--kvq-methods", "fp16,rtn_token", "--kv
 N_CELLS = 14
 
 
+#: an inner pytest is a session of its own: under an outer `-n auto` the worker's variables would make
+#: pytest-benchmark think it runs under xdist and switch itself off (no benchmark_exp4.json)
+XDIST_VARS = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
 def _pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in (os.environ if env is None else env).items() if k not in XDIST_VARS}
     return subprocess.run([sys.executable, "-m", "pytest", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env=env)
 
