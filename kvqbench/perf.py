@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["add_arguments", "run_perf", "steady_allocator", "format_report", "main", "eager_rtn_roundtrip", "BASELINES"]
+__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES"]
 
 #: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
 BASELINES: tuple[str, ...] = ("clone", "eager_rtn", "hqq_rtn")
@@ -81,11 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-peers", action="store_true", help="leave out optional peer baselines (hqq_rtn)")
-    p.add_argument("--allocator", choices=("steady", "default"), default="steady",
-                   help="steady (default): glibc keeps freed buffers for reuse (mallopt: no fresh mmap per buffer "
-                        "of 32 MiB or more), as a serving engine's caching allocator does, so the 16k timings "
-                        "measure the methods rather than page faults; default: the process's allocator as is "
-                        "(a plain clone then grows ~10x per 4x tokens on this class of machine). CPU only")
     p.add_argument("--fused", action="store_true",
                    help="use the compiled (torch.compile) RTN kernels where a compiler exists, as KVQBENCH_FUSED=1 "
                         "(bit-identical; the first call per shape compiles)")
@@ -201,26 +196,6 @@ def _measure(cands: dict[str, Callable[[], Any]], timer, repeats: int) -> dict[s
                 "peak_bytes": peak[n]} for n in names}
 
 
-#: glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-
-
-def steady_allocator() -> bool:
-    """Ask glibc to serve every buffer from its heap and keep freed memory (``mallopt`` with mmap and trim
-    thresholds of 1 GiB / 2 GiB), so that repeated round trips reuse pages instead of faulting in a fresh
-    mapping for each buffer of 32 MiB or more. Returns ``False`` (and changes nothing) where the C library
-    is not glibc (macOS, musl) or the call fails."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 31))
-
-
 def run_perf(
     methods: list[str] | None = None,
     tokens: list[int] | tuple[int, ...] = DEFAULT_TOKENS,
@@ -232,7 +207,6 @@ def run_perf(
     device: str = "cpu",
     peers: bool = True,
     log: Callable[[str], None] | None = None,
-    allocator: str = "default",
 ) -> dict[str, Any]:
     """Time every method's K and V round trip against the baselines (see module doc).
 
@@ -241,10 +215,8 @@ def run_perf(
         with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA) and the ratios ``x_clone``,
         ``x_eager_rtn`` and ``x_hqq_rtn`` (None without hqq); and ``scaling`` — per threads and candidate the
         median-time ratio between consecutive token counts.
-    ``allocator="steady"`` calls :func:`steady_allocator` first (CPU; recorded in ``environment``).
-
     Raises:
-        ValueError: unknown method ids, bad sizes, an unknown ``allocator``, or ``device`` cuda without CUDA.
+        ValueError: unknown method ids, bad sizes, or ``device`` cuda without CUDA.
     """
     import torch
 
@@ -258,11 +230,6 @@ def run_perf(
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked but CUDA is not available (torch {torch.__version__})")
-    if allocator not in ("steady", "default"):
-        raise ValueError(f"allocator must be 'steady' or 'default', got {allocator!r}")
-    alloc = "default"
-    if allocator == "steady" and dev.type == "cpu":
-        alloc = "steady (glibc mallopt: buffers reused)" if steady_allocator() else "default (mallopt unavailable)"
     default_threads = torch.get_num_threads()
     timer = _timer(dev)
     say = log or (lambda s: None)
@@ -305,7 +272,6 @@ def run_perf(
         "cuda_device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "hqq": _hqq_version() if peers else None,
         "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter",
-        "allocator": alloc if dev.type == "cpu" else "torch CUDA caching allocator",
     }
     from kvqbench.numerics import fused
 
@@ -396,7 +362,6 @@ def format_report(result: dict[str, Any]) -> str:
     env = result["environment"]
     out.append(f"\ntorch {env['torch']} · {env['device']}{' ' + env['cuda_device'] if env.get('cuda_device') else ''}"
                f" · {env['cpu_count']} CPUs (default threads {env['default_threads']}) · timer {env['timer']} · "
-               f"allocator {env.get('allocator', '?')} · "
                f"hqq {env['hqq'] or 'not installed (pip install -e .[peers])'}")
     return "\n".join(out)
 
@@ -414,7 +379,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = run_perf(methods, args.tokens, args.threads, args.bits, args.kv_heads, args.head_dim,
                           args.repeats, args.device, peers=not args.no_peers,
-                          log=lambda s: print(s, file=sys.stderr, flush=True), allocator=args.allocator)
+                          log=lambda s: print(s, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:
         print(f"kvqbench perf: {e}", file=sys.stderr)
         return 2
