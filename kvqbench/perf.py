@@ -24,6 +24,24 @@ Data: a synthetic K/V of shape ``(1, kv_heads, T, head_dim)`` fp32 from :func:`k
 (fixed seed). Data-dependent methods are fitted first on an independent batch (untimed), as in the
 benchmark cells.
 
+Timing protocol (what makes the 4× token steps comparable; ``kvqbench perf`` defaults):
+
+* **steady allocator** (``--allocator steady``; Linux/glibc): a serving engine allocates its buffers once
+  and reuses them. glibc instead hands out every buffer of 32 MiB or more (its dynamic mmap threshold's
+  ceiling) as a fresh mapping and returns it on free, so each 16k call (64 MiB tensors) paid first-touch
+  page faults that a 4k call (16 MiB, reused from the heap) did not: a plain clone grew ~8.5× per 4×
+  tokens. ``kvqbench perf`` therefore re-runs itself once with ``GLIBC_TUNABLES`` raising glibc's mmap and
+  trim thresholds (:data:`STEADY_TUNABLES`), so buffers come from the heap and freed memory is kept (only
+  a tunable set at process start does this: ``mallopt`` refuses a threshold above 32 MiB). The state is
+  probed (a 64 MiB ``malloc`` served from the heap or mapped) and recorded in ``environment.allocator``.
+  ``--allocator default`` keeps the process's allocator as is.
+* **cold inputs** (``--cache cold``): every timed call reads its own copy of the input, taken round-robin
+  from enough copies that the bytes between two uses of one copy exceed the last-level cache (size from
+  sysfs; on CUDA the L2), so every candidate starts from memory at every token count instead of some
+  finding the input in cache. Copies cost memory (about one LLC's worth per tensor) but no time per call,
+  unlike flushing the cache before each call (writing a buffer the size of the LLC). ``--cache warm``
+  reuses one input tensor.
+
 This is a benchmark command, not a test: timings are never asserted. Torch is imported lazily so that
 ``kvqbench --help`` stays light.
 """
@@ -31,20 +49,35 @@ This is a benchmark command, not a test: timings are never asserted. Torch is im
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES"]
+__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
+           "STEADY_TUNABLES", "steady_env", "allocator_state", "last_level_cache_bytes", "cold_copies"]
 
 #: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
 BASELINES: tuple[str, ...] = ("clone", "eager_rtn", "hqq_rtn")
 DEFAULT_TOKENS = (1024, 4096, 16384)
 EAGER_GROUP = 64
+#: glibc tunables of the steady allocator: every buffer up to 1 GiB from the heap (not a fresh mapping per
+#: buffer of 32 MiB or more), freed memory kept up to 4 GiB
+STEADY_TUNABLES: dict[str, str] = {"glibc.malloc.mmap_threshold": str(1 << 30),
+                                   "glibc.malloc.trim_threshold": str(1 << 32)}
+#: set in the environment of the re-run (``kvqbench perf`` re-runs itself at most once)
+CHILD_MARK = "KVQBENCH_PERF_STEADY"
+#: the last-level cache assumed when sysfs does not say
+FALLBACK_LLC_BYTES = 64 << 20
+#: cold inputs: at most this many bytes of copies per input tensor (fewer copies, recorded, beyond it)
+MAX_COPY_BYTES = 2 << 30
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -81,6 +114,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-peers", action="store_true", help="leave out optional peer baselines (hqq_rtn)")
+    p.add_argument("--allocator", choices=("steady", "default"), default="steady",
+                   help="steady (default; Linux/glibc): re-run once with GLIBC_TUNABLES so that every buffer comes "
+                        "from glibc's heap and freed memory is kept, as a serving engine reuses its buffers; "
+                        "otherwise each buffer of 32 MiB or more is freshly mapped and page-faulted on every call "
+                        "and 16k timings measure that (a plain clone grew ~8.5x per 4x tokens). default: the "
+                        "allocator as is. Recorded in the JSON's environment")
+    p.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                   help="cold (default): every timed call reads its own copy of the input, round-robin over copies "
+                        "totalling more than the last-level cache (sysfs; CUDA: L2), so every candidate starts from "
+                        "memory at every T; warm: one input tensor, reused (whatever the previous call left in "
+                        "cache)")
     p.add_argument("--fused", action="store_true",
                    help="use the compiled (torch.compile) RTN kernels where a compiler exists, as KVQBENCH_FUSED=1 "
                         "(bit-identical; the first call per shape compiles)")
@@ -122,6 +166,121 @@ def _hqq_roundtrip(bits: int) -> Callable | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# timing protocol: steady allocator, cold inputs
+
+
+def _parse_tunables(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in text.split(":"):
+        key, sep, val = item.partition("=")
+        if key.strip() and sep:
+            out[key.strip()] = val
+    return out
+
+
+def is_glibc_linux() -> bool:
+    """Whether this process runs on Linux with glibc (where ``GLIBC_TUNABLES`` is read at start)."""
+    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+
+def steady_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str] | None:
+    """The environment to re-run ``kvqbench perf`` in with the steady allocator: ``environ`` plus
+    :data:`STEADY_TUNABLES` appended to ``GLIBC_TUNABLES`` (tunables already set there, the user's, are kept
+    and win) and :data:`CHILD_MARK`. ``None`` when no re-run is needed: this process is that re-run, or both
+    thresholds are already set."""
+    if environ.get(CHILD_MARK):
+        return None
+    have = _parse_tunables(environ.get("GLIBC_TUNABLES", ""))
+    missing = {k: v for k, v in STEADY_TUNABLES.items() if k not in have}
+    if not missing:
+        return None
+    env = dict(environ)
+    extra = ":".join(f"{k}={v}" for k, v in missing.items())
+    env["GLIBC_TUNABLES"] = f"{environ['GLIBC_TUNABLES']}:{extra}" if environ.get("GLIBC_TUNABLES") else extra
+    env[CHILD_MARK] = "1"
+    return env
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _large_malloc_is_mapped(nbytes: int = 64 << 20) -> bool | None:
+    """Whether glibc serves a ``malloc(nbytes)`` with a fresh mapping (``mallinfo2().hblks`` grows while it
+    lives) rather than from its heap; ``None`` where that cannot be asked (not glibc, glibc < 2.33)."""
+    if not is_glibc_linux():
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        info, malloc, free = libc.mallinfo2, libc.malloc, libc.free
+    except (OSError, AttributeError):
+        return None
+    info.restype, malloc.restype, malloc.argtypes = _MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    before = info().hblks
+    ptr = malloc(nbytes)
+    if not ptr:
+        return None
+    try:
+        return info().hblks > before
+    finally:
+        free(ptr)
+
+
+def allocator_state() -> str:
+    """``"steady"`` (a 64 MiB buffer comes from glibc's heap: freed buffers are reused), ``"default"`` (it
+    is freshly mapped, as glibc does by default) or ``"unknown"`` (not glibc, or glibc too old to ask)."""
+    mapped = _large_malloc_is_mapped()
+    return "unknown" if mapped is None else ("default" if mapped else "steady")
+
+
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """Size in bytes of the highest-level data/unified CPU cache that sysfs lists (``None`` without sysfs)."""
+    best: tuple[int, int] | None = None
+    for d in sorted(sysfs.glob("index*")) if sysfs.is_dir() else []:
+        try:
+            level = int((d / "level").read_text())
+            kind = (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        if kind == "INSTRUCTION" or not size:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        try:
+            nbytes = int(size.rstrip("KMG")) * mult
+        except ValueError:
+            continue
+        if best is None or (level, nbytes) > best:
+            best = (level, nbytes)
+    return None if best is None else best[1]
+
+
+def cold_copies(tensor_bytes: int, cache_bytes: int, max_bytes: int = MAX_COPY_BYTES) -> int:
+    """How many copies of an input of ``tensor_bytes`` a round-robin needs so that more than ``cache_bytes``
+    of inputs are read between two uses of one copy: ``ceil(cache / tensor) + 1`` (at least 2), but no more
+    than ``max_bytes`` of copies (at least 1)."""
+    if tensor_bytes < 1 or cache_bytes < 0:
+        raise ValueError("tensor_bytes must be >= 1 and cache_bytes >= 0")
+    want = max(2, math.ceil(cache_bytes / tensor_bytes) + 1)
+    return max(1, min(want, max_bytes // tensor_bytes))
+
+
+class _Rotation:
+    """Round-robin over copies of one input tensor: every call of :meth:`next` returns the next copy."""
+
+    def __init__(self, x, n: int) -> None:
+        self.copies = [x] + [x.clone() for _ in range(n - 1)]
+        self.i = 0
+
+    def next(self):
+        x = self.copies[self.i]
+        self.i = (self.i + 1) % len(self.copies)
+        return x
+
+
+# --------------------------------------------------------------------------------------------------
 # timing
 
 
@@ -154,25 +313,28 @@ def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int]]:
     return cpu_time
 
 
-def _candidates(method_ids: list[str], bits: int, data, peers: bool) -> dict[str, Callable[[], Any]]:
+def _candidates(method_ids: list[str], bits: int, data, peers: bool,
+                n_copies: int = 1) -> dict[str, Callable[[], Any]]:
+    """The timed callables; with ``n_copies`` > 1 every call reads the next of ``n_copies`` copies of K
+    (V for the V round trips), round-robin (cold inputs)."""
     import torch
 
     from kvqbench.experiments.common import fit_method
     from kvqbench.quantizers import create
 
-    k, v = data.k, data.v
+    rk, rv = _Rotation(data.k, n_copies), _Rotation(data.v, n_copies)
     cands: dict[str, Callable[[], Any]] = {
-        "clone": lambda: k.clone(),
-        "eager_rtn": lambda: eager_rtn_roundtrip(k, bits),
+        "clone": lambda: rk.next().clone(),
+        "eager_rtn": lambda: eager_rtn_roundtrip(rk.next(), bits),
     }
     hqq = _hqq_roundtrip(bits) if peers else None
     if hqq is not None:
-        cands["hqq_rtn"] = lambda: hqq(k)
+        cands["hqq_rtn"] = lambda: hqq(rk.next())
     for mid in method_ids:
         m = create(mid, bits, bits, seed=0)
         fit_method(m, data)  # data-dependent state from the independent calibration batch, untimed
-        cands[f"{mid}/k"] = (lambda m=m: m.roundtrip(k, "k"))
-        cands[f"{mid}/v"] = (lambda m=m: m.roundtrip(v, "v"))
+        cands[f"{mid}/k"] = (lambda m=m: m.roundtrip(rk.next(), "k"))
+        cands[f"{mid}/v"] = (lambda m=m: m.roundtrip(rv.next(), "v"))
     with torch.no_grad():
         for fn in cands.values():  # warm-up: caches (Hadamard, codebooks), allocator, lazy kernels
             fn()
@@ -207,6 +369,7 @@ def run_perf(
     device: str = "cpu",
     peers: bool = True,
     log: Callable[[str], None] | None = None,
+    cache: str = "cold",
 ) -> dict[str, Any]:
     """Time every method's K and V round trip against the baselines (see module doc).
 
@@ -215,8 +378,12 @@ def run_perf(
         with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA) and the ratios ``x_clone``,
         ``x_eager_rtn`` and ``x_hqq_rtn`` (None without hqq); and ``scaling`` — per threads and candidate the
         median-time ratio between consecutive token counts.
+    ``cache``: ``"cold"`` (every call reads the next of enough input copies to exceed the last-level cache;
+    ``config.input_copies`` per T) or ``"warm"`` (one input). The allocator is the process's own (``kvqbench
+    perf`` sets it up before: see :func:`main`); ``environment.allocator`` records what it does.
+
     Raises:
-        ValueError: unknown method ids, bad sizes, or ``device`` cuda without CUDA.
+        ValueError: unknown method ids, bad sizes, an unknown ``cache``, or ``device`` cuda without CUDA.
     """
     import torch
 
@@ -227,9 +394,16 @@ def run_perf(
     ids = parse_methods(None if methods is None else ",".join(methods), available(), option="--methods")
     if repeats < 1 or bits < 1 or kv_heads < 1 or head_dim < 2:
         raise ValueError("repeats, bits and kv_heads must be >= 1 and head_dim >= 2")
+    if cache not in ("cold", "warm"):
+        raise ValueError(f"cache must be 'cold' or 'warm', got {cache!r}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked but CUDA is not available (torch {torch.__version__})")
+    if dev.type == "cuda":
+        cache_bytes: int | None = int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    else:
+        cache_bytes = last_level_cache_bytes()
+    copies: dict[int, int] = {}
     default_threads = torch.get_num_threads()
     timer = _timer(dev)
     say = log or (lambda s: None)
@@ -241,8 +415,11 @@ def run_perf(
             spec = dict(batch=1, kv_heads=kv_heads, q_heads=kv_heads, seq_len=int(t), head_dim=head_dim)
             data = make_synthetic(seed=0, **spec).to(dev)
             data.calibration = make_synthetic(seed=1_000_033, **spec).to(dev)
+            n_copies = 1 if cache == "warm" else cold_copies(
+                data.k.numel() * data.k.element_size(), cache_bytes if cache_bytes is not None else FALLBACK_LLC_BYTES)
+            copies[int(t)] = n_copies
             t0 = time.perf_counter()
-            res = _measure(_candidates(ids, bits, data, peers), timer, repeats)
+            res = _measure(_candidates(ids, bits, data, peers, n_copies), timer, repeats)
             base = {b: res[b]["median_ms"] for b in BASELINES if b in res}
             # clone reads and writes the tensor once: its bytes moved per second is the memory bandwidth
             res["clone"]["bandwidth_gbps"] = 2 * data.k.numel() * data.k.element_size() / (
@@ -272,12 +449,17 @@ def run_perf(
         "cuda_device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "hqq": _hqq_version() if peers else None,
         "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+        "allocator": allocator_state() if dev.type == "cpu" else "torch CUDA caching allocator",
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "cache_bytes": cache_bytes,
+        "cache_bytes_source": ("CUDA L2" if dev.type == "cuda" else "sysfs last-level cache")
+        if cache_bytes is not None else f"assumed {FALLBACK_LLC_BYTES >> 20} MiB",
     }
     from kvqbench.numerics import fused
 
     cfg = {"fused": fused.enabled(dev.type), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
            "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
-           "eager_rtn_group": EAGER_GROUP}
+           "eager_rtn_group": EAGER_GROUP, "cache": cache, "input_copies": copies}
     return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
 
 
@@ -363,11 +545,46 @@ def format_report(result: dict[str, Any]) -> str:
     out.append(f"\ntorch {env['torch']} · {env['device']}{' ' + env['cuda_device'] if env.get('cuda_device') else ''}"
                f" · {env['cpu_count']} CPUs (default threads {env['default_threads']}) · timer {env['timer']} · "
                f"hqq {env['hqq'] or 'not installed (pip install -e .[peers])'}")
+    cfg = result["config"]
+    if "cache" in cfg:
+        n = ", ".join(f"T={t}: {c}" for t, c in cfg.get("input_copies", {}).items())
+        llc = env.get("cache_bytes")
+        out.append(f"allocator {env.get('allocator', '?')} · inputs {cfg['cache']}"
+                   + (f" ({n} copies round-robin; cache {llc / 2**20:.0f} MiB, {env.get('cache_bytes_source')})"
+                      if cfg["cache"] == "cold" and llc else ""))
     return "\n".join(out)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`)."""
+#: what the re-run executes: ``kvqbench.cli.main`` on the same arguments
+_RERUN = "import sys; from kvqbench.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def rerun_command(args: argparse.Namespace, argv: list[str] | None,
+                  environ: dict[str, str] | os._Environ[str] | None = None) -> tuple[list[str], dict[str, str]] | None:
+    """``(command, environment)`` to re-run ``kvqbench perf`` with the steady allocator, or ``None`` to run
+    in this process: ``--allocator default``, a CUDA device, not Linux/glibc, no ``argv`` to repeat, or
+    the tunables already set (:func:`steady_env`)."""
+    if args.allocator != "steady" or args.device.startswith("cuda") or argv is None or not is_glibc_linux():
+        return None
+    env = steady_env(os.environ if environ is None else environ)
+    if env is None:
+        return None
+    return [sys.executable, "-c", _RERUN, *argv], env
+
+
+def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`; ``argv``: the command line, from
+    ``perf`` on, to re-run it with the steady allocator — see :func:`rerun_command`)."""
+    rerun = rerun_command(args, argv)
+    if rerun is not None:
+        cmd, env = rerun
+        try:
+            return subprocess.call(cmd, env=env)
+        except KeyboardInterrupt:
+            return 130
+    if args.allocator == "steady" and not args.device.startswith("cuda") and not is_glibc_linux():
+        print("kvqbench perf: --allocator steady needs Linux with glibc; timing with the allocator as is",
+              file=sys.stderr)
     methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
     if args.fused:
         from kvqbench.numerics import fused
@@ -379,7 +596,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = run_perf(methods, args.tokens, args.threads, args.bits, args.kv_heads, args.head_dim,
                           args.repeats, args.device, peers=not args.no_peers,
-                          log=lambda s: print(s, file=sys.stderr, flush=True))
+                          log=lambda s: print(s, file=sys.stderr, flush=True), cache=args.cache)
     except (ValueError, RuntimeError) as e:
         print(f"kvqbench perf: {e}", file=sys.stderr)
         return 2
