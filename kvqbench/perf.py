@@ -207,8 +207,10 @@ class _MallInfo2(ctypes.Structure):
 
 
 def _large_malloc_is_mapped(nbytes: int = 64 << 20) -> bool | None:
-    """Whether glibc serves a ``malloc(nbytes)`` with a fresh mapping (``mallinfo2().hblks`` grows while it
-    lives) rather than from its heap; ``None`` where that cannot be asked (not glibc, glibc < 2.33)."""
+    """Whether glibc serves a ``malloc`` of ``nbytes`` — raised above the heap's free bytes, so that no
+    free chunk can serve it, up to 768 MiB — with a fresh mapping (``mallinfo2().hblks`` grows while it
+    lives) rather than by growing its heap; ``None`` where that cannot be asked (not glibc, glibc < 2.33).
+    The block is never touched (no page is faulted in)."""
     if not is_glibc_linux():
         return None
     try:
@@ -218,21 +220,31 @@ def _large_malloc_is_mapped(nbytes: int = 64 << 20) -> bool | None:
         return None
     info.restype, malloc.restype, malloc.argtypes = _MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
     free.argtypes = [ctypes.c_void_p]
-    before = info().hblks
-    ptr = malloc(nbytes)
+    before = info()
+    ptr = malloc(min(max(nbytes, before.fordblks + nbytes), 768 << 20))
     if not ptr:
         return None
     try:
-        return info().hblks > before
+        return info().hblks > before.hblks
     finally:
         free(ptr)
 
 
-def allocator_state() -> str:
-    """``"steady"`` (a 64 MiB buffer comes from glibc's heap: freed buffers are reused), ``"default"`` (it
-    is freshly mapped, as glibc does by default) or ``"unknown"`` (not glibc, or glibc too old to ask)."""
+def _probe_allocator() -> str:
     mapped = _large_malloc_is_mapped()
     return "unknown" if mapped is None else ("default" if mapped else "steady")
+
+
+#: the allocator as found when this module was first imported: its thresholds are fixed at process start,
+#: and a probe made later could be served from free heap chunks that a long-running process left behind
+_ALLOCATOR_AT_IMPORT = _probe_allocator()
+
+
+def allocator_state() -> str:
+    """``"steady"`` (a new buffer of 64 MiB or more comes from glibc's heap: freed buffers are reused),
+    ``"default"`` (it is freshly mapped, as glibc does by default) or ``"unknown"`` (not glibc, or glibc
+    too old to ask), probed once when this module is imported."""
+    return _ALLOCATOR_AT_IMPORT
 
 
 def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
