@@ -13,9 +13,10 @@ in the same process:
 * ``hqq_rtn`` (when the ``hqq`` package is installed, extra ``peers``) — HQQ's quantizer without its
   optimizer (plain min/max RTN, group 64, bit-packed), quantize + dequantize.
 
-Every candidate (baselines, then each method's K and V round trip) is timed once per round, the rounds
-are repeated ``repeats`` times with the order rotated each round (interleaved, so a slow spell of a shared
-machine hits every candidate alike), and the median per candidate is reported with its ratios to the
+Every candidate (baselines, then each method's K and V round trip) is timed once per round at every token
+count, back to back, and the rounds are repeated ``repeats`` times with both orders rotated each round
+(interleaved, so a slow spell of a shared machine hits every candidate and every token count alike), and
+the median per candidate is reported with its ratios to the
 medians of ``clone``, ``eager_rtn`` and ``hqq_rtn``. This is done at every token count and at every thread
 count asked (default: 1 thread and torch's default). On CUDA every call is timed with CUDA events after a
 synchronize and the peak of ``torch.cuda.max_memory_allocated`` per round trip is recorded.
@@ -353,21 +354,28 @@ def _candidates(method_ids: list[str], bits: int, data, peers: bool,
     return cands
 
 
-def _measure(cands: dict[str, Callable[[], Any]], timer, repeats: int) -> dict[str, dict[str, Any]]:
+def _measure(groups: dict[int, dict[str, Callable[[], Any]]], timer,
+             repeats: int) -> dict[int, dict[str, dict[str, Any]]]:
+    """Time every candidate of every group (token count) ``repeats`` times. Each round visits the
+    candidates in an order rotated every round, and each candidate at every token count back to back (that
+    order rotated too), so a slow spell of a shared machine hits the token counts alike: the scaling ratios
+    compare calls made seconds apart, not sections made minutes apart."""
     import torch
 
-    names = list(cands)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    peak: dict[str, int] = {n: 0 for n in names}
+    keys = list(groups)
+    names = list(groups[keys[0]])
+    times = {g: {n: [] for n in names} for g in keys}
+    peak = {g: {n: 0 for n in names} for g in keys}
     with torch.no_grad():
         for r in range(repeats):
-            shift = r % len(names)
-            for n in names[shift:] + names[:shift]:  # rotate the order every round
-                ms, mem = timer(cands[n])
-                times[n].append(ms)
-                peak[n] = max(peak[n], mem)
-    return {n: {"median_ms": statistics.median(times[n]), "min_ms": min(times[n]), "all_ms": times[n],
-                "peak_bytes": peak[n]} for n in names}
+            shift, gshift = r % len(names), r % len(keys)
+            for n in names[shift:] + names[:shift]:
+                for g in keys[gshift:] + keys[:gshift]:
+                    ms, mem = timer(groups[g][n])
+                    times[g][n].append(ms)
+                    peak[g][n] = max(peak[g][n], mem)
+    return {g: {n: {"median_ms": statistics.median(times[g][n]), "min_ms": min(times[g][n]),
+                    "all_ms": times[g][n], "peak_bytes": peak[g][n]} for n in names} for g in keys}
 
 
 def run_perf(
@@ -423,27 +431,33 @@ def run_perf(
     thread_counts = [default_threads if t == "default" else int(t) for t in threads]
     for nt in dict.fromkeys(thread_counts):
         torch.set_num_threads(nt)
-        for t in tokens:
-            spec = dict(batch=1, kv_heads=kv_heads, q_heads=kv_heads, seq_len=int(t), head_dim=head_dim)
+        groups: dict[int, dict[str, Callable[[], Any]]] = {}
+        nbytes: dict[int, int] = {}
+        t0 = time.perf_counter()
+        for t in dict.fromkeys(int(t) for t in tokens):
+            spec = dict(batch=1, kv_heads=kv_heads, q_heads=kv_heads, seq_len=t, head_dim=head_dim)
             data = make_synthetic(seed=0, **spec).to(dev)
             data.calibration = make_synthetic(seed=1_000_033, **spec).to(dev)
+            nbytes[t] = data.k.numel() * data.k.element_size()
             n_copies = 1 if cache == "warm" else cold_copies(
-                data.k.numel() * data.k.element_size(), cache_bytes if cache_bytes is not None else FALLBACK_LLC_BYTES)
-            copies[int(t)] = n_copies
-            t0 = time.perf_counter()
-            res = _measure(_candidates(ids, bits, data, peers, n_copies), timer, repeats)
+                nbytes[t], cache_bytes if cache_bytes is not None else FALLBACK_LLC_BYTES)
+            copies[t] = n_copies
+            groups[t] = _candidates(ids, bits, data, peers, n_copies)
+            del data
+        measured = _measure(groups, timer, repeats)
+        del groups
+        for t, res in measured.items():
             base = {b: res[b]["median_ms"] for b in BASELINES if b in res}
             # clone reads and writes the tensor once: its bytes moved per second is the memory bandwidth
-            res["clone"]["bandwidth_gbps"] = 2 * data.k.numel() * data.k.element_size() / (
-                max(base["clone"], 1e-9) * 1e-3) / 1e9
+            res["clone"]["bandwidth_gbps"] = 2 * nbytes[t] / (max(base["clone"], 1e-9) * 1e-3) / 1e9
             for name, r in res.items():
                 mid, _, kind = name.partition("/")
-                row = {"threads": nt, "tokens": int(t), "candidate": mid, "kind": kind or None, **r}
+                row = {"threads": nt, "tokens": t, "candidate": mid, "kind": kind or None, **r}
                 for b in BASELINES:
                     row[f"x_{b}"] = r["median_ms"] / base[b] if b in base and base[b] > 0 else None
                 rows.append(row)
-            say(f"kvqbench perf: threads={nt} T={t}: {len(res)} candidates × {repeats} rounds in "
-                f"{time.perf_counter() - t0:.1f} s")
+        say(f"kvqbench perf: threads={nt} T={','.join(map(str, measured))}: {len(measured[t])} candidates × "
+            f"{repeats} rounds, interleaved, in {time.perf_counter() - t0:.1f} s")
     torch.set_num_threads(default_threads)
     scaling = []
     for nt in dict.fromkeys(thread_counts):
