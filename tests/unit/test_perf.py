@@ -56,6 +56,8 @@ def test_ratios_are_medians_over_the_baselines() -> None:
     want = [r for r in rows if r["candidate"] == "rtn_token" and r["kind"] == "k"]
     by_t = {r["tokens"]: r["median_ms"] for r in want}
     assert s["token_ratio"] == 2 and math.isclose(s["time_ratio"], by_t[64] / by_t[32])
+    mins = {r["tokens"]: r["min_ms"] for r in want}
+    assert math.isclose(s["min_time_ratio"], mins[64] / mins[32])
     text = format_report(res)
     assert "rtn_token" in text and "×clone" in text and "32→64" in text
 
