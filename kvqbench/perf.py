@@ -297,8 +297,11 @@ class _Rotation:
 # timing
 
 
-def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int]]:
-    """``fn → (milliseconds, peak bytes above the level before the call or 0)``."""
+def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int, float | None]]:
+    """``fn → (milliseconds, peak bytes above the level before the call or 0, CPU milliseconds or None)``.
+    On the CPU the CPU time of the process (all its threads) is measured beside the wall clock: on a
+    shared, oversubscribed machine a call that waits for a core is not charged for the wait, and a long
+    call is not penalized against a short one that fits between two preemptions."""
     import torch
 
     if device.type == "cuda":
@@ -312,16 +315,18 @@ def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int]]:
             end.record()
             torch.cuda.synchronize(device)
             del out
-            return float(start.elapsed_time(end)), int(torch.cuda.max_memory_allocated(device) - base)
+            return float(start.elapsed_time(end)), int(torch.cuda.max_memory_allocated(device) - base), None
 
         return cuda_time
 
-    def cpu_time(fn: Callable[[], Any]) -> tuple[float, int]:
+    def cpu_time(fn: Callable[[], Any]) -> tuple[float, int, float | None]:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         out = fn()
         dt = (time.perf_counter() - t0) * 1e3
+        dc = (time.process_time() - c0) * 1e3
         del out
-        return dt, 0
+        return dt, 0, dc
 
     return cpu_time
 
@@ -365,17 +370,22 @@ def _measure(groups: dict[int, dict[str, Callable[[], Any]]], timer,
     keys = list(groups)
     names = list(groups[keys[0]])
     times = {g: {n: [] for n in names} for g in keys}
+    cpu: dict[int, dict[str, list[float]]] = {g: {n: [] for n in names} for g in keys}
     peak = {g: {n: 0 for n in names} for g in keys}
     with torch.no_grad():
         for r in range(repeats):
             shift, gshift = r % len(names), r % len(keys)
             for n in names[shift:] + names[:shift]:
                 for g in keys[gshift:] + keys[:gshift]:
-                    ms, mem = timer(groups[g][n])
+                    ms, mem, cms = timer(groups[g][n])
                     times[g][n].append(ms)
+                    if cms is not None:
+                        cpu[g][n].append(cms)
                     peak[g][n] = max(peak[g][n], mem)
     return {g: {n: {"median_ms": statistics.median(times[g][n]), "min_ms": min(times[g][n]),
-                    "all_ms": times[g][n], "peak_bytes": peak[g][n]} for n in names} for g in keys}
+                    "all_ms": times[g][n], "peak_bytes": peak[g][n],
+                    "median_cpu_ms": statistics.median(cpu[g][n]) if cpu[g][n] else None,
+                    "all_cpu_ms": cpu[g][n] or None} for n in names} for g in keys}
 
 
 def run_perf(
@@ -395,9 +405,12 @@ def run_perf(
 
     Returns:
         a JSON-able dict: ``config``, ``environment`` and ``rows`` — one per (threads, tokens, candidate)
-        with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA) and the ratios ``x_clone``,
-        ``x_eager_rtn`` and ``x_hqq_rtn`` (None without hqq); and ``scaling`` — per threads and candidate the
-        median-time ratio between consecutive token counts.
+        with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA), on the CPU ``median_cpu_ms`` and
+        ``all_cpu_ms`` (process CPU time, all threads), and the ratios ``x_clone``, ``x_eager_rtn`` and
+        ``x_hqq_rtn`` (None without hqq) of the median wall times, ``x_<baseline>_cpu`` of the median CPU
+        times; and ``scaling`` — per threads and candidate the ratio between consecutive token counts of the
+        median times (``time_ratio``), of the fastest calls (``min_time_ratio``) and of the median CPU
+        times (``cpu_time_ratio``).
     ``cache``: ``"cold"`` (every call reads the next of enough input copies to exceed the last-level cache;
     ``config.input_copies`` per T) or ``"warm"`` (one input). The allocator is the process's own (``kvqbench
     perf`` sets it up before: see :func:`main`); ``environment.allocator`` records what it does.
@@ -455,6 +468,8 @@ def run_perf(
                 row = {"threads": nt, "tokens": t, "candidate": mid, "kind": kind or None, **r}
                 for b in BASELINES:
                     row[f"x_{b}"] = r["median_ms"] / base[b] if b in base and base[b] > 0 else None
+                    bc = res[b]["median_cpu_ms"] if b in res else None
+                    row[f"x_{b}_cpu"] = r["median_cpu_ms"] / bc if bc and r["median_cpu_ms"] is not None else None
                 rows.append(row)
         say(f"kvqbench perf: threads={nt} T={','.join(map(str, measured))}: {len(measured[t])} candidates × "
             f"{repeats} rounds, interleaved, in {time.perf_counter() - t0:.1f} s")
@@ -463,6 +478,7 @@ def run_perf(
     for nt in dict.fromkeys(thread_counts):
         sel = {(r["candidate"], r["kind"], r["tokens"]): r["median_ms"] for r in rows if r["threads"] == nt}
         mins = {(r["candidate"], r["kind"], r["tokens"]): r["min_ms"] for r in rows if r["threads"] == nt}
+        cpus = {(r["candidate"], r["kind"], r["tokens"]): r["median_cpu_ms"] for r in rows if r["threads"] == nt}
         ts = sorted(set(tokens))
         for (cand, kind) in dict.fromkeys((c, k) for c, k, _ in sel):
             for a, b in zip(ts, ts[1:]):
@@ -471,13 +487,15 @@ def run_perf(
                     scaling.append({"threads": nt, "candidate": cand, "kind": kind, "from_tokens": a,
                                     "to_tokens": b, "time_ratio": sel[(cand, kind, b)] / sel[(cand, kind, a)],
                                     "min_time_ratio": mins[(cand, kind, b)] / lo if lo > 0 else None,
+                                    "cpu_time_ratio": cpus[(cand, kind, b)] / cpus[(cand, kind, a)]
+                                    if cpus[(cand, kind, a)] and cpus[(cand, kind, b)] is not None else None,
                                     "token_ratio": b / a})
     env = {
         "torch": torch.__version__, "device": str(dev), "platform": platform.platform(),
         "machine": platform.machine(), "cpu_count": _cpu_count(), "default_threads": default_threads,
         "cuda_device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "hqq": _hqq_version() if peers else None,
-        "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+        "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter (wall) and time.process_time (CPU)",
         "allocator": allocator_state() if dev.type == "cpu" else "torch CUDA caching allocator",
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "cache_bytes": cache_bytes,
@@ -535,6 +553,8 @@ def format_report(result: dict[str, Any]) -> str:
                         line += [_fmt(r["x_hqq_rtn"]), ""]
                     if cuda:
                         line += [f"{r['peak_bytes'] / 2**20:.1f}"]
+                    else:
+                        line += [_fmt(r.get("x_eager_rtn_cpu")), ""]
                     table.append(line)
                     continue
                 rk, rv = by.get((cand, "k")), by.get((cand, "v"))
@@ -544,12 +564,13 @@ def format_report(result: dict[str, Any]) -> str:
                     line += [_fmt(rk["x_hqq_rtn"]), _fmt(rv["x_hqq_rtn"])]
                 if cuda:
                     line += [f"{max(rk['peak_bytes'], rv['peak_bytes']) / 2**20:.1f}"]
+                else:
+                    line += [_fmt(rk.get("x_eager_rtn_cpu")), _fmt(rv.get("x_eager_rtn_cpu"))]
                 table.append(line)
             headers = ["candidate", "K ms", "V ms", "K ×clone", "V ×clone", "K ×eager_rtn", "V ×eager_rtn"]
             if has_hqq:
                 headers += ["K ×hqq_rtn", "V ×hqq_rtn"]
-            if cuda:
-                headers += ["peak MiB"]
+            headers += ["peak MiB"] if cuda else ["K ×eager_rtn cpu", "V ×eager_rtn cpu"]
             shape = result["config"]["shape"]
             out.append(f"threads={nt}  T={t}  x=({shape[0]}, {shape[1]}, {t}, {shape[3]}) fp32  "
                        f"{result['config']['bits']} bits  median of {result['config']['repeats']} interleaved rounds")
@@ -568,11 +589,15 @@ def format_report(result: dict[str, Any]) -> str:
                     if (s["threads"], s["candidate"], s["kind"]) == (nt, cand, kind)}
             table.append([nt, cand + (f"/{kind}" if kind else "")]
                          + [_fmt(vals[st]["time_ratio"]) if st in vals else "—" for st in steps]
-                         + [_fmt(vals[st].get("min_time_ratio")) if st in vals else "—" for st in steps])
-        out.append("time ratio between token counts, of the medians and of the fastest calls (a memory-bound "
-                   "round trip scales like the token ratio)")
+                         + [_fmt(vals[st].get("min_time_ratio")) if st in vals else "—" for st in steps]
+                         + ([_fmt(vals[st].get("cpu_time_ratio")) if st in vals else "—" for st in steps]
+                            if not cuda else []))
+        out.append("time ratio between token counts: of the median wall times, of the fastest calls"
+                   + ("" if cuda else " and of the median CPU times") + " (a memory-bound round trip scales like "
+                   "the token ratio)")
         out.append(tabulate(table, headers=["threads", "candidate"] + [f"{a}→{b} (×{b / a:g})" for a, b in steps]
-                            + [f"min {a}→{b}" for a, b in steps], disable_numparse=True))
+                            + [f"min {a}→{b}" for a, b in steps] + ([] if cuda else [f"cpu {a}→{b}" for a, b in steps]),
+                            disable_numparse=True))
     env = result["environment"]
     out.append(f"\ntorch {env['torch']} · {env['device']}{' ' + env['cuda_device'] if env.get('cuda_device') else ''}"
                f" · {env['cpu_count']} CPUs (default threads {env['default_threads']}) · timer {env['timer']} · "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,11 @@ def test_ratios_are_medians_over_the_baselines() -> None:
     assert s["token_ratio"] == 2 and math.isclose(s["time_ratio"], by_t[64] / by_t[32])
     mins = {r["tokens"]: r["min_ms"] for r in want}
     assert math.isclose(s["min_time_ratio"], mins[64] / mins[32])
+    cpus = {r["tokens"]: r["median_cpu_ms"] for r in want}
+    assert math.isclose(s["cpu_time_ratio"], cpus[64] / cpus[32])
+    for r in rows:
+        assert len(r["all_cpu_ms"]) == 2 and r["median_cpu_ms"] == statistics.median(r["all_cpu_ms"])
+        assert math.isclose(r["x_eager_rtn_cpu"], r["median_cpu_ms"] / rtn[r["tokens"]]["median_cpu_ms"])
     text = format_report(res)
     assert "rtn_token" in text and "×clone" in text and "32→64" in text
 
