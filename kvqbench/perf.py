@@ -589,15 +589,13 @@ def format_report(result: dict[str, Any]) -> str:
                     if (s["threads"], s["candidate"], s["kind"]) == (nt, cand, kind)}
             table.append([nt, cand + (f"/{kind}" if kind else "")]
                          + [_fmt(vals[st]["time_ratio"]) if st in vals else "—" for st in steps]
-                         + [_fmt(vals[st].get("min_time_ratio")) if st in vals else "—" for st in steps]
                          + ([_fmt(vals[st].get("cpu_time_ratio")) if st in vals else "—" for st in steps]
                             if not cuda else []))
-        out.append("time ratio between token counts: of the median wall times, of the fastest calls"
-                   + ("" if cuda else " and of the median CPU times") + " (a memory-bound round trip scales like "
-                   "the token ratio)")
+        out.append("time ratio between token counts: of the median wall times" + ("" if cuda else " and of the "
+                   "median CPU times") + " (a memory-bound round trip scales like the token ratio; the JSON also "
+                   "has the ratio of the fastest calls)")
         out.append(tabulate(table, headers=["threads", "candidate"] + [f"{a}→{b} (×{b / a:g})" for a, b in steps]
-                            + [f"min {a}→{b}" for a, b in steps] + ([] if cuda else [f"cpu {a}→{b}" for a, b in steps]),
-                            disable_numparse=True))
+                            + ([] if cuda else [f"cpu {a}→{b}" for a, b in steps]), disable_numparse=True))
     env = result["environment"]
     out.append(f"\ntorch {env['torch']} · {env['device']}{' ' + env['cuda_device'] if env.get('cuda_device') else ''}"
                f" · {env['cpu_count']} CPUs (default threads {env['default_threads']}) · timer {env['timer']} · "
