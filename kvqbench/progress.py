@@ -409,9 +409,15 @@ class Progress:
             mine = [n for n in q if n in charge and n not in queued]
             queued.update(mine)
             busy.append(sum(charge[n] for n in mine))
-        busy += [charge[n] for n in self.running if n in charge and n not in queued]
+        # a running test the queues do not list (they were read before it was sent) runs on a worker
+        # whose listed work is done: the least busy one — never on a worker of its own
+        busy += [0.0] * max(max(self.workers, 1) - len(busy), 0)
+        for n in sorted((n for n in self.running if n in charge and n not in queued), key=charge.get,
+                        reverse=True):
+            i = min(range(len(busy)), key=busy.__getitem__)
+            busy[i] += charge[n]
         costs = [c for n, c in charge.items() if n not in queued and n not in self.running]
-        tests = schedule_end(busy, costs, max(self.workers, 1, len(busy)))
+        tests = schedule_end(busy, costs, len(busy))
         report = sum(self._step_prediction(k, speed) for k, v in self.expected_steps.items()
                      if k.startswith("report|") and v > 0)
         if self.report_started is not None:
