@@ -329,13 +329,13 @@ class Progress:
         stats: dict[tuple[str, str], list[float]] = {}  # group -> [log speed, count]
         for kind, b, d in self.observed:
             x = math.log(max(d, 1e-6) / b)
-            parent = x  # the run's first test sets the run's speed outright
+            step = 1.0 - math.exp(-b / SPEED_MEMORY_S)
+            parent = None
             for key in (("run", ""), *reversed(_groups(kind))):
-                acc = stats.setdefault(key, [parent, 0])
+                acc = stats.setdefault(key, [x if parent is None else parent, 0])  # the run's first test sets it
                 acc[1] += 1
-                gap = min(max(x - acc[0], -SPEED_STEP_CLIP), SPEED_STEP_CLIP)
-                acc[0] += max(1.0 - math.exp(-b / SPEED_MEMORY_S), 1.0 / acc[1]) * gap
-                parent += (acc[0] - parent) * acc[1] / (acc[1] + SHRINK_N)
+                acc[0] += max(step, 1.0 / acc[1]) * min(max(x - acc[0], -SPEED_STEP_CLIP), SPEED_STEP_CLIP)
+                parent = acc[0] if parent is None else parent + (acc[0] - parent) * acc[1] / (acc[1] + SHRINK_N)
         self._model_cache = (n, stats)
         return stats
 

@@ -132,6 +132,40 @@ def test_tests_already_sent_to_a_worker_stay_there():
     assert p.eta(3.0) == pytest.approx(6.0)
 
 
+def test_a_running_test_the_queues_do_not_list_runs_on_the_worker_whose_queue_ran_dry():
+    """The queues were read before r was sent: worker A's listed work (x) is done and it runs r (4 s);
+    B runs b (2 s of its 3 s left) then c (3 s); the unsent d (6 s) goes to A when r ends: 1 + 4 + 6 —
+    not to a third, imaginary worker (which would give 1 + 6)."""
+    cost = {"t.py::test_r": 4.0, "t.py::test_b": 3.0, "t.py::test_c": 3.0, "t.py::test_d": 6.0,
+            "t.py::test_x": 1.0}
+    prior = {"version": 1, "tests": cost, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(list(cost))
+    p.started("t.py::test_x", 0.0)
+    p.started("t.py::test_b", 0.0)
+    p.set_queues([["t.py::test_x"], ["t.py::test_b", "t.py::test_c"]], 0.0)
+    p.finished("t.py::test_x", 1.0, 1.0)
+    p.started("t.py::test_r", 1.0)
+    assert p.eta(1.0) == pytest.approx(4.0 + 6.0)
+
+
+def test_report_step_scales_with_the_cells_and_the_runs_speed():
+    """The table's report took 10 s for 100 cells; this run has 50 cells and runs 2× slower: 10 s.
+    A report kind the table lacks is charged the table's seconds per cell: 0.1 × 50 × 2."""
+    ids = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(50)]
+    for kind, expected in (("report|real-full", 10.0), ("report|other-sources", 10.0)):
+        prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {},
+                 "steps": {kind: 10.0}, "step_cells": {kind: 100}}
+        p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, prior=prior, trace_path=None)
+        p.collected(ids)
+        assert p.cells == 50
+        p.finished(ids[0], 2.0, 2.0)
+        assert p.eta(2.0) == pytest.approx(49 * 2.0 + expected)
+    assert p.updated_history()["step_cells"] == {}  # no report measured yet
+    p.step("report|real-full", 12.0)
+    assert p.updated_history()["step_cells"]["report|real-full"] == 50
+
+
 def test_plugin_reads_the_xdist_queues_and_falls_back_to_none():
     from types import SimpleNamespace
 
@@ -156,17 +190,62 @@ def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file()
     assert p.base("w.py::test_e") is None
 
 
-def test_a_kind_that_got_slower_is_charged_more_than_the_rest():
-    ids = [f"t.py::test_{c}[{i}]" for i in range(6) for c in "ab"]
+def test_a_kind_whose_table_entry_is_off_by_2x_is_corrected_after_a_few_of_its_tests():
+    """Two kinds in two files of one folder, alternating; the table says 1 s for both, a takes 1 s and b
+    2 s (its code got slower). Each file's and kind's recent speed is its own ratio exactly (its first
+    test sets it, the rest agree); the run's and the folder's lie between (log 1 .. log 2), and with n
+    tests of each the file and the kind weigh n / (n + 2) each over them, so each charge is within a
+    factor 2^((2 / (n + 2))²) of its truth, on the side of the other kind."""
+    from kvqbench.progress import SHRINK_N
+
+    ids = [f"d/{c}.py::test_{c}[{i}]" for i in range(8) for c in "ab"]
     prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {}, "steps": {}}
     p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
     p.collected(ids)
-    for n in ids[:6]:  # three of each kind: a as in the prior, b 3× slower (its code changed)
-        p.finished(n, 3.0 if "test_b" in n else 1.0)
-    # the typical ratio (base-weighted median of 1,1,1,3,3,3) is 1: a is charged its prior; b 3× that,
-    # shrunk towards 1 by 3 / (3 + 2) while only three b's have finished
-    assert p.predict("t.py::test_a[5]") == pytest.approx(1.0)
-    assert p.predict("t.py::test_b[5]") == pytest.approx(1.0 + 2.0 * 0.6)
+    n = 6
+    for node in ids[:2 * n]:
+        p.finished(node, 2.0 if "test_b" in node else 1.0)
+    tol = 2.0 ** ((SHRINK_N / (n + SHRINK_N)) ** 2)
+    pa, pb = p.predict("d/a.py::test_a[7]"), p.predict("d/b.py::test_b[7]")
+    assert 1.0 <= pa <= tol and 2.0 / tol <= pb <= 2.0, (pa, pb)
+    assert pb / pa > 1.8  # the old single-speed estimate charged both about the same
+
+
+def test_a_phase_of_cheap_kinds_does_not_drag_the_remaining_expensive_kind():
+    """10 tests of x (folder d) run 1.5× their table, then 40 tests of y (folder e) exactly as the table:
+    the run's recent speed falls towards 1, but x's pending tests keep their own 1.5 — the run's speed
+    weighs (2 / 12)³ at most once x's folder, file and kind each have 10 tests."""
+    xs = [f"d/x.py::test_x[{i}]" for i in range(12)]
+    ys = [f"e/y.py::test_y[{i}]" for i in range(40)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in xs + ys}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(xs + ys)
+    for n in xs[:10]:
+        p.finished(n, 1.5)
+    for n in ys:
+        p.finished(n, 1.0)
+    assert p.speed() < 1.1  # the run's recent speed followed y
+    assert 1.5 * 1.5 ** (-(2 / 12) ** 3) <= p.predict(xs[10]) <= 1.5
+
+
+def test_a_first_cell_outlier_moves_its_group_by_at_most_2x_and_then_averages_out():
+    """A new file whose first test pays a one-off 10× (a model load), then runs as its table. The outlier
+    moves each group by log 2 at most (its gap is clipped), and a group's first tests are averaged
+    (weight 1 / n): the run and the folder (5 tests before) end at r = log 2 / 6; the new file starts
+    there and ends at r + log 2, weighing 1 / 3; the new kind starts at r + log 2 / 3 and ends log 2
+    above, weighing 1 / 3: the charge is 2^(1/6 + 2/3) ≤ 2× the table. After 9 more tests each group is
+    at most its start plus log 2 (≤ 1.5 log 2) over 10."""
+    ids = [f"d/a.py::test_a[{i}]" for i in range(5)] + [f"d/b.py::test_b[{i}]" for i in range(12)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(ids)
+    for n in ids[:5]:
+        p.finished(n, 1.0)
+    p.finished(ids[5], 10.0)
+    assert p.predict(ids[-1]) == pytest.approx(2.0 ** (1 / 6 + 2 / 3))
+    for n in ids[6:15]:
+        p.finished(n, 1.0)
+    assert 1.0 < p.predict(ids[-1]) <= 2.0 ** 0.2
 
 
 def test_history_predicts_unseen_tests_scaled_by_this_runs_speed():
