@@ -10,7 +10,8 @@ tests or cells change a lot, on a fresh clone so that caches are cold as on a us
     python scripts/eta_prior.py .pytest_cache/v/kvqbench/durations -o kvqbench/data/eta_prior.json
 
 Each argument is a history file that kvqbench keeps in pytest's cache (``{"tests": {nodeid: s},
-"kinds": …, "steps": …}``); later files override earlier ones test by test. The kinds are recomputed
+"kinds": …, "steps": …, "step_cells": {report step: cells}}``); later files override earlier ones test by
+test (and step by step). The kinds are recomputed
 as the medians of the merged tests. Durations are rounded to milliseconds and keys sorted, so the file
 diffs well. Only relative durations matter: each run scales them by its own measured speed.
 Standard library only (plus kvqbench.progress for the kinds).

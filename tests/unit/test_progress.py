@@ -385,15 +385,17 @@ def test_eta_prior_merges_histories_and_recomputes_kinds(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a = {"version": 1, "tests": {"t.py::test_a[1]": 1.0, "t.py::test_a[2]": 3.0}, "kinds": {"x": 9.0},
-         "steps": {"report|no-cells": 5.0}}
-    b = {"version": 1, "tests": {"t.py::test_a[2]": 5.0}, "kinds": {}, "steps": {"capture|real-full": 20.0}}
+         "steps": {"report|no-cells": 5.0, "report|real-full": 8.0}, "step_cells": {"report|real-full": 40}}
+    b = {"version": 1, "tests": {"t.py::test_a[2]": 5.0}, "kinds": {}, "steps": {"capture|real-full": 20.0},
+         "step_cells": {"report|real-full": 60, "report|gone": 3}}
     for i, d in enumerate((a, b)):
         (tmp_path / f"h{i}").write_text(json.dumps(d))
     assert mod.main([str(tmp_path / "h0"), str(tmp_path / "h1"), "-o", str(tmp_path / "prior.json")]) == 0
     prior = json.loads((tmp_path / "prior.json").read_text())
     assert prior["tests"] == {"t.py::test_a[1]": 1.0, "t.py::test_a[2]": 5.0}  # the later file wins
     assert prior["kinds"] == {"t.py::test_a": 3.0}  # median of 1 and 5, the stale kind is gone
-    assert prior["steps"] == {"capture|real-full": 20.0, "report|no-cells": 5.0}
+    assert prior["steps"] == {"capture|real-full": 20.0, "report|no-cells": 5.0, "report|real-full": 8.0}
+    assert prior["step_cells"] == {"report|real-full": 60}  # the later file wins; only steps it has
     assert mod.main([str(tmp_path / "missing")]) == 2
 
 
