@@ -58,9 +58,10 @@ _TAGS = ("real", "synthetic", "full", "smoke")
 #: the committed per-test durations of a fresh-clone run of the test suite and of the main job
 #: (the history format of :meth:`Progress.updated_history`; regenerate with ``scripts/eta_prior.py``)
 PRIOR_PATH = Path(__file__).resolve().parent / "data" / "eta_prior.json"
-#: the run's speed level forgets exponentially over this many base seconds of finished tests
-SPEED_MEMORY_S = 60.0
-#: one finished test moves the speed level by at most this (log) share of its gap
+#: a group's recent speed forgets exponentially over this many base seconds of its finished tests
+#: (replayed main job: 20 s followed its end-phase slowdown best among 10-60 s; the suite did not change)
+SPEED_MEMORY_S = 20.0
+#: one finished test moves a group's recent speed by at most this much (log): an outlier is not a new speed
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
 SHRINK_N = 2.0
