@@ -65,7 +65,6 @@ SPEED_MEMORY_S = 20.0
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
 SHRINK_N = 2.0
-_LOG5 = math.log(5.0)
 
 
 def _groups(kind: str) -> tuple[tuple[str, str], ...]:
@@ -361,8 +360,9 @@ class Progress:
         return f
 
     def speed(self) -> float:
-        """This run's seconds per base second for a test of no particular kind (the level of
-        :meth:`_model`); 1 before any test with a base has finished. Clamped to [0.05, 20]."""
+        """This run's recent seconds per base second over all its tests (the ``run`` group of
+        :meth:`_model`; what the report step is scaled by); 1 before any test with a base has finished.
+        Clamped to [0.05, 20]."""
         return min(max(math.exp(self._root(self._model())), 0.05), 20.0) if self.observed else 1.0
 
     def predict(self, nodeid: str, kind: str | None = None) -> float | None:
