@@ -34,7 +34,8 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
    A pending real-model capture is charged to the first cell that needs it on each worker.
 4. **The report step** (results and figures, after the last test, alone) is added at the end: the
    table's seconds × the run's recent speed × this run's benchmark cells / the cells it was measured
-   with (the tables keep them in ``step_cells``); it counts down once it has begun.
+   with (the tables keep them in ``step_cells``); it counts down once it has begun (once overrun, a
+   quarter of the overrun again).
 
 With a constant-speed machine ``c`` times slower than the table, the ETA is exact once the first tests
 have finished (tests/unit/test_progress.py checks this and the schedule's closed forms).
@@ -451,7 +452,8 @@ class Progress:
         report = sum(self._step_prediction(k, speed) for k, v in self.expected_steps.items()
                      if k.startswith("report|") and v > 0)
         if self.report_started is not None:
-            report = max(report - (now - self.report_started), 0.0)
+            ran = now - self.report_started  # once overrun, a quarter of the overrun again (as for a test)
+            report = max(report - ran, 0.25 * (ran - report))
         self.debug = f"tests={tests:.1f} speed={speed:.2f} over={over:.3f} report={report:.1f}"
         return tests + report
 

@@ -272,6 +272,7 @@ def test_report_step_is_added_once_and_counts_down_after_the_last_test():
     assert p.eta(0.0) == pytest.approx(4.0 + 6.0)
     p.finished(ids[0], 4.0, now=4.0)
     assert p.eta(5.0) == pytest.approx(6.0 - 1.0)
+    assert p.eta(14.0) == pytest.approx(0.25 * (10.0 - 6.0))  # overran by 4 s: a quarter of that again
     p.step("report|synthetic-smoke", 7.0)
     h = p.updated_history()
     assert h["tests"] == {ids[0]: 4.0} and h["steps"] == {"report|synthetic-smoke": 7.0}
