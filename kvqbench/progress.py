@@ -225,13 +225,16 @@ class Progress:
         self.expected_steps = {f"capture|real-{s}": max(1, self.workers) for s in sizes}
         cells = sorted({"-".join(t) for t in tags if t})
         self.cells = sum(1 for t in tags if t)
-        self.expected_steps[self.report_kind(cells)] = 1
+        self.expected_steps[self.report_kind(cells, self.cells < len(nodeids))] = 1
 
     @staticmethod
-    def report_kind(cell_tags: list[str]) -> str:
+    def report_kind(cell_tags: list[str], other_tests: bool = False) -> str:
         """The end-of-session step: from the last test's end to the session's end (xdist workers
-        shutting down, then for benchmark cells the results and figures): ``report|<source-size,…>``."""
-        return "report|" + (",".join(sorted(cell_tags)) or "no-cells")
+        shutting down, then for benchmark cells the results and figures): ``report|<source-size,…>``,
+        with ``|+tests`` when tests other than cells ran too (the test suite ends differently from
+        ``kvqbench run --smoke`` with the same cells)."""
+        kind = "report|" + (",".join(sorted(cell_tags)) or "no-cells")
+        return kind + "|+tests" if other_tests and cell_tags else kind
 
     def started(self, nodeid: str, now: float) -> None:
         self._trace("started", nodeid, now)
@@ -389,12 +392,14 @@ class Progress:
         if self.steps.get(kind):
             return _median(self.steps[kind])
         report = kind.startswith("report|")
-        for t in self._tables():
-            v = (t.get("steps") or {}).get(kind)
-            if v is not None:
-                ref = (t.get("step_cells") or {}).get(kind)
-                scale = self.cells / ref if report and ref and self.cells else 1.0
-                return float(v) * scale * speed
+        # a suite's report (``|+tests``) that the tables lack: as the same cells' report alone
+        for k in (kind, kind.removesuffix("|+tests")) if report else (kind,):
+            for t in self._tables():
+                v = (t.get("steps") or {}).get(k)
+                if v is not None:
+                    ref = (t.get("step_cells") or {}).get(k)
+                    scale = self.cells / ref if report and ref and self.cells else 1.0
+                    return float(v) * scale * speed
         if report and self.cells:
             rates = [float(v) / ref for t in self._tables() for k, v in (t.get("steps") or {}).items()
                      if k.startswith("report|") and (ref := (t.get("step_cells") or {}).get(k))]

@@ -279,6 +279,21 @@ def test_report_step_is_added_once_and_counts_down_after_the_last_test():
     assert h["kinds"] == {"t.py::test_a|m|synthetic-smoke": 4.0}
 
 
+def test_a_suites_report_is_a_step_of_its_own_and_falls_back_to_the_cells_alone():
+    """The test suite ends differently from a cells-only run with the same cells: its report step is
+    ``|+tests``; a table without that kind charges the cells-only report."""
+    ids = ["t.py::test_a[m-k2v2-seed0-synthetic-smoke]", "u.py::test_unit"]
+    assert Progress.report_kind(["synthetic-smoke"], True) == "report|synthetic-smoke|+tests"
+    assert Progress.report_kind([], True) == "report|no-cells"
+    for steps, expected in (({"report|synthetic-smoke": 2.0}, 2.0),
+                            ({"report|synthetic-smoke": 2.0, "report|synthetic-smoke|+tests": 5.0}, 5.0)):
+        prior = {"version": 1, "tests": {ids[0]: 1.0, ids[1]: 1.0}, "kinds": {}, "steps": steps}
+        p = Progress(interval_s=0, t0=0.0, t_run=0.0, prior=prior, trace_path=None)
+        p.collected(ids)
+        assert "report|synthetic-smoke|+tests" in p.expected_steps
+        assert p.eta(0.0) == pytest.approx(2.0 + expected)
+
+
 def test_pending_capture_is_charged_to_the_first_real_cell_of_each_worker():
     ids = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(4)]
     prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {},
