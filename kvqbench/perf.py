@@ -124,8 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", choices=("cold", "warm"), default="cold",
                    help="cold (default): every timed call reads its own copy of the input, round-robin over copies "
                         "totalling more than the last-level cache (sysfs; CUDA: L2), so every candidate starts from "
-                        "memory at every T; warm: one input tensor, reused (whatever the previous call left in "
-                        "cache)")
+                        "memory at every T (costs about twice the LLC in memory per T: K and V copies; at most "
+                        "2 GiB each); warm: one input tensor, reused (whatever the previous call left in cache)")
     p.add_argument("--fused", action="store_true",
                    help="use the compiled (torch.compile) RTN kernels where a compiler exists, as KVQBENCH_FUSED=1 "
                         "(bit-identical; the first call per shape compiles)")
