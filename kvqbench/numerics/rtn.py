@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from kvqbench.numerics import fused
+from kvqbench.numerics import blocks, fused
 
 __all__ = [
     "Granularity",
@@ -186,6 +186,12 @@ def rtn_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asym RTN of ``x`` ``(batch, kv_heads, seq_len, head_dim)`` at ``granularity``.
 
+    On the CPU the work runs over cache-sized blocks (:mod:`kvqbench.numerics.blocks`, one thread): per-token
+    groups in blocks of tokens (statistics and codes per block); per-channel groups and a group longer than
+    a block (per-tensor) take their statistics in one pass over the whole tensor first, then the codes in
+    blocks. Every result is bit-identical to the whole-tensor ops (the statistics are exact minima/maxima
+    of the same groups, the codes elementwise; tested).
+
     Per-channel groups are reduced in place along the token axis (``(…, n_groups, G, head_dim)`` is a view
     of ``x``), so neither ``x`` nor the codes are transposed; only a partial last group takes the padded
     :func:`to_groups` path.
@@ -197,6 +203,17 @@ def rtn_quantize(
         ``(codes, lo, scale)``: ``codes`` in ``x``'s layout; ``lo``/``scale`` one per group,
         shaped ``(*other_dims, n_groups, 1)`` (``PerTensor``: shape ``(1,)``).
     """
+    if not isinstance(granularity, PerTensor) and _blocked(x):
+        with blocks.one_cpu_thread(x.device):
+            return _quantize_blocked(x, bits, granularity, codes_dtype, qparam_kwargs)
+    return _rtn_quantize_whole(x, bits, granularity, codes_dtype=codes_dtype, **qparam_kwargs)
+
+
+def _rtn_quantize_whole(
+    x: torch.Tensor, bits: int, granularity: Granularity, *, codes_dtype: torch.dtype = torch.int64,
+    **qparam_kwargs
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rtn_quantize` as whole-tensor ops (one pass per op over the full tensor)."""
     if isinstance(granularity, PerTensor):
         xf = x.to(compute_dtype(x.dtype)).reshape(-1)
         lo, scale = choose_qparams_asym(xf, bits, dim=0, **qparam_kwargs)
@@ -217,7 +234,21 @@ def rtn_quantize(
 def rtn_dequantize(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, granularity: Granularity
 ) -> torch.Tensor:
-    """Inverse of :func:`rtn_quantize` (in the compute dtype of ``lo``); ``codes`` of any integer dtype."""
+    """Inverse of :func:`rtn_quantize` (in the compute dtype of ``lo``); ``codes`` of any integer dtype.
+
+    On the CPU in cache-sized blocks, as :func:`rtn_quantize` (bit-identical: elementwise)."""
+    if not isinstance(granularity, PerTensor) and _blocked(codes):
+        with blocks.one_cpu_thread(codes.device):
+            out = _dequantize_blocked(codes, lo, scale, granularity)
+        if out is not None:
+            return out
+    return _rtn_dequantize_whole(codes, lo, scale, granularity)
+
+
+def _rtn_dequantize_whole(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, granularity: Granularity
+) -> torch.Tensor:
+    """:func:`rtn_dequantize` as whole-tensor ops."""
     if isinstance(granularity, PerTensor):
         return dequantize_asym(codes, lo, scale)
     axis, g = _group_axis(granularity)
@@ -227,6 +258,116 @@ def rtn_dequantize(
         return dequantize_asym(cg, lo.movedim(-3, -1), scale.movedim(-3, -1)).reshape(codes.shape)
     cg, restore = to_groups(codes, axis, g)
     return restore(dequantize_asym(cg, lo, scale))
+
+
+def _blocked(t: torch.Tensor) -> bool:
+    """Whether :func:`rtn_quantize`/:func:`rtn_dequantize` of ``t`` run in blocks: on the CPU, more than one
+    block of elements, not the compiled path (one loop already)."""
+    return (t.device.type == "cpu" and t.dim() >= 2 and t.numel() > blocks.BLOCK_ELEMS
+            and not fused.enabled(t.device.type))
+
+
+def _token_layout(d: int, g: int | None) -> tuple[int, int] | None:
+    """``(group_size, n_groups)`` of per-token groups over a last dim of ``d`` (``None``: a bad group size,
+    left to the whole-tensor path to raise)."""
+    gs = d if g is None else int(g)
+    return (gs, -(-d // gs)) if gs > 0 else None
+
+
+def _channel_blocks(n_groups: int, gc: int, d: int) -> list[tuple[slice, slice]]:
+    """``(group slice, token slice)`` blocks of per-channel groups ``(n_groups, gc, d)``: whole groups per
+    block when one group fits a block, else each group in blocks of tokens."""
+    if gc * d <= blocks.BLOCK_ELEMS:
+        return [(sl, slice(None)) for sl in blocks.row_blocks(n_groups, gc * d)]
+    return [(slice(i, i + 1), ts) for i in range(n_groups) for ts in blocks.row_blocks(gc, d)]
+
+
+def _quantize_blocked(
+    x: torch.Tensor, bits: int, gran: Granularity, codes_dtype: torch.dtype, kw: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rtn_quantize` over cache-sized blocks (same bits as :func:`_rtn_quantize_whole`)."""
+    axis, g = _group_axis(gran)
+    cd, dev, d = compute_dtype(x.dtype), x.device, int(x.shape[-1])
+    if axis == -1:
+        layout = _token_layout(d, g)
+        if layout is None:
+            return _rtn_quantize_whole(x, bits, gran, codes_dtype=codes_dtype, **kw)
+        gs, n_g = layout
+        rows = x.reshape(-1, d)
+        n, lead = rows.shape[0], x.shape[:-1]
+        codes = torch.empty(n, d, dtype=codes_dtype, device=dev)
+        if n_g * gs <= blocks.BLOCK_ELEMS:  # blocks of tokens: statistics and codes per block
+            lo = torch.empty(n, n_g, 1, dtype=cd, device=dev)
+            scale = torch.empty_like(lo)
+            for sl in blocks.row_blocks(n, n_g * gs):
+                codes[sl], lo[sl], scale[sl] = _rtn_quantize_whole(rows[sl], bits, gran, codes_dtype=codes_dtype,
+                                                                   **kw)
+            return codes.view(x.shape), lo.view(*lead, n_g, 1), scale.view(*lead, n_g, 1)
+        if n_g > 1 or gs != d:
+            return _rtn_quantize_whole(x, bits, gran, codes_dtype=codes_dtype, **kw)
+        # one group longer than a block (per-tensor): its statistics in one pass, then codes in blocks
+        xf = rows.to(cd)
+        lo, scale = choose_qparams_asym(xf.view(*lead, 1, d), bits, dim=-1, **kw)  # (…, 1, 1)
+        lo2, scale2 = lo.view(n, 1), scale.view(n, 1)
+        for r in range(n):
+            for cs in blocks.row_blocks(d, 1):
+                codes[r, cs] = quantize_asym(xf[r, cs], lo2[r], scale2[r], bits, codes_dtype)
+        return codes.view(x.shape), lo, scale
+    t = int(x.shape[-2])
+    gc = _channel_groups(t, g)
+    if gc is None:  # a partial group: the padded path
+        return _rtn_quantize_whole(x, bits, gran, codes_dtype=codes_dtype, **kw)
+    # per-channel groups: statistics in one pass (the same reduction as the whole-tensor path), codes in blocks
+    xg = x.to(cd).reshape(*x.shape[:-2], t // gc, gc, d)  # (…, nG, G, D)
+    lo, scale = choose_qparams_asym(xg, bits, dim=-2, **kw)  # (…, nG, 1, D)
+    x3, lo3, scale3 = xg.reshape(-1, gc, d), lo.reshape(-1, 1, d), scale.reshape(-1, 1, d)
+    codes3 = torch.empty(x3.shape, dtype=codes_dtype, device=dev)
+    for gsl, ts in _channel_blocks(x3.shape[0], gc, d):
+        codes3[gsl, ts] = quantize_asym(x3[gsl, ts], lo3[gsl], scale3[gsl], bits, codes_dtype)
+    return codes3.view(x.shape), lo.movedim(-1, -3), scale.movedim(-1, -3)
+
+
+def _dequantize_blocked(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, gran: Granularity
+) -> torch.Tensor | None:
+    """:func:`rtn_dequantize` over cache-sized blocks (same bits as :func:`_rtn_dequantize_whole`); ``None``
+    where the layout has no blocked path."""
+    axis, g = _group_axis(gran)
+    dev, d = codes.device, int(codes.shape[-1])
+    if axis == -1:
+        layout = _token_layout(d, g)
+        if layout is None:
+            return None
+        gs, n_g = layout
+        if tuple(lo.shape) != (*codes.shape[:-1], n_g, 1) or lo.shape != scale.shape:
+            return None
+        rows = codes.reshape(-1, d)
+        n = rows.shape[0]
+        out = torch.empty(n, d, dtype=lo.dtype, device=dev)
+        lo2, scale2 = lo.reshape(n, n_g, 1), scale.reshape(n, n_g, 1)
+        if n_g * gs <= blocks.BLOCK_ELEMS:
+            for sl in blocks.row_blocks(n, n_g * gs):
+                out[sl] = _rtn_dequantize_whole(rows[sl], lo2[sl], scale2[sl], gran)
+            return out.view(codes.shape)
+        if n_g > 1 or gs != d:
+            return None
+        for r in range(n):
+            for cs in blocks.row_blocks(d, 1):
+                out[r, cs] = dequantize_asym(rows[r, cs], lo2[r, 0], scale2[r, 0])
+        return out.view(codes.shape)
+    t = int(codes.shape[-2])
+    gc = _channel_groups(t, g)
+    if gc is None:
+        return None
+    lo_c, scale_c = lo.movedim(-3, -1), scale.movedim(-3, -1)  # (…, nG, 1, D)
+    if tuple(lo_c.shape) != (*codes.shape[:-2], t // gc, 1, d) or lo_c.shape != scale_c.shape:
+        return None
+    c3 = codes.reshape(-1, gc, d)
+    lo3, scale3 = lo_c.reshape(-1, 1, d), scale_c.reshape(-1, 1, d)
+    out3 = torch.empty(c3.shape, dtype=lo.dtype, device=dev)
+    for gsl, ts in _channel_blocks(c3.shape[0], gc, d):
+        out3[gsl, ts] = dequantize_asym(c3[gsl, ts], lo3[gsl], scale3[gsl])
+    return out3.view(codes.shape)
 
 
 @torch.no_grad()
