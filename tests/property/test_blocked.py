@@ -49,7 +49,7 @@ RTN_BLOCKED = ("rtn_tensor", "rtn_token", "rtn_channel", "kivi", "polarquant")
 
 @settings(max_examples=40, deadline=None)
 @given(x=kv_tensors(max_tokens=160, head_dims=(8, 16, 32, 64, 96, 128)), method=st.sampled_from(RTN_BLOCKED),
-       kind=st.sampled_from(["k", "v"]), bits=st.integers(1, 4), small=st.sampled_from([1, 200, 3000]),
+       kind=st.sampled_from(["k", "v"]), bits=st.integers(1, 4), small=st.sampled_from([64, 200, 3000]),
        group=st.sampled_from([4, 16, 32, 100, 128]))
 def test_grouped_rtn_blocks_give_the_same_bits_as_one_block(x, method, kind, bits, small, group) -> None:
     params = {"kivi": {"group_size": group}}.get(method, {})
@@ -69,7 +69,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=60, deadline=None)
 @given(x=kv_tensors(max_tokens=160, head_dims=(8, 16, 64, 96, 128)),
        gran=st.sampled_from([PerToken(), PerToken(16), PerToken(100), PerChannel(), PerChannel(16), PerChannel(7)]),
-       flat=st.booleans(), bits=st.integers(1, 8), small=st.sampled_from([1, 200, 3000]),
+       flat=st.booleans(), bits=st.integers(1, 8), small=st.sampled_from([64, 200, 3000]),
        zeros=st.integers(0, 3))
 def test_rtn_blocks_give_the_same_bytes(x, gran, flat, bits, small, zeros) -> None:
     """rtn_quantize/rtn_dequantize byte for byte (signed zeros included), per token, per channel and per
