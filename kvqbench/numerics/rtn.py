@@ -137,10 +137,12 @@ def choose_qparams_asym(
 
 
 def quantize_asym(
-    x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64
+    x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64,
+    *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Codes ``clamp(round((x - lo)/scale), 0, 2**b - 1)`` as ``dtype`` (default int64; ``torch.uint8``
-    holds every width up to 8 bits and saves a widening pass); a zero scale gives code 0.
+    holds every width up to 8 bits and saves a widening pass); a zero scale gives code 0. ``out``: a
+    tensor of ``x``'s shape (and ``dtype``) the codes are cast into (no separate codes tensor).
 
     One temporary: ``x - lo`` is divided, rounded and clamped in place. A zero scale divides by ``+inf``
     (``(x − lo)/inf = 0`` for the finite inputs the quantizers accept), so no full-size mask is built.
@@ -151,11 +153,16 @@ def quantize_asym(
         return fused.quantize_codes(xf, lo, safe, 2**bits - 1, dtype, fused=True)
     q = torch.sub(xf, lo)
     q.div_(safe).round_().clamp_(0, 2**bits - 1)
-    return q.to(dtype)
+    return q.to(dtype) if out is None else out.copy_(q)
 
 
-def dequantize_asym(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``codes * scale + lo`` in ``lo``'s dtype (one output buffer, multiplied and shifted in place)."""
+def dequantize_asym(
+    codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``codes * scale + lo`` in ``lo``'s dtype (one output buffer, multiplied and shifted in place);
+    ``out``: that buffer, of ``codes``' shape and ``lo``'s dtype (the same bits: the codes widen exactly)."""
+    if out is not None and not fused.enabled(codes.device.type):
+        return out.copy_(codes).mul_(scale).add_(lo)
     if fused.enabled(codes.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
         return fused.dequantize_codes(codes, lo, scale, fused=True)
     shape = torch.broadcast_shapes(codes.shape, scale.shape, lo.shape)
@@ -300,8 +307,13 @@ def _quantize_blocked(
             lo = torch.empty(n, n_g, 1, dtype=cd, device=dev)
             scale = torch.empty_like(lo)
             for sl in blocks.row_blocks(n, n_g * gs):
-                codes[sl], lo[sl], scale[sl] = _rtn_quantize_whole(rows[sl], bits, gran, codes_dtype=codes_dtype,
-                                                                   **kw)
+                if n_g * gs != d:  # a padded partial group
+                    codes[sl], lo[sl], scale[sl] = _rtn_quantize_whole(rows[sl], bits, gran,
+                                                                       codes_dtype=codes_dtype, **kw)
+                    continue
+                xg = rows[sl].to(cd).view(-1, n_g, gs)
+                lo[sl], scale[sl] = choose_qparams_asym(xg, bits, dim=-1, **kw)
+                quantize_asym(xg, lo[sl], scale[sl], bits, codes_dtype, out=codes[sl].view(-1, n_g, gs))
             return codes.view(x.shape), lo.view(*lead, n_g, 1), scale.view(*lead, n_g, 1)
         if n_g > 1 or gs != d:
             return _rtn_quantize_whole(x, bits, gran, codes_dtype=codes_dtype, **kw)
@@ -311,7 +323,7 @@ def _quantize_blocked(
         lo2, scale2 = lo.view(n, 1), scale.view(n, 1)
         for r in range(n):
             for cs in blocks.row_blocks(d, 1):
-                codes[r, cs] = quantize_asym(xf[r, cs], lo2[r], scale2[r], bits, codes_dtype)
+                quantize_asym(xf[r, cs], lo2[r], scale2[r], bits, codes_dtype, out=codes[r, cs])
         return codes.view(x.shape), lo, scale
     t = int(x.shape[-2])
     gc = _channel_groups(t, g)
@@ -323,7 +335,7 @@ def _quantize_blocked(
     x3, lo3, scale3 = xg.reshape(-1, gc, d), lo.reshape(-1, 1, d), scale.reshape(-1, 1, d)
     codes3 = torch.empty(x3.shape, dtype=codes_dtype, device=dev)
     for gsl, ts in _channel_blocks(x3.shape[0], gc, d):
-        codes3[gsl, ts] = quantize_asym(x3[gsl, ts], lo3[gsl], scale3[gsl], bits, codes_dtype)
+        quantize_asym(x3[gsl, ts], lo3[gsl], scale3[gsl], bits, codes_dtype, out=codes3[gsl, ts])
     return codes3.view(x.shape), lo.movedim(-1, -3), scale.movedim(-1, -3)
 
 
@@ -347,13 +359,16 @@ def _dequantize_blocked(
         lo2, scale2 = lo.reshape(n, n_g, 1), scale.reshape(n, n_g, 1)
         if n_g * gs <= blocks.BLOCK_ELEMS:
             for sl in blocks.row_blocks(n, n_g * gs):
-                out[sl] = _rtn_dequantize_whole(rows[sl], lo2[sl], scale2[sl], gran)
+                if n_g * gs != d:  # a padded partial group
+                    out[sl] = _rtn_dequantize_whole(rows[sl], lo2[sl], scale2[sl], gran)
+                else:
+                    dequantize_asym(rows[sl].view(-1, n_g, gs), lo2[sl], scale2[sl], out=out[sl].view(-1, n_g, gs))
             return out.view(codes.shape)
         if n_g > 1 or gs != d:
             return None
         for r in range(n):
             for cs in blocks.row_blocks(d, 1):
-                out[r, cs] = dequantize_asym(rows[r, cs], lo2[r, 0], scale2[r, 0])
+                dequantize_asym(rows[r, cs], lo2[r, 0], scale2[r, 0], out=out[r, cs])
         return out.view(codes.shape)
     t = int(codes.shape[-2])
     gc = _channel_groups(t, g)
@@ -366,7 +381,7 @@ def _dequantize_blocked(
     lo3, scale3 = lo_c.reshape(-1, 1, d), scale_c.reshape(-1, 1, d)
     out3 = torch.empty(c3.shape, dtype=lo.dtype, device=dev)
     for gsl, ts in _channel_blocks(c3.shape[0], gc, d):
-        out3[gsl, ts] = dequantize_asym(c3[gsl, ts], lo3[gsl], scale3[gsl])
+        dequantize_asym(c3[gsl, ts], lo3[gsl], scale3[gsl], out=out3[gsl, ts])
     return out3.view(codes.shape)
 
 
