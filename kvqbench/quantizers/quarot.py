@@ -96,6 +96,8 @@ class QuaRot(Quantizer):
 
     Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16;
     computation in fp32 (fp64 inputs stay fp64); ``dequantize`` returns the input's shape, dtype and device.
+    On the CPU both run in cache-sized blocks of tokens on one thread (:mod:`kvqbench.numerics.blocks`;
+    every token is rotated and quantized on its own, so the bits are those of the whole-tensor ops).
 
     Args:
         k_bits, v_bits: code widths (1..8; >= 16 = exact passthrough). Default 4 (the paper's KV4).
