@@ -33,7 +33,8 @@ import torch
 
 from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
-from kvqbench.experiments.common import as_f64, roundtrip_kv
+from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.experiments.reconstruction import token_errors_of
 from kvqbench.numerics.attention import incoherence
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.metrics import error_split
@@ -119,6 +120,11 @@ def _mean_incoherence(x: torch.Tensor) -> float:
     return float(incoherence(x).mean())
 
 
+def _incoherence_per_layer(x: torch.Tensor) -> list[float]:
+    """:func:`_mean_incoherence` of every index of dim 0 (mean over heads), for all layers at once."""
+    return incoherence(x).mean(-1).tolist()
+
+
 @torch.no_grad()
 def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     """Run experiment 3 for one method on one data source.
@@ -141,29 +147,25 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     res.series["norm_diff_bins"] = "[underflow, one share per [e_i, e_i+1) bin, overflow]"
     inp: dict[str, float] = {}
     k_hat64 = rt.k_hat.to(torch.float64)
-    for kv, x, x_hat in (("k", as_f64(data, "k"), k_hat64), ("v", as_f64(data, "v"), rt.v_hat.to(torch.float64))):
-        # fp64 once per tensor (the input's once per data); per layer, the token norms and the error split
-        # are computed once and shared by the density, the off-diagonal mass and both tail quantiles
-        dens, off, err_inc, err_inc_h = [], [], [], []
+    for kv, x_hat in (("k", k_hat64), ("v", rt.v_hat.to(torch.float64))):
+        # fp64 once per tensor (the input's side once per data); the token norms, the error split and the
+        # error x̂ − x are computed once for all layers and shared by every metric
+        te, _ = token_errors_of(data, kv, x_hat)
+        dens, off = [], []
         tails: dict[str, list[float]] = {tag: [] for tag in TAIL_QUANTILES}
         for i in layers:
-            a, b = x[i : i + 1], x_hat[i : i + 1]
-            nx, ny = _norms(a, b)
+            nx, ny = te.nx[i].reshape(-1), te.ny[i].reshape(-1)
             dens.append(_density_of_norms(nx, ny, NORM_DIFF_EDGES))
             off.append(_offdiag_of_norms(nx, ny, TAU))
-            e_t, e_m, _ = error_split(a, b)
-            e_t, e_m = e_t.reshape(-1), e_m.reshape(-1)
+            e_t, e_m = te.e_t[i].reshape(-1), te.e_m[i].reshape(-1)
             for tag, q in TAIL_QUANTILES.items():
                 tails[tag].append(_tail_share_of_split(e_t, e_m, q))
-            e = b - a
-            err_inc.append(_mean_incoherence(e))
-            err_inc_h.append(_mean_incoherence(hadamard_transform(e)))
         res.series[f"{kv}_norm_diff_density"] = [sum(col) / len(dens) for col in zip(*dens)]
         res.add(f"{kv}_offdiag_mass", off)
         for tag in TAIL_QUANTILES:
             res.add(f"{kv}_tail_em_share_{tag}", tails[tag])
-        res.add(f"{kv}_err_incoherence", err_inc)
-        res.add(f"{kv}_err_incoherence_hadamard", err_inc_h)
+        res.add(f"{kv}_err_incoherence", _incoherence_per_layer(te.diff))
+        res.add(f"{kv}_err_incoherence_hadamard", _incoherence_per_layer(hadamard_transform(te.diff)))
         x_in = getattr(data, kv)  # the input's own dtype: its Hadamard rotation runs in that dtype
         inp.update(data.cached(("exp3_input_incoherence", kv), lambda x_in=x_in, kv=kv: {
             f"{kv}_incoherence": sum(_mean_incoherence(x_in[i : i + 1]) for i in layers) / len(layers),
@@ -173,7 +175,7 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     k_inc = data.cached("exp3_k_incoherence_per_layer",
                         lambda: [_mean_incoherence(data.k[i : i + 1]) for i in layers])
     res.add("k_incoherence_shift", [
-        _mean_incoherence(k_hat64[i : i + 1]) / max(k_inc[i], 1e-300) - 1.0 for i in layers
+        a / max(b, 1e-300) - 1.0 for a, b in zip(_incoherence_per_layer(k_hat64), k_inc)
     ])
     res.metrics["offdiag_mass"] = 0.5 * (res.metrics["k_offdiag_mass"] + res.metrics["v_offdiag_mass"])
     res.per_layer["offdiag_mass"] = [0.5 * (a + b) for a, b in zip(res.per_layer["k_offdiag_mass"],
