@@ -35,7 +35,7 @@ from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import roundtrip_kv
 from kvqbench.experiments.reconstruction import token_errors_of
-from kvqbench.numerics.attention import incoherence
+from kvqbench.numerics.attention import incoherence, incoherence_of_squares
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.metrics import error_split
 from kvqbench.quantizers.base import Quantizer
@@ -164,7 +164,7 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
         res.add(f"{kv}_offdiag_mass", off)
         for tag in TAIL_QUANTILES:
             res.add(f"{kv}_tail_em_share_{tag}", tails[tag])
-        res.add(f"{kv}_err_incoherence", _incoherence_per_layer(te.diff))
+        res.add(f"{kv}_err_incoherence", incoherence_of_squares(te.sq).mean(-1).tolist())
         res.add(f"{kv}_err_incoherence_hadamard", _incoherence_per_layer(hadamard_transform(te.diff)))
         x_in = getattr(data, kv)  # the input's own dtype: its Hadamard rotation runs in that dtype
         inp.update(data.cached(("exp3_input_incoherence", kv), lambda x_in=x_in, kv=kv: {

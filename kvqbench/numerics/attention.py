@@ -30,6 +30,7 @@ __all__ = [
     "attention_error_by_batch",
     "kl_rows",
     "incoherence",
+    "incoherence_of_squares",
     "least_squares_slope",
 ]
 
@@ -340,7 +341,13 @@ def incoherence(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, heads, seq_len, head_dim), got shape {tuple(x.shape)}")
-    m = _f64(x).pow(2).mean(-2).sqrt()  # (B, H, D) channel magnitudes
+    return incoherence_of_squares(_f64(x).pow(2))
+
+
+def incoherence_of_squares(x2: torch.Tensor) -> torch.Tensor:
+    """:func:`incoherence` from the element-wise squares ``x²`` (fp64, same shape as ``x``), e.g. when the
+    caller already holds them; the same values bit for bit."""
+    m = x2.mean(-2).sqrt()  # (B, H, D) channel magnitudes
     rms = m.pow(2).mean(-1).sqrt()
     mx = m.amax(-1)
     return torch.where(rms > 0, mx / rms.clamp_min(1e-300), torch.ones_like(rms))

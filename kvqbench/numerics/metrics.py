@@ -147,6 +147,7 @@ class TokenErrors:
         e_m: same shape, ``E_M = (‖x̂‖ − ‖x‖)²``.
         nx, ny: same shape, the token norms ``‖x‖`` and ``‖x̂‖``.
         diff: ``x̂ − x`` ``(batch, kv_heads, seq_len, head_dim)``.
+        sq: its element-wise square ``(x̂ − x)²``.
     """
 
     mse: torch.Tensor
@@ -155,6 +156,7 @@ class TokenErrors:
     nx: torch.Tensor
     ny: torch.Tensor
     diff: torch.Tensor
+    sq: torch.Tensor
 
 
 def token_errors(x: torch.Tensor, x_hat: torch.Tensor, nx: torch.Tensor | None = None) -> TokenErrors:
@@ -167,7 +169,7 @@ def token_errors(x: torch.Tensor, x_hat: torch.Tensor, nx: torch.Tensor | None =
     sq = diff * diff
     nx = xf.norm(dim=-1) if nx is None else nx
     ny = yf.norm(dim=-1)
-    return TokenErrors(sq.mean(dim=_dims(x)), sq.sum(-1), (ny - nx) ** 2, nx, ny, diff)
+    return TokenErrors(sq.mean(dim=_dims(x)), sq.sum(-1), (ny - nx) ** 2, nx, ny, diff, sq)
 
 
 _BATCHED = {mse: mse_per_layer, rel_mse: rel_mse_per_layer, norm_bias: norm_bias_per_layer}
