@@ -33,8 +33,12 @@ def _dims(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(1, x.dim()))
 
 
-def _mse_layers(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+def mse_layers(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """:func:`mse` of every index of dim 0, fp64 ``(batch,)``."""
     return ((_f64(x_hat) - _f64(x)) ** 2).mean(dim=_dims(x))
+
+
+_mse_layers = mse_layers
 
 
 def mse_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
@@ -173,4 +177,4 @@ def token_errors(x: torch.Tensor, x_hat: torch.Tensor, nx: torch.Tensor | None =
 
 
 _BATCHED = {mse: mse_per_layer, rel_mse: rel_mse_per_layer, norm_bias: norm_bias_per_layer}
-__all__ += ["mse_per_layer", "rel_mse_per_layer", "norm_bias_per_layer", "energy_per_layer"]
+__all__ += ["mse_per_layer", "rel_mse_per_layer", "norm_bias_per_layer", "energy_per_layer", "mse_layers"]
