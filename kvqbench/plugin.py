@@ -103,6 +103,31 @@ def _is_cell_item(item: pytest.Item) -> bool:
     return callspec is not None and isinstance(callspec.params.get("cell"), Cell)
 
 
+def _cell_source(item: Any) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    cell = None if callspec is None else callspec.params.get("cell")
+    return cell.source if isinstance(cell, Cell) else None
+
+
+def real_capture_first(items: list[Any]) -> list[Any]:
+    """The order xdist workers run the cells in: the first real cell that needs the captured data
+    (``kvq_data``), then every item that needs no real data, then the other real cells (each group in
+    collection order).
+
+    On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
+    while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
+    first items round-robin); with a cached capture the order changes nothing but when cells run.
+    Deterministic, so every worker collects the same order.
+    """
+    first = next((i for i, it in enumerate(items)
+                  if _cell_source(it) == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
+    if first is None:
+        return list(items)
+    rest = items[:first] + items[first + 1:]
+    return ([items[first]] + [it for it in rest if _cell_source(it) != "real"]
+            + [it for it in rest if _cell_source(it) == "real"])
+
+
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
     """Remember the collected cells (controller) and, when there are any, check before the first one runs
     that the results folder can be written (a one-line usage error otherwise)."""
@@ -1073,6 +1098,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         experiments.setdefault(str(exp), set()).add(getattr(it, "originalname", it.name))
     yield
     _apply_shard(config, items)
+    if _is_worker(config):
+        items[:] = real_capture_first(items)
     cells_left = sum(1 for it in items if isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("cell"),
                                                      Cell))
     other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
