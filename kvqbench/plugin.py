@@ -109,10 +109,15 @@ def _cell_source(item: Any) -> str | None:
     return cell.source if isinstance(cell, Cell) else None
 
 
+def _cell_seed(item: Any) -> int:
+    return item.callspec.params["cell"].seed
+
+
 def real_capture_first(items: list[Any]) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
-    (``kvq_data``), then every item that needs no real data, then the other real cells (each group in
-    collection order).
+    (``kvq_data``), then every item that needs no real data, then the other real cells by seed (each group
+    in collection order; seed 0 of every real cell comes before seed 1, so the cells that share one
+    computation across seeds, see :func:`seed_free_key`, find it done).
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
@@ -124,8 +129,8 @@ def real_capture_first(items: list[Any]) -> list[Any]:
     if first is None:
         return list(items)
     rest = items[:first] + items[first + 1:]
-    return ([items[first]] + [it for it in rest if _cell_source(it) != "real"]
-            + [it for it in rest if _cell_source(it) == "real"])
+    real = sorted((it for it in rest if _cell_source(it) == "real"), key=_cell_seed)  # stable
+    return [items[first]] + [it for it in rest if _cell_source(it) != "real"] + real
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
@@ -720,6 +725,53 @@ def kvq_method(cell: Cell):
     return create(cell.method, cell.k_bits, cell.v_bits, seed=cell.seed, **cell.variant_dict())
 
 
+#: the process's :class:`kvqbench.memo.ResultMemo` (made on first use)
+_MEMO: list[Any] = []
+#: the folder the xdist workers of this session share results through (controller side)
+MEMO_DIR_KEY = pytest.StashKey[str]()
+#: what a cell whose computation serves every seed records in ``extra``
+SEEDS_SHARED = "seeds_share_one_computation"
+
+
+def _memo(config: pytest.Config) -> Any:
+    if not _MEMO:
+        from kvqbench.memo import ResultMemo
+
+        _MEMO.append(ResultMemo(getattr(config, "workerinput", {}).get("kvqbench_memo")))
+    return _MEMO[0]
+
+
+def seed_free_key(cell: Cell, method: Any, s: Settings, fn: Any, args: tuple) -> tuple | None:
+    """The key under which ``fn(method, data, *args)`` of ``cell`` is one computation for every seed, or
+    ``None`` when the seed can change it: synthetic data is drawn from the seed, and a method whose class
+    says ``seeded = True`` (the default, so a third-party method is never shared unless it says so) draws
+    randomness from it. The key holds everything else a result depends on in a session: the experiment
+    function and its arguments, the method id, bits, variant and parameters, the data source and size,
+    device, model and dtype."""
+    if cell.source == "synthetic" or getattr(type(method), "seeded", True):
+        return None
+    params = sorted((k, repr(v)) for k, v in method.params().items() if k != "seed")
+    return (fn.__module__, fn.__qualname__, repr(args), cell.experiment, cell.method, cell.k_bits, cell.v_bits,
+            tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
+            s.device, s.model, s.dtype, tuple(params))
+
+
+@pytest.fixture
+def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, pytestconfig: pytest.Config):
+    """``kvq_run(fn, *args)`` → ``fn(kvq_method, kvq_data, *args)`` (an experiment's ``run_*``), computed
+    once per session for the real-data cells of a method that draws no randomness (see
+    :func:`seed_free_key` and :mod:`kvqbench.memo`): every seed of such a cell gets its own copy of the
+    one result and records ``extra["seeds_share_one_computation"] = True``. Not for timings (exp4)."""
+    def run(fn: Any, *args: Any) -> Any:
+        key = seed_free_key(cell, kvq_method, kvq_settings, fn, args)
+        res = _memo(pytestconfig).compute(key, lambda: fn(kvq_method, kvq_data, *args))
+        if key is not None:
+            res.extra[SEEDS_SHARED] = True
+        return res
+
+    return run
+
+
 class Recorder:
     """Callable handed to a cell: ``kvq_record(result)`` or ``kvq_record(metrics={...}, ...)``.
 
@@ -1109,6 +1161,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         config.workeroutput["kvqbench_selection"] = sel  # type: ignore[attr-defined]
     else:
         config.stash[SELECTION_KEY] = sel
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: give every worker the session's shared result folder (see :mod:`kvqbench.memo`);
+    it is removed when the session ends."""
+    import tempfile
+
+    config = node.config
+    if MEMO_DIR_KEY not in config.stash:
+        config.stash[MEMO_DIR_KEY] = tempfile.mkdtemp(prefix="kvqbench-memo-")
+    node.workerinput["kvqbench_memo"] = config.stash[MEMO_DIR_KEY]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(MEMO_DIR_KEY, None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -107,6 +107,7 @@ class PolarQuant(Quantizer):
     """
 
     id = "polarquant"
+    seeded = False  # no randomness
     name = "PolarQuant"
     paper = (
         "Wu et al., PolarQuant: Leveraging Polar Transformation for Efficient Key Cache Quantization "

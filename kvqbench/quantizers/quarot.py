@@ -105,6 +105,7 @@ class QuaRot(Quantizer):
     """
 
     id = "quarot"
+    seeded = False  # no randomness
     name = "QuaRot"
     paper = "Ashkboos et al., QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs (NeurIPS 2024)"
     arxiv = "2404.00456"
