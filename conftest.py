@@ -9,16 +9,30 @@ import re
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+import pytest
 
 if not any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
     pytest_plugins = ["kvqbench.plugin"]
 
-# "ci": derandomized so CI is reproducible; "dev": more examples, random.
-settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=100, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+def _hypothesis_profiles() -> None:
+    """"ci": derandomized so CI is reproducible; "dev": more examples, random (``HYPOTHESIS_PROFILE``)."""
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("dev", max_examples=100, deadline=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis' own plugin reads --hypothesis-profile
+def pytest_configure(config: pytest.Config) -> None:
+    # The benchmark cells use no hypothesis: a cells-only run (-m smoke / -m full, see pytest_ignore_collect)
+    # skips importing it (a third of a second, and its per-test hooks stay idle).
+    asked = any(config.getoption(o, None) for o in ("--hypothesis-profile", "--hypothesis-seed", "--hypothesis-verbosity",
+                                                    "--hypothesis-show-statistics", "--hypothesis-explain"))
+    if asked or not _only_cells(config.getoption("markexpr", "") or ""):
+        _hypothesis_profiles()
 
 #: the benchmark cells (the only tests the plugin marks ``smoke``/``full``/``kvq``) live here; the other
 #: folders under tests/ hold none (tests/unit/test_cells_only_in_bench.py checks it)

@@ -67,3 +67,17 @@ def test_only_cells_reads_mark_expressions(expr, expected):
             env = {n: False for n in names} | {n: bool(bits >> i & 1) for i, n in enumerate(others)}
             rows.append(eval(expr, {"__builtins__": {}}, env))
         assert (not any(rows)) is expected
+
+
+def test_hypothesis_profile_is_loaded_when_tests_outside_bench_are_collected():
+    """The root conftest loads the hypothesis profiles lazily (not for cells-only runs); this test module
+    is outside tests/bench, so the profile named by HYPOTHESIS_PROFILE (default "ci") is in force."""
+    import os
+
+    from hypothesis import settings
+
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    expected = {"ci": (True, 40), "dev": (False, 100)}.get(profile)
+    if expected is None:
+        pytest.skip(f"HYPOTHESIS_PROFILE={profile} is not one of the root conftest's profiles")
+    assert (settings.default.derandomize, settings.default.max_examples) == expected
