@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -34,7 +34,6 @@ __all__ = [
     "choose_qparams_asym",
     "quantize_asym",
     "dequantize_asym",
-    "broadcasts_onto",
     "rtn_quantize",
     "rtn_roundtrip",
     "compute_dtype",
@@ -155,23 +154,12 @@ def quantize_asym(
     return q.to(dtype)
 
 
-def broadcasts_onto(shape: Sequence[int], *others: Sequence[int]) -> bool:
-    """Whether every shape in ``others`` broadcasts onto ``shape`` without changing it, i.e.
-    ``torch.broadcast_shapes(shape, *others) == shape`` (``False`` where they do not broadcast at all).
-    Plain integer arithmetic: ``torch.broadcast_shapes`` costs ~0.1 ms a call and imports sympy (about a
-    CPU-second) the first time."""
-    n = len(shape)
-    for other in others:
-        if len(other) > n or any(d != 1 and d != s for d, s in zip(reversed(other), reversed(shape))):
-            return False
-    return True
-
-
 def dequantize_asym(codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``codes * scale + lo`` in ``lo``'s dtype (one output buffer, multiplied and shifted in place)."""
     if fused.enabled(codes.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
         return fused.dequantize_codes(codes, lo, scale, fused=True)
-    if not broadcasts_onto(codes.shape, scale.shape, lo.shape):
+    shape = torch.broadcast_shapes(codes.shape, scale.shape, lo.shape)
+    if tuple(codes.shape) != tuple(shape):
         return codes.to(lo.dtype) * scale + lo
     out = codes.to(lo.dtype, copy=True)
     return out.mul_(scale).add_(lo)

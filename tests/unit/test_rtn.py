@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from kvqbench.numerics.rtn import PerChannel, PerTensor, PerToken, rtn_quantize, rtn_roundtrip, to_groups
 from kvqbench.quantizers import create
@@ -109,17 +107,3 @@ def test_kivi_representation_decodes_with_a_default_instance(kind: str) -> None:
     gran = PerChannel(32) if kind == "k" else PerToken(32)
     assert torch.equal(KIVI().dequantize(qt), KIVI(2, group_size=32).dequantize(qt))
     assert torch.equal(KIVI().dequantize(qt), rtn_roundtrip(x, 2, gran))
-
-
-@given(st.lists(st.integers(1, 4), min_size=0, max_size=4),
-       st.lists(st.lists(st.integers(1, 4), min_size=0, max_size=5), min_size=1, max_size=3))
-def test_broadcasts_onto_agrees_with_torch_broadcast_shapes(shape, others):
-    """``broadcasts_onto`` (integer arithmetic) answers exactly ``torch.broadcast_shapes(shape, *others)
-    == shape``, and False where torch refuses to broadcast."""
-    from kvqbench.numerics.rtn import broadcasts_onto
-
-    try:
-        expected = tuple(torch.broadcast_shapes(tuple(shape), *map(tuple, others))) == tuple(shape)
-    except RuntimeError:
-        expected = False
-    assert broadcasts_onto(torch.Size(shape), *(torch.Size(o) for o in others)) is expected
