@@ -15,15 +15,16 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
    run has one too), else the median of its *kind* there, else the median of its file there. A kind is
    the test function plus, for benchmark cells, the method and the data source/size in the id
    (``tests/bench/x.py::test_a|kivi|real-full``).
-2. **This machine's speed**, estimated online from the tests finished so far: the duration-weighted
-   median of measured/base over the most recent quarter of the finished work (at least
-   :data:`SPEED_WINDOW_S` base seconds), so a busier, faster or changing machine is tracked; and per kind,
-   how much faster or slower its kind — else its file, else its folder — runs than the rest
-   (measured/base of the group over the typical measured/base of the whole run, shrunk towards 1 while
-   it has few tests), so a method whose code got faster since the table was made, or tests that spawn a
-   pytest or load a model and suffer more on a busy machine, are tracked too. A pending test is charged
-   base × speed × that factor; a test with no base at all, this run's median of its kind (or of its kind
-   without the method, or of everything).
+2. **This machine's speed**, estimated online from the tests finished so far (:meth:`Progress._model`):
+   for the whole run and for each folder, file and kind, a recent speed (measured/base, an exponential
+   forgetting over :data:`SPEED_MEMORY_S` base seconds of that group's own tests, one test moving it by
+   at most ×2). A pending test is charged base × the run's recent speed refined by its folder's, file's
+   and kind's (each with weight n / (n + :data:`SHRINK_N`) over the coarser one, n its finished tests):
+   so a busier, faster or changing machine is tracked, the remaining cells of a kind run at that kind's
+   own recent speed (a phase of other kinds does not drag it), a kind whose table entry is off by a
+   large factor is corrected after a few of its tests, and tests of one file or folder that share a
+   harness (a spawned pytest, a model load) are charged alike. A test with no base at all, this run's
+   median of its kind (or of its kind without the method, or of everything).
 3. **The schedule**: each of the ``workers`` (pytest-xdist workers; 1 when serial) first finishes what
    xdist has already sent it (its running test for what its charge has left, then its queue; see
    :meth:`Progress.set_queues`), then the tests not sent yet are dealt, in collection order, to whichever
@@ -31,8 +32,10 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
    also costs the per-test overhead seen so far (idle worker-seconds / finished tests: xdist's
    bookkeeping, fixtures).
    A pending real-model capture is charged to the first cell that needs it on each worker.
-4. **The report step** (results and figures, after the last test, alone) is added at the end, and counts
-   down once it has begun.
+4. **The report step** (results and figures, after the last test, alone) is added at the end: the
+   table's seconds × the run's recent speed × this run's benchmark cells / the cells it was measured
+   with (the tables keep them in ``step_cells``); it counts down once it has begun (once overrun, a
+   quarter of the overrun again).
 
 With a constant-speed machine ``c`` times slower than the table, the ETA is exact once the first tests
 have finished (tests/unit/test_progress.py checks this and the schedule's closed forms).
@@ -42,21 +45,33 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
-           "weighted_median", "PRIOR_PATH", "SPEED_WINDOW_S"]
+           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N"]
 
 _TAGS = ("real", "synthetic", "full", "smoke")
 
 #: the committed per-test durations of a fresh-clone run of the test suite and of the main job
 #: (the history format of :meth:`Progress.updated_history`; regenerate with ``scripts/eta_prior.py``)
 PRIOR_PATH = Path(__file__).resolve().parent / "data" / "eta_prior.json"
-#: the speed is estimated from at least this many base seconds of the most recently finished tests
-SPEED_WINDOW_S = 30.0
+#: a group's recent speed forgets exponentially over this many base seconds of its finished tests
+#: (replayed main job: 20 s followed its end-phase slowdown best among 10-60 s; the suite did not change)
+SPEED_MEMORY_S = 20.0
+#: one finished test moves a group's recent speed by at most this much (log): an outlier is not a new speed
+SPEED_STEP_CLIP = math.log(2.0)
+#: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
+SHRINK_N = 2.0
+
+
+def _groups(kind: str) -> tuple[tuple[str, str], ...]:
+    """A kind's groups, finest first: the kind, its file, its folder."""
+    f = file_of(kind)
+    return (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0]))
 
 
 def hms(sec: float) -> str:
@@ -160,6 +175,7 @@ class Progress:
     interval_s: float = 10.0
     total: int = 0
     done: int = 0
+    cells: int = 0  # benchmark cells among the collected tests (ids with a source/size tag)
     t0: float = 0.0
     t_run: float = 0.0
     last: float = 0.0
@@ -185,6 +201,7 @@ class Progress:
     #: session through the estimate (``scripts/eta_error.py --replay``)
     trace_path: str | None = field(default_factory=lambda: os.environ.get("KVQBENCH_PROGRESS_TRACE") or None)
     _file_base: dict[str, float] | None = None
+    _model_cache: tuple | None = None
 
     def _trace(self, *event: object) -> None:
         """One JSON line ``[session key, event, …]``; the key tells this session from pytest sessions run
@@ -207,13 +224,17 @@ class Progress:
         sizes = sorted({t[-1] for t in tags if "real" in t and len(t) > 1})
         self.expected_steps = {f"capture|real-{s}": max(1, self.workers) for s in sizes}
         cells = sorted({"-".join(t) for t in tags if t})
-        self.expected_steps[self.report_kind(cells)] = 1
+        self.cells = sum(1 for t in tags if t)
+        self.expected_steps[self.report_kind(cells, self.cells < len(nodeids))] = 1
 
     @staticmethod
-    def report_kind(cell_tags: list[str]) -> str:
+    def report_kind(cell_tags: list[str], other_tests: bool = False) -> str:
         """The end-of-session step: from the last test's end to the session's end (xdist workers
-        shutting down, then for benchmark cells the results and figures): ``report|<source-size,…>``."""
-        return "report|" + (",".join(sorted(cell_tags)) or "no-cells")
+        shutting down, then for benchmark cells the results and figures): ``report|<source-size,…>``,
+        with ``|+tests`` when tests other than cells ran too (the test suite ends differently from
+        ``kvqbench run --smoke`` with the same cells)."""
+        kind = "report|" + (",".join(sorted(cell_tags)) or "no-cells")
+        return kind + "|+tests" if other_tests and cell_tags else kind
 
     def started(self, nodeid: str, now: float) -> None:
         self._trace("started", nodeid, now)
@@ -292,65 +313,68 @@ class Progress:
             self._file_base = {f: _median(v) for f, v in by_file.items()}
         return self._file_base.get(file_of(nodeid))
 
-    def speed(self) -> float:
-        """This run's seconds per base second: the base-weighted median of measured/base over the most
-        recently finished tests (the last quarter of the finished base seconds, at least
-        :data:`SPEED_WINDOW_S`); 1 before any test with a base has finished. Clamped to [0.05, 20]."""
-        if not self.observed:
-            return 1.0
-        total = sum(b for _, b, _ in self.observed)
-        window = max(SPEED_WINDOW_S, 0.25 * total)
-        ratios, weights, acc = [], [], 0.0
-        for _, b, d in reversed(self.observed):
-            ratios.append(d / b)
-            weights.append(b)
-            acc += b
-            if acc >= window:
-                break
-        return min(max(weighted_median(ratios, weights), 0.05), 20.0)
+    def _model(self) -> dict[tuple[str, str], list[float]]:
+        """Per group of finished tests — the whole run ``("run", "")``, and each folder, file and kind —
+        its recent speed (log seconds per base second) and how many tests it has, from the finished tests
+        in the order they finished (cached until the next one finishes).
 
-    def _kind_factors(self) -> dict[str, float]:
-        """How much slower or faster than the run's typical test each group of finished tests ran: per
-        kind, per file and per folder (``("kind", k)``, ``("file", f)``, ``("dir", d)``), the group's
-        measured/base (sums) over the whole run's typical measured/base (the base-weighted median of all
-        finished tests, the statistic :meth:`speed` uses), shrunk towards 1 with few tests
-        (n / (n + 2)), clamped to [0.2, 5]. Tests of one file or folder share a harness (a subprocess
-        pytest, a model load) and so slow down alike when the machine is busy."""
-        if not self.observed:
-            return {}
-        run = weighted_median([d / b for _, b, d in self.observed], [b for _, b, _ in self.observed])
-        if run <= 0:
-            return {}
-        per: dict[tuple[str, str], list[float]] = {}
+        A group's recent speed is an exponential forgetting over its own tests' base seconds: a new group
+        starts at the log speed its coarser group gives it (the run's first test sets the run's outright);
+        each of its tests (``x = log(d / b)``) moves it towards ``x`` by
+        ``max(1 − exp(−b / SPEED_MEMORY_S), 1 / n)`` of the gap (``n``: its tests so far, so its first
+        tests are averaged; the gap clipped to ±:data:`SPEED_STEP_CLIP`). So a change of the machine's
+        speed is followed within about :data:`SPEED_MEMORY_S` base seconds, one outlier (a first cell that
+        pays a model load) moves a group by at most ×2 and, once it has a few tests, by a few per cent,
+        and a group's speed comes from its own tests, not from a phase of other kinds that ran since.
+        """
+        n = len(self.observed)
+        if self._model_cache is not None and self._model_cache[0] == n:
+            return self._model_cache[1]
+        stats: dict[tuple[str, str], list[float]] = {}  # group -> [log speed, count]
         for kind, b, d in self.observed:
-            f = file_of(kind)
-            for key in (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0])):
-                acc = per.setdefault(key, [0.0, 0.0, 0])
-                acc[0] += b
-                acc[1] += d
-                acc[2] += 1
-        out = {}
-        for key, (b, d, n) in per.items():
-            f = min(max((d / b) / run, 0.2), 5.0)
-            out[key] = 1.0 + (f - 1.0) * n / (n + 2)
-        return out
+            x = math.log(max(d, 1e-6) / b)
+            step = 1.0 - math.exp(-b / SPEED_MEMORY_S)
+            parent = None
+            for key in (("run", ""), *reversed(_groups(kind))):
+                acc = stats.setdefault(key, [x if parent is None else parent, 0])  # the run's first test sets it
+                acc[1] += 1
+                acc[0] += max(step, 1.0 / acc[1]) * min(max(x - acc[0], -SPEED_STEP_CLIP), SPEED_STEP_CLIP)
+                parent = acc[0] if parent is None else parent + (acc[0] - parent) * acc[1] / (acc[1] + SHRINK_N)
+        self._model_cache = (n, stats)
+        return stats
 
     @staticmethod
-    def _factor(factors: dict, kind: str) -> float:
-        f = file_of(kind)
-        for key in (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0])):
-            if key in factors:
-                return factors[key]
-        return 1.0
+    def _root(stats: dict[tuple[str, str], list[float]]) -> float:
+        """The run's recent log speed (all finished tests): what a test of a group not seen yet, and the
+        report, are charged; 0 (the table's own speed) with nothing finished."""
+        acc = stats.get(("run", ""))
+        return acc[0] if acc else 0.0
 
-    def predict(self, nodeid: str, kind: str | None = None, speed: float | None = None,
-                factors: dict[str, float] | None = None) -> float | None:
+    @classmethod
+    def _log_speed(cls, stats: dict[tuple[str, str], list[float]], kind: str) -> float:
+        """The log speed a test of ``kind`` is charged: the run's recent speed, refined by its folder's,
+        then its file's, then its kind's, each with weight ``n / (n + SHRINK_N)`` over the coarser one
+        (``n``: that group's finished tests). Tests of one file or folder share a harness (a subprocess
+        pytest, a model load) and so run alike; 0 (the table's own speed) with nothing finished."""
+        f = cls._root(stats)
+        for key in reversed(_groups(kind)):
+            acc = stats.get(key)
+            if acc:
+                f += (acc[0] - f) * acc[1] / (acc[1] + SHRINK_N)
+        return f
+
+    def speed(self) -> float:
+        """This run's recent seconds per base second over all its tests (the ``run`` group of
+        :meth:`_model`; what the report step is scaled by); 1 before any test with a base has finished.
+        Clamped to [0.05, 20]."""
+        return min(max(math.exp(self._root(self._model())), 0.05), 20.0) if self.observed else 1.0
+
+    def predict(self, nodeid: str, kind: str | None = None) -> float | None:
         """The seconds a pending test is charged (see the module doc), or ``None`` with nothing to go on."""
         kind = kind or kind_of(nodeid)
         b = self.base(nodeid, kind)
         if b is not None:
-            s = self.speed() if speed is None else speed
-            return b * s * self._factor(self._kind_factors() if factors is None else factors, kind)
+            return b * min(max(math.exp(self._log_speed(self._model(), kind)), 0.05), 20.0)
         if self.durations.get(kind):
             return _median(self.durations[kind])
         ck = coarse_kind_of(nodeid)
@@ -361,12 +385,25 @@ class Progress:
         return None
 
     def _step_prediction(self, kind: str, speed: float) -> float:
+        """A step's seconds: this run's median of it, else the table's seconds × ``speed``; a report step
+        also scales with this run's number of benchmark cells over the number it was measured with (its
+        results and figures grow with the cells), and a report kind the tables lack (another selection of
+        sources) is charged the tables' median seconds per cell × this run's cells."""
         if self.steps.get(kind):
             return _median(self.steps[kind])
-        for t in self._tables():
-            v = (t.get("steps") or {}).get(kind)
-            if v is not None:
-                return float(v) * speed
+        report = kind.startswith("report|")
+        # a suite's report (``|+tests``) that the tables lack: as the same cells' report alone
+        for k in (kind, kind.removesuffix("|+tests")) if report else (kind,):
+            for t in self._tables():
+                v = (t.get("steps") or {}).get(k)
+                if v is not None:
+                    ref = (t.get("step_cells") or {}).get(k)
+                    scale = self.cells / ref if report and ref and self.cells else 1.0
+                    return float(v) * scale * speed
+        if report and self.cells:
+            rates = [float(v) / ref for t in self._tables() for k, v in (t.get("steps") or {}).items()
+                     if k.startswith("report|") and (ref := (t.get("step_cells") or {}).get(k))]
+            return _median(rates) * self.cells * speed
         return 0.0
 
     def overhead(self, now: float) -> float:
@@ -384,14 +421,13 @@ class Progress:
         if not self.done and not self._tables():
             return None
         speed = self.speed()
-        factors = self._kind_factors()
         over = self.overhead(now)
         captures = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
                     if k.startswith("capture|") and v > 0}
         cap_s = {tag: self._step_prediction("capture|" + tag, speed) for tag in captures}
         charge: dict[str, float] = {}  # pending test -> seconds it still takes (running: what is left)
         for n, kind in self.pending.items():
-            p = self.predict(n, kind, speed, factors)
+            p = self.predict(n, kind)
             if p is None:
                 return None
             tag = "-".join(_split(n)[2])
@@ -409,13 +445,20 @@ class Progress:
             mine = [n for n in q if n in charge and n not in queued]
             queued.update(mine)
             busy.append(sum(charge[n] for n in mine))
-        busy += [charge[n] for n in self.running if n in charge and n not in queued]
+        # a running test the queues do not list (they were read before it was sent) runs on a worker
+        # whose listed work is done: the least busy one — never on a worker of its own
+        busy += [0.0] * max(max(self.workers, 1) - len(busy), 0)
+        for n in sorted((n for n in self.running if n in charge and n not in queued), key=charge.get,
+                        reverse=True):
+            i = min(range(len(busy)), key=busy.__getitem__)
+            busy[i] += charge[n]
         costs = [c for n, c in charge.items() if n not in queued and n not in self.running]
-        tests = schedule_end(busy, costs, max(self.workers, 1, len(busy)))
+        tests = schedule_end(busy, costs, len(busy))
         report = sum(self._step_prediction(k, speed) for k, v in self.expected_steps.items()
                      if k.startswith("report|") and v > 0)
         if self.report_started is not None:
-            report = max(report - (now - self.report_started), 0.0)
+            ran = now - self.report_started  # once overrun, a quarter of the overrun again (as for a test)
+            report = max(report - ran, 0.25 * (ran - report))
         self.debug = f"tests={tests:.1f} speed={speed:.2f} over={over:.3f} report={report:.1f}"
         return tests + report
 
@@ -441,4 +484,6 @@ class Progress:
             tests = dict(list(tests.items())[-max_tests:])
         kinds = {**(old.get("kinds") or {}), **{k: round(_median(v), 4) for k, v in self.durations.items() if v}}
         steps = {**(old.get("steps") or {}), **{k: round(_median(v), 4) for k, v in self.steps.items() if v}}
-        return {"version": 1, "tests": tests, "kinds": kinds, "steps": steps}
+        cells = {**(old.get("step_cells") or {}),
+                 **{k: self.cells for k, v in self.steps.items() if v and k.startswith("report|") and self.cells}}
+        return {"version": 1, "tests": tests, "kinds": kinds, "steps": steps, "step_cells": cells}

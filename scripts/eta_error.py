@@ -22,7 +22,11 @@ steps) with its time; the replay feeds them to a fresh :class:`~kvqbench.progres
 recorded clock and asks for the ETA every ``--every`` seconds. ``--history FILE`` / ``--prior FILE``
 choose what it knows beforehand (a pytest-cache history or prior table; ``none`` for nothing; defaults:
 the history the recorded run had, and the committed prior), so one recorded run answers "how good would
-the ETA have been on a first run / a second run" without running it again.
+the ETA have been on a first run / a second run" without running it again. ``--scale-prior TEXT FACTOR``
+(repeatable) multiplies every prior/history entry (test, kind, step) whose key contains TEXT by FACTOR —
+a prior that is off for one kind, e.g. ``--scale-prior test_exp5 2`` — and reports, besides the summary,
+the share of lines within ±30 % from the 10th finished test matching TEXT on (does the ETA converge once
+that kind runs?).
 """
 
 from __future__ import annotations
@@ -167,6 +171,15 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
     return rows, end - t0
 
 
+def scaled(table: dict, text: str, factor: float) -> dict:
+    """``table`` (a prior/history) with every test, kind and step whose key contains ``text`` times
+    ``factor``."""
+    out = dict(table)
+    for part in ("tests", "kinds", "steps"):
+        out[part] = {k: (float(v) * factor if text in k else v) for k, v in (table.get(part) or {}).items()}
+    return out
+
+
 def _table(path: str | None) -> dict | None:
     if path is None:
         return None
@@ -189,17 +202,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prior", default=None, metavar="FILE",
                     help="with --replay: the prior table (default: the committed kvqbench/data/eta_prior.json; 'none')")
     ap.add_argument("--every", type=float, default=10.0, help="with --replay: seconds between ETA lines (10)")
+    ap.add_argument("--scale-prior", nargs=2, action="append", default=[], metavar=("TEXT", "FACTOR"),
+                    help="with --replay: multiply the prior/history entries whose key contains TEXT by FACTOR "
+                         "(repeatable), and score the lines from the 10th finished test matching TEXT on")
     a = ap.parse_args(argv)
     try:
         if a.replay:
             events = [json.loads(ln) for ln in a.log.read_text().splitlines() if ln.strip()]
-            rows, end = replay(events, _table(a.history), _table(a.prior), a.every)
+            history, prior = _table(a.history), _table(a.prior)
+            if a.scale_prior:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+                from kvqbench.progress import load_prior
+
+                prior = load_prior() if prior is None else prior
+                for text, factor in a.scale_prior:
+                    prior = scaled(prior, text, float(factor))
+                    history = None if history is None else scaled(history, text, float(factor))
+            rows, end = replay(events, history, prior, a.every)
         else:
             rows, end = parse(a.log.read_text(errors="replace"))
     except (OSError, ValueError) as e:
         print(f"eta_error: {e}", file=sys.stderr)
         return 2
     res = score(rows, end, a.start, a.floor)
+    converge = None
+    if a.replay and a.scale_prior:  # from the 10th finished test of the scaled kind on
+        text = a.scale_prior[0][0]
+        head = next(e for e in events if "collected" in e[:2])
+        t0, key = (head[1], None) if head[0] == "collected" else (head[2], head[0])
+        fins = sorted(e[-1] - t0 for e in events if "finished" in e[:2] and (key is None or e[0] == key)
+                      and text in str(e[e.index("finished") + 1]))
+        if len(fins) >= 10:
+            late = [r for r in res["rows"] if r["elapsed"] >= fins[9] and r["err"] is not None]
+            converge = (fins[9], sum(abs(r["err"]) <= 0.3 for r in late), len(late))
     if not a.quiet:
         print(f"{'done':>11} {'elapsed':>8} {'ETA':>7} {'truth':>7} {'error':>8}")
         for r in res["rows"]:
@@ -214,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
           f"max |error| {fmt(res['max_abs_err'])}, median |error| {fmt(res['median_abs_err'])}, "
           f"within ±30 % {fmt(res['within_30'])}, within max(±30 %, {a.floor:g} s) {fmt(res['within_30_or_floor'])}"
           + (f", {res['unknown']} lines without an ETA" if res["unknown"] else ""))
+    if converge is not None:
+        print(f"from the 10th finished '{a.scale_prior[0][0]}' test ({converge[0]:.0f} s) on: "
+              f"{converge[1]}/{converge[2]} lines within ±30 %")
     return 0
 
 

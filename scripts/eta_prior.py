@@ -10,7 +10,8 @@ tests or cells change a lot, on a fresh clone so that caches are cold as on a us
     python scripts/eta_prior.py .pytest_cache/v/kvqbench/durations -o kvqbench/data/eta_prior.json
 
 Each argument is a history file that kvqbench keeps in pytest's cache (``{"tests": {nodeid: s},
-"kinds": …, "steps": …}``); later files override earlier ones test by test. The kinds are recomputed
+"kinds": …, "steps": …, "step_cells": {report step: cells}}``); later files override earlier ones test by
+test (and step by step). The kinds are recomputed
 as the medians of the merged tests. Durations are rounded to milliseconds and keys sorted, so the file
 diffs well. Only relative durations matter: each run scales them by its own measured speed.
 Standard library only (plus kvqbench.progress for the kinds).
@@ -33,16 +34,19 @@ def merge(histories: list[dict]) -> dict:
     """The prior made of ``histories`` (later ones win per test and per step)."""
     tests: dict[str, float] = {}
     steps: dict[str, float] = {}
+    cells: dict[str, int] = {}
     for h in histories:
         tests.update({str(k): float(v) for k, v in (h.get("tests") or {}).items()})
         steps.update({str(k): float(v) for k, v in (h.get("steps") or {}).items()})
+        cells.update({str(k): int(v) for k, v in (h.get("step_cells") or {}).items()})
     by_kind: dict[str, list[float]] = {}
     for n, v in tests.items():
         by_kind.setdefault(kind_of(n), []).append(v)
     return {"version": 1,
             "tests": {k: round(tests[k], 3) for k in sorted(tests)},
             "kinds": {k: round(float(statistics.median(v)), 3) for k, v in sorted(by_kind.items())},
-            "steps": {k: round(steps[k], 3) for k in sorted(steps)}}
+            "steps": {k: round(steps[k], 3) for k in sorted(steps)},
+            "step_cells": {k: cells[k] for k in sorted(cells) if k in steps}}
 
 
 def main(argv: list[str] | None = None) -> int:

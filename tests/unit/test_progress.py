@@ -132,6 +132,40 @@ def test_tests_already_sent_to_a_worker_stay_there():
     assert p.eta(3.0) == pytest.approx(6.0)
 
 
+def test_a_running_test_the_queues_do_not_list_runs_on_the_worker_whose_queue_ran_dry():
+    """The queues were read before r was sent: worker A's listed work (x) is done and it runs r (4 s);
+    B runs b (2 s of its 3 s left) then c (3 s); the unsent d (6 s) goes to A when r ends: 1 + 4 + 6 —
+    not to a third, imaginary worker (which would give 1 + 6)."""
+    cost = {"t.py::test_r": 4.0, "t.py::test_b": 3.0, "t.py::test_c": 3.0, "t.py::test_d": 6.0,
+            "t.py::test_x": 1.0}
+    prior = {"version": 1, "tests": cost, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(list(cost))
+    p.started("t.py::test_x", 0.0)
+    p.started("t.py::test_b", 0.0)
+    p.set_queues([["t.py::test_x"], ["t.py::test_b", "t.py::test_c"]], 0.0)
+    p.finished("t.py::test_x", 1.0, 1.0)
+    p.started("t.py::test_r", 1.0)
+    assert p.eta(1.0) == pytest.approx(4.0 + 6.0)
+
+
+def test_report_step_scales_with_the_cells_and_the_runs_speed():
+    """The table's report took 10 s for 100 cells; this run has 50 cells and runs 2× slower: 10 s.
+    A report kind the table lacks is charged the table's seconds per cell: 0.1 × 50 × 2."""
+    ids = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(50)]
+    for kind, expected in (("report|real-full", 10.0), ("report|other-sources", 10.0)):
+        prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {},
+                 "steps": {kind: 10.0}, "step_cells": {kind: 100}}
+        p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=1, prior=prior, trace_path=None)
+        p.collected(ids)
+        assert p.cells == 50
+        p.finished(ids[0], 2.0, 2.0)
+        assert p.eta(2.0) == pytest.approx(49 * 2.0 + expected)
+    assert p.updated_history()["step_cells"] == {}  # no report measured yet
+    p.step("report|real-full", 12.0)
+    assert p.updated_history()["step_cells"]["report|real-full"] == 50
+
+
 def test_plugin_reads_the_xdist_queues_and_falls_back_to_none():
     from types import SimpleNamespace
 
@@ -156,17 +190,62 @@ def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file()
     assert p.base("w.py::test_e") is None
 
 
-def test_a_kind_that_got_slower_is_charged_more_than_the_rest():
-    ids = [f"t.py::test_{c}[{i}]" for i in range(6) for c in "ab"]
+def test_a_kind_whose_table_entry_is_off_by_2x_is_corrected_after_a_few_of_its_tests():
+    """Two kinds in two files of one folder, alternating; the table says 1 s for both, a takes 1 s and b
+    2 s (its code got slower). Each file's and kind's recent speed is its own ratio exactly (its first
+    test sets it, the rest agree); the run's and the folder's lie between (log 1 .. log 2), and with n
+    tests of each the file and the kind weigh n / (n + 2) each over them, so each charge is within a
+    factor 2^((2 / (n + 2))²) of its truth, on the side of the other kind."""
+    from kvqbench.progress import SHRINK_N
+
+    ids = [f"d/{c}.py::test_{c}[{i}]" for i in range(8) for c in "ab"]
     prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {}, "steps": {}}
     p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
     p.collected(ids)
-    for n in ids[:6]:  # three of each kind: a as in the prior, b 3× slower (its code changed)
-        p.finished(n, 3.0 if "test_b" in n else 1.0)
-    # the typical ratio (base-weighted median of 1,1,1,3,3,3) is 1: a is charged its prior; b 3× that,
-    # shrunk towards 1 by 3 / (3 + 2) while only three b's have finished
-    assert p.predict("t.py::test_a[5]") == pytest.approx(1.0)
-    assert p.predict("t.py::test_b[5]") == pytest.approx(1.0 + 2.0 * 0.6)
+    n = 6
+    for node in ids[:2 * n]:
+        p.finished(node, 2.0 if "test_b" in node else 1.0)
+    tol = 2.0 ** ((SHRINK_N / (n + SHRINK_N)) ** 2)
+    pa, pb = p.predict("d/a.py::test_a[7]"), p.predict("d/b.py::test_b[7]")
+    assert 1.0 <= pa <= tol and 2.0 / tol <= pb <= 2.0, (pa, pb)
+    assert pb / pa > 1.8  # the old single-speed estimate charged both about the same
+
+
+def test_a_phase_of_cheap_kinds_does_not_drag_the_remaining_expensive_kind():
+    """10 tests of x (folder d) run 1.5× their table, then 40 tests of y (folder e) exactly as the table:
+    the run's recent speed falls towards 1, but x's pending tests keep their own 1.5 — the run's speed
+    weighs (2 / 12)³ at most once x's folder, file and kind each have 10 tests."""
+    xs = [f"d/x.py::test_x[{i}]" for i in range(12)]
+    ys = [f"e/y.py::test_y[{i}]" for i in range(40)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in xs + ys}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(xs + ys)
+    for n in xs[:10]:
+        p.finished(n, 1.5)
+    for n in ys:
+        p.finished(n, 1.0)
+    assert p.speed() < 1.1  # the run's recent speed followed y
+    assert 1.5 * 1.5 ** (-(2 / 12) ** 3) <= p.predict(xs[10]) <= 1.5
+
+
+def test_a_first_cell_outlier_moves_its_group_by_at_most_2x_and_then_averages_out():
+    """A new file whose first test pays a one-off 10× (a model load), then runs as its table. The outlier
+    moves each group by log 2 at most (its gap is clipped), and a group's first tests are averaged
+    (weight 1 / n): the run and the folder (5 tests before) end at r = log 2 / 6; the new file starts
+    there and ends at r + log 2, weighing 1 / 3; the new kind starts at r + log 2 / 3 and ends log 2
+    above, weighing 1 / 3: the charge is 2^(1/6 + 2/3) ≤ 2× the table. After 9 more tests each group is
+    at most its start plus log 2 (≤ 1.5 log 2) over 10."""
+    ids = [f"d/a.py::test_a[{i}]" for i in range(5)] + [f"d/b.py::test_b[{i}]" for i in range(12)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(ids)
+    for n in ids[:5]:
+        p.finished(n, 1.0)
+    p.finished(ids[5], 10.0)
+    assert p.predict(ids[-1]) == pytest.approx(2.0 ** (1 / 6 + 2 / 3))
+    for n in ids[6:15]:
+        p.finished(n, 1.0)
+    assert 1.0 < p.predict(ids[-1]) <= 2.0 ** 0.2
 
 
 def test_history_predicts_unseen_tests_scaled_by_this_runs_speed():
@@ -193,10 +272,26 @@ def test_report_step_is_added_once_and_counts_down_after_the_last_test():
     assert p.eta(0.0) == pytest.approx(4.0 + 6.0)
     p.finished(ids[0], 4.0, now=4.0)
     assert p.eta(5.0) == pytest.approx(6.0 - 1.0)
+    assert p.eta(14.0) == pytest.approx(0.25 * (10.0 - 6.0))  # overran by 4 s: a quarter of that again
     p.step("report|synthetic-smoke", 7.0)
     h = p.updated_history()
     assert h["tests"] == {ids[0]: 4.0} and h["steps"] == {"report|synthetic-smoke": 7.0}
     assert h["kinds"] == {"t.py::test_a|m|synthetic-smoke": 4.0}
+
+
+def test_a_suites_report_is_a_step_of_its_own_and_falls_back_to_the_cells_alone():
+    """The test suite ends differently from a cells-only run with the same cells: its report step is
+    ``|+tests``; a table without that kind charges the cells-only report."""
+    ids = ["t.py::test_a[m-k2v2-seed0-synthetic-smoke]", "u.py::test_unit"]
+    assert Progress.report_kind(["synthetic-smoke"], True) == "report|synthetic-smoke|+tests"
+    assert Progress.report_kind([], True) == "report|no-cells"
+    for steps, expected in (({"report|synthetic-smoke": 2.0}, 2.0),
+                            ({"report|synthetic-smoke": 2.0, "report|synthetic-smoke|+tests": 5.0}, 5.0)):
+        prior = {"version": 1, "tests": {ids[0]: 1.0, ids[1]: 1.0}, "kinds": {}, "steps": steps}
+        p = Progress(interval_s=0, t0=0.0, t_run=0.0, prior=prior, trace_path=None)
+        p.collected(ids)
+        assert "report|synthetic-smoke|+tests" in p.expected_steps
+        assert p.eta(0.0) == pytest.approx(2.0 + expected)
 
 
 def test_pending_capture_is_charged_to_the_first_real_cell_of_each_worker():
@@ -287,6 +382,28 @@ def test_first_run_with_the_prior_of_another_machine_is_within_30_percent_from_2
     assert sum(e <= 0.3 for e in errs) >= 0.9 * len(errs) and errs[len(errs) // 2] <= 0.10, errs
 
 
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_a_kind_whose_prior_is_off_by_a_large_factor_converges_once_it_runs(tmp_path, factor):
+    """The prior of another machine, with one test function's entries (test_y, half of the work, run
+    second) off by ``factor``: once ten of its tests have finished (the ETA cannot know before any of
+    them ran), at least 90 % of the lines are within ±30 % of the truth while 15 % of the run or more
+    is left. The last lines are not held to it: there a few cells remain, each of whose prior and run
+    times vary ±20 % independently, and the report is scaled by the run's recent speed — which
+    test_y's off prior sets, as a faster machine would (from the events alone the two cannot be told
+    apart)."""
+    mod = _eta_script()
+    _, _, reference = _simulate(None, speed=1.0, seed=7)
+    prior = mod.scaled(reference.updated_history(), "test_y", factor)
+    assert prior["tests"]["t.py::test_y[m1-k2v2-seed0-real-full]"] == pytest.approx(
+        factor * reference.updated_history()["tests"]["t.py::test_y[m1-k2v2-seed0-real-full]"])
+    trace = tmp_path / "run.trace"
+    samples, end, _ = _simulate(None, speed=1.4, seed=8, prior=prior, trace=str(trace))
+    ys = sorted(e[-1] for e in map(json.loads, trace.read_text().splitlines())
+                if e[1] == "finished" and "test_y" in e[2])
+    errs = [abs(eta - (end - t)) / (end - t) for t, eta in samples if ys[9] <= t <= 0.85 * end]
+    assert len(errs) >= 10 and sum(e <= 0.3 for e in errs) >= 0.9 * len(errs), [round(e, 2) for e in errs]
+
+
 def test_replaying_a_trace_gives_the_live_etas(tmp_path):
     """scripts/eta_error.py --replay feeds a recorded session to a new Progress: same ETAs as live."""
     _, _, reference = _simulate(None, speed=1.0, seed=5)
@@ -306,15 +423,17 @@ def test_eta_prior_merges_histories_and_recomputes_kinds(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     a = {"version": 1, "tests": {"t.py::test_a[1]": 1.0, "t.py::test_a[2]": 3.0}, "kinds": {"x": 9.0},
-         "steps": {"report|no-cells": 5.0}}
-    b = {"version": 1, "tests": {"t.py::test_a[2]": 5.0}, "kinds": {}, "steps": {"capture|real-full": 20.0}}
+         "steps": {"report|no-cells": 5.0, "report|real-full": 8.0}, "step_cells": {"report|real-full": 40}}
+    b = {"version": 1, "tests": {"t.py::test_a[2]": 5.0}, "kinds": {}, "steps": {"capture|real-full": 20.0},
+         "step_cells": {"report|real-full": 60, "report|gone": 3}}
     for i, d in enumerate((a, b)):
         (tmp_path / f"h{i}").write_text(json.dumps(d))
     assert mod.main([str(tmp_path / "h0"), str(tmp_path / "h1"), "-o", str(tmp_path / "prior.json")]) == 0
     prior = json.loads((tmp_path / "prior.json").read_text())
     assert prior["tests"] == {"t.py::test_a[1]": 1.0, "t.py::test_a[2]": 5.0}  # the later file wins
     assert prior["kinds"] == {"t.py::test_a": 3.0}  # median of 1 and 5, the stale kind is gone
-    assert prior["steps"] == {"capture|real-full": 20.0, "report|no-cells": 5.0}
+    assert prior["steps"] == {"capture|real-full": 20.0, "report|no-cells": 5.0, "report|real-full": 8.0}
+    assert prior["step_cells"] == {"report|real-full": 60}  # the later file wins; only steps it has
     assert mod.main([str(tmp_path / "missing")]) == 2
 
 
