@@ -33,6 +33,12 @@ def pytest_configure(config: pytest.Config) -> None:
                                                     "--hypothesis-show-statistics", "--hypothesis-explain"))
     if asked or not _only_cells(config.getoption("markexpr", "") or ""):
         _hypothesis_profiles()
+        return
+    # hypothesis' pytest plugin imports hypothesis in its terminal summary, whatever ran; with no
+    # hypothesis test collected, its remaining hooks have nothing to do
+    plugin = config.pluginmanager.get_plugin("hypothesispytest")
+    if plugin is not None:
+        config.pluginmanager.unregister(plugin)
 
 #: the benchmark cells (the only tests the plugin marks ``smoke``/``full``/``kvq``) live here; the other
 #: folders under tests/ hold none (tests/unit/test_cells_only_in_bench.py checks it)
