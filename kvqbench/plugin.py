@@ -704,7 +704,6 @@ class Recorder:
 
     def __init__(self, record: dict[str, Any]) -> None:
         self.record = record
-        self.dirty = False  # recorded into since the record was last made plain (see pytest_runtest_makereport)
 
     def __call__(self, result: Any = None, *, metrics: dict[str, float] | None = None,
                  per_layer: dict[str, list[float]] | None = None, series: dict[str, Any] | None = None,
@@ -722,13 +721,7 @@ class Recorder:
             self.record.setdefault("series", {}).update(series)
         if extra:
             self.record.setdefault("extra", {}).update(extra)
-        self.dirty = True
         return self.record
-
-
-RECORDER_KEY = pytest.StashKey[Recorder]()
-#: the record was made plain after the test's call phase (and nothing was recorded since)
-_PLAIN_AFTER_CALL = pytest.StashKey[bool]()
 
 
 def _identity_record(item: pytest.Item) -> dict[str, Any] | None:
@@ -764,9 +757,7 @@ def kvq_record(request: pytest.FixtureRequest) -> Recorder:
         cal = request.getfixturevalue("kvq_model").calibration
         rec["data"] = {**_jsonable_meta(cal.meta), "shape_k": list(cal.k.shape), "shape_q": list(cal.q.shape),
                        "source": cal.source}
-    recorder = Recorder(rec)
-    request.node.stash[RECORDER_KEY] = recorder
-    return recorder
+    return Recorder(rec)
 
 
 def _jsonable_meta(meta: dict[str, Any]) -> dict[str, Any]:
@@ -795,16 +786,10 @@ def plain_record(rec: dict[str, Any]) -> dict[str, Any]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     rec = _identity_record(item)  # a cell that fails before recording is still identified
-    recorder = item.stash.get(RECORDER_KEY, None)
-    unchanged = (call.when == "teardown" and item.stash.get(_PLAIN_AFTER_CALL, False)
-                 and recorder is not None and not recorder.dirty)
-    if rec is not None and not unchanged:  # the teardown report reuses the call's plain record (it is large)
+    if rec is not None:
         clean = plain_record(rec)
         rec.clear()
         rec.update(clean)
-        item.stash[_PLAIN_AFTER_CALL] = call.when == "call"
-        if recorder is not None:
-            recorder.dirty = False
     yield
 
 

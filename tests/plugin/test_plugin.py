@@ -146,38 +146,6 @@ def test_records_survive_execnet_serialization():
     assert clean["metrics"]["a"] == "nan" and clean["variant"] == [["group_size", 64]]
 
 
-def test_teardown_report_reuses_the_plain_record_unless_recorded_since():
-    """The record is made plain (execnet- and JSON-safe) for the setup and call reports; the teardown
-    report skips that (large) conversion only when nothing was recorded after the call."""
-    import types
-
-    import numpy as np
-
-    from kvqbench.cells import Cell
-    from kvqbench.plugin import RECORD_KEY, RECORDER_KEY, Recorder, pytest_runtest_makereport
-
-    cell = Cell("exp1", "kivi", 2, 2, 0, "synthetic", "smoke")
-    item = types.SimpleNamespace(callspec=types.SimpleNamespace(params={"cell": cell}), user_properties=[],
-                                 nodeid="t[kivi-k2v2-seed0-synthetic-smoke]", stash=pytest.Stash())
-
-    def report(when):
-        gen = pytest_runtest_makereport(item, types.SimpleNamespace(when=when))
-        next(gen)
-        return next(v for k, v in item.user_properties if k == RECORD_KEY)
-
-    rec = report("setup")
-    recorder = Recorder(rec)
-    item.stash[RECORDER_KEY] = recorder
-    recorder(metrics={"a": 1.0}, extra={"x": (1, 2)})
-    rec = report("call")
-    assert rec["extra"]["x"] == [1, 2] and not recorder.dirty  # made plain: tuple -> list
-    rec["extra"]["x"] = (3, 4)  # not through the recorder: the teardown report keeps the call's conversion
-    assert report("teardown")["extra"]["x"] == (3, 4)
-    recorder(extra={"y": np.float64(2.5)})  # recorded after the call (say, in a fixture's teardown)
-    rec = report("teardown")
-    assert type(rec["extra"]["y"]) is float and rec["extra"]["x"] == [3, 4]
-
-
 def test_option_errors_show_our_messages(pytester, plugin_loaded_once):
     pytester.makepyfile(test_cells=CELL_TEST)
     for opt, val, text in (("--kvq-seeds", "0", "*--kvq-seeds expects a count*"),
