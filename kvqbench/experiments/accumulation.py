@@ -165,7 +165,7 @@ def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig
     t = int(data.k.shape[-2])
     block = min(cfg.block, t)
     grid = context_grid(t, cfg.n_lengths, block)
-    fit_method(method, data, reuse=True)
+    fit_method(method, data)
     res = SeriesCellResult()
     res.series["context_lengths"] = list(grid)
 

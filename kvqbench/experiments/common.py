@@ -7,7 +7,6 @@ with the cached keys. RoPE is orthogonal per pair, so reconstruction MSE is unaf
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -115,35 +114,18 @@ def as_f64(data: KVData, name: str) -> torch.Tensor:
     return data.cached(("fp64", name), lambda: getattr(data, name).to(torch.float64))
 
 
-def fit_method(method: Quantizer, data: KVData, *, reuse: bool = False) -> Quantizer:
+def fit_method(method: Quantizer, data: KVData) -> Quantizer:
     """Fit a method's data-dependent state (codebooks) on ``data.calibration`` — an independent batch
     of the same source — or, when the source has none, on ``data`` itself (in-sample), with the squared
-    gradients as Fisher weights where the source has them. A no-op for local methods.
-
-    ``reuse=True``: the fitted state is memoized on the calibration data (:meth:`KVData.cached`), keyed by
-    the method's class and :meth:`~kvqbench.quantizers.base.Quantizer.params` (bits, seed, options), and
-    copied into ``method`` — the same state a fit would give (the fit is deterministic given those), so
-    the experiments' cells of one method and setting on the same data fit once per process. Leave it off
-    where the fit itself is measured (exp4's ``fit_ms``)."""
-    if method.local_stats:
-        return method
-    cal = data.calibration if data.calibration is not None else data
-
-    def fit(m: Quantizer) -> Quantizer:
-        m.fit(
-            k=cal.k_for(m.k_pre_rope),
+    gradients as Fisher weights where the source has them. A no-op for local methods."""
+    if not method.local_stats:
+        cal = data.calibration if data.calibration is not None else data
+        method.fit(
+            k=cal.k_for(method.k_pre_rope),
             v=cal.v,
-            k_grad2=cal.k_grad2 if (m.k_pre_rope and cal.k_pre is not None) else None,
+            k_grad2=cal.k_grad2 if (method.k_pre_rope and cal.k_pre is not None) else None,
             v_grad2=cal.v_grad2,
         )
-        return m
-
-    if not reuse:
-        fit(method)
-        return method
-    key = ("fitted_state", type(method).__module__, type(method).__qualname__, repr(sorted(method.params().items())))
-    state = cal.cached(key, lambda: copy.deepcopy(vars(fit(copy.deepcopy(method)))))
-    vars(method).update(copy.deepcopy(state))  # a copy: a cell never shares (or alters) the memoized tensors
     return method
 
 
@@ -155,7 +137,7 @@ def roundtrip_kv(method: Quantizer, data: KVData, *, fit: bool = True) -> RoundT
     ``(batch, kv_heads, seq_len, head_dim)`` in the data's dtype.
     """
     if fit:
-        fit_method(method, data, reuse=True)
+        fit_method(method, data)
     k_in = data.k_for(method.k_pre_rope)
     k_qt = method.quantize(k_in, "k")
     v_qt = method.quantize(data.v, "v")

@@ -41,32 +41,3 @@ def test_window_and_truncate_keep_calibration_and_rope():
     w = data.window(64, 128)
     assert w.k.shape[2] == 64 and torch.equal(w.k, data.k[:, :, 64:128]) and w.calibration is data.calibration
     assert data.truncate(32).calibration is data.calibration
-
-
-def test_reused_fit_equals_a_fresh_fit_and_is_not_shared():
-    """``fit_method(..., reuse=True)`` memoizes the fitted state per (class, params) on the calibration
-    data: a later instance gets the state a fit of its own gives (codebooks, Fisher flags, round trip),
-    as a copy; other bits or seeds get their own fit; the fit is never shared across data objects."""
-    from kvqbench.experiments.common import fit_method
-
-    data = dataclasses.replace(_data(5), calibration=_data(6))
-    fresh = fit_method(create("kvquant", 2, 2, seed=1), data)  # no reuse: an ordinary fit
-    first = fit_method(create("kvquant", 2, 2, seed=1), data, reuse=True)  # fits and memoizes
-    n_cached = len(data.calibration.cache)
-    again = fit_method(create("kvquant", 2, 2, seed=1), data, reuse=True)  # from the memo
-    assert len(data.calibration.cache) == n_cached
-    for m in (first, again):
-        for kind in ("k", "v"):
-            assert torch.equal(m.codebook(kind), fresh.codebook(kind))
-        assert m.fisher_weighted == fresh.fisher_weighted and m.fitted == {"k": True, "v": True}
-        assert torch.equal(m.dequantize(m.quantize(data.v, "v")), fresh.dequantize(fresh.quantize(data.v, "v")))
-    assert again.codebook("k") is not first.codebook("k")  # a copy: no cell can alter another's state
-    other = fit_method(create("kvquant", 4, 4, seed=1), data, reuse=True)
-    assert len(data.calibration.cache) == n_cached + 1 and other.codebook("v").shape[-1] == 16
-    # another data object (same values) holds its own memo
-    twin = dataclasses.replace(_data(5), calibration=_data(6))
-    fit_method(create("kvquant", 2, 2, seed=1), twin, reuse=True)
-    assert len(twin.calibration.cache) == 1
-    # a local method has no state to fit or memoize
-    fit_method(create("kivi", 2, 2), twin, reuse=True)
-    assert len(twin.calibration.cache) == 1
