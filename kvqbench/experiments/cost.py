@@ -172,7 +172,7 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     """
     cfg = config or CostConfig()
     t0 = time.perf_counter()
-    fit_method(method, data)
+    fit_method(method, data, reuse=False)  # a fit of its own: its time is recorded
     fit_ms = (time.perf_counter() - t0) * 1e3
     xs = [("k", data.k_for(method.k_pre_rope)), ("v", data.v)]
     dev = xs[0][1].device
