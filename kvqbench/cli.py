@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "perf":
         from kvqbench.perf import main as perf_main
 
-        return perf_main(args)
+        return perf_main(args, list(sys.argv[1:] if argv is None else argv))
     return _compare(args)
 
 

@@ -13,9 +13,10 @@ in the same process:
 * ``hqq_rtn`` (when the ``hqq`` package is installed, extra ``peers``) — HQQ's quantizer without its
   optimizer (plain min/max RTN, group 64, bit-packed), quantize + dequantize.
 
-Every candidate (baselines, then each method's K and V round trip) is timed once per round, the rounds
-are repeated ``repeats`` times with the order rotated each round (interleaved, so a slow spell of a shared
-machine hits every candidate alike), and the median per candidate is reported with its ratios to the
+Every candidate (baselines, then each method's K and V round trip) is timed once per round at every token
+count, back to back, and the rounds are repeated ``repeats`` times with both orders rotated each round
+(interleaved, so a slow spell of a shared machine hits every candidate and every token count alike), and
+the median per candidate is reported with its ratios to the
 medians of ``clone``, ``eager_rtn`` and ``hqq_rtn``. This is done at every token count and at every thread
 count asked (default: 1 thread and torch's default). On CUDA every call is timed with CUDA events after a
 synchronize and the peak of ``torch.cuda.max_memory_allocated`` per round trip is recorded.
@@ -24,6 +25,24 @@ Data: a synthetic K/V of shape ``(1, kv_heads, T, head_dim)`` fp32 from :func:`k
 (fixed seed). Data-dependent methods are fitted first on an independent batch (untimed), as in the
 benchmark cells.
 
+Timing protocol (what makes the 4× token steps comparable; ``kvqbench perf`` defaults):
+
+* **steady allocator** (``--allocator steady``; Linux/glibc): a serving engine allocates its buffers once
+  and reuses them. glibc instead hands out every buffer of 32 MiB or more (its dynamic mmap threshold's
+  ceiling) as a fresh mapping and returns it on free, so each 16k call (64 MiB tensors) paid first-touch
+  page faults that a 4k call (16 MiB, reused from the heap) did not: a plain clone grew ~8.5× per 4×
+  tokens. ``kvqbench perf`` therefore re-runs itself once with ``GLIBC_TUNABLES`` raising glibc's mmap and
+  trim thresholds (:data:`STEADY_TUNABLES`), so buffers come from the heap and freed memory is kept (only
+  a tunable set at process start does this: ``mallopt`` refuses a threshold above 32 MiB). The state is
+  probed (a 64 MiB ``malloc`` served from the heap or mapped) and recorded in ``environment.allocator``.
+  ``--allocator default`` keeps the process's allocator as is.
+* **cold inputs** (``--cache cold``): every timed call reads its own copy of the input, taken round-robin
+  from enough copies that the bytes between two uses of one copy exceed the last-level cache (size from
+  sysfs; on CUDA the L2), so every candidate starts from memory at every token count instead of some
+  finding the input in cache. Copies cost memory (about one LLC's worth per tensor) but no time per call,
+  unlike flushing the cache before each call (writing a buffer the size of the LLC). ``--cache warm``
+  reuses one input tensor.
+
 This is a benchmark command, not a test: timings are never asserted. Torch is imported lazily so that
 ``kvqbench --help`` stays light.
 """
@@ -31,20 +50,35 @@ This is a benchmark command, not a test: timings are never asserted. Torch is im
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES"]
+__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
+           "STEADY_TUNABLES", "steady_env", "allocator_state", "last_level_cache_bytes", "cold_copies"]
 
 #: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
 BASELINES: tuple[str, ...] = ("clone", "eager_rtn", "hqq_rtn")
 DEFAULT_TOKENS = (1024, 4096, 16384)
 EAGER_GROUP = 64
+#: glibc tunables of the steady allocator: every buffer up to 1 GiB from the heap (not a fresh mapping per
+#: buffer of 32 MiB or more), freed memory kept up to 4 GiB
+STEADY_TUNABLES: dict[str, str] = {"glibc.malloc.mmap_threshold": str(1 << 30),
+                                   "glibc.malloc.trim_threshold": str(1 << 32)}
+#: set in the environment of the re-run (``kvqbench perf`` re-runs itself at most once)
+CHILD_MARK = "KVQBENCH_PERF_STEADY"
+#: the last-level cache assumed when sysfs does not say
+FALLBACK_LLC_BYTES = 64 << 20
+#: cold inputs: at most this many bytes of copies per input tensor (fewer copies, recorded, beyond it)
+MAX_COPY_BYTES = 2 << 30
 
 
 def _positive_ints(text: str) -> list[int]:
@@ -81,6 +115,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-peers", action="store_true", help="leave out optional peer baselines (hqq_rtn)")
+    p.add_argument("--allocator", choices=("steady", "default"), default="steady",
+                   help="steady (default; Linux/glibc): re-run once with GLIBC_TUNABLES so that every buffer comes "
+                        "from glibc's heap and freed memory is kept, as a serving engine reuses its buffers; "
+                        "otherwise each buffer of 32 MiB or more is freshly mapped and page-faulted on every call "
+                        "and 16k timings measure that (a plain clone grew ~8.5x per 4x tokens). default: the "
+                        "allocator as is. Recorded in the JSON's environment")
+    p.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                   help="cold (default): every timed call reads its own copy of the input, round-robin over copies "
+                        "totalling more than the last-level cache (sysfs; CUDA: L2), so every candidate starts from "
+                        "memory at every T (costs about twice the LLC in memory per T: K and V copies; at most "
+                        "2 GiB each); warm: one input tensor, reused (whatever the previous call left in cache)")
     p.add_argument("--fused", action="store_true",
                    help="use the compiled (torch.compile) RTN kernels where a compiler exists, as KVQBENCH_FUSED=1 "
                         "(bit-identical; the first call per shape compiles)")
@@ -122,11 +167,141 @@ def _hqq_roundtrip(bits: int) -> Callable | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# timing protocol: steady allocator, cold inputs
+
+
+def _parse_tunables(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in text.split(":"):
+        key, sep, val = item.partition("=")
+        if key.strip() and sep:
+            out[key.strip()] = val
+    return out
+
+
+def is_glibc_linux() -> bool:
+    """Whether this process runs on Linux with glibc (where ``GLIBC_TUNABLES`` is read at start)."""
+    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+
+def steady_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str] | None:
+    """The environment to re-run ``kvqbench perf`` in with the steady allocator: ``environ`` plus
+    :data:`STEADY_TUNABLES` appended to ``GLIBC_TUNABLES`` (tunables already set there, the user's, are kept
+    and win) and :data:`CHILD_MARK`. ``None`` when no re-run is needed: this process is that re-run, or both
+    thresholds are already set."""
+    if environ.get(CHILD_MARK):
+        return None
+    have = _parse_tunables(environ.get("GLIBC_TUNABLES", ""))
+    missing = {k: v for k, v in STEADY_TUNABLES.items() if k not in have}
+    if not missing:
+        return None
+    env = dict(environ)
+    extra = ":".join(f"{k}={v}" for k, v in missing.items())
+    env["GLIBC_TUNABLES"] = f"{environ['GLIBC_TUNABLES']}:{extra}" if environ.get("GLIBC_TUNABLES") else extra
+    env[CHILD_MARK] = "1"
+    return env
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _large_malloc_is_mapped(nbytes: int = 64 << 20) -> bool | None:
+    """Whether glibc serves a ``malloc`` of ``nbytes`` — raised above the heap's free bytes, so that no
+    free chunk can serve it, up to 768 MiB — with a fresh mapping (``mallinfo2().hblks`` grows while it
+    lives) rather than by growing its heap; ``None`` where that cannot be asked (not glibc, glibc < 2.33).
+    The block is never touched (no page is faulted in)."""
+    if not is_glibc_linux():
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        info, malloc, free = libc.mallinfo2, libc.malloc, libc.free
+    except (OSError, AttributeError):
+        return None
+    info.restype, malloc.restype, malloc.argtypes = _MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
+    free.argtypes = [ctypes.c_void_p]
+    before = info()
+    ptr = malloc(min(max(nbytes, before.fordblks + nbytes), 768 << 20))
+    if not ptr:
+        return None
+    try:
+        return info().hblks > before.hblks
+    finally:
+        free(ptr)
+
+
+def _probe_allocator() -> str:
+    mapped = _large_malloc_is_mapped()
+    return "unknown" if mapped is None else ("default" if mapped else "steady")
+
+
+#: the allocator as found when this module was first imported: its thresholds are fixed at process start,
+#: and a probe made later could be served from free heap chunks that a long-running process left behind
+_ALLOCATOR_AT_IMPORT = _probe_allocator()
+
+
+def allocator_state() -> str:
+    """``"steady"`` (a new buffer of 64 MiB or more comes from glibc's heap: freed buffers are reused),
+    ``"default"`` (it is freshly mapped, as glibc does by default) or ``"unknown"`` (not glibc, or glibc
+    too old to ask), probed once when this module is imported."""
+    return _ALLOCATOR_AT_IMPORT
+
+
+def last_level_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """Size in bytes of the highest-level data/unified CPU cache that sysfs lists (``None`` without sysfs)."""
+    best: tuple[int, int] | None = None
+    for d in sorted(sysfs.glob("index*")) if sysfs.is_dir() else []:
+        try:
+            level = int((d / "level").read_text())
+            kind = (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip().upper()
+        except (OSError, ValueError):
+            continue
+        if kind == "INSTRUCTION" or not size:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        try:
+            nbytes = int(size.rstrip("KMG")) * mult
+        except ValueError:
+            continue
+        if best is None or (level, nbytes) > best:
+            best = (level, nbytes)
+    return None if best is None else best[1]
+
+
+def cold_copies(tensor_bytes: int, cache_bytes: int, max_bytes: int = MAX_COPY_BYTES) -> int:
+    """How many copies of an input of ``tensor_bytes`` a round-robin needs so that more than ``cache_bytes``
+    of inputs are read between two uses of one copy: ``ceil(cache / tensor) + 1`` (at least 2), but no more
+    than ``max_bytes`` of copies (at least 1)."""
+    if tensor_bytes < 1 or cache_bytes < 0:
+        raise ValueError("tensor_bytes must be >= 1 and cache_bytes >= 0")
+    want = max(2, math.ceil(cache_bytes / tensor_bytes) + 1)
+    return max(1, min(want, max_bytes // tensor_bytes))
+
+
+class _Rotation:
+    """Round-robin over copies of one input tensor: every call of :meth:`next` returns the next copy."""
+
+    def __init__(self, x, n: int) -> None:
+        self.copies = [x] + [x.clone() for _ in range(n - 1)]
+        self.i = 0
+
+    def next(self):
+        x = self.copies[self.i]
+        self.i = (self.i + 1) % len(self.copies)
+        return x
+
+
+# --------------------------------------------------------------------------------------------------
 # timing
 
 
-def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int]]:
-    """``fn → (milliseconds, peak bytes above the level before the call or 0)``."""
+def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int, float | None]]:
+    """``fn → (milliseconds, peak bytes above the level before the call or 0, CPU milliseconds or None)``.
+    On the CPU the CPU time of the process (all its threads) is measured beside the wall clock: on a
+    shared, oversubscribed machine a call that waits for a core is not charged for the wait, and a long
+    call is not penalized against a short one that fits between two preemptions."""
     import torch
 
     if device.type == "cuda":
@@ -140,60 +315,77 @@ def _timer(device) -> Callable[[Callable[[], Any]], tuple[float, int]]:
             end.record()
             torch.cuda.synchronize(device)
             del out
-            return float(start.elapsed_time(end)), int(torch.cuda.max_memory_allocated(device) - base)
+            return float(start.elapsed_time(end)), int(torch.cuda.max_memory_allocated(device) - base), None
 
         return cuda_time
 
-    def cpu_time(fn: Callable[[], Any]) -> tuple[float, int]:
+    def cpu_time(fn: Callable[[], Any]) -> tuple[float, int, float | None]:
+        c0 = time.process_time()
         t0 = time.perf_counter()
         out = fn()
         dt = (time.perf_counter() - t0) * 1e3
+        dc = (time.process_time() - c0) * 1e3
         del out
-        return dt, 0
+        return dt, 0, dc
 
     return cpu_time
 
 
-def _candidates(method_ids: list[str], bits: int, data, peers: bool) -> dict[str, Callable[[], Any]]:
+def _candidates(method_ids: list[str], bits: int, data, peers: bool,
+                n_copies: int = 1) -> dict[str, Callable[[], Any]]:
+    """The timed callables; with ``n_copies`` > 1 every call reads the next of ``n_copies`` copies of K
+    (V for the V round trips), round-robin (cold inputs)."""
     import torch
 
     from kvqbench.experiments.common import fit_method
     from kvqbench.quantizers import create
 
-    k, v = data.k, data.v
+    rk, rv = _Rotation(data.k, n_copies), _Rotation(data.v, n_copies)
     cands: dict[str, Callable[[], Any]] = {
-        "clone": lambda: k.clone(),
-        "eager_rtn": lambda: eager_rtn_roundtrip(k, bits),
+        "clone": lambda: rk.next().clone(),
+        "eager_rtn": lambda: eager_rtn_roundtrip(rk.next(), bits),
     }
     hqq = _hqq_roundtrip(bits) if peers else None
     if hqq is not None:
-        cands["hqq_rtn"] = lambda: hqq(k)
+        cands["hqq_rtn"] = lambda: hqq(rk.next())
     for mid in method_ids:
         m = create(mid, bits, bits, seed=0)
         fit_method(m, data)  # data-dependent state from the independent calibration batch, untimed
-        cands[f"{mid}/k"] = (lambda m=m: m.roundtrip(k, "k"))
-        cands[f"{mid}/v"] = (lambda m=m: m.roundtrip(v, "v"))
+        cands[f"{mid}/k"] = (lambda m=m: m.roundtrip(rk.next(), "k"))
+        cands[f"{mid}/v"] = (lambda m=m: m.roundtrip(rv.next(), "v"))
     with torch.no_grad():
         for fn in cands.values():  # warm-up: caches (Hadamard, codebooks), allocator, lazy kernels
             fn()
     return cands
 
 
-def _measure(cands: dict[str, Callable[[], Any]], timer, repeats: int) -> dict[str, dict[str, Any]]:
+def _measure(groups: dict[int, dict[str, Callable[[], Any]]], timer,
+             repeats: int) -> dict[int, dict[str, dict[str, Any]]]:
+    """Time every candidate of every group (token count) ``repeats`` times. Each round visits the
+    candidates in an order rotated every round, and each candidate at every token count back to back (that
+    order rotated too), so a slow spell of a shared machine hits the token counts alike: the scaling ratios
+    compare calls made seconds apart, not sections made minutes apart."""
     import torch
 
-    names = list(cands)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    peak: dict[str, int] = {n: 0 for n in names}
+    keys = list(groups)
+    names = list(groups[keys[0]])
+    times = {g: {n: [] for n in names} for g in keys}
+    cpu: dict[int, dict[str, list[float]]] = {g: {n: [] for n in names} for g in keys}
+    peak = {g: {n: 0 for n in names} for g in keys}
     with torch.no_grad():
         for r in range(repeats):
-            shift = r % len(names)
-            for n in names[shift:] + names[:shift]:  # rotate the order every round
-                ms, mem = timer(cands[n])
-                times[n].append(ms)
-                peak[n] = max(peak[n], mem)
-    return {n: {"median_ms": statistics.median(times[n]), "min_ms": min(times[n]), "all_ms": times[n],
-                "peak_bytes": peak[n]} for n in names}
+            shift, gshift = r % len(names), r % len(keys)
+            for n in names[shift:] + names[:shift]:
+                for g in keys[gshift:] + keys[:gshift]:
+                    ms, mem, cms = timer(groups[g][n])
+                    times[g][n].append(ms)
+                    if cms is not None:
+                        cpu[g][n].append(cms)
+                    peak[g][n] = max(peak[g][n], mem)
+    return {g: {n: {"median_ms": statistics.median(times[g][n]), "min_ms": min(times[g][n]),
+                    "all_ms": times[g][n], "peak_bytes": peak[g][n],
+                    "median_cpu_ms": statistics.median(cpu[g][n]) if cpu[g][n] else None,
+                    "all_cpu_ms": cpu[g][n] or None} for n in names} for g in keys}
 
 
 def run_perf(
@@ -207,16 +399,24 @@ def run_perf(
     device: str = "cpu",
     peers: bool = True,
     log: Callable[[str], None] | None = None,
+    cache: str = "cold",
 ) -> dict[str, Any]:
     """Time every method's K and V round trip against the baselines (see module doc).
 
     Returns:
         a JSON-able dict: ``config``, ``environment`` and ``rows`` — one per (threads, tokens, candidate)
-        with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA) and the ratios ``x_clone``,
-        ``x_eager_rtn`` and ``x_hqq_rtn`` (None without hqq); and ``scaling`` — per threads and candidate the
-        median-time ratio between consecutive token counts.
+        with ``median_ms``, ``min_ms``, ``all_ms``, ``peak_bytes`` (CUDA), on the CPU ``median_cpu_ms`` and
+        ``all_cpu_ms`` (process CPU time, all threads), and the ratios ``x_clone``, ``x_eager_rtn`` and
+        ``x_hqq_rtn`` (None without hqq) of the median wall times, ``x_<baseline>_cpu`` of the median CPU
+        times; and ``scaling`` — per threads and candidate the ratio between consecutive token counts of the
+        median times (``time_ratio``), of the fastest calls (``min_time_ratio``) and of the median CPU
+        times (``cpu_time_ratio``).
+    ``cache``: ``"cold"`` (every call reads the next of enough input copies to exceed the last-level cache;
+    ``config.input_copies`` per T) or ``"warm"`` (one input). The allocator is the process's own (``kvqbench
+    perf`` sets it up before: see :func:`main`); ``environment.allocator`` records what it does.
+
     Raises:
-        ValueError: unknown method ids, bad sizes, or ``device`` cuda without CUDA.
+        ValueError: unknown method ids, bad sizes, an unknown ``cache``, or ``device`` cuda without CUDA.
     """
     import torch
 
@@ -227,9 +427,16 @@ def run_perf(
     ids = parse_methods(None if methods is None else ",".join(methods), available(), option="--methods")
     if repeats < 1 or bits < 1 or kv_heads < 1 or head_dim < 2:
         raise ValueError("repeats, bits and kv_heads must be >= 1 and head_dim >= 2")
+    if cache not in ("cold", "warm"):
+        raise ValueError(f"cache must be 'cold' or 'warm', got {cache!r}")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked but CUDA is not available (torch {torch.__version__})")
+    if dev.type == "cuda":
+        cache_bytes: int | None = int(torch.cuda.get_device_properties(dev).L2_cache_size)
+    else:
+        cache_bytes = last_level_cache_bytes()
+    copies: dict[int, int] = {}
     default_threads = torch.get_num_threads()
     timer = _timer(dev)
     say = log or (lambda s: None)
@@ -237,47 +444,69 @@ def run_perf(
     thread_counts = [default_threads if t == "default" else int(t) for t in threads]
     for nt in dict.fromkeys(thread_counts):
         torch.set_num_threads(nt)
-        for t in tokens:
-            spec = dict(batch=1, kv_heads=kv_heads, q_heads=kv_heads, seq_len=int(t), head_dim=head_dim)
+        groups: dict[int, dict[str, Callable[[], Any]]] = {}
+        nbytes: dict[int, int] = {}
+        t0 = time.perf_counter()
+        for t in dict.fromkeys(int(t) for t in tokens):
+            spec = dict(batch=1, kv_heads=kv_heads, q_heads=kv_heads, seq_len=t, head_dim=head_dim)
             data = make_synthetic(seed=0, **spec).to(dev)
             data.calibration = make_synthetic(seed=1_000_033, **spec).to(dev)
-            t0 = time.perf_counter()
-            res = _measure(_candidates(ids, bits, data, peers), timer, repeats)
+            nbytes[t] = data.k.numel() * data.k.element_size()
+            n_copies = 1 if cache == "warm" else cold_copies(
+                nbytes[t], cache_bytes if cache_bytes is not None else FALLBACK_LLC_BYTES)
+            copies[t] = n_copies
+            groups[t] = _candidates(ids, bits, data, peers, n_copies)
+            del data
+        measured = _measure(groups, timer, repeats)
+        del groups
+        for t, res in measured.items():
             base = {b: res[b]["median_ms"] for b in BASELINES if b in res}
             # clone reads and writes the tensor once: its bytes moved per second is the memory bandwidth
-            res["clone"]["bandwidth_gbps"] = 2 * data.k.numel() * data.k.element_size() / (
-                max(base["clone"], 1e-9) * 1e-3) / 1e9
+            res["clone"]["bandwidth_gbps"] = 2 * nbytes[t] / (max(base["clone"], 1e-9) * 1e-3) / 1e9
             for name, r in res.items():
                 mid, _, kind = name.partition("/")
-                row = {"threads": nt, "tokens": int(t), "candidate": mid, "kind": kind or None, **r}
+                row = {"threads": nt, "tokens": t, "candidate": mid, "kind": kind or None, **r}
                 for b in BASELINES:
                     row[f"x_{b}"] = r["median_ms"] / base[b] if b in base and base[b] > 0 else None
+                    bc = res[b]["median_cpu_ms"] if b in res else None
+                    row[f"x_{b}_cpu"] = r["median_cpu_ms"] / bc if bc and r["median_cpu_ms"] is not None else None
                 rows.append(row)
-            say(f"kvqbench perf: threads={nt} T={t}: {len(res)} candidates × {repeats} rounds in "
-                f"{time.perf_counter() - t0:.1f} s")
+        say(f"kvqbench perf: threads={nt} T={','.join(map(str, measured))}: {len(measured[t])} candidates × "
+            f"{repeats} rounds, interleaved, in {time.perf_counter() - t0:.1f} s")
     torch.set_num_threads(default_threads)
     scaling = []
     for nt in dict.fromkeys(thread_counts):
         sel = {(r["candidate"], r["kind"], r["tokens"]): r["median_ms"] for r in rows if r["threads"] == nt}
+        mins = {(r["candidate"], r["kind"], r["tokens"]): r["min_ms"] for r in rows if r["threads"] == nt}
+        cpus = {(r["candidate"], r["kind"], r["tokens"]): r["median_cpu_ms"] for r in rows if r["threads"] == nt}
         ts = sorted(set(tokens))
         for (cand, kind) in dict.fromkeys((c, k) for c, k, _ in sel):
             for a, b in zip(ts, ts[1:]):
                 if sel.get((cand, kind, a)) and (cand, kind, b) in sel:
+                    lo = mins[(cand, kind, a)]
                     scaling.append({"threads": nt, "candidate": cand, "kind": kind, "from_tokens": a,
                                     "to_tokens": b, "time_ratio": sel[(cand, kind, b)] / sel[(cand, kind, a)],
+                                    "min_time_ratio": mins[(cand, kind, b)] / lo if lo > 0 else None,
+                                    "cpu_time_ratio": cpus[(cand, kind, b)] / cpus[(cand, kind, a)]
+                                    if cpus[(cand, kind, a)] and cpus[(cand, kind, b)] is not None else None,
                                     "token_ratio": b / a})
     env = {
         "torch": torch.__version__, "device": str(dev), "platform": platform.platform(),
         "machine": platform.machine(), "cpu_count": _cpu_count(), "default_threads": default_threads,
         "cuda_device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
         "hqq": _hqq_version() if peers else None,
-        "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter",
+        "timer": "cuda events" if dev.type == "cuda" else "time.perf_counter (wall) and time.process_time (CPU)",
+        "allocator": allocator_state() if dev.type == "cpu" else "torch CUDA caching allocator",
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "cache_bytes": cache_bytes,
+        "cache_bytes_source": ("CUDA L2" if dev.type == "cuda" else "sysfs last-level cache")
+        if cache_bytes is not None else f"assumed {FALLBACK_LLC_BYTES >> 20} MiB",
     }
     from kvqbench.numerics import fused
 
     cfg = {"fused": fused.enabled(dev.type), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
            "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
-           "eager_rtn_group": EAGER_GROUP}
+           "eager_rtn_group": EAGER_GROUP, "cache": cache, "input_copies": copies}
     return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
 
 
@@ -324,6 +553,8 @@ def format_report(result: dict[str, Any]) -> str:
                         line += [_fmt(r["x_hqq_rtn"]), ""]
                     if cuda:
                         line += [f"{r['peak_bytes'] / 2**20:.1f}"]
+                    else:
+                        line += [_fmt(r.get("x_eager_rtn_cpu")), ""]
                     table.append(line)
                     continue
                 rk, rv = by.get((cand, "k")), by.get((cand, "v"))
@@ -333,12 +564,13 @@ def format_report(result: dict[str, Any]) -> str:
                     line += [_fmt(rk["x_hqq_rtn"]), _fmt(rv["x_hqq_rtn"])]
                 if cuda:
                     line += [f"{max(rk['peak_bytes'], rv['peak_bytes']) / 2**20:.1f}"]
+                else:
+                    line += [_fmt(rk.get("x_eager_rtn_cpu")), _fmt(rv.get("x_eager_rtn_cpu"))]
                 table.append(line)
             headers = ["candidate", "K ms", "V ms", "K ×clone", "V ×clone", "K ×eager_rtn", "V ×eager_rtn"]
             if has_hqq:
                 headers += ["K ×hqq_rtn", "V ×hqq_rtn"]
-            if cuda:
-                headers += ["peak MiB"]
+            headers += ["peak MiB"] if cuda else ["K ×eager_rtn cpu", "V ×eager_rtn cpu"]
             shape = result["config"]["shape"]
             out.append(f"threads={nt}  T={t}  x=({shape[0]}, {shape[1]}, {t}, {shape[3]}) fp32  "
                        f"{result['config']['bits']} bits  median of {result['config']['repeats']} interleaved rounds")
@@ -353,21 +585,61 @@ def format_report(result: dict[str, Any]) -> str:
         table = []
         keys = list(dict.fromkeys((s["threads"], s["candidate"], s["kind"]) for s in sc))
         for nt, cand, kind in keys:
-            vals = {(s["from_tokens"], s["to_tokens"]): s["time_ratio"] for s in sc
+            vals = {(s["from_tokens"], s["to_tokens"]): s for s in sc
                     if (s["threads"], s["candidate"], s["kind"]) == (nt, cand, kind)}
-            table.append([nt, cand + (f"/{kind}" if kind else "")] + [_fmt(vals.get(st)) for st in steps])
-        out.append("time ratio between token counts (a memory-bound round trip scales like the token ratio)")
-        out.append(tabulate(table, headers=["threads", "candidate"] + [f"{a}→{b} (×{b / a:g})" for a, b in steps],
-                            disable_numparse=True))
+            table.append([nt, cand + (f"/{kind}" if kind else "")]
+                         + [_fmt(vals[st]["time_ratio"]) if st in vals else "—" for st in steps]
+                         + ([_fmt(vals[st].get("cpu_time_ratio")) if st in vals else "—" for st in steps]
+                            if not cuda else []))
+        out.append("time ratio between token counts: of the median wall times" + ("" if cuda else " and of the "
+                   "median CPU times") + " (a memory-bound round trip scales like the token ratio; the JSON also "
+                   "has the ratio of the fastest calls)")
+        out.append(tabulate(table, headers=["threads", "candidate"] + [f"{a}→{b} (×{b / a:g})" for a, b in steps]
+                            + ([] if cuda else [f"cpu {a}→{b}" for a, b in steps]), disable_numparse=True))
     env = result["environment"]
     out.append(f"\ntorch {env['torch']} · {env['device']}{' ' + env['cuda_device'] if env.get('cuda_device') else ''}"
                f" · {env['cpu_count']} CPUs (default threads {env['default_threads']}) · timer {env['timer']} · "
                f"hqq {env['hqq'] or 'not installed (pip install -e .[peers])'}")
+    cfg = result["config"]
+    if "cache" in cfg:
+        n = ", ".join(f"T={t}: {c}" for t, c in cfg.get("input_copies", {}).items())
+        llc = env.get("cache_bytes")
+        out.append(f"allocator {env.get('allocator', '?')} · inputs {cfg['cache']}"
+                   + (f" ({n} copies round-robin; cache {llc / 2**20:.0f} MiB, {env.get('cache_bytes_source')})"
+                      if cfg["cache"] == "cold" and llc else ""))
     return "\n".join(out)
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`)."""
+#: what the re-run executes: ``kvqbench.cli.main`` on the same arguments
+_RERUN = "import sys; from kvqbench.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def rerun_command(args: argparse.Namespace, argv: list[str] | None,
+                  environ: dict[str, str] | os._Environ[str] | None = None) -> tuple[list[str], dict[str, str]] | None:
+    """``(command, environment)`` to re-run ``kvqbench perf`` with the steady allocator, or ``None`` to run
+    in this process: ``--allocator default``, a CUDA device, not Linux/glibc, no ``argv`` to repeat, or
+    the tunables already set (:func:`steady_env`)."""
+    if args.allocator != "steady" or args.device.startswith("cuda") or argv is None or not is_glibc_linux():
+        return None
+    env = steady_env(os.environ if environ is None else environ)
+    if env is None:
+        return None
+    return [sys.executable, "-c", _RERUN, *argv], env
+
+
+def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`; ``argv``: the command line, from
+    ``perf`` on, to re-run it with the steady allocator — see :func:`rerun_command`)."""
+    rerun = rerun_command(args, argv)
+    if rerun is not None:
+        cmd, env = rerun
+        try:
+            return subprocess.call(cmd, env=env)
+        except KeyboardInterrupt:
+            return 130
+    if args.allocator == "steady" and not args.device.startswith("cuda") and not is_glibc_linux():
+        print("kvqbench perf: --allocator steady needs Linux with glibc; timing with the allocator as is",
+              file=sys.stderr)
     methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
     if args.fused:
         from kvqbench.numerics import fused
@@ -379,7 +651,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = run_perf(methods, args.tokens, args.threads, args.bits, args.kv_heads, args.head_dim,
                           args.repeats, args.device, peers=not args.no_peers,
-                          log=lambda s: print(s, file=sys.stderr, flush=True))
+                          log=lambda s: print(s, file=sys.stderr, flush=True), cache=args.cache)
     except (ValueError, RuntimeError) as e:
         print(f"kvqbench perf: {e}", file=sys.stderr)
         return 2

@@ -703,18 +703,23 @@ def _select_layers(data, idx: list[int]):
 
 
 @pytest.fixture
-def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
+def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
     """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
     (:class:`kvqbench.experiments.endtoend.RealSource`; the model is loaded once per process, the capture
     is disk-cached like the other real data). Runs on the session device with pinned CPU threads."""
-    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
+    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source, source_loaded
 
     _pin_threads(kvq_settings.threads)
     cache_dir = kvq_settings.capture_cache
     if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
         cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
-    return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
-                       device=kvq_settings.device, cache_dir=cache_dir)
+    where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[cell.size].window, "device": kvq_settings.device}
+    fresh, t = not source_loaded(**where), time.time()
+    src = load_source(**where, cache_dir=cache_dir)
+    if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration
+        request.node.user_properties.append(
+            (STEP_KEY, {"kind": f"model|{cell.source}-{cell.size}", "seconds": round(time.time() - t, 4)}))
+    return src
 
 
 @pytest.fixture

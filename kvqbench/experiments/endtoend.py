@@ -60,7 +60,7 @@ from kvqbench.experiments.streaming import Stream
 from kvqbench.numerics.attention import kl_rows
 from kvqbench.quantizers.base import Quantizer, StreamPolicy
 
-__all__ = ["EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
+__all__ = ["source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
            "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side",
            "ReferenceSide"]
 
@@ -230,6 +230,7 @@ class RealSource:
     calibration: KVData
     window: int
     device: str
+    _windows: dict[int, list[int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n_layers(self) -> int:
@@ -241,9 +242,11 @@ class RealSource:
 
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"window index must be an int >= 0, got {index!r}")
-        w = self.window
-        ids, _ = _tokens(self.tokenizer, (index + 2) * w)
-        return ids[(index + 1) * w:(index + 2) * w]
+        if index not in self._windows:  # tokenizing the corpus is the same work for every cell
+            w = self.window
+            ids, _ = _tokens(self.tokenizer, (index + 2) * w)
+            self._windows[index] = ids[(index + 1) * w:(index + 2) * w]
+        return list(self._windows[index])
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's RoPE tables ``(length, head_dim)`` for positions ``0 … length−1``."""
@@ -256,6 +259,11 @@ class RealSource:
 
 
 _SOURCES: dict[tuple, RealSource] = {}
+
+
+def source_loaded(*, model: str, window: int, device: str = "cpu") -> bool:
+    """Whether :func:`load_source` already holds this source in this process (no load to pay)."""
+    return (model, window, device) in _SOURCES
 
 
 def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str | None = None) -> RealSource:
@@ -281,23 +289,52 @@ def _cache_kwarg(net: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"  # transformers >= 5 renamed it
 
 
+#: the fewest rows for which the LM head is computed when a forward call needs only its last few logits:
+#: below about 16 rows a CPU GEMM may take another kernel path (another summation order), so the kept
+#: rows are computed as part of a block at least this tall and their logits stay bit-identical
+MIN_HEAD_ROWS = 16
+
+
+def _keep_kwarg(net: Any) -> str | None:
+    params = inspect.signature(net.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):  # transformers >= 4.50 / 4.46–4.49
+        if name in params:
+            return name
+    return None
+
+
 @torch.no_grad()
-def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], hook: KVCacheHook | None
-              ) -> torch.Tensor:
+def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], hook: KVCacheHook | None,
+              *, first: int = 0) -> torch.Tensor:
     """Run ``net`` over ``ids`` in forward calls of the spans ``chunks`` with a cache that applies ``hook``.
 
+    Args:
+        first: logits are needed from position ``first`` on only: a forward call that ends before, or
+            starts well before it computes its LM head on its last ``max(stop − first, MIN_HEAD_ROWS)``
+            rows only (the KV cache, hence every later logit, is unaffected; the kept logits are the very
+            same values). ``0``: every position.
     Returns:
-        Logits ``(len(ids), vocab)`` fp32 (position ``t`` predicts token ``t+1``).
+        Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t``
+        predicts token ``t+1``).
     """
     dev = next(net.parameters()).device
     x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
     cache = quantized_cache(hook)
     kw = _cache_kwarg(net)
+    keep_kw = _keep_kwarg(net) if first > 0 else None
     out = []
     for a, b in chunks:
+        extra: dict[str, Any] = {}
+        need = b - max(first, a)  # positions of this call whose logits are wanted
+        keep = min(b - a, max(need, MIN_HEAD_ROWS) if need > 0 else 1)
+        if keep_kw is not None and keep < b - a:
+            extra[keep_kw] = keep
         res = net(input_ids=x[:, a:b], position_ids=torch.arange(a, b, device=dev)[None], use_cache=True,
-                  **{kw: cache})
-        out.append(res.logits[0].float())
+                  **{kw: cache}, **extra)
+        lg = res.logits[0]
+        start = b - int(lg.shape[0])  # the position of lg's first row
+        if need > 0:
+            out.append(lg[max(first, start) - start:].float())
     return torch.cat(out, 0)
 
 
@@ -321,6 +358,10 @@ def reference_side(logits_ref: torch.Tensor, targets: torch.Tensor) -> Reference
     return ReferenceSide(lp, lp.exp(), logits_ref.argmax(-1), -lp.gather(-1, t)[:, 0])
 
 
+#: rows of :func:`next_token_metrics`' fp64 work at a time on a CPU (2 × vocab 49 152 × 8 B ≈ 0.8 MB)
+_METRIC_ROWS = 2
+
+
 def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, *,
                        reference: ReferenceSide | None = None) -> dict[str, Any]:
     """Next-token damage of ``logits`` against ``logits_ref`` ``(positions, vocab)``.
@@ -333,34 +374,40 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
     precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once).
     """
     ref = reference_side(logits_ref, targets) if reference is None else reference
-    lq = torch.log_softmax(logits.double(), -1)
-    kl = kl_rows(ref.logp, lq, ref.p)
+    t = targets.to(logits.device).long()[:, None]
+    n = int(logits.shape[0])
+    # on a CPU a few rows at a time: each row's values are the same as in one pass over all rows (every op
+    # here is per row), but the fp64 temporaries stay in cache instead of a few 100 MB fresh arrays
+    step = _METRIC_ROWS if logits.device.type == "cpu" else max(n, 1)
+    kls, nlls = [], []
+    for r in range(0, max(n, 1), step):
+        lq = torch.log_softmax(logits[r:r + step].double(), -1)
+        kls.append(kl_rows(ref.logp[r:r + step], lq, ref.p[r:r + step]))
+        nlls.append(-lq.gather(-1, t[r:r + step])[:, 0])
+    kl, nll = torch.cat(kls), torch.cat(nlls)
     agree = (ref.top1 == logits.argmax(-1)).double()
-    t = targets.to(lq.device).long()[:, None]
-    nll = -lq.gather(-1, t)[:, 0]
     return {"kl_nats": float(kl.mean()), "kl_p99_nats": float(torch.quantile(kl, 0.99)),
             "top1_agree": float(agree.mean()), "dloss_nats": float((nll - ref.nll).mean()),
             "loss_ref_nats": float(ref.nll.mean()), "kl_per_position": [float(v) for v in kl]}
 
 
-_REFERENCES: dict[tuple, tuple[torch.Tensor, dict[tuple[int, int], ReferenceSide]]] = {}
+_REFERENCES: dict[tuple, tuple[torch.Tensor, ReferenceSide]] = {}
 
 
 def _reference(src: RealSource, ids: list[int], regime: str, cfg: EndToEndConfig
                ) -> tuple[torch.Tensor, ReferenceSide]:
-    """Unquantized logits of a window under the regime's forward schedule and their
-    :class:`ReferenceSide` on the scored positions (cached per process: every method's cell on the same
-    window reuses them)."""
-    key = (src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(), tuple(cfg.chunks(regime)))
+    """Unquantized logits of a window's scored positions (``cfg.scored(regime)``) under the regime's
+    forward schedule, and their :class:`ReferenceSide` (cached per process: every method's cell on the
+    same window reuses them)."""
+    a, b = cfg.scored(regime)
+    key = (src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(), tuple(cfg.chunks(regime)),
+           (a, b))
     if key not in _REFERENCES:
         if len(_REFERENCES) >= 8:
             _REFERENCES.pop(next(iter(_REFERENCES)))
-        _REFERENCES[key] = (run_model(src.net, ids, cfg.chunks(regime), None), {})
-    logits, sides = _REFERENCES[key]
-    a, b = cfg.scored(regime)
-    if (a, b) not in sides:
-        sides[(a, b)] = reference_side(logits[a:b], torch.tensor(ids[a + 1:b + 1], dtype=torch.long))
-    return logits, sides[(a, b)]
+        logits = run_model(src.net, ids, cfg.chunks(regime), None, first=a)[:b - a]
+        _REFERENCES[key] = (logits, reference_side(logits, torch.tensor(ids[a + 1:b + 1], dtype=torch.long)))
+    return _REFERENCES[key]
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -418,10 +465,10 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
                       "regimes": list(cfg.regimes), "k_pre_rope": bool(method.k_pre_rope)})
     for regime in cfg.regimes:
         hook = KVCacheHook(methods, streaming=regime == "decode", cos=cos, sin=sin)
-        logits = run_model(src.net, ids, cfg.chunks(regime), hook)
-        ref, side = _reference(src, ids, regime, cfg)
         a, b = cfg.scored(regime)
-        m = next_token_metrics(ref[a:b], logits[a:b], targets[a:b], reference=side)
+        logits = run_model(src.net, ids, cfg.chunks(regime), hook, first=a)[:b - a]
+        ref, side = _reference(src, ids, regime, cfg)
+        m = next_token_metrics(ref, logits, targets[a:b], reference=side)
         pre = f"e2e_{regime}_"
         for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
             res.metrics[pre + name] = m[name]

@@ -34,10 +34,10 @@ import torch
 from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import roundtrip_kv
-from kvqbench.experiments.reconstruction import token_errors_of
+from kvqbench.experiments.reconstruction import input_stats
 from kvqbench.numerics.attention import incoherence, incoherence_of_squares
 from kvqbench.numerics.hadamard import hadamard_transform
-from kvqbench.numerics.metrics import error_split
+from kvqbench.numerics.metrics import error_split, token_errors
 from kvqbench.quantizers.base import Quantizer
 
 __all__ = ["TAU", "NORM_DIFF_EDGES", "TAIL_QUANTILES", "norm_diff_density", "offdiag_mass",
@@ -147,25 +147,28 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     res.series["norm_diff_bins"] = "[underflow, one share per [e_i, e_i+1) bin, overflow]"
     inp: dict[str, float] = {}
     k_hat64 = rt.k_hat.to(torch.float64)
-    for kv, x_hat in (("k", k_hat64), ("v", rt.v_hat.to(torch.float64))):
-        # fp64 once per tensor (the input's side once per data); the token norms, the error split and the
-        # error x̂ − x are computed once for all layers and shared by every metric
-        te, _ = token_errors_of(data, kv, x_hat)
-        dens, off = [], []
+    for kv, x_hat in (("k", k_hat64), ("v", rt.v_hat)):
+        # per layer, the token norms, the error split, the error x̂ − x and its square are computed once
+        # (token_errors, in fp64) and shared by every metric; the input's fp64 copy and norms once per data
+        x, nx_all, _ = input_stats(data, kv)
+        dens, off, err_inc, err_inc_h = [], [], [], []
         tails: dict[str, list[float]] = {tag: [] for tag in TAIL_QUANTILES}
-        for i in layers:
-            nx, ny = te.nx[i].reshape(-1), te.ny[i].reshape(-1)
+        for i in layers:  # layer by layer: the temporaries stay cache-sized
+            te = token_errors(x[i : i + 1], x_hat[i : i + 1], nx_all[i : i + 1])
+            nx, ny = te.nx.reshape(-1), te.ny.reshape(-1)
             dens.append(_density_of_norms(nx, ny, NORM_DIFF_EDGES))
             off.append(_offdiag_of_norms(nx, ny, TAU))
-            e_t, e_m = te.e_t[i].reshape(-1), te.e_m[i].reshape(-1)
+            e_t, e_m = te.e_t.reshape(-1), te.e_m.reshape(-1)
             for tag, q in TAIL_QUANTILES.items():
                 tails[tag].append(_tail_share_of_split(e_t, e_m, q))
+            err_inc.append(float(incoherence_of_squares(te.sq).mean()))
+            err_inc_h.append(_mean_incoherence(hadamard_transform(te.diff)))
         res.series[f"{kv}_norm_diff_density"] = [sum(col) / len(dens) for col in zip(*dens)]
         res.add(f"{kv}_offdiag_mass", off)
         for tag in TAIL_QUANTILES:
             res.add(f"{kv}_tail_em_share_{tag}", tails[tag])
-        res.add(f"{kv}_err_incoherence", incoherence_of_squares(te.sq).mean(-1).tolist())
-        res.add(f"{kv}_err_incoherence_hadamard", _incoherence_per_layer(hadamard_transform(te.diff)))
+        res.add(f"{kv}_err_incoherence", err_inc)
+        res.add(f"{kv}_err_incoherence_hadamard", err_inc_h)
         x_in = getattr(data, kv)  # the input's own dtype: its Hadamard rotation runs in that dtype
         inp.update(data.cached(("exp3_input_incoherence", kv), lambda x_in=x_in, kv=kv: {
             f"{kv}_incoherence": sum(_mean_incoherence(x_in[i : i + 1]) for i in layers) / len(layers),

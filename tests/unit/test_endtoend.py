@@ -103,6 +103,11 @@ def test_next_token_metrics_match_closed_forms() -> None:
     assert (same["kl_nats"], same["kl_p99_nats"], same["top1_agree"], same["dloss_nats"]) == (0.0, 0.0, 1.0, 0.0)
     # the unquantized side computed once (shared by every method's cell) gives the very same values
     assert E.next_token_metrics(ref, other, targets, reference=E.reference_side(ref, targets)) == m
+    # computed a few rows at a time (50 rows > E._METRIC_ROWS): bit-identical to one pass over all rows
+    from kvqbench.numerics.attention import kl_rows
+
+    lp = torch.log_softmax(ref.double(), -1)
+    assert m["kl_per_position"] == [float(v) for v in kl_rows(lp, torch.log_softmax(other.double(), -1), lp.exp())]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +124,18 @@ def test_pass_through_hook_leaves_logits_bitwise_unchanged(model, regime) -> Non
         with torch.no_grad():
             bare = net(input_ids=torch.tensor([ids])).logits[0].float()
         assert torch.equal(hooked, bare)
+
+
+@real
+@pytest.mark.parametrize("first", [P - 1, 40])
+def test_logits_from_a_position_on_are_the_full_runs_rows(model, first) -> None:
+    """``run_model(first=…)`` skips the LM head on rows nobody scores (a call wholly before ``first``,
+    or all but its last rows): the logits it returns are bitwise those of the full run from ``first`` on."""
+    net, ids, _ = model
+    chunks = [(0, P), (P, 40), (40, W)]
+    got = E.run_model(net, ids, chunks, None, first=first)
+    assert got.shape[0] == W - first
+    assert torch.equal(got, _plain(net, ids, chunks)[first:])
 
 
 @real

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,19 @@ import torch
 
 from kvqbench.cli import main
 from kvqbench.numerics.rtn import PerToken, rtn_roundtrip
-from kvqbench.perf import eager_rtn_roundtrip, format_report, run_perf
+from kvqbench.perf import (
+    CHILD_MARK,
+    STEADY_TUNABLES,
+    _Rotation,
+    cold_copies,
+    eager_rtn_roundtrip,
+    format_report,
+    is_glibc_linux,
+    last_level_cache_bytes,
+    rerun_command,
+    run_perf,
+    steady_env,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,11 +57,22 @@ def test_ratios_are_medians_over_the_baselines() -> None:
     want = [r for r in rows if r["candidate"] == "rtn_token" and r["kind"] == "k"]
     by_t = {r["tokens"]: r["median_ms"] for r in want}
     assert s["token_ratio"] == 2 and math.isclose(s["time_ratio"], by_t[64] / by_t[32])
+    mins = {r["tokens"]: r["min_ms"] for r in want}
+    assert math.isclose(s["min_time_ratio"], mins[64] / mins[32])
+    cpus = {r["tokens"]: r["median_cpu_ms"] for r in want}
+    assert math.isclose(s["cpu_time_ratio"], cpus[64] / cpus[32])
+    for r in rows:
+        assert len(r["all_cpu_ms"]) == 2 and r["median_cpu_ms"] == statistics.median(r["all_cpu_ms"])
+        assert math.isclose(r["x_eager_rtn_cpu"], r["median_cpu_ms"] / rtn[r["tokens"]]["median_cpu_ms"])
     text = format_report(res)
     assert "rtn_token" in text and "×clone" in text and "32→64" in text
 
 
-def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_json(tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default (steady allocator) re-runs the command once in a child with the glibc tunables set; the
+    # child's own probe (a 64 MiB malloc served from the heap, not a fresh mapping) says whether they took
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv(CHILD_MARK, raising=False)
     out = tmp_path / "perf.json"
     rc = main(["perf", "--methods", "kivi", "--tokens", "32", "--threads", "1", "--repeats", "1", "--no-peers",
                "--json", str(out)])
@@ -56,18 +80,111 @@ def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     doc = json.loads(out.read_text())
     assert doc["config"]["methods"] == ["kivi"] and doc["config"]["tokens"] == [32]
     assert {r["candidate"] for r in doc["rows"]} == {"clone", "eager_rtn", "kivi"}
-    assert "kivi" in capsys.readouterr().out
+    assert "kivi" in capfd.readouterr().out
+    if is_glibc_linux():
+        assert doc["environment"]["allocator"] == "steady"
+        tun = dict(kv.split("=") for kv in doc["environment"]["glibc_tunables"].split(":"))
+        assert tun == STEADY_TUNABLES
+
+
+def test_allocator_default_runs_in_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv(CHILD_MARK, raising=False)
+    args = ["perf", "--methods", "fp16", "--tokens", "16", "--threads", "1", "--repeats", "1", "--no-peers",
+            "--allocator", "default", "--cache", "warm"]
+    from kvqbench.cli import build_parser
+
+    assert rerun_command(build_parser().parse_args(args), args) is None
+    out = tmp_path / "perf.json"
+    assert main([*args, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    # this process was started without the tunables: glibc maps a 64 MiB buffer afresh
+    assert doc["environment"]["glibc_tunables"] is None
+    if is_glibc_linux():
+        assert doc["environment"]["allocator"] == "default"
+    assert doc["config"]["cache"] == "warm" and doc["config"]["input_copies"] == {"16": 1}
+
+
+def test_steady_env_is_built_right() -> None:
+    want = ":".join(f"{k}={v}" for k, v in STEADY_TUNABLES.items())
+    env = steady_env({"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": want, CHILD_MARK: "1"}
+    # the user's own tunables are kept (and win over ours)
+    user = "glibc.malloc.arena_max=2:glibc.malloc.trim_threshold=7"
+    env = steady_env({"GLIBC_TUNABLES": user})
+    assert env is not None
+    assert env["GLIBC_TUNABLES"] == f"{user}:glibc.malloc.mmap_threshold={STEADY_TUNABLES['glibc.malloc.mmap_threshold']}"
+    # nothing to do: both thresholds set already, or this process is the re-run
+    assert steady_env({"GLIBC_TUNABLES": want}) is None
+    assert steady_env({CHILD_MARK: "1"}) is None
+
+
+def test_rerun_command_only_for_steady_cpu() -> None:
+    from kvqbench.cli import build_parser
+
+    parse = build_parser().parse_args
+    base = ["perf", "--tokens", "16"]
+    assert rerun_command(parse([*base, "--allocator", "default"]), base, {}) is None
+    assert rerun_command(parse([*base, "--device", "cuda"]), base, {}) is None
+    assert rerun_command(parse(base), None, {}) is None  # nothing to repeat
+    got = rerun_command(parse(base), base, {"HOME": "/h"})
+    if not is_glibc_linux():
+        assert got is None
+        return
+    assert got is not None
+    cmd, env = got
+    assert cmd[0] == sys.executable and cmd[-3:] == base
+    assert env["HOME"] == "/h" and env[CHILD_MARK] == "1" and "glibc.malloc.mmap_threshold=" in env["GLIBC_TUNABLES"]
+
+
+def test_last_level_cache_from_sysfs(tmp_path: Path) -> None:
+    for idx, level, kind, size in [(0, 1, "Data", "48K"), (1, 1, "Instruction", "64K"), (2, 2, "Unified", "2048K"),
+                                   (3, 3, "Unified", "491520K")]:
+        d = tmp_path / f"index{idx}"
+        d.mkdir()
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path) == 491520 * 1024
+    assert last_level_cache_bytes(tmp_path / "absent") is None
+
+
+def test_cold_copies_exceed_the_cache() -> None:
+    mib = 1 << 20
+    assert cold_copies(16 * mib, 480 * mib) == 31  # 30 copies fill the cache, one more exceeds it
+    assert cold_copies(64 * mib, 480 * mib) == 9
+    assert cold_copies(64 * mib, 0) == 2  # always at least two
+    assert cold_copies(64 * mib, 480 * mib, max_bytes=200 * mib) == 3  # memory cap
+    assert cold_copies(64 * mib, 480 * mib, max_bytes=mib) == 1
+    with pytest.raises(ValueError):
+        cold_copies(0, mib)
+
+
+def test_rotation_cycles_through_distinct_copies() -> None:
+    x = torch.arange(6.0)
+    rot = _Rotation(x, 3)
+    got = [rot.next() for _ in range(7)]
+    assert got[0] is x and got[3] is x and got[6] is x
+    assert len({t.data_ptr() for t in got[:3]}) == 3 and all(torch.equal(t, x) for t in got)
+
+
+def test_cold_inputs_recorded_and_bad_cache_rejected() -> None:
+    res = run_perf(["fp16"], tokens=[8], threads=["1"], repeats=1, peers=False, cache="cold")
+    cache = res["environment"]["cache_bytes"]
+    assert res["config"]["input_copies"] == {8: cold_copies(8 * 8 * 128 * 4, cache if cache else 64 << 20)}
+    with pytest.raises(ValueError, match="cache"):
+        run_perf(["fp16"], tokens=[8], threads=["1"], repeats=1, peers=False, cache="hot")
 
 
 @pytest.mark.parametrize(("args", "msg"), [
     (["--methods", "nope"], "unknown method id"),
     (["--device", "cuda"], "CUDA is not available"),
 ])
-def test_cli_errors_are_one_line(args: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_errors_are_one_line(args: list[str], msg: str, capfd: pytest.CaptureFixture[str]) -> None:
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    rc = main(["perf", "--tokens", "32", "--threads", "1", "--repeats", "1", *args])
-    err = capsys.readouterr().err.strip().splitlines()
+    rc = main(["perf", "--tokens", "32", "--threads", "1", "--repeats", "1", "--allocator", "default", *args])
+    err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and err and err[-1].startswith("kvqbench perf: ") and msg in err[-1]
 
 
