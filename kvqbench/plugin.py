@@ -103,6 +103,36 @@ def _is_cell_item(item: pytest.Item) -> bool:
     return callspec is not None and isinstance(callspec.params.get("cell"), Cell)
 
 
+def _cell_source(item: Any) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    cell = None if callspec is None else callspec.params.get("cell")
+    return cell.source if isinstance(cell, Cell) else None
+
+
+def _cell_seed(item: Any) -> int:
+    return item.callspec.params["cell"].seed
+
+
+def real_capture_first(items: list[Any]) -> list[Any]:
+    """The order xdist workers run the cells in: the first real cell that needs the captured data
+    (``kvq_data``), then every item that needs no real data, then the other real cells by seed (each group
+    in collection order; seed 0 of every real cell comes before seed 1, so the cells that share one
+    computation across seeds, see :func:`seed_free_key`, find it done).
+
+    On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
+    while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
+    first items round-robin); with a cached capture the order changes nothing but when cells run.
+    Deterministic, so every worker collects the same order.
+    """
+    first = next((i for i, it in enumerate(items)
+                  if _cell_source(it) == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
+    if first is None:
+        return list(items)
+    rest = items[:first] + items[first + 1:]
+    real = sorted((it for it in rest if _cell_source(it) == "real"), key=_cell_seed)  # stable
+    return [items[first]] + [it for it in rest if _cell_source(it) != "real"] + real
+
+
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
     """Remember the collected cells (controller) and, when there are any, check before the first one runs
     that the results folder can be written (a one-line usage error otherwise)."""
@@ -673,18 +703,23 @@ def _select_layers(data, idx: list[int]):
 
 
 @pytest.fixture
-def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config):
+def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
     """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
     (:class:`kvqbench.experiments.endtoend.RealSource`; the model is loaded once per process, the capture
     is disk-cached like the other real data). Runs on the session device with pinned CPU threads."""
-    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source
+    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source, source_loaded
 
     _pin_threads(kvq_settings.threads)
     cache_dir = kvq_settings.capture_cache
     if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
         cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
-    return load_source(model=kvq_settings.model, window=CONFIG_BY_SIZE[cell.size].window,
-                       device=kvq_settings.device, cache_dir=cache_dir)
+    where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[cell.size].window, "device": kvq_settings.device}
+    fresh, t = not source_loaded(**where), time.time()
+    src = load_source(**where, cache_dir=cache_dir)
+    if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration
+        request.node.user_properties.append(
+            (STEP_KEY, {"kind": f"model|{cell.source}-{cell.size}", "seconds": round(time.time() - t, 4)}))
+    return src
 
 
 @pytest.fixture
@@ -693,6 +728,53 @@ def kvq_method(cell: Cell):
     from kvqbench.quantizers import create
 
     return create(cell.method, cell.k_bits, cell.v_bits, seed=cell.seed, **cell.variant_dict())
+
+
+#: the process's :class:`kvqbench.memo.ResultMemo` (made on first use)
+_MEMO: list[Any] = []
+#: the folder the xdist workers of this session share results through (controller side)
+MEMO_DIR_KEY = pytest.StashKey[str]()
+#: what a cell whose computation serves every seed records in ``extra``
+SEEDS_SHARED = "seeds_share_one_computation"
+
+
+def _memo(config: pytest.Config) -> Any:
+    if not _MEMO:
+        from kvqbench.memo import ResultMemo
+
+        _MEMO.append(ResultMemo(getattr(config, "workerinput", {}).get("kvqbench_memo")))
+    return _MEMO[0]
+
+
+def seed_free_key(cell: Cell, method: Any, s: Settings, fn: Any, args: tuple) -> tuple | None:
+    """The key under which ``fn(method, data, *args)`` of ``cell`` is one computation for every seed, or
+    ``None`` when the seed can change it: synthetic data is drawn from the seed, and a method whose class
+    says ``seeded = True`` (the default, so a third-party method is never shared unless it says so) draws
+    randomness from it. The key holds everything else a result depends on in a session: the experiment
+    function and its arguments, the method id, bits, variant and parameters, the data source and size,
+    device, model and dtype."""
+    if cell.source == "synthetic" or getattr(type(method), "seeded", True):
+        return None
+    params = sorted((k, repr(v)) for k, v in method.params().items() if k != "seed")
+    return (fn.__module__, fn.__qualname__, repr(args), cell.experiment, cell.method, cell.k_bits, cell.v_bits,
+            tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
+            s.device, s.model, s.dtype, tuple(params))
+
+
+@pytest.fixture
+def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, pytestconfig: pytest.Config):
+    """``kvq_run(fn, *args)`` → ``fn(kvq_method, kvq_data, *args)`` (an experiment's ``run_*``), computed
+    once per session for the real-data cells of a method that draws no randomness (see
+    :func:`seed_free_key` and :mod:`kvqbench.memo`): every seed of such a cell gets its own copy of the
+    one result and records ``extra["seeds_share_one_computation"] = True``. Not for timings (exp4)."""
+    def run(fn: Any, *args: Any) -> Any:
+        key = seed_free_key(cell, kvq_method, kvq_settings, fn, args)
+        res = _memo(pytestconfig).compute(key, lambda: fn(kvq_method, kvq_data, *args))
+        if key is not None:
+            res.extra[SEEDS_SHARED] = True
+        return res
+
+    return run
 
 
 class Recorder:
@@ -1073,6 +1155,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         experiments.setdefault(str(exp), set()).add(getattr(it, "originalname", it.name))
     yield
     _apply_shard(config, items)
+    if _is_worker(config):
+        items[:] = real_capture_first(items)
     cells_left = sum(1 for it in items if isinstance(getattr(getattr(it, "callspec", None), "params", {}).get("cell"),
                                                      Cell))
     other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
@@ -1082,6 +1166,26 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
         config.workeroutput["kvqbench_selection"] = sel  # type: ignore[attr-defined]
     else:
         config.stash[SELECTION_KEY] = sel
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: give every worker the session's shared result folder (see :mod:`kvqbench.memo`);
+    it is removed when the session ends."""
+    import tempfile
+
+    config = node.config
+    if MEMO_DIR_KEY not in config.stash:
+        config.stash[MEMO_DIR_KEY] = tempfile.mkdtemp(prefix="kvqbench-memo-")
+    node.workerinput["kvqbench_memo"] = config.stash[MEMO_DIR_KEY]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = config.stash.get(MEMO_DIR_KEY, None)
+    if folder:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(optionalhook=True)

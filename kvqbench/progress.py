@@ -31,7 +31,9 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
    worker is free first — so the tail where one worker runs the last long tests is counted; each test
    also costs the per-test overhead seen so far (idle worker-seconds / finished tests: xdist's
    bookkeeping, fixtures).
-   A pending real-model capture is charged to the first cell that needs it on each worker.
+   A pending real-model capture is charged to the first cell that needs it on each worker, and a pending
+   model load (the end-to-end cells' model and calibration capture, once per worker) to the first
+   end-to-end cell (:data:`MODEL_TESTS`) on each worker.
 4. **The report step** (results and figures, after the last test, alone) is added at the end: the
    table's seconds × the run's recent speed × this run's benchmark cells / the cells it was measured
    with (the tables keep them in ``step_cells``); it counts down once it has begun (once overrun, a
@@ -80,6 +82,15 @@ def hms(sec: float) -> str:
     h, rem = divmod(sec, 3600)
     m, s_ = divmod(rem, 60)
     return f"{h}h{m:02d}m{s_:02d}s" if h else (f"{m}m{s_:02d}s" if m else f"{s_}s")
+
+
+#: test functions whose cells run the real model itself (experiment 5): the first of them on each worker
+#: pays the ``model|<source-size>`` step (the plugin's ``kvq_model`` fixture times it)
+MODEL_TESTS: tuple[str, ...] = ("test_endtoend",)
+
+
+def _needs_model(nodeid: str) -> bool:
+    return nodeid.partition("[")[0].rsplit("::", 1)[-1] in MODEL_TESTS
 
 
 def _split(nodeid: str) -> tuple[str, str, list[str]]:
@@ -223,6 +234,8 @@ class Progress:
         tags = [_split(n)[2] for n in nodeids]
         sizes = sorted({t[-1] for t in tags if "real" in t and len(t) > 1})
         self.expected_steps = {f"capture|real-{s}": max(1, self.workers) for s in sizes}
+        for tag in sorted({"-".join(_split(n)[2]) for n in nodeids if _needs_model(n) and _split(n)[2]}):
+            self.expected_steps[f"model|{tag}"] = max(1, self.workers)
         cells = sorted({"-".join(t) for t in tags if t})
         self.cells = sum(1 for t in tags if t)
         self.expected_steps[self.report_kind(cells, self.cells < len(nodeids))] = 1
@@ -279,11 +292,14 @@ class Progress:
         self._close_capture_steps()
 
     def _close_capture_steps(self) -> None:
-        """Once no real cell of a size is pending or running, no further capture of it will happen."""
+        """Once no real cell of a size is pending or running, no further capture of it will happen (nor a
+        model load, once no end-to-end cell of that size is)."""
         for kind in list(self.expected_steps):
-            if kind.startswith("capture|"):
+            if kind.startswith(("capture|", "model|")):
                 tag = kind.split("|", 1)[1]
-                if not any(k.endswith("|" + tag) for k in self.pending.values()):
+                model = kind.startswith("model|")
+                if not any(k.endswith("|" + tag) and (not model or _needs_model(n))
+                           for n, k in self.pending.items()):
                     self.expected_steps[kind] = 0
 
     # ---------------------------------------------------------------- estimate
@@ -425,6 +441,9 @@ class Progress:
         captures = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
                     if k.startswith("capture|") and v > 0}
         cap_s = {tag: self._step_prediction("capture|" + tag, speed) for tag in captures}
+        models = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
+                  if k.startswith("model|") and v > 0}
+        model_s = {tag: self._step_prediction("model|" + tag, speed) for tag in models}
         charge: dict[str, float] = {}  # pending test -> seconds it still takes (running: what is left)
         for n, kind in self.pending.items():
             p = self.predict(n, kind)
@@ -434,6 +453,9 @@ class Progress:
             if captures.get(tag, 0) > 0:  # the first cells of a size on each worker pay its capture
                 captures[tag] -= 1
                 p += cap_s[tag]
+            if models.get(tag, 0) > 0 and _needs_model(n):  # and the first end-to-end cells its model load
+                models[tag] -= 1
+                p += model_s[tag]
             if n in self.running:
                 ran = now - self.running[n]
                 # what its charge has left; once overrun, a quarter of the overrun again

@@ -7,6 +7,8 @@ with the cached keys. RoPE is orthogonal per pair, so reconstruction MSE is unaf
 
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass
 
 import torch
@@ -114,18 +116,30 @@ def as_f64(data: KVData, name: str) -> torch.Tensor:
     return data.cached(("fp64", name), lambda: getattr(data, name).to(torch.float64))
 
 
-def fit_method(method: Quantizer, data: KVData) -> Quantizer:
+def fit_method(method: Quantizer, data: KVData, *, reuse: bool = True) -> Quantizer:
     """Fit a method's data-dependent state (codebooks) on ``data.calibration`` — an independent batch
     of the same source — or, when the source has none, on ``data`` itself (in-sample), with the squared
-    gradients as Fisher weights where the source has them. A no-op for local methods."""
+    gradients as Fisher weights where the source has them. A no-op for local methods.
+
+    A fit is a deterministic function of the method's id and :meth:`~kvqbench.quantizers.base.Quantizer.params`
+    and of the calibration batch, so its state is kept with that batch (:meth:`KVData.cached`) and copied
+    into every later instance with the same id and parameters (e.g. the cells of the other experiments on
+    the same data) instead of fitting again; ``reuse=False`` fits anyway (a timed fit) and keeps the state.
+    """
     if not method.local_stats:
         cal = data.calibration if data.calibration is not None else data
-        method.fit(
-            k=cal.k_for(method.k_pre_rope),
-            v=cal.v,
-            k_grad2=cal.k_grad2 if (method.k_pre_rope and cal.k_pre is not None) else None,
-            v_grad2=cal.v_grad2,
-        )
+        key = ("fitted_state", method.id, json.dumps(method.params(), sort_keys=True, default=str))
+        state = cal.cache.get(key) if reuse else None
+        if state is None:
+            method.fit(
+                k=cal.k_for(method.k_pre_rope),
+                v=cal.v,
+                k_grad2=cal.k_grad2 if (method.k_pre_rope and cal.k_pre is not None) else None,
+                v_grad2=cal.v_grad2,
+            )
+            cal.cache[key] = copy.deepcopy(vars(method))
+        else:
+            vars(method).update(copy.deepcopy(state))
     return method
 
 

@@ -120,7 +120,10 @@ def held_bytes(qt: QuantizedTensor) -> int:
     return sum(int(f.tensor.numel() * f.tensor.element_size()) for f in qt.fields.values())
 
 
-def _peak_mem(method: Quantizer, xs: list[tuple[str, torch.Tensor]]) -> tuple[float, str]:
+def _peak_mem(method: Quantizer, xs: list[tuple[str, torch.Tensor]],
+              held: list[QuantizedTensor] | None = None) -> tuple[float, str]:
+    """Peak memory (MiB) of a quantize + dequantize of each of ``xs`` and how it was measured. CPU: from
+    ``held``, the representations of ``xs`` already made (quantized again when not given)."""
     dev = xs[0][1].device
     in_bytes = sum(int(x.numel() * x.element_size()) for _, x in xs)
     if _is_cuda(dev):
@@ -134,8 +137,8 @@ def _peak_mem(method: Quantizer, xs: list[tuple[str, torch.Tensor]]) -> tuple[fl
         peak = torch.cuda.max_memory_allocated(dev) - base + in_bytes
         return peak / MIB, "cuda.max_memory_allocated above the baseline + input"
     total = in_bytes
-    for kind, x in xs:
-        qt = method.quantize(x, kind)  # type: ignore[arg-type]
+    for i, (kind, x) in enumerate(xs):
+        qt = held[i] if held is not None else method.quantize(x, kind)  # type: ignore[arg-type]
         total += held_bytes(qt) + int(x.numel() * x.element_size())
     return total / MIB, "estimate (cpu): input + representation as held + dequantized output"
 
@@ -172,7 +175,7 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     """
     cfg = config or CostConfig()
     t0 = time.perf_counter()
-    fit_method(method, data)
+    fit_method(method, data, reuse=False)  # a fit of its own: its time is recorded
     fit_ms = (time.perf_counter() - t0) * 1e3
     xs = [("k", data.k_for(method.k_pre_rope)), ("v", data.v)]
     dev = xs[0][1].device
@@ -180,6 +183,7 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     res_extra: dict[str, Any] = {}
     q_ms = d_ms = 0.0
     eff, nom = [], []
+    qts: list[QuantizedTensor] = []  # the representations made while timing (their held bytes: peak memory)
     fp16_bytes = 0
     for kind, x in xs:
         qt_times, qt = time_call(functools.partial(method.quantize, x, kind), dev,  # type: ignore[arg-type]
@@ -195,6 +199,7 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
         q_ms += qm
         d_ms += dm
         eff.append(qt.effective_bits())
+        qts.append(qt)
         nom.append(method.nominal_bits(kind, tuple(int(s) for s in x.shape)))  # type: ignore[arg-type]
         fp16_bytes += 2 * int(x.numel())
     # the floor: x.clone() of K and V, and the round trip of both, timed in this cell
@@ -219,7 +224,7 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
         timings["roundtrip_ms_all"] = rt_times
     timings["clone_ms"] = clone_ms
     timings["clone_ms_all"] = clone_times
-    peak, source = _peak_mem(method, xs)  # type: ignore[arg-type]
+    peak, source = _peak_mem(method, xs, qts)  # type: ignore[arg-type]
     res = CellResult()
     res.extra.update(res_extra)
     bits_eff = sum(eff) / 2

@@ -60,7 +60,7 @@ from kvqbench.experiments.streaming import Stream
 from kvqbench.numerics.attention import kl_rows
 from kvqbench.quantizers.base import Quantizer, StreamPolicy
 
-__all__ = ["EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
+__all__ = ["source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
            "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side",
            "ReferenceSide"]
 
@@ -259,6 +259,11 @@ class RealSource:
 
 
 _SOURCES: dict[tuple, RealSource] = {}
+
+
+def source_loaded(*, model: str, window: int, device: str = "cpu") -> bool:
+    """Whether :func:`load_source` already holds this source in this process (no load to pay)."""
+    return (model, window, device) in _SOURCES
 
 
 def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str | None = None) -> RealSource:

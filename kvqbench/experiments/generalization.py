@@ -38,8 +38,8 @@ import torch
 
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import as_f64, roundtrip_kv
-from kvqbench.experiments.reconstruction import CellResult
+from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.experiments.reconstruction import CellResult, input_stats
 from kvqbench.numerics import metrics as M
 from kvqbench.quantizers.base import Quantizer
 
@@ -156,9 +156,9 @@ def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
     cross.tally(res.extra)
     within.tally(res.extra)
     for kv, xc, xi in (("k", cross.k_hat, within.k_hat), ("v", cross.v_hat, within.v_hat)):
-        x = as_f64(eval_b, kv)  # fp64 once per data (the metric computes in fp64)
-        c = M.per_layer(M.rel_mse, x, xc)
-        i = M.per_layer(M.rel_mse, x, xi)
+        x, _, energy = input_stats(eval_b, kv)  # fp64 and its energy once per data (shared by every method)
+        c = M.rel_mse_of(M.mse_layers(x, xc), energy)
+        i = M.rel_mse_of(M.mse_layers(x, xi), energy)
         res.add(f"{kv}_codebook_gap", [a - b for a, b in zip(c, i)])
         res.extra[f"{kv}_rel_mse_cross"] = sum(c) / len(c)
         res.extra[f"{kv}_rel_mse_in"] = sum(i) / len(i)
@@ -186,12 +186,11 @@ def run_group_size(method: Quantizer, data: KVData) -> CellResult:
     rt = roundtrip_kv(method, data)
     res = CellResult()
     rt.tally(res.extra)
-    k, v = as_f64(data, "k"), as_f64(data, "v")  # fp64 once (the metrics compute in fp64)
-    k_hat, v_hat = rt.k_hat.to(torch.float64), rt.v_hat.to(torch.float64)
-    res.add("gs_k_mse", M.per_layer(M.mse, k, k_hat))
-    res.add("gs_v_mse", M.per_layer(M.mse, v, v_hat))
-    res.add("gs_k_rel_mse", M.per_layer(M.rel_mse, k, k_hat))
-    res.add("gs_v_rel_mse", M.per_layer(M.rel_mse, v, v_hat))
+    for kv, x_hat in (("k", rt.k_hat), ("v", rt.v_hat)):
+        x, _, energy = input_stats(data, kv)  # fp64 and its energy once per data (shared by every method)
+        mse = M.mse_layers(x, x_hat.to(torch.float64))
+        res.add(f"gs_{kv}_mse", mse.tolist())
+        res.add(f"gs_{kv}_rel_mse", M.rel_mse_of(mse, energy))
     res.add("gs_rel_mse", [0.5 * (a + b) for a, b in zip(res.per_layer["gs_k_rel_mse"], res.per_layer["gs_v_rel_mse"])])
     res.metrics["gs_bits_effective"] = 0.5 * (rt.k_bits_effective + rt.v_bits_effective)
     res.extra["group_size"] = int(method.group_size)

@@ -33,10 +33,11 @@ import torch
 
 from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
-from kvqbench.experiments.common import as_f64, roundtrip_kv
-from kvqbench.numerics.attention import incoherence
+from kvqbench.experiments.common import roundtrip_kv
+from kvqbench.experiments.reconstruction import input_stats
+from kvqbench.numerics.attention import incoherence, incoherence_of_squares
 from kvqbench.numerics.hadamard import hadamard_transform
-from kvqbench.numerics.metrics import error_split
+from kvqbench.numerics.metrics import error_split, token_errors
 from kvqbench.quantizers.base import Quantizer
 
 __all__ = ["TAU", "NORM_DIFF_EDGES", "TAIL_QUANTILES", "norm_diff_density", "offdiag_mass",
@@ -119,6 +120,11 @@ def _mean_incoherence(x: torch.Tensor) -> float:
     return float(incoherence(x).mean())
 
 
+def _incoherence_per_layer(x: torch.Tensor) -> list[float]:
+    """:func:`_mean_incoherence` of every index of dim 0 (mean over heads), for all layers at once."""
+    return incoherence(x).mean(-1).tolist()
+
+
 @torch.no_grad()
 def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     """Run experiment 3 for one method on one data source.
@@ -141,23 +147,22 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     res.series["norm_diff_bins"] = "[underflow, one share per [e_i, e_i+1) bin, overflow]"
     inp: dict[str, float] = {}
     k_hat64 = rt.k_hat.to(torch.float64)
-    for kv, x, x_hat in (("k", as_f64(data, "k"), k_hat64), ("v", as_f64(data, "v"), rt.v_hat.to(torch.float64))):
-        # fp64 once per tensor (the input's once per data); per layer, the token norms and the error split
-        # are computed once and shared by the density, the off-diagonal mass and both tail quantiles
+    for kv, x_hat in (("k", k_hat64), ("v", rt.v_hat)):
+        # per layer, the token norms, the error split, the error x̂ − x and its square are computed once
+        # (token_errors, in fp64) and shared by every metric; the input's fp64 copy and norms once per data
+        x, nx_all, _ = input_stats(data, kv)
         dens, off, err_inc, err_inc_h = [], [], [], []
         tails: dict[str, list[float]] = {tag: [] for tag in TAIL_QUANTILES}
-        for i in layers:
-            a, b = x[i : i + 1], x_hat[i : i + 1]
-            nx, ny = _norms(a, b)
+        for i in layers:  # layer by layer: the temporaries stay cache-sized
+            te = token_errors(x[i : i + 1], x_hat[i : i + 1], nx_all[i : i + 1])
+            nx, ny = te.nx.reshape(-1), te.ny.reshape(-1)
             dens.append(_density_of_norms(nx, ny, NORM_DIFF_EDGES))
             off.append(_offdiag_of_norms(nx, ny, TAU))
-            e_t, e_m, _ = error_split(a, b)
-            e_t, e_m = e_t.reshape(-1), e_m.reshape(-1)
+            e_t, e_m = te.e_t.reshape(-1), te.e_m.reshape(-1)
             for tag, q in TAIL_QUANTILES.items():
                 tails[tag].append(_tail_share_of_split(e_t, e_m, q))
-            e = b - a
-            err_inc.append(_mean_incoherence(e))
-            err_inc_h.append(_mean_incoherence(hadamard_transform(e)))
+            err_inc.append(float(incoherence_of_squares(te.sq).mean()))
+            err_inc_h.append(_mean_incoherence(hadamard_transform(te.diff)))
         res.series[f"{kv}_norm_diff_density"] = [sum(col) / len(dens) for col in zip(*dens)]
         res.add(f"{kv}_offdiag_mass", off)
         for tag in TAIL_QUANTILES:
@@ -173,7 +178,7 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     k_inc = data.cached("exp3_k_incoherence_per_layer",
                         lambda: [_mean_incoherence(data.k[i : i + 1]) for i in layers])
     res.add("k_incoherence_shift", [
-        _mean_incoherence(k_hat64[i : i + 1]) / max(k_inc[i], 1e-300) - 1.0 for i in layers
+        a / max(b, 1e-300) - 1.0 for a, b in zip(_incoherence_per_layer(k_hat64), k_inc)
     ])
     res.metrics["offdiag_mass"] = 0.5 * (res.metrics["k_offdiag_mass"] + res.metrics["v_offdiag_mass"])
     res.per_layer["offdiag_mass"] = [0.5 * (a + b) for a, b in zip(res.per_layer["k_offdiag_mass"],

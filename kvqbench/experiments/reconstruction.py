@@ -17,7 +17,7 @@ from kvqbench.experiments.common import as_f64, roundtrip_kv
 from kvqbench.numerics import metrics as M
 from kvqbench.quantizers.base import Quantizer
 
-__all__ = ["CellResult", "run_reconstruction"]
+__all__ = ["CellResult", "run_reconstruction", "input_stats", "token_errors_of"]
 
 EXPERIMENT = "exp1"
 
@@ -35,14 +35,32 @@ class CellResult:
         self.metrics[name] = float(sum(layer_values) / len(layer_values))
 
 
-def _tensor_metrics(res: CellResult, kv: str, x: torch.Tensor, x_hat: torch.Tensor) -> None:
-    layers = range(x.shape[0])
-    res.add(f"{kv}_mse", M.per_layer(M.mse, x, x_hat))
-    res.add(f"{kv}_rel_mse", M.per_layer(M.rel_mse, x, x_hat))
-    shares = [M.em_share_at_quantiles(x[i : i + 1], x_hat[i : i + 1]) for i in layers]
+def input_stats(data: KVData, kv: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``data.<kv>`` in fp64, its token norms and its per-layer energy ``mean(x²)``, computed once per
+    data object and shared by every method's cell on it (see :meth:`KVData.cached`)."""
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = as_f64(data, kv)
+        return x, x.norm(dim=-1), M.energy_per_layer(x)
+
+    return data.cached(("input_stats", kv), build)
+
+
+def token_errors_of(data: KVData, kv: str, x_hat: torch.Tensor) -> tuple[M.TokenErrors, torch.Tensor]:
+    """:func:`~kvqbench.numerics.metrics.token_errors` of a reconstruction of ``data.<kv>`` and the
+    input's per-layer energy (the input side from :func:`input_stats`)."""
+    x, nx, energy = input_stats(data, kv)
+    return M.token_errors(x, x_hat, nx), energy
+
+
+def _tensor_metrics(res: CellResult, kv: str, data: KVData, x_hat: torch.Tensor) -> None:
+    # every metric from one set of per-token terms (one difference, one square, one norm of x̂)
+    te, energy = token_errors_of(data, kv, x_hat)
+    res.add(f"{kv}_mse", te.mse.tolist())
+    res.add(f"{kv}_rel_mse", M.rel_mse_of(te.mse, energy))
+    shares = [M.em_share_of_split(te.e_t[i], te.e_m[i]) for i in range(te.e_t.shape[0])]
     for q, tag in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
         res.add(f"{kv}_em_share_{tag}", [s[q] for s in shares])
-    res.add(f"{kv}_norm_bias", M.per_layer(M.norm_bias, x, x_hat))
+    res.add(f"{kv}_norm_bias", M.norm_bias_of_norms(te.nx, te.ny))
 
 
 @torch.no_grad()
@@ -59,8 +77,8 @@ def run_reconstruction(method: Quantizer, data: KVData) -> CellResult:
     res = CellResult()
     rt.tally(res.extra)
     # fp64 once (the input's once per data, shared by every method's cell): the metrics compute in fp64
-    _tensor_metrics(res, "k", as_f64(data, "k"), rt.k_hat.to(torch.float64))
-    _tensor_metrics(res, "v", as_f64(data, "v"), rt.v_hat.to(torch.float64))
+    _tensor_metrics(res, "k", data, rt.k_hat.to(torch.float64))
+    _tensor_metrics(res, "v", data, rt.v_hat.to(torch.float64))
     shape = tuple(data.k.shape)
     res.metrics["k_bits_nominal"] = method.nominal_bits("k", shape)
     res.metrics["v_bits_nominal"] = method.nominal_bits("v", tuple(data.v.shape))

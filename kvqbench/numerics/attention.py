@@ -30,6 +30,7 @@ __all__ = [
     "attention_error_by_batch",
     "kl_rows",
     "incoherence",
+    "incoherence_of_squares",
     "least_squares_slope",
 ]
 
@@ -141,7 +142,8 @@ class AttentionReference:
     Build it with :func:`attention_reference`. Tensors are fp64, queries grouped by the KV head they read:
     ``qg`` ``(batch, kv_heads, g·n_queries, head_dim)``, ``ip``/``logp``/``p`` ``(batch, kv_heads,
     g·n_queries, seq_len)``, ``o`` ``(batch, kv_heads, g·n_queries, head_dim)``, ``k``/``knorm2`` the keys
-    and their squared norms.
+    and their squared norms, ``plogp`` ``(batch, kv_heads, g·n_queries)`` the rows' ``Σ_t p_t log p_t``
+    (minus the entropy; computed by :func:`attention_reference`, ``None`` elsewhere).
     """
 
     qg: torch.Tensor
@@ -153,6 +155,7 @@ class AttentionReference:
     knorm2: torch.Tensor
     head_dim: int
     w_ref: torch.Tensor | None = None  # (batch, kv_heads, g·n_queries, 1): Σ_t p_t‖k_t‖² (exact side only)
+    plogp: torch.Tensor | None = None  # (batch, kv_heads, g·n_queries): Σ_t p_t log p_t (exact side only)
 
 
 @torch.no_grad()
@@ -178,9 +181,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> At
         ip = torch.matmul(qg[i : i + 1], kf[i : i + 1].transpose(-1, -2))  # unscaled inner products
         logp = torch.log_softmax(ip / math.sqrt(d), dim=-1)
         p = logp.exp()
-        parts.append((ip, logp, p, torch.matmul(p, vf[i : i + 1]), torch.matmul(p, knorm2[i : i + 1].unsqueeze(-1))))
-    ip, logp, p, o, w_ref = (torch.cat(t) for t in zip(*parts))
-    return AttentionReference(qg, kf, ip, logp, p, o, knorm2, d, w_ref)
+        parts.append((ip, logp, p, torch.matmul(p, vf[i : i + 1]), torch.matmul(p, knorm2[i : i + 1].unsqueeze(-1)),
+                      _rowdot(p, logp)))
+    ip, logp, p, o, w_ref, plogp = (torch.cat(t) for t in zip(*parts))
+    return AttentionReference(qg, kf, ip, logp, p, o, knorm2, d, w_ref, plogp)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Σ_t a_t b_t`` along the last dim in one fused reduction (no ``a·b`` temporary). The exact and the
+    reconstructed side both go through it, so equal inputs give bit-equal sums."""
+    return torch.einsum("...t,...t->...", a, b)
 
 
 def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -201,10 +211,23 @@ def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> 
     drift = torch.where((no > 0) & (nh > 0), drift, torch.where((no == 0) & (nh == 0), 0.0, 1.0))
     gap = torch.where(no > 0, (nh - no) / no.clamp_min(1e-300), torch.zeros_like(no))
 
+    # inner-product error e = q·k̂ − q·k: mean, variance (centred in place) and mean square = bias² + var
     e = ip_hat - ref.ip
+    n_t = int(e.shape[-1])
     e_mean = e.mean(-1)
+    ec = e.sub_(e_mean.unsqueeze(-1))
+    var = _rowdot(ec, ec) / n_t
     dk = khf - ref.k
     kerr = (dk * dk).sum(-1)  # (B, H_kv, T)
+    # KL(p‖p̂) = Σ p log p − Σ p log p̂ and KL(p̂‖p) = Σ p̂ log p̂ − Σ p̂ log p: row dot products, the first
+    # term of the forward one precomputed with the reference (exactly 0 when p̂ == p: bit-equal sums)
+    plogp = ref.plogp if ref.plogp is not None else _rowdot(ref.p, ref.logp)
+    kl_fwd = plogp - _rowdot(ref.p, logp_hat)
+    kl_rev = _rowdot(p_hat, logp_hat) - _rowdot(p_hat, ref.logp)
+    if bool(torch.isfinite(kl_fwd).all() & torch.isfinite(kl_rev).all()):
+        kl_fwd, kl_rev = kl_fwd.clamp_min(0.0), kl_rev.clamp_min(0.0)
+    else:  # a log p of −inf (p = 0) or a non-finite logit: the term-by-term form, which skips p = 0 terms
+        kl_fwd, kl_rev = kl_rows(ref.logp, logp_hat, ref.p), kl_rows(logp_hat, ref.logp, p_hat)
 
     def per_b(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], -1).sum(-1)
@@ -215,11 +238,11 @@ def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> 
         "o2": per_b(o * o),
         "drift": per_b(drift),
         "gap": per_b(gap),
-        "kl_fwd": per_b(kl_rows(ref.logp, logp_hat, ref.p)),
-        "kl_rev": per_b(kl_rows(logp_hat, ref.logp, p_hat)),
+        "kl_fwd": per_b(kl_fwd),
+        "kl_rev": per_b(kl_rev),
         "bias2": per_b(e_mean**2),
-        "var": per_b(((e - e_mean.unsqueeze(-1)) ** 2).mean(-1)),
-        "msq": per_b((e * e).mean(-1)),
+        "var": per_b(var),
+        "msq": per_b(e_mean**2 + var),
         "w_err": per_b(torch.matmul(ref.p, kerr.unsqueeze(-1))),
         "w_ref": per_b(ref.w_ref if ref.w_ref is not None else torch.matmul(ref.p, ref.knorm2.unsqueeze(-1))),
     }
@@ -288,7 +311,8 @@ def attention_error_by_batch(reference: AttentionReference, k_hat: torch.Tensor,
 def _slice(ref: AttentionReference, i: int) -> AttentionReference:
     one = slice(i, i + 1)
     return AttentionReference(ref.qg[one], ref.k[one], ref.ip[one], ref.logp[one], ref.p[one], ref.o[one],
-                              ref.knorm2[one], ref.head_dim, None if ref.w_ref is None else ref.w_ref[one])
+                              ref.knorm2[one], ref.head_dim, None if ref.w_ref is None else ref.w_ref[one],
+                              None if ref.plogp is None else ref.plogp[one])
 
 
 def _reduce(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor, *, pooled: bool) -> list[AttentionError]:
@@ -317,7 +341,13 @@ def incoherence(x: torch.Tensor) -> torch.Tensor:
     """
     if x.dim() != 4:
         raise ValueError(f"x must be (batch, heads, seq_len, head_dim), got shape {tuple(x.shape)}")
-    m = _f64(x).pow(2).mean(-2).sqrt()  # (B, H, D) channel magnitudes
+    return incoherence_of_squares(_f64(x).pow(2))
+
+
+def incoherence_of_squares(x2: torch.Tensor) -> torch.Tensor:
+    """:func:`incoherence` from the element-wise squares ``x²`` (fp64, same shape as ``x``), e.g. when the
+    caller already holds them; the same values bit for bit."""
+    m = x2.mean(-2).sqrt()  # (B, H, D) channel magnitudes
     rms = m.pow(2).mean(-1).sqrt()
     mx = m.amax(-1)
     return torch.where(rms > 0, mx / rms.clamp_min(1e-300), torch.ones_like(rms))

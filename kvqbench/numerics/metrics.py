@@ -6,9 +6,12 @@ Invariant (tested): per token, ``E_T = ‖x̂−x‖² = E_M + E_D`` with ``E_M 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["mse", "rel_mse", "error_split", "em_share_at_quantiles", "norm_bias", "per_layer"]
+__all__ = ["mse", "rel_mse", "error_split", "em_share_at_quantiles", "norm_bias", "per_layer", "TokenErrors",
+           "token_errors", "em_share_of_split", "rel_mse_of", "norm_bias_of_norms"]
 
 
 def _f64(x: torch.Tensor) -> torch.Tensor:
@@ -30,8 +33,12 @@ def _dims(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(range(1, x.dim()))
 
 
-def _mse_layers(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+def mse_layers(x: torch.Tensor, x_hat: torch.Tensor) -> torch.Tensor:
+    """:func:`mse` of every index of dim 0, fp64 ``(batch,)``."""
     return ((_f64(x_hat) - _f64(x)) ** 2).mean(dim=_dims(x))
+
+
+_mse_layers = mse_layers
 
 
 def mse_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
@@ -41,15 +48,28 @@ def mse_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
 
 def rel_mse_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
     """:func:`rel_mse` of every index of dim 0, as a list (0 where the error is 0)."""
-    num = _mse_layers(x, x_hat)
-    den = (_f64(x) ** 2).mean(dim=_dims(x))
+    return rel_mse_of(_mse_layers(x, x_hat), energy_per_layer(x))
+
+
+def energy_per_layer(x: torch.Tensor) -> torch.Tensor:
+    """``mean(x²)`` of every index of dim 0, fp64 ``(batch,)`` (the denominator of :func:`rel_mse`)."""
+    return (_f64(x) ** 2).mean(dim=_dims(x))
+
+
+def rel_mse_of(num: torch.Tensor, den: torch.Tensor) -> list[float]:
+    """``num / den`` per layer as a list, 0 where ``num`` is 0 (per-layer MSEs and :func:`energy_per_layer`)."""
     return torch.where(num == 0, torch.zeros_like(num), num / den.clamp_min(1e-300)).tolist()
 
 
 def norm_bias_per_layer(x: torch.Tensor, x_hat: torch.Tensor) -> list[float]:
     """:func:`norm_bias` of every index of dim 0, as a list (0 for a layer without a non-zero token)."""
-    nx = _f64(x).norm(dim=-1).flatten(1)
-    ny = _f64(x_hat).norm(dim=-1).flatten(1)
+    return norm_bias_of_norms(_f64(x).norm(dim=-1), _f64(x_hat).norm(dim=-1))
+
+
+def norm_bias_of_norms(nx: torch.Tensor, ny: torch.Tensor) -> list[float]:
+    """:func:`norm_bias_per_layer` from the token norms ``nx`` (input) and ``ny`` (reconstruction),
+    ``(batch, kv_heads, seq_len)`` fp64."""
+    nx, ny = nx.flatten(1), ny.flatten(1)
     keep = nx > 0
     rel = torch.where(keep, (ny - nx) / nx.clamp_min(1e-300), torch.zeros_like(nx))
     cnt = keep.sum(-1)
@@ -89,6 +109,12 @@ def em_share_at_quantiles(
     """``E_M/E_T`` of the token at each quantile of ``E_T`` (mean share over tokens whose ``E_T`` lies in
     the 1%-wide band ending at that quantile, for stability). 0 when there is no error at all."""
     e_t, e_m, _ = error_split(x, x_hat)
+    return em_share_of_split(e_t, e_m, quantiles)
+
+
+def em_share_of_split(e_t: torch.Tensor, e_m: torch.Tensor,
+                      quantiles: tuple[float, ...] = (0.5, 0.9, 0.99)) -> dict[float, float]:
+    """:func:`em_share_at_quantiles` from the per-token ``E_T`` and ``E_M`` (any shape, pooled)."""
     e_t, e_m = e_t.reshape(-1), e_m.reshape(-1)
     out: dict[float, float] = {}
     if float(e_t.max()) == 0.0:
@@ -115,5 +141,40 @@ def norm_bias(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     return float(((ny - nx)[keep] / nx[keep]).mean())
 
 
+@dataclass
+class TokenErrors:
+    """The error terms of one reconstruction that several metrics share, each computed once (fp64).
+
+    Attributes:
+        mse: ``(batch,)`` mean squared error per index of dim 0 (as :func:`mse_per_layer`).
+        e_t: ``(batch, kv_heads, seq_len)`` per-token ``E_T = ‖x̂ − x‖²`` (as :func:`error_split`).
+        e_m: same shape, ``E_M = (‖x̂‖ − ‖x‖)²``.
+        nx, ny: same shape, the token norms ``‖x‖`` and ``‖x̂‖``.
+        diff: ``x̂ − x`` ``(batch, kv_heads, seq_len, head_dim)``.
+        sq: its element-wise square ``(x̂ − x)²``.
+    """
+
+    mse: torch.Tensor
+    e_t: torch.Tensor
+    e_m: torch.Tensor
+    nx: torch.Tensor
+    ny: torch.Tensor
+    diff: torch.Tensor
+    sq: torch.Tensor
+
+
+def token_errors(x: torch.Tensor, x_hat: torch.Tensor, nx: torch.Tensor | None = None) -> TokenErrors:
+    """:class:`TokenErrors` of ``x_hat`` against ``x`` ``(batch, kv_heads, seq_len, head_dim)``: one
+    difference, one square and one norm of ``x_hat`` for all of them (the values of :func:`mse_per_layer`,
+    :func:`error_split`, :func:`norm_bias_per_layer`, bit for bit). ``nx``: ``x``'s token norms when
+    already computed (e.g. shared by every method's cell on the same data)."""
+    xf, yf = _f64(x), _f64(x_hat)
+    diff = yf - xf
+    sq = diff * diff
+    nx = xf.norm(dim=-1) if nx is None else nx
+    ny = yf.norm(dim=-1)
+    return TokenErrors(sq.mean(dim=_dims(x)), sq.sum(-1), (ny - nx) ** 2, nx, ny, diff, sq)
+
+
 _BATCHED = {mse: mse_per_layer, rel_mse: rel_mse_per_layer, norm_bias: norm_bias_per_layer}
-__all__ += ["mse_per_layer", "rel_mse_per_layer", "norm_bias_per_layer"]
+__all__ += ["mse_per_layer", "rel_mse_per_layer", "norm_bias_per_layer", "energy_per_layer", "mse_layers"]

@@ -156,16 +156,33 @@ def quantize_asym(
     return q.to(dtype) if out is None else out.copy_(q)
 
 
+def broadcast_shape(*shapes: tuple[int, ...] | torch.Size) -> tuple[int, ...]:
+    """The shape ``shapes`` broadcast to (numpy rules), like :func:`torch.broadcast_shapes` but in plain
+    Python: torch's imports sympy on its first call (about half a CPU-second per process).
+
+    Raises:
+        ValueError: shapes that do not broadcast together.
+    """
+    n = max((len(s) for s in shapes), default=0)
+    out = []
+    for dims in zip(*[(1,) * (n - len(s)) + tuple(int(d) for d in s) for s in shapes]):
+        sizes = {d for d in dims if d != 1}
+        if len(sizes) > 1:
+            raise ValueError(f"shapes {[tuple(s) for s in shapes]} do not broadcast together")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
 def dequantize_asym(
     codes: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``codes * scale + lo`` in ``lo``'s dtype (one output buffer, multiplied and shifted in place);
     ``out``: that buffer, of ``codes``' shape and ``lo``'s dtype (the same bits: the codes widen exactly)."""
-    if out is not None and not fused.enabled(codes.device.type):
-        return out.copy_(codes).mul_(scale).add_(lo)
     if fused.enabled(codes.device.type):  # one compiled loop, bit-identical (KVQBENCH_FUSED=1)
         return fused.dequantize_codes(codes, lo, scale, fused=True)
-    shape = torch.broadcast_shapes(codes.shape, scale.shape, lo.shape)
+    if out is not None:
+        return out.copy_(codes).mul_(scale).add_(lo)
+    shape = broadcast_shape(codes.shape, scale.shape, lo.shape)
     if tuple(codes.shape) != tuple(shape):
         return codes.to(lo.dtype) * scale + lo
     out = codes.to(lo.dtype, copy=True)
@@ -392,4 +409,4 @@ def rtn_roundtrip(x: torch.Tensor, bits: int, granularity: Granularity, **qparam
     return rtn_dequantize(codes, lo, scale, granularity).to(x.dtype)
 
 
-__all__.append("rtn_dequantize")
+__all__ += ["rtn_dequantize", "broadcast_shape"]

@@ -257,6 +257,11 @@ class Quantizer(ABC):
     #: cover every element (its min/max), so the check costs no extra pass. A subclass that overrides
     #: ``_quantize`` of a ``"stats"`` class must check again or set ``"input"``.
     finite_check: ClassVar[Literal["input", "stats"]] = "input"
+    #: the method draws randomness from its ``seed`` (a rotation, a k-means subsample). ``False`` declares
+    #: that instances differing only in the seed give the same bits, so the harness computes a cell on
+    #: seed-independent (real) data once for every seed; checked for every registered method by the
+    #: conformance properties. The default is the safe one.
+    seeded: ClassVar[bool] = True
 
     def __init__(self, k_bits: int = 4, v_bits: int | None = None, *, seed: int = 0) -> None:
         v_bits = k_bits if v_bits is None else v_bits

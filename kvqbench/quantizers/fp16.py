@@ -18,6 +18,7 @@ class FP16(Quantizer):
     """
 
     id = "fp16"
+    seeded = False  # no randomness
     name = "FP16 (control)"
     paper = "Lossless reference"
     k_granularity = "identity"

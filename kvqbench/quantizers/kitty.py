@@ -123,6 +123,7 @@ class Kitty(Quantizer):
     """
 
     id = "kitty"
+    seeded = False  # no randomness
     name = "Kitty"
     paper = (
         "Xia et al., Kitty: Accurate and Efficient 2-bit KV Cache Quantization with Dynamic "

@@ -147,6 +147,7 @@ class KVarN(Quantizer):
     """
 
     id = "kvarn"
+    seeded = False  # no randomness
     name = "KVarN"
     paper = "Müller et al., KVarN (arXiv 2606.03458)"
     arxiv = "2606.03458"

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
-from kvqbench.numerics.rtn import PerToken, compute_dtype, rtn_dequantize, rtn_quantize, to_groups
+from kvqbench.numerics.rtn import (
+    PerToken,
+    broadcast_shape,
+    compute_dtype,
+    rtn_dequantize,
+    rtn_quantize,
+    to_groups,
+)
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
 
@@ -73,7 +80,7 @@ def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: i
 def _midpoint(idx: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
     """``mn + (idx + ½)·s`` (one buffer)."""
     s = (mx - mn) / (1 << bits)
-    if tuple(idx.shape) != tuple(torch.broadcast_shapes(idx.shape, mn.shape, s.shape)):
+    if tuple(idx.shape) != tuple(broadcast_shape(idx.shape, mn.shape, s.shape)):
         return mn + (idx.to(mn.dtype) + 0.5) * s
     return idx.to(mn.dtype, copy=True).add_(0.5).mul_(s).add_(mn)
 
@@ -100,6 +107,7 @@ class PolarQuant(Quantizer):
     """
 
     id = "polarquant"
+    seeded = False  # no randomness
     name = "PolarQuant"
     paper = (
         "Wu et al., PolarQuant: Leveraging Polar Transformation for Efficient Key Cache Quantization "

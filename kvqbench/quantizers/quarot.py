@@ -30,7 +30,7 @@ import torch
 
 from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_transform
-from kvqbench.numerics.rtn import compute_dtype, to_groups
+from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
 __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "CLIP_RATIO"]
@@ -85,7 +85,7 @@ def quarot_quantize(
 
 def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """``scale · (q − z)`` in ``scale``'s dtype (one output buffer, shifted and scaled in place)."""
-    if tuple(codes.shape) != tuple(torch.broadcast_shapes(codes.shape, scale.shape, zero.shape)):
+    if tuple(codes.shape) != tuple(broadcast_shape(codes.shape, scale.shape, zero.shape)):
         return scale * (codes.to(scale.dtype) - zero)
     return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
 
@@ -111,6 +111,7 @@ class QuaRot(Quantizer):
     """
 
     id = "quarot"
+    seeded = False  # no randomness
     name = "QuaRot"
     paper = "Ashkboos et al., QuaRot: Outlier-Free 4-Bit Inference in Rotated LLMs (NeurIPS 2024)"
     arxiv = "2404.00456"

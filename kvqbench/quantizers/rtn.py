@@ -46,6 +46,7 @@ class GroupedRTNQuantizer(Quantizer):
     Stores packed ``b``-bit codes, one fp16-billed scale and one fp16-billed zero-point (the float
     group minimum, as KIVI) per group. Nominal bits = ``b + 24 / group_elements``.
     """
+    seeded = False  # no randomness
 
     def granularity(self, kind: Kind) -> Granularity:  # pragma: no cover - abstract-ish
         raise NotImplementedError

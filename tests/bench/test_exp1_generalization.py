@@ -10,8 +10,8 @@ from kvqbench.experiments.generalization import GROUP_SIZES, run_codebook_gap, r
 
 
 @pytest.mark.kvq(experiment="exp1", bits=(2, 4))
-def test_codebook_gap(cell, kvq_method, kvq_data, kvq_record):
-    res = run_codebook_gap(kvq_method, kvq_data)
+def test_codebook_gap(cell, kvq_method, kvq_run, kvq_record):
+    res = kvq_run(run_codebook_gap)
     kvq_record(res)
     check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}

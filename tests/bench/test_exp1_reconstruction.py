@@ -13,8 +13,8 @@ from kvqbench.experiments.reconstruction import run_reconstruction
 pytestmark = pytest.mark.kvq(experiment="exp1")
 
 
-def test_reconstruction(cell, kvq_method, kvq_data, kvq_record):
-    res = run_reconstruction(kvq_method, kvq_data)
+def test_reconstruction(cell, kvq_run, kvq_record):
+    res = kvq_run(run_reconstruction)
     kvq_record(res)
     check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}

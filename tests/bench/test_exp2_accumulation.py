@@ -14,8 +14,8 @@ from kvqbench.experiments.common import check_roundtrip_finite
 
 
 @pytest.mark.kvq(experiment="exp2", bits=(2, 4))
-def test_accumulation(cell, kvq_method, kvq_data, kvq_record):
-    res = run_accumulation(kvq_method, kvq_data, CONFIG_BY_SIZE[cell.size])
+def test_accumulation(cell, kvq_run, kvq_record):
+    res = kvq_run(run_accumulation, CONFIG_BY_SIZE[cell.size])
     kvq_record(res)
     check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}

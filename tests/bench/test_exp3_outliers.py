@@ -10,8 +10,8 @@ from kvqbench.experiments.outliers import run_outliers
 
 
 @pytest.mark.kvq(experiment="exp3", bits=(2, 4))
-def test_outliers(cell, kvq_method, kvq_data, kvq_record):
-    res = run_outliers(kvq_method, kvq_data)
+def test_outliers(cell, kvq_run, kvq_record):
+    res = kvq_run(run_outliers)
     kvq_record(res)
     check_roundtrip_finite(res, cell.method)
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}

@@ -204,3 +204,22 @@ def test_a_selection_matching_no_cell_names_methods_and_experiments(pytester, pl
     if not workers:  # a selection that matches: no such line
         r = pytester.runpytest_subprocess(*plugin_loaded_once, "-k", "kivi", "--collect-only")
         assert r.ret == 0 and "no benchmark cell matches" not in r.stdout.str()
+
+
+def test_xdist_order_puts_one_real_capture_cell_first_then_synthetic_then_real():
+    # the order is the collection order within each group: first real cell that needs the capture, then
+    # everything without real data, then the other real cells (exp5's model cells need no kvq_data)
+    from types import SimpleNamespace
+
+    from kvqbench.cells import Cell
+    from kvqbench.plugin import real_capture_first
+
+    def item(name, source=None, fixtures=("kvq_data",)):
+        cs = None if source is None else SimpleNamespace(params={"cell": Cell("exp1", "fp16", 2, 2, 0, source, "full")})
+        return SimpleNamespace(name=name, callspec=cs, fixturenames=fixtures)
+
+    items = [item("unit"), item("s1", "synthetic"), item("e2e", "real", ("kvq_model",)), item("r1", "real"),
+             item("s2", "synthetic"), item("r2", "real")]
+    assert [it.name for it in real_capture_first(items)] == ["r1", "unit", "s1", "s2", "e2e", "r2"]
+    no_real = items[:2] + items[4:5]
+    assert real_capture_first(no_real) == no_real

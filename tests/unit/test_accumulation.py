@@ -214,3 +214,21 @@ def test_decode_errors_are_those_of_the_decode_states(method):
         for field, suffix in PER_LENGTH_METRICS.items():
             assert res.series["decode"][suffix][i] == pytest.approx(want[field], rel=1e-12, abs=1e-15), suffix
     assert all(equal) == (method == "rtn_token") and any(equal) == (method == "rtn_token")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kl_and_logit_terms_match_the_term_by_term_forms(seed):
+    # attention_error computes KL from row dot products (Σp·log p − Σp·log p̂) and the logit variance
+    # from the centred error; a second, term-by-term implementation from the definitions
+    q, k, v = (x.double() for x in _qkv(seed=seed, b=2, hkv=2, hq=4, nq=3, t=37, d=8))
+    g = _gen(300 + seed)
+    k_hat = k + 0.4 * torch.randn(k.shape, generator=g, dtype=torch.float64) + 0.1
+    err = attention_error(q, k, v, k_hat, v)
+    kk, kh = expand_kv(k, 4), expand_kv(k_hat, 4)
+    logp = torch.log_softmax(q @ kk.transpose(-1, -2) / math.sqrt(8), -1)
+    logq = torch.log_softmax(q @ kh.transpose(-1, -2) / math.sqrt(8), -1)
+    assert err.kl_fwd == pytest.approx(float(kl_rows(logp, logq).mean()), rel=1e-12)
+    assert err.kl_rev == pytest.approx(float(kl_rows(logq, logp).mean()), rel=1e-12)
+    e = q @ kh.transpose(-1, -2) - q @ kk.transpose(-1, -2)
+    assert err.logit_var == pytest.approx(float(e.var(-1, unbiased=False).mean()), rel=1e-12)
+    assert err.logit_mse == pytest.approx(float((e * e).mean()), rel=1e-12)

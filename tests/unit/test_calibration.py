@@ -41,3 +41,22 @@ def test_window_and_truncate_keep_calibration_and_rope():
     w = data.window(64, 128)
     assert w.k.shape[2] == 64 and torch.equal(w.k, data.k[:, :, 64:128]) and w.calibration is data.calibration
     assert data.truncate(32).calibration is data.calibration
+
+
+def test_fit_state_is_reused_for_the_same_method_parameters_and_calibration_batch():
+    # a second instance with the same id/params on the same calibration batch gets the first one's
+    # fitted state (no fit: its fit() would raise here) and quantizes bit-identically to a fresh fit
+    from kvqbench.experiments.common import fit_method
+
+    data = make_synthetic(seed=0, batch=1, kv_heads=2, q_heads=4, seq_len=64, head_dim=32)
+    data.calibration = make_synthetic(seed=9, batch=1, kv_heads=2, q_heads=4, seq_len=64, head_dim=32)
+    first = fit_method(create("kvquant", 2, 2, seed=3), data)
+    again = create("kvquant", 2, 2, seed=3)
+    again.fit = None  # type: ignore[assignment]  # must not be called
+    fit_method(again, data)
+    fresh = create("kvquant", 2, 2, seed=3).fit(k=data.calibration.k, v=data.calibration.v)
+    for kind in ("k", "v"):
+        assert torch.equal(again.codebook(kind), fresh.codebook(kind))
+        assert torch.equal(again.dequantize(again.quantize(data.k, kind)), first.dequantize(first.quantize(data.k, kind)))
+    other = fit_method(create("kvquant", 2, 2, seed=4), data)  # other params: a fit of its own
+    assert other.codebook("k") is not None and len([k for k in data.calibration.cache if k[0] == "fitted_state"]) == 2

@@ -51,3 +51,18 @@ def test_wide_interval_never_jumps_to_rank_one():
     ranked = rankings(st, CAT)["m"]["by_setting"]["k2v2"]
     assert [x["method"] for x in ranked] == ["a", "b", "w"]
     assert [x["rank"] for x in ranked] == [1, 2, 2]
+
+
+@pytest.mark.parametrize("vals", [[1.0, 3.0], [0.1, 0.25, 0.2], [1e-9, 3e-9, 2e-9, 7e-9, 5e-9], [5.0, -1.0] * 6])
+def test_mean_ci_matches_scipy_stats_t_bit_for_bit(vals):
+    """``mean_ci`` takes the quantile from ``scipy.special.stdtrit`` (cheap to import); the result equals,
+    to the bit, the half-width computed with ``scipy.stats.t.ppf``."""
+    import math
+
+    from scipy.stats import t
+
+    m, ci = mean_ci(vals)
+    n = len(vals)
+    var = math.fsum((v - m) ** 2 for v in vals) / (n - 1)
+    assert ci == float(t.ppf(0.975, n - 1) * math.sqrt(var / n))
+    assert mean_ci(vals, 0.9)[1] == float(t.ppf(0.95, n - 1) * math.sqrt(var / n))

@@ -309,6 +309,31 @@ def test_pending_capture_is_charged_to_the_first_real_cell_of_each_worker():
     assert p.eta(30.0) == pytest.approx(1.0 + 1.0 + 5.0)
 
 
+def test_pending_model_load_is_charged_to_the_first_end_to_end_cell_of_each_worker():
+    e2e = [f"t.py::test_endtoend[m-k2v2-seed{i}-real-full]" for i in range(4)]
+    other = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(2)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in e2e + other}, "kinds": {},
+             "steps": {"model|real-full": 20.0, "report|real-full": 5.0}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(other + e2e)
+    assert p.expected_steps["model|real-full"] == 2
+    # each worker: one other cell, then its first end-to-end cell loads the model, then one more
+    assert p.eta(0.0) == pytest.approx(1.0 + 21.0 + 1.0 + 5.0)
+    for n in other:
+        p.started(n, 0.0)
+        p.finished(n, 1.0, 1.0)
+    p.started(e2e[0], 1.0)
+    p.started(e2e[1], 1.0)
+    p.step("model|real-full", 20.0, 21.0, e2e[0])  # the clocks of the two cells restart after it
+    p.step("model|real-full", 20.0, 21.0, e2e[1])
+    assert p.expected_steps["model|real-full"] == 0
+    assert p.eta(21.0) == pytest.approx(1.0 + 1.0 + 5.0)
+    for n in e2e:  # with no end-to-end cell left, no load is expected any more
+        p.pending.pop(n)
+    p._close_capture_steps()
+    assert p.expected_steps["model|real-full"] == 0
+
+
 def _simulate(history: dict | None, speed: float, seed: int, prior: dict | None = None,
               trace: str | None = None) -> tuple[list[tuple[float, float | None]], float, Progress]:
     """Two workers pulling from one queue on a fake clock (like xdist's load scheduling); the base
