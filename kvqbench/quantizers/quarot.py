@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
@@ -36,9 +35,6 @@ from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, c
 __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "CLIP_RATIO"]
 
 CLIP_RATIO = 0.95
-#: token blocks are multiples of this many rows (a block's product with the Hadamard matrix is never a
-#: product of a few rows, which BLAS rounds differently; row_blocks' tail is >= half a block)
-_BLOCK_ROWS = 64
 
 
 def quarot_qparams(
@@ -96,8 +92,6 @@ class QuaRot(Quantizer):
 
     Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16;
     computation in fp32 (fp64 inputs stay fp64); ``dequantize`` returns the input's shape, dtype and device.
-    On the CPU both run in cache-sized blocks of tokens on one thread (:mod:`kvqbench.numerics.blocks`;
-    every token is rotated and quantized on its own, so the bits are those of the whole-tensor ops).
 
     Args:
         k_bits, v_bits: code widths (1..8; >= 16 = exact passthrough). Default 4 (the paper's KV4).
@@ -161,68 +155,24 @@ class QuaRot(Quantizer):
 
     finite_check = "stats"  # the rotation spreads a NaN/Inf over its token's row: the group min/max see it
 
-    def _blocked(self, t: torch.Tensor) -> bool:
-        """Rotation and RTN in cache-sized blocks of tokens (every token on its own): on the CPU, past a block."""
-        return t.device.type == "cpu" and t.dim() >= 2 and t.numel() > blocks.BLOCK_ELEMS
-
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        xr = hadamard_transform(x.to(compute_dtype(x.dtype)))  # a fresh buffer, quantized in place
         g = self._group(int(x.shape[-1]))
-        if self._blocked(x):
-            with blocks.one_cpu_thread(x.device):
-                codes, lo, hi, scale, zero = self._quantize_blocks(x, kind, bits, g)
-            check_finite(x, lo, hi, name=kind.upper())
-        else:
-            xr = hadamard_transform(x.to(compute_dtype(x.dtype)))  # a fresh buffer, quantized in place
-            xg, restore = to_groups(xr, -1, g)
-            lo = xg.amin(-1, keepdim=True)
-            hi = xg.amax(-1, keepdim=True)
-            check_finite(x, lo, hi, name=kind.upper())
-            scale, zero = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
-                                         lo_hi=(lo, hi))
-            codes = restore(quarot_quantize(xg, scale, zero, bits, torch.uint8,
-                                            inplace=xg.data_ptr() != x.data_ptr()))
+        xg, restore = to_groups(xr, -1, g)
+        lo = xg.amin(-1, keepdim=True)
+        hi = xg.amax(-1, keepdim=True)
+        check_finite(x, lo, hi, name=kind.upper())
+        scale, zero = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
+                                     lo_hi=(lo, hi))
+        codes = restore(quarot_quantize(xg, scale, zero, bits, torch.uint8, inplace=xg.data_ptr() != x.data_ptr()))
         qt = self._new_qt(x, kind, bits, group_size=g)
         qt.add_codes("codes", codes, bits)
         qt.fields["scale"] = Stored(scale, 16)
         qt.fields["zero"] = Stored(zero, 16)
         return qt
 
-    def _quantize_blocks(
-        self, x: torch.Tensor, kind: Kind, bits: int, g: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(codes, lo, hi, scale, zero)`` of the whole-tensor path, computed in cache-sized blocks of tokens
-        (rotation, group min/max, parameters and codes per block; the same bits, tested)."""
-        d = int(x.shape[-1])
-        n_g = -(-d // g)
-        rows = x.reshape(-1, d)
-        n, lead, dev, cdt = rows.shape[0], x.shape[:-1], x.device, compute_dtype(x.dtype)
-        codes = torch.empty(n, d, dtype=torch.uint8, device=dev)
-        stats = [torch.empty(n, n_g, 1, dtype=cdt, device=dev) for _ in range(4)]  # lo, hi, scale, zero
-        lo, hi, scale, zero = stats
-        for sl in blocks.row_blocks(n, n_g * g, multiple=_BLOCK_ROWS):
-            xg, restore = to_groups(hadamard_transform(rows[sl].to(cdt)), -1, g)  # a fresh buffer
-            torch.amin(xg, -1, keepdim=True, out=lo[sl])
-            torch.amax(xg, -1, keepdim=True, out=hi[sl])
-            scale[sl], zero[sl] = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
-                                                 lo_hi=(lo[sl], hi[sl]))
-            codes[sl] = restore(quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True))
-        return codes.view(x.shape), *(t.view(*lead, n_g, 1) for t in stats)
-
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        g = qt.meta["group_size"]
-        codes = qt.codes("codes", torch.uint8)
-        if self._blocked(codes):
-            d = int(codes.shape[-1])
-            rows = codes.reshape(-1, d)
-            n = rows.shape[0]
-            scale, zero = qt["scale"].reshape(n, -1, 1), qt["zero"].reshape(n, -1, 1)
-            out = torch.empty(n, d, dtype=scale.dtype, device=codes.device)
-            with blocks.one_cpu_thread(codes.device):
-                for sl in blocks.row_blocks(n, scale.shape[1] * g, multiple=_BLOCK_ROWS):
-                    cg, restore = to_groups(rows[sl], -1, g)
-                    out[sl] = hadamard_transform(restore(quarot_dequantize(cg, scale[sl], zero[sl])))
-            return out.view(codes.shape)
-        cg, restore = to_groups(codes, -1, g)
+        cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, qt.meta["group_size"])
         xr = restore(quarot_dequantize(cg, qt["scale"], qt["zero"]))
         return hadamard_transform(xr)
 
