@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 12 s wall on an idle 2-core machine; no figures unless --kvq-figures on); add --kvq-real for the "
+                      help="tiny synthetic cells only (measured: 11-40 s on a 2-core machine, the host's speed varies; no figures unless --kvq-figures on); add --kvq-real for the "
                            "real-model smoke cells too (over 2 min)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
