@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: 7-11 min on a 2-core CPU, the host's speed varies; the progress line's ETA says how long "
+                                   "(measured: 6-11 min on a 2-core CPU, the host's speed varies; the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
