@@ -890,14 +890,70 @@ def figure_names(source: str) -> list[str]:
                                           "norm_diff_density", "cost", "predictivity")]
 
 
-def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *, log: Log | None = None
-                  ) -> list[Path]:
+#: rough relative cost of each figure (CPU-seconds on the main job's data): the parallel pool starts the
+#: dearest first so that the last one to finish is a cheap one
+_COST_RANK = {"norm_diff_density": 0, "attn_kl_vs_context": 1, "attn_error_vs_context": 2, "predictivity": 3,
+              "cost": 4, "pareto": 5, "mse_vs_bits": 6}
+
+#: the figure jobs of the running :func:`write_figures`, read by the forked pool workers (they inherit
+#: it, so neither the data nor matplotlib objects are pickled)
+_JOBS: list[tuple[str, Callable[..., Path | None], tuple]] = []
+
+
+def default_jobs() -> int:
+    """How many processes draw figures when the caller asks for ``jobs=0`` (automatic): the CPUs this
+    process may run on (``os.sched_getaffinity``), at most 8."""
+    import os
+
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def _run_job(i: int) -> tuple[Path | None, str | None]:
+    """Draw figure ``i`` of :data:`_JOBS`; ``(path or None, one-line message or None)``, never raises."""
+    import matplotlib.pyplot as plt
+
+    name, fig_fn, fig_args = _JOBS[i]
+    try:
+        return fig_fn(*fig_args), None
+    except Exception as e:  # one broken figure never blocks the others or the run
+        plt.close("all")
+        return None, f"kvqbench: figure {name} skipped: {type(e).__name__}: {e}"
+
+
+def _run_parallel(n_jobs: int) -> list[tuple[Path | None, str | None]] | None:
+    """Every job of :data:`_JOBS` drawn by ``n_jobs`` forked processes (results in job order), or
+    ``None`` when no process pool can be had here (no ``fork`` start method, a pool that broke): the
+    caller then draws serially. Forked workers inherit the loaded JSON and the rc settings; each PNG
+    is the same file, byte for byte, as a serial draw writes."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    if "fork" not in mp.get_all_start_methods():
+        return None
+    order = sorted(range(len(_JOBS)), key=lambda i: (_COST_RANK.get(_JOBS[i][0].rsplit("_", 1)[0], 9), i))
+    try:
+        with ProcessPoolExecutor(max_workers=n_jobs, mp_context=mp.get_context("fork")) as pool:
+            done = dict(zip(order, pool.map(_run_job, order), strict=True))
+    except Exception:  # BrokenProcessPool, OSError (no processes left): draw serially instead
+        return None
+    return [done[i] for i in range(len(_JOBS))]
+
+
+def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *, log: Log | None = None,
+                  jobs: int = 1) -> list[Path]:
     """Render every figure that the saved JSON in ``results_dir`` supports; return the written paths.
 
     Args:
         results_dir: a folder holding ``leaderboard.json`` and optionally ``exp*_{source}.json``.
         out_dir: where the PNGs go (default ``results_dir``).
         log: one-line messages (missing matplotlib, a figure that failed); default stderr.
+        jobs: processes drawing figures side by side (forked, so the JSON is read once); ``0`` = one per
+            available CPU (:func:`default_jobs`); ``1`` (default) draws in this process. The PNGs are the
+            same bytes either way; where ``fork`` is unavailable the figures are drawn serially.
 
     Never raises for a missing matplotlib or a figure that fails to render; raises
     ``FileNotFoundError`` only when ``results_dir`` has no ``leaderboard.json``.
@@ -919,29 +975,36 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
     assert board is not None
     catalog = board.get("metrics_catalog") or {}
     out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
     rc = {"font.size": 9, "axes.titlesize": 10, "figure.dpi": DPI, "savefig.dpi": DPI, "path.simplify": False,
           "svg.hashsalt": "kvqbench", "axes.spines.top": False, "axes.spines.right": False}
+    jobs_list: list[tuple[str, Callable[..., Path | None], tuple]] = []
+    for src, sd in sorted((board.get("sources") or {}).items()):
+        extra_methods = {m for exp in (sd.get("stats") or {}).values() for m in exp}
+        style = _Style(_method_order(board, extra_methods))
+        jobs_list += [
+            (f"pareto_{src}.png", _fig_pareto, (plt, src, sd, style, out)),
+            (f"mse_vs_bits_{src}.png", _fig_mse_vs_bits, (plt, src, sd, style, out)),
+            (f"attn_error_vs_context_{src}.png", _fig_vs_context,
+             (plt, src, sd, exps.get(("exp2", src)), style, out, "err")),
+            (f"attn_kl_vs_context_{src}.png", _fig_vs_context,
+             (plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
+            (f"norm_diff_density_{src}.png", _fig_norm_density, (plt, src, sd, exps.get(("exp3", src)), style, out)),
+            (f"cost_{src}.png", _fig_cost, (plt, src, sd, catalog, style, out, exps.get(("exp4", src)))),
+            (f"predictivity_{src}.png", _fig_predictivity, (plt, src, sd, style, out)),
+        ]
+    n_jobs = min(default_jobs() if jobs == 0 else max(1, jobs), len(jobs_list))
     with matplotlib.rc_context(rc):
-        for src, sd in sorted((board.get("sources") or {}).items()):
-            extra_methods = {m for exp in (sd.get("stats") or {}).values() for m in exp}
-            style = _Style(_method_order(board, extra_methods))
-            jobs: list[tuple[str, Callable[..., Path | None], tuple]] = [
-                ("pareto", _fig_pareto, (plt, src, sd, style, out)),
-                ("mse_vs_bits", _fig_mse_vs_bits, (plt, src, sd, style, out)),
-                ("attn_error_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "err")),
-                ("attn_kl_vs_context", _fig_vs_context, (plt, src, sd, exps.get(("exp2", src)), style, out, "kl")),
-                ("norm_diff_density", _fig_norm_density, (plt, src, sd, exps.get(("exp3", src)), style, out)),
-                ("cost", _fig_cost, (plt, src, sd, catalog, style, out, exps.get(("exp4", src)))),
-                ("predictivity", _fig_predictivity, (plt, src, sd, style, out)),
-            ]
-            for name, fig_fn, fig_args in jobs:
-                try:
-                    p = fig_fn(*fig_args)
-                except Exception as e:  # one broken figure never blocks the others or the run
-                    plt.close("all")
-                    log(f"kvqbench: figure {name}_{src}.png skipped: {type(e).__name__}: {e}")
-                    continue
-                if p is not None:
-                    written.append(p)
+        _JOBS[:] = jobs_list
+        try:
+            results = _run_parallel(n_jobs) if n_jobs > 1 else None
+            if results is None:
+                results = [_run_job(i) for i in range(len(jobs_list))]
+        finally:
+            _JOBS.clear()
+    written: list[Path] = []
+    for p, msg in results:
+        if msg is not None:
+            log(msg)
+        if p is not None:
+            written.append(p)
     return written

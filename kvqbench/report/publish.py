@@ -334,7 +334,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     if figures:
         from kvqbench.report.plots import write_figures
 
-        written += [str(p) for p in write_figures(out)]
+        written += [str(p) for p in write_figures(out, jobs=0)]
     if readme is not None:
         if update_readme(readme, render_digest(board)):
             written.append(str(readme))

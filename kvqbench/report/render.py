@@ -136,7 +136,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
         def log(msg: str) -> None:
             print(msg, file=sys.stderr)
 
-        written += [str(p) for p in write_figures(src.parent, out, log=log)]
+        written += [str(p) for p in write_figures(src.parent, out, log=log, jobs=0)]
     return written
 
 

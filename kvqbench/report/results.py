@@ -189,7 +189,7 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
         try:
             from kvqbench.report.plots import write_figures
 
-            written += [Path(p) for p in write_figures(folder, log=log)]
+            written += [Path(p) for p in write_figures(folder, log=log, jobs=0)]
         except Exception as e:  # a figure never costs the results
             log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
     if write_extra is not None:

@@ -283,3 +283,13 @@ def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch):
         for b in boxes:
             assert not (b.x0 < x + pad and b.x1 > x - pad and b.y0 < y + pad and b.y1 > y - pad), (p, b)
     plt.close(fig)
+
+
+def test_parallel_figures_are_the_same_files_as_serial(tmp_path):
+    """jobs=2 (forked workers) writes the same PNG bytes, and returns the same paths in the same order, as
+    a serial draw."""
+    out = write_results(tmp_path / "r", records(sources=("synthetic", "real")))
+    serial = write_figures(out, tmp_path / "serial", jobs=1)
+    parallel = write_figures(out, tmp_path / "parallel", jobs=2)
+    assert [p.name for p in parallel] == [p.name for p in serial] and len(serial) == 2 * len(ALL)
+    assert {p.name: p.read_bytes() for p in parallel} == {p.name: p.read_bytes() for p in serial}
