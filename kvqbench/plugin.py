@@ -513,7 +513,20 @@ def worker_device(dev: str, workerid: str | None, count: int | None = None) -> s
     return f"cuda:{int(workerid[2:]) % max(count, 1)}"
 
 
+def _no_gpu_driver() -> bool:
+    """True when this is Linux and no GPU driver is loaded (no ``/dev/nvidia*``, ``/dev/kfd`` (ROCm) or
+    ``/dev/dxg`` (WSL)): ``torch.cuda.is_available()`` is then False for sure, and ``--device auto``
+    resolves to ``cpu`` without importing torch (1.5 CPU-seconds in a process that may run no cell:
+    the xdist controller)."""
+    import glob
+
+    return sys.platform.startswith("linux") and os.path.isdir("/dev") and not (
+        glob.glob("/dev/nvidia*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
+
+
 def _resolve_device(dev: str) -> str:
+    if dev == "auto" and _no_gpu_driver():
+        return "cpu"
     import torch
 
     if dev == "auto":
@@ -929,12 +942,18 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
     from kvqbench import __version__
 
     try:
-        import torch
-
-        torch_version = torch.__version__
         dev = s.device
-        device_name = torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda") else (
-            f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+        if dev.startswith("cuda") or "torch" in sys.modules:
+            import torch
+
+            torch_version = str(torch.__version__)
+            device_name = torch.cuda.get_device_name(torch.device(dev)) if dev.startswith("cuda") else (
+                f"cpu ({platform.machine()}, {os.cpu_count()} cores)")
+        else:  # the xdist controller of a CPU run has no need of torch: its version from the metadata
+            from importlib.metadata import version
+
+            torch_version = version("torch")  # the string torch.__version__ holds, local label included
+            device_name = f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     except Exception:  # pragma: no cover - torch is a dependency
         torch_version, device_name = None, s.device
     try:

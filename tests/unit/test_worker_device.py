@@ -25,3 +25,24 @@ def test_every_gpu_gets_a_worker_and_none_gets_two_when_workers_equal_gpus():
 ])
 def test_explicit_devices_and_non_workers_are_kept(dev, workerid):
     assert worker_device(dev, workerid, 4) == dev
+
+
+def test_auto_device_without_a_gpu_driver_is_cpu_without_torch_doubt():
+    """Where the torch-free driver check says "no GPU", torch agrees, and --device auto is cpu."""
+    from kvqbench import plugin
+
+    if not plugin._no_gpu_driver():
+        pytest.skip("a GPU driver is present here: auto resolves through torch")
+    import torch
+
+    assert not torch.cuda.is_available()
+    assert plugin._resolve_device("auto") == "cpu"
+
+
+def test_torch_version_from_metadata_is_torch_version():
+    """The controller's provenance reads torch's version from the package metadata: the same string."""
+    from importlib.metadata import version
+
+    import torch
+
+    assert version("torch") == str(torch.__version__)
