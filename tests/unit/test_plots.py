@@ -293,3 +293,32 @@ def test_parallel_figures_are_the_same_files_as_serial(tmp_path):
     parallel = write_figures(out, tmp_path / "parallel", jobs=2)
     assert [p.name for p in parallel] == [p.name for p in serial] and len(serial) == 2 * len(ALL)
     assert {p.name: p.read_bytes() for p in parallel} == {p.name: p.read_bytes() for p in serial}
+
+
+@pytest.mark.parametrize("far", [False, True])
+def test_one_draw_save_crops_like_tight(tmp_path, far):
+    """``_finish`` paints once and crops to the drawing: the same picture as ``bbox_inches="tight"``
+    (sizes within a few pixels: sub-pixel placement), a legend outside the axes kept whole; a text far
+    outside the figure (beyond the painted margin) falls back to ``"tight"`` and is kept too."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from kvqbench.report import plots
+
+    def draw():
+        fig, ax = plt.subplots(figsize=(5, 3))
+        ax.plot([1, 2, 3], [3, 1, 2], label="a long legend label for the outside legend")
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        if far:
+            ax.text(4.0, 0.5, "far away", transform=ax.transAxes)
+        return fig
+
+    ours = plots._finish(draw(), tmp_path / "ours.png")
+    fig = draw()
+    fig.savefig(tmp_path / "tight.png", dpi=plots.DPI, metadata={"Software": None}, bbox_inches="tight")
+    plt.close(fig)
+    (w1, h1), (w2, h2) = png_size(ours), png_size(tmp_path / "tight.png")
+    assert abs(w1 - w2) <= 6 and abs(h1 - h2) <= 6, ((w1, h1), (w2, h2))
+    assert w1 > 5 * plots.DPI  # wider than the figure itself: the outside legend is in the picture
