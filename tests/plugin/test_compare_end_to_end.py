@@ -3,6 +3,10 @@ bits are lowered (KIVI quantizing at one bit less than its cells ask) fails the 
 
 import pytest
 
+# torch (and numpy) imported before any in-process pytester run: pytester drops the modules first
+# imported inside a run, and neither can be imported twice in one process
+import torch  # noqa: F401
+
 from kvqbench.cli import main as cli_main
 
 pytest_plugins = ["pytester"]

@@ -9,6 +9,10 @@ import re
 
 import pytest
 
+# torch (and numpy) imported before any in-process pytester run: pytester drops the modules first
+# imported inside a run, and neither can be imported twice in one process
+import torch  # noqa: F401
+
 pytest_plugins = ["pytester"]
 
 CELL_TEST = '''
