@@ -238,7 +238,8 @@ class KVarN(Quantizer):
                 tiles = buf.copy_(tiles) if unit else torch.div(tiles, c, out=buf)
             else:
                 tiles = tiles.contiguous() if unit else tiles.contiguous().div_(c)
-            res = varn(tiles, self.varn_iters)
+            # K: the token-major tiles (blk) are the transposed tiles VarN lays out anyway (one copy fewer)
+            res = varn(tiles, self.varn_iters, tiles_t=blk if kind == "k" and unit else None)
             bal = tiles.div_(res.s_col).div_(res.s_row)
             q, lo, scale = _rtn_rows_inplace(bal, bits)
             qt.add_codes(f"{name}.codes", q, bits)
