@@ -32,6 +32,7 @@ CASES = [
     (1, 1, 17, 80, torch.float32, 100.0, 5),
     (3, 2, 129, 32, torch.float32, 1e-3, 6),
     (1, 4, 2048, 128, torch.float32, 7.0, 7),
+    (1, 8, 4160, 128, torch.float16, 1.0, 8),  # more than 2^22 elements (QuaRot's blocked path)
 ]
 
 
