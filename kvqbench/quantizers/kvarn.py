@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_transform
 from kvqbench.numerics.scale import pow2_floor, pow2_window
 from kvqbench.numerics.varn import DEFAULT_ITERS, varn
@@ -72,13 +73,43 @@ def rtn_rows(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, to
     return q, lo, scale
 
 
-def _rtn_rows_inplace(b: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries)."""
+def _rtn_rows_inplace(b: torch.Tensor, bits: int,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rtn_rows` with uint8 codes, overwriting ``b`` (same arithmetic, no temporaries); ``out``: a
+    uint8 tensor of ``b``'s shape the codes are written to."""
     lo = b.amin(-1, keepdim=True)  # (torch.aminmax is not vectorized on the CPU: two passes are faster)
     hi = b.amax(-1, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).clamp_min(SCALE_FLOOR)
-    q = b.sub_(lo).div_(scale).round_().clamp_(0, 2**bits - 1).to(torch.uint8)
+    b.sub_(lo).div_(scale).round_().clamp_(0, 2**bits - 1)
+    q = b.to(torch.uint8) if out is None else out.copy_(b)
     return q, lo, scale
+
+
+def _tile_blocks(n_tiles: int, rows: int, cols: int, device: torch.device) -> list[slice]:
+    """Cache-sized blocks of consecutive tiles on the CPU (:func:`kvqbench.numerics.blocks.row_blocks`), one
+    block elsewhere: the elementwise steps and the exact per-row minima/maxima of the tiles give the same
+    bits blocked or not, and a block's temporaries stay in the core's cache (one pass over memory instead
+    of one per operation)."""
+    if device.type != "cpu":
+        return [slice(0, n_tiles)]
+    return blocks.row_blocks(n_tiles, rows * cols)
+
+
+def _balance_rtn(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor,
+                 bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_rtn_rows_inplace` of the balanced tiles ``tiles / s_col / s_row`` (``tiles`` ``[..., R, C]``
+    contiguous, overwritten), block by block of tiles (:func:`_tile_blocks`): the same arithmetic."""
+    rows, cols = tiles.shape[-2:]
+    t3 = tiles.view(-1, rows, cols)
+    sc3, sr3 = s_col.reshape(-1, 1, cols), s_row.reshape(-1, rows, 1)
+    q = torch.empty(t3.shape, dtype=torch.uint8, device=tiles.device)
+    lo = torch.empty(t3.shape[0], rows, 1, dtype=tiles.dtype, device=tiles.device)
+    scale = torch.empty_like(lo)
+    with blocks.one_cpu_thread(tiles.device):
+        for sl in _tile_blocks(t3.shape[0], rows, cols, tiles.device):
+            _, lo[sl], scale[sl] = _rtn_rows_inplace(t3[sl].div_(sc3[sl]).div_(sr3[sl]), bits, out=q[sl])
+    lead = tiles.shape[:-2]
+    return q.view(tiles.shape), lo.view(*lead, rows, 1), scale.view(*lead, rows, 1)
 
 
 def tile_absmax(tiles: torch.Tensor) -> torch.Tensor:
@@ -238,9 +269,9 @@ class KVarN(Quantizer):
                 tiles = buf.copy_(tiles) if unit else torch.div(tiles, c, out=buf)
             else:
                 tiles = tiles.contiguous() if unit else tiles.contiguous().div_(c)
-            res = varn(tiles, self.varn_iters)
-            bal = tiles.div_(res.s_col).div_(res.s_row)
-            q, lo, scale = _rtn_rows_inplace(bal, bits)
+            # K: the token-major tiles (blk) are the transposed tiles VarN lays out anyway (one copy fewer)
+            res = varn(tiles, self.varn_iters, tiles_t=blk if kind == "k" and unit else None)
+            q, lo, scale = _balance_rtn(tiles, res.s_col, res.s_row, bits)
             qt.add_codes(f"{name}.codes", q, bits)
             qt.fields[f"{name}.row_scale"] = Stored((res.s_row * scale * c).squeeze(-1), 16)
             qt.fields[f"{name}.row_zero"] = Stored((res.s_row * lo * c).squeeze(-1), 16)
@@ -261,7 +292,11 @@ class KVarN(Quantizer):
             shape = (b_, h, nt_, cols, rows) if qt.kind == "k" else q.shape
             blk = torch.empty(shape, dtype=a.dtype, device=a.device)  # [B, H, nt, G, D]
             tiles = blk.transpose(-1, -2) if qt.kind == "k" else blk
-            tiles.copy_(q).mul_(a).add_(z).mul_(c)
+            q3, t3 = q.reshape(-1, rows, cols), tiles.view(-1, rows, cols)
+            a3, z3, c3 = a.reshape(-1, rows, 1), z.reshape(-1, rows, 1), c.reshape(-1, 1, cols)
+            with blocks.one_cpu_thread(a.device):  # block by block of tiles: one pass over memory
+                for sl in _tile_blocks(t3.shape[0], rows, cols, a.device):
+                    t3[sl].copy_(q3[sl]).mul_(a3[sl]).add_(z3[sl]).mul_(c3[sl])
             parts.append(blk.reshape(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return hadamard_transform(xr)

@@ -1,5 +1,5 @@
-"""Cache-sized blocks change nothing: KVQuant, TurboQuant, Kitty and PolarQuant process vectors, tokens,
-pages or token groups in blocks (:mod:`kvqbench.numerics.blocks`), and so does the grouped RTN of the RTN
+"""Cache-sized blocks change nothing: KVQuant, TurboQuant, Kitty, PolarQuant and KVarN process vectors,
+tokens, pages, token groups or tiles in blocks (:mod:`kvqbench.numerics.blocks`), and so does the grouped RTN of the RTN
 family, KIVI and PolarQuant's V (:mod:`kvqbench.numerics.rtn`); every stored field and the reconstruction
 are bit-identical with many small blocks and with one block over the whole tensor."""
 
@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from kvqbench.numerics import blocks
 from kvqbench.numerics.rtn import PerChannel, PerToken, rtn_dequantize, rtn_quantize
 from kvqbench.quantizers import create
+from kvqbench.quantizers import quarot as quarot_mod
 
 from .strategies import kv_tensors
 
-BLOCKED = ("kvquant", "turboquant", "kitty", "polarquant")
+BLOCKED = ("kvquant", "turboquant", "kitty", "polarquant", "kvarn")
 
 
 def _roundtrip(method: str, params: dict, x: torch.Tensor, kind: str, bits: int, block_elems: int):
@@ -35,9 +36,27 @@ def _roundtrip(method: str, params: dict, x: torch.Tensor, kind: str, bits: int,
        variant=st.sampled_from(["mse", "prod"]), group=st.sampled_from([4, 16, 128]))
 def test_blocks_give_the_same_bits_as_one_block(x, method, kind, bits, small, variant, group) -> None:
     params = {"turboquant": {"variant": variant}, "kitty": {"group_size": group},
-              "polarquant": {"group_size": group}, "kvquant": {"outlier_frac": 0.05}}[method]
+              "polarquant": {"group_size": group}, "kvquant": {"outlier_frac": 0.05},
+              "kvarn": {"group_size": group}}[method]
     qt1, rec1 = _roundtrip(method, params, x, kind, bits, 1 << 40)  # one block
     qt2, rec2 = _roundtrip(method, params, x, kind, bits, small)  # many blocks
+    assert set(qt1.fields) == set(qt2.fields)
+    for name, f in qt1.fields.items():
+        assert torch.equal(f.tensor, qt2.fields[name].tensor), name
+    assert torch.equal(rec1, rec2)
+
+
+@settings(max_examples=15, deadline=None)
+@given(x=kv_tensors(max_tokens=160, head_dims=(8, 16, 32, 64, 96, 128)), kind=st.sampled_from(["k", "v"]),
+       bits=st.integers(1, 4), small=st.sampled_from([1, 200, 3000]), group=st.sampled_from([None, 4, 16, 100]))
+def test_quarot_blocks_give_the_same_bits_as_the_whole_tensor(x, kind, bits, small, group) -> None:
+    """QuaRot's per-group steps in blocks (its size threshold lowered so that small inputs take that path)
+    against the whole-tensor ops: every stored field and the reconstruction, bit for bit."""
+    out = []
+    for whole_max, block_elems in ((1 << 40, 1 << 40), (0, small)):
+        with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", whole_max):
+            out.append(_roundtrip("quarot", {"group_size": group}, x, kind, bits, block_elems))
+    (qt1, rec1), (qt2, rec2) = out
     assert set(qt1.fields) == set(qt2.fields)
     for name, f in qt1.fields.items():
         assert torch.equal(f.tensor, qt2.fields[name].tensor), name

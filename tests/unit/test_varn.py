@@ -258,3 +258,20 @@ def test_same_bits_at_every_thread_count() -> None:
                 assert torch.equal(a.reshape(b.shape), b)
     finally:
         torch.set_num_threads(nt)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 20), r=st.sampled_from([2, 32, 128]),
+       c=st.sampled_from([3, 64, 128]), offset=st.sampled_from([0.0, 40.0]))
+def test_transposed_tiles_given_give_the_plain_recipe_bits(seed, n, r, c, offset) -> None:
+    """``tiles_t`` (the tiles already laid out transposed, as KVarN's token-major K) changes no bit."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, r, c, generator=g) + offset * (torch.rand(n, 1, c, generator=g) < 0.1)
+    got = varn(x, 4, tiles_t=x.transpose(-1, -2).contiguous())
+    for name, a, b in zip(("s_row", "s_col", "imbalance", "imbalance_init", "best_iter"), got, _plain_varn(x, 4)):
+        assert torch.equal(a.reshape(b.shape), b), name
+
+
+def test_transposed_tiles_of_another_shape_raise() -> None:
+    with pytest.raises(ValueError, match="tiles_t"):
+        varn(torch.ones(2, 4, 3), 1, tiles_t=torch.ones(2, 4, 3))
