@@ -334,7 +334,10 @@ class Quantizer(ABC):
         """Fit data-dependent state (codebooks …) on calibration tensors; no-op for local methods.
 
         Extra keyword calibration data (``k_grad2``/``v_grad2``: squared gradients of the loss w.r.t. K and V,
-        the Fisher information) may be used; methods ignore keywords they do not know.
+        the Fisher information) may be used; methods ignore keywords they do not know. The harness may pass
+        ``scratch``: a dict that lives as long as the calibration tensors, where a method may keep work
+        that later fits on the same tensors can reuse (e.g. sorted data shared by every bit width); the
+        fitted state must be the same with or without it.
         Returns ``self``.
         """
         return self
