@@ -6,7 +6,8 @@ not timed — its one-off time goes to ``extra``):
 * **latency** — the K + V round trip (quantize + dequantize) with pytest-benchmark's ``benchmark``
   fixture when the cell gets it (calibrated rounds and warm-up; min/median/IQR kept in
   ``extra["benchmark"]``; pytest-benchmark disables itself under xdist, then the round trip is timed like
-  the rest). Quantize and dequantize separately: ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
+  the rest, without a warm-up of its own: its calls were just warmed up). Quantize and dequantize
+  separately: ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
   every call is timed with ``torch.cuda.Event`` pairs after a synchronize; on the CPU with
   ``time.perf_counter`` — recorded, but flagged ``extra["unreliable_timing"] = True`` (shared cores,
   frequency scaling, Python overhead). ``quant_latency_ms`` / ``dequant_latency_ms`` are K + V.
@@ -228,7 +229,9 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     if bench_stats is not None:
         rt_ms, rt_timer = bench_stats["median_ms"], "pytest-benchmark"
     else:
-        rt_times, _ = time_call(roundtrip, dev, warmup=cfg.warmup, repeats=cfg.repeats)
+        # no warm-up of its own: every call of the round trip (quantize and dequantize of K and V) was just
+        # warmed up and timed above, so a warm-up round trip would only repeat them
+        rt_times, _ = time_call(roundtrip, dev, warmup=0, repeats=cfg.repeats)
         rt_ms, rt_timer = statistics.median(rt_times), "median of repeats"
         timings["roundtrip_ms_all"] = rt_times
     timings["clone_ms"] = clone_ms
