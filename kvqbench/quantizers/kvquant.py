@@ -291,7 +291,7 @@ class KVQuant(Quantizer):
         gen = torch.Generator().manual_seed(self.seed)
         return sorted_samples(y_dense, weights=w_dense, max_samples=self.calib_samples, generator=gen)
 
-    def _subsampled(self, shape: torch.Size, kind: str) -> bool:
+    def _subsampled(self, shape: tuple[int, ...], kind: str) -> bool:
         """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (then the
         samples depend on the seed)."""
         if self.calib_samples is None:
@@ -300,6 +300,15 @@ class KVQuant(Quantizer):
         t = t - 1 if self.attention_sink else t
         n_vec, n = (h * d, t) if kind == "k" else (h * t, d)
         return n_vec * (n - 2 * outlier_count_per_tail(n, self.outlier_frac)) > self.calib_samples
+
+    def seeded_for(self, shape: tuple[int, ...]) -> bool:
+        """The seed enters only through k-means' subsample (:meth:`_subsampled`): ``False`` for tensors of
+        ``shape`` (and any with fewer tokens: the dense count grows with the tokens) whose K and V codebooks
+        are fitted on all their dense values."""
+        if len(shape) != 4:
+            return True
+        return any(self.bits_for(kind) < 16 and self._subsampled(tuple(shape), kind)  # type: ignore[arg-type]
+                   for kind in ("k", "v"))
 
     def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None,
                       scratch: dict | None = None, grad2_src: torch.Tensor | None = None) -> torch.Tensor:

@@ -129,3 +129,18 @@ def test_a_failing_computation_releases_its_claim(tmp_path):
     with pytest.raises(RuntimeError, match="no"):
         memo.compute(("c",), boom)
     assert not list(tmp_path.glob("*.claim")) and memo.compute(("c",), lambda: 3) == 3
+
+
+def test_kvquant_real_cells_share_a_key_below_its_subsample_size_only():
+    """KVQuant's seed only picks k-means' subsample: with the cell's data (and calibration) shapes below
+    calib_samples dense values per layer the key is seed-free; above it, or without shapes, it is None."""
+    s = Settings()
+
+    def key(seed, shapes):
+        return seed_free_key(_cell("kvquant", seed), create("kvquant", 2, 2, seed=seed), s, _run, (1,), shapes)
+
+    small = ((30, 3, 1024, 64), (30, 3, 1024, 64))  # 192 channels · 1014 dense tokens < 2^18
+    assert key(0, small) == key(1, small) is not None
+    assert key(0, ((30, 3, 1024, 64), (30, 3, 2048, 64))) is None  # the calibration batch subsamples
+    assert key(0, ()) is None
+    assert seed_free_key(_cell("turboquant", 0), create("turboquant", 2, 2), s, _run, (1,), small) is None
