@@ -1,8 +1,9 @@
 """One computation for the cells that are the same computation.
 
 A benchmark cell is ``experiment(method(bits, seed), data)``. Real data does not depend on the cell's seed
-(it is one capture), and a method that draws no randomness (its class says ``seeded = False``; checked for
-every registered method by ``tests/property/test_gates.py``) gives the same bits at every seed. So the
+(it is one capture), and a method that draws no randomness (its class says ``seeded = False``, or its
+``seeded_for(shape)`` says so for the cell's shapes; checked for every registered method by
+``tests/property/test_gates.py``) gives the same bits at every seed. So the
 real-data cells of such a method at seeds 0, 1, 2 are one computation three times. The harness computes
 it once and hands every seed its own copy of the result; the tests still check each cell, and the
 records are byte-identical to what three computations give.
