@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -198,8 +199,27 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         # cells take seconds in all, less than starting workers that each import torch and collect
         cmd += ["-n", "auto"]
     cmd += extra
+    steady_allocator_for_workers(os.environ)
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
     return int(pytest.main(cmd))
+
+
+def steady_allocator_for_workers(environ: "os._Environ[str] | dict[str, str]") -> None:
+    """Add glibc's steady-allocator tunables (:data:`kvqbench.perf.STEADY_TUNABLES`, the ones ``kvqbench
+    perf`` times with) to ``environ["GLIBC_TUNABLES"]``, keeping (and letting win) any tunable already set.
+
+    ``kvqbench run`` calls it before pytest starts, so the pytest-xdist workers it spawns (they inherit the
+    environment) take every tensor buffer from the heap and keep freed memory instead of mapping each large
+    buffer afresh and faulting its pages in again: the cells' temporaries of a few MiB (exp2's attention
+    rows, exp1/exp3's fp64 copies) were re-faulted on every call (≈ 10 M minor page faults in one main job;
+    about 10 % of a real cell's CPU time, measured on exp1-3 cells). The arithmetic is unchanged (torch
+    aligns its buffers either way), so are the metrics. The process that calls it is not affected (glibc
+    reads tunables at start), nor is anything off glibc (the variable is ignored there)."""
+    from kvqbench.perf import CHILD_MARK, steady_env
+
+    env = steady_env({k: v for k, v in environ.items() if k != CHILD_MARK})
+    if env is not None:
+        environ["GLIBC_TUNABLES"] = env["GLIBC_TUNABLES"]
 
 
 def _run_ray(args: argparse.Namespace, cmd: list[str], extra: list[str]) -> int:

@@ -1,8 +1,9 @@
 """One computation for the cells that are the same computation.
 
 A benchmark cell is ``experiment(method(bits, seed), data)``. Real data does not depend on the cell's seed
-(it is one capture), and a method that draws no randomness (its class says ``seeded = False``; checked for
-every registered method by ``tests/property/test_gates.py``) gives the same bits at every seed. So the
+(it is one capture), and a method that draws no randomness (its class says ``seeded = False``, or its
+``seeded_for(shape)`` says so for the cell's shapes; checked for every registered method by
+``tests/property/test_gates.py``) gives the same bits at every seed. So the
 real-data cells of such a method at seeds 0, 1, 2 are one computation three times. The harness computes
 it once and hands every seed its own copy of the result; the tests still check each cell, and the
 records are byte-identical to what three computations give.
@@ -11,6 +12,13 @@ records are byte-identical to what three computations give.
 workers of one session (one pickle per key, written atomically), so a worker reuses what another
 computed. The folder lives for one session only (the controller makes and removes it), so a result
 never outlives the code that made it. Plain Python: no torch, no pytest.
+
+Two workers may reach the same key at once (xdist hands each worker a queue of cells, so the seed-1 copy
+of a cell can start while the seed-0 copy is still running on the other worker). The first to miss
+*claims* the key (a ``<digest>.claim`` file made with ``O_EXCL``, holding its pid); the others wait for
+its result instead of computing it a second time — never longer than a second computation would take,
+since the claimant started first. A claim whose process is gone, or that is released without a result
+(the computation raised), is not waited for: the waiter computes the value itself.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +47,7 @@ class ResultMemo:
         self._local: dict[str, Any] = {}
         self.hits = 0
         self.misses = 0
+        self.waited = 0  # hits that waited for another process's computation
 
     @staticmethod
     def digest(key: Any) -> str:
@@ -79,14 +89,90 @@ class ResultMemo:
 
     def compute(self, key: Any, fn: Callable[[], Any]) -> Any:
         """The stored value of ``key``, or ``fn()`` stored under it (``key=None``: always ``fn()``,
-        nothing stored)."""
+        nothing stored). With a shared folder, a key that another process is computing right now (it
+        holds the key's claim) is waited for rather than computed again (see the module doc)."""
         if key is None:
             return fn()
         hit, value = self.get(key)
         if hit:
             self.hits += 1
             return value
+        claim = None
+        if self.folder is not None:
+            claim = self._claim(key)
+            if claim is None:  # another live process is computing it: take its result
+                hit, value = self._wait(key)
+                if hit:
+                    self.hits += 1
+                    self.waited += 1
+                    return value
         self.misses += 1
-        value = fn()
-        self.put(key, value)
+        try:
+            value = fn()
+            self.put(key, value)
+        finally:
+            if claim is not None:
+                try:
+                    os.unlink(claim)
+                except OSError:
+                    pass
         return value
+
+    #: seconds between two looks at a claimed key's result
+    POLL_S = 0.02
+
+    def _claim_path(self, key: Any) -> Path:
+        return Path(self.folder or ".") / f"{self.digest(key)}.claim"  # only called with a folder
+
+    def _claim(self, key: Any) -> Path | None:
+        """Claim ``key`` for this process: the claim file's path, or ``None`` when a live process holds it.
+        A claim that cannot be made (an unwritable folder) or a stale one (its process is gone) is no
+        obstacle: the path is returned and this process computes."""
+        path = self._claim_path(key)
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                if self._holder_alive(path):
+                    return None
+                try:  # stale: its process died without releasing it
+                    os.unlink(path)
+                except OSError:
+                    pass
+                continue
+            except OSError:
+                return path
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            return path
+        return path
+
+    @staticmethod
+    def _holder_alive(path: Path) -> bool:
+        """Whether the process named in a claim file still runs (a file still being written, or gone, counts
+        as alive resp. not)."""
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            return False
+        if not text:
+            return True  # just created, its pid not written yet
+        try:
+            os.kill(int(text), 0)
+        except ProcessLookupError:
+            return False
+        except (PermissionError, ValueError, OverflowError):
+            return True
+        return True
+
+    def _wait(self, key: Any) -> tuple[bool, Any]:
+        """Wait while another process holds ``key``'s claim: ``(True, value)`` once its result is stored,
+        ``(False, None)`` if the claim goes away without one or its process dies."""
+        path = self._claim_path(key)
+        while True:
+            hit, value = self.get(key)
+            if hit:
+                return True, value
+            if not path.exists() or not self._holder_alive(path):
+                return self.get(key)  # released: with a result, or without (the computation raised)
+            time.sleep(self.POLL_S)

@@ -765,14 +765,23 @@ def _memo(config: pytest.Config) -> Any:
     return _MEMO[0]
 
 
-def seed_free_key(cell: Cell, method: Any, s: Settings, fn: Any, args: tuple) -> tuple | None:
+def seed_free_key(cell: Cell, method: Any, s: Settings, fn: Any, args: tuple,
+                  shapes: tuple = ()) -> tuple | None:
     """The key under which ``fn(method, data, *args)`` of ``cell`` is one computation for every seed, or
     ``None`` when the seed can change it: synthetic data is drawn from the seed, and a method whose class
     says ``seeded = True`` (the default, so a third-party method is never shared unless it says so) draws
-    randomness from it. The key holds everything else a result depends on in a session: the experiment
+    randomness from it — unless ``shapes`` (the cell's data and calibration shapes) are given and the
+    instance's ``seeded_for`` says the seed plays no part at any of them (KVQuant below its k-means
+    subsample size). The key holds everything else a result depends on in a session: the experiment
     function and its arguments, the method id, bits, variant and parameters, the data source and size,
     device, model and dtype."""
-    if cell.source == "synthetic" or getattr(type(method), "seeded", True):
+    if cell.source == "synthetic":
+        return None
+    seeded_for = getattr(method, "seeded_for", None)
+    if shapes and seeded_for is not None:
+        if any(seeded_for(tuple(sh)) for sh in shapes):
+            return None
+    elif getattr(type(method), "seeded", True):
         return None
     params = sorted((k, repr(v)) for k, v in method.params().items() if k != "seed")
     return (fn.__module__, fn.__qualname__, repr(args), cell.experiment, cell.method, cell.k_bits, cell.v_bits,
@@ -787,7 +796,9 @@ def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, 
     :func:`seed_free_key` and :mod:`kvqbench.memo`): every seed of such a cell gets its own copy of the
     one result and records ``extra["seeds_share_one_computation"] = True``. Not for timings (exp4)."""
     def run(fn: Any, *args: Any) -> Any:
-        key = seed_free_key(cell, kvq_method, kvq_settings, fn, args)
+        cal = getattr(kvq_data, "calibration", None)
+        shapes = tuple(tuple(d.k.shape) for d in (kvq_data, cal) if d is not None)
+        key = seed_free_key(cell, kvq_method, kvq_settings, fn, args, shapes)
         res = _memo(pytestconfig).compute(key, lambda: fn(kvq_method, kvq_data, *args))
         if key is not None:
             res.extra[SEEDS_SHARED] = True

@@ -6,7 +6,8 @@ not timed — its one-off time goes to ``extra``):
 * **latency** — the K + V round trip (quantize + dequantize) with pytest-benchmark's ``benchmark``
   fixture when the cell gets it (calibrated rounds and warm-up; min/median/IQR kept in
   ``extra["benchmark"]``; pytest-benchmark disables itself under xdist, then the round trip is timed like
-  the rest). Quantize and dequantize separately: ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
+  the rest, without a warm-up of its own: its calls were just warmed up). Quantize and dequantize
+  separately: ``warmup`` untimed calls, then ``repeats`` timed calls; the median is reported. On CUDA
   every call is timed with ``torch.cuda.Event`` pairs after a synchronize; on the CPU with
   ``time.perf_counter`` — recorded, but flagged ``extra["unreliable_timing"] = True`` (shared cores,
   frequency scaling, Python overhead). ``quant_latency_ms`` / ``dequant_latency_ms`` are K + V.
@@ -78,9 +79,18 @@ class CostConfig:
 
 #: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`): smoke cells
 #: give pytest-benchmark fixed rounds (its calibration takes about a second per cell, the rest of a smoke
-#: cell milliseconds); full cells are calibrated
+#: cell milliseconds); full cells are calibrated.
+#:
+#: Full cells take the median of 3 timed calls after 1 warm-up (5 until the main job had to fit in 4
+#: minutes): a median of 3 is still robust to one disturbed call (a preemption by a neighbour process,
+#: the usual outlier on shared cores, moves it by at most the spread of the two other calls), each call of
+#: a full cell lasts 10-1000 ms, far above ``perf_counter``'s resolution, and the warm-up call already
+#: takes the first-touch and allocator costs out. The timing loops made most of an exp4 cell's time
+#: (12 round trips of K and V at 5 repeats, 8 at 3), so this cuts about a third of exp4's CPU time. The
+#: CPU timings are flagged unreliable either way, and the serial run's round trip is timed by
+#: pytest-benchmark's calibrated rounds, which this does not change.
 CONFIG_BY_SIZE: dict[str, CostConfig] = {"smoke": CostConfig(warmup=1, repeats=3, benchmark_rounds=5),
-                                         "full": CostConfig(warmup=1, repeats=5)}
+                                         "full": CostConfig(warmup=1, repeats=3)}
 
 
 def _is_cuda(device: torch.device) -> bool:
@@ -219,7 +229,9 @@ def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
     if bench_stats is not None:
         rt_ms, rt_timer = bench_stats["median_ms"], "pytest-benchmark"
     else:
-        rt_times, _ = time_call(roundtrip, dev, warmup=cfg.warmup, repeats=cfg.repeats)
+        # no warm-up of its own: every call of the round trip (quantize and dequantize of K and V) was just
+        # warmed up and timed above, so a warm-up round trip would only repeat them
+        rt_times, _ = time_call(roundtrip, dev, warmup=0, repeats=cfg.repeats)
         rt_ms, rt_timer = statistics.median(rt_times), "median of repeats"
         timings["roundtrip_ms_all"] = rt_times
     timings["clone_ms"] = clone_ms

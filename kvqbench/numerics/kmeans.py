@@ -17,9 +17,11 @@ large inputs) comes from an explicit ``torch.Generator``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-__all__ = ["kmeans_1d", "assign_nearest", "count_below", "weighted_quantile_init", "weighted_sse"]
+__all__ = ["kmeans_1d", "SortedSamples", "sorted_samples", "kmeans_sorted", "assign_nearest", "count_below", "weighted_quantile_init", "weighted_sse"]
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
@@ -113,46 +115,41 @@ def weighted_quantile_init(xs: torch.Tensor, cw: torch.Tensor, k: int) -> torch.
     return torch.gather(xs, 1, pos)
 
 
+@dataclass(frozen=True)
+class SortedSamples:
+    """The data of a 1-D k-means problem in the form Lloyd's iterations read: every row sorted, with the
+    prefix sums of its weights and weighted values. It does not depend on ``k``, so one instance serves
+    the fits of every codebook size on the same data (:func:`sorted_samples`, :func:`kmeans_sorted`).
+
+    Attributes:
+        xs: ``[L, N]`` sorted values (fp64; fp32 on devices without fp64).
+        ws: ``[L, N]`` their weights (all 1 when unweighted or for a row whose weights sum to 0).
+        cw: ``[L, N+1]`` prefix sums of ``ws`` (``cw[:, 0] = 0``).
+        cwx: ``[L, N+1]`` prefix sums of ``ws · xs``.
+        squeeze: the input was 1-D (centroids are returned as ``[k]``).
+    """
+
+    xs: torch.Tensor
+    ws: torch.Tensor
+    cw: torch.Tensor
+    cwx: torch.Tensor
+    squeeze: bool = False
+
+
 @torch.no_grad()
-def kmeans_1d(
+def sorted_samples(
     x: torch.Tensor,
-    k: int,
     *,
     weights: torch.Tensor | None = None,
-    n_iter: int = 100,
-    tol: float = 1e-7,
     max_samples: int | None = None,
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Weighted 1-D k-means on each row of ``x``.
-
-    Initialization: weighted quantiles (deterministic). Lloyd iterations until the largest centroid
-    move is below ``tol × (max − min)`` or ``n_iter`` steps. An empty cluster keeps its centroid during
-    the iterations; if clusters are still empty at the end (duplicate centroids from a tied
-    initialization) and the row holds at least ``k`` distinct values, each empty centroid is re-seeded at
-    the point of largest error and Lloyd continues, so the centroids are distinct and every cluster holds
-    a point. A row with fewer than ``k`` distinct values keeps repeated centroids.
-
-    Args:
-        x: ``[N]`` or ``[L, N]`` values (one independent problem per row); computed in fp32/fp64.
-        k: number of centroids (>= 1).
-        weights: same shape as ``x``, ``>= 0`` (e.g. Fisher information); ``None`` = unweighted. A row
-            whose weights sum to 0 falls back to unweighted.
-        n_iter: maximum Lloyd iterations.
-        tol: relative convergence tolerance.
-        max_samples: if set and ``N`` exceeds it, each row is subsampled (uniformly with replacement,
-            the same positions for every row) to this many points using ``generator``.
-        generator: the source of the subsample (required for reproducibility when subsampling;
-            a ``torch.Generator`` seeded by the caller). Unused otherwise.
-
-    Returns:
-        Centroids ``[k]`` or ``[L, k]`` (matching ``x``'s rank), sorted ascending, fp32.
+) -> SortedSamples:
+    """Validate, subsample and sort the rows of ``x`` for :func:`kmeans_sorted` (the part of
+    :func:`kmeans_1d` that does not depend on ``k``; arguments as there).
 
     Raises:
-        ValueError: bad ``k``/shapes, negative or non-finite weights, or empty ``x``.
+        ValueError: bad shapes, negative or non-finite weights, or empty ``x``.
     """
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
     squeeze = x.dim() == 1
     if x.dim() not in (1, 2):
         raise ValueError(f"x must be [N] or [L, N], got shape {tuple(x.shape)}")
@@ -174,7 +171,6 @@ def kmeans_1d(
     if max_samples is not None and n > max_samples:
         perm = torch.randint(0, n, (max_samples,), generator=generator, device="cpu").to(xx.device)
         xx, ww = xx[:, perm], ww[:, perm]
-        n = max_samples
 
     # rows with zero total weight -> unweighted
     zero_rows = ww.sum(1, keepdim=True) <= 0
@@ -185,13 +181,73 @@ def kmeans_1d(
     zeros = xs.new_zeros(xs.shape[0], 1)
     cw = torch.cat([zeros, torch.cumsum(ws, 1)], 1)  # [L, N+1]
     cwx = torch.cat([zeros, torch.cumsum(ws * xs, 1)], 1)
+    return SortedSamples(xs, ws, cw, cwx, squeeze)
 
-    c = weighted_quantile_init(xs, cw[:, 1:], k)
-    c = _lloyd(xs, cw, cwx, c, n_iter, tol)
+
+@torch.no_grad()
+def kmeans_sorted(s: SortedSamples, k: int, *, n_iter: int = 100, tol: float = 1e-7) -> torch.Tensor:
+    """:func:`kmeans_1d` on data already prepared by :func:`sorted_samples` (``k``, ``n_iter``, ``tol``
+    as there): the same centroids, bit for bit, as ``kmeans_1d`` with the same data and arguments.
+    ``s`` is not modified.
+
+    Raises:
+        ValueError: bad ``k``.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    c = weighted_quantile_init(s.xs, s.cw[:, 1:], k)
+    c = _lloyd(s.xs, s.cw, s.cwx, c, n_iter, tol)
     if k > 1:
-        c = _repair_empty(xs, ws, cw, cwx, c, n_iter, tol)
+        c = _repair_empty(s.xs, s.ws, s.cw, s.cwx, c, n_iter, tol)
     c = c.to(torch.float32)
-    return c[0] if squeeze else c
+    return c[0] if s.squeeze else c
+
+
+@torch.no_grad()
+def kmeans_1d(
+    x: torch.Tensor,
+    k: int,
+    *,
+    weights: torch.Tensor | None = None,
+    n_iter: int = 100,
+    tol: float = 1e-7,
+    max_samples: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Weighted 1-D k-means on each row of ``x``.
+
+    Initialization: weighted quantiles (deterministic). Lloyd iterations until the largest centroid
+    move is below ``tol × (max − min)`` or ``n_iter`` steps. An empty cluster keeps its centroid during
+    the iterations; if clusters are still empty at the end (duplicate centroids from a tied
+    initialization) and the row holds at least ``k`` distinct values, each empty centroid is re-seeded at
+    the point of largest error and Lloyd continues, so the centroids are distinct and every cluster holds
+    a point. A row with fewer than ``k`` distinct values keeps repeated centroids.
+
+    The two halves are public: :func:`sorted_samples` (sort and prefix sums, independent of ``k``) and
+    :func:`kmeans_sorted` (the iterations), so that fits of several ``k`` on the same data sort it once.
+
+    Args:
+        x: ``[N]`` or ``[L, N]`` values (one independent problem per row); computed in fp32/fp64.
+        k: number of centroids (>= 1).
+        weights: same shape as ``x``, ``>= 0`` (e.g. Fisher information); ``None`` = unweighted. A row
+            whose weights sum to 0 falls back to unweighted.
+        n_iter: maximum Lloyd iterations.
+        tol: relative convergence tolerance.
+        max_samples: if set and ``N`` exceeds it, each row is subsampled (uniformly with replacement,
+            the same positions for every row) to this many points using ``generator``.
+        generator: the source of the subsample (required for reproducibility when subsampling;
+            a ``torch.Generator`` seeded by the caller). Unused otherwise.
+
+    Returns:
+        Centroids ``[k]`` or ``[L, k]`` (matching ``x``'s rank), sorted ascending, fp32.
+
+    Raises:
+        ValueError: bad ``k``/shapes, negative or non-finite weights, or empty ``x``.
+    """
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    s = sorted_samples(x, weights=weights, max_samples=max_samples, generator=generator)
+    return kmeans_sorted(s, k, n_iter=n_iter, tol=tol)
 
 
 def _cluster_weights(xs: torch.Tensor, cw: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

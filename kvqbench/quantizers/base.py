@@ -263,6 +263,14 @@ class Quantizer(ABC):
     #: conformance properties. The default is the safe one.
     seeded: ClassVar[bool] = True
 
+    def seeded_for(self, shape: tuple[int, ...]) -> bool:
+        """Whether this instance's fitted state and output, on K/V (and calibration) tensors of ``shape``
+        ``(batch, kv_heads, seq_len, head_dim)`` or fewer tokens, can depend on its seed. Default: the
+        class's :attr:`seeded`. A method whose randomness only enters beyond some size (KVQuant's k-means
+        subsample) says ``False`` below it; the harness then shares the real-data cells of that shape
+        across seeds, as for an unseeded class (checked by a conformance property)."""
+        return type(self).seeded
+
     def __init__(self, k_bits: int = 4, v_bits: int | None = None, *, seed: int = 0) -> None:
         v_bits = k_bits if v_bits is None else v_bits
         for nm, b in (("k_bits", k_bits), ("v_bits", v_bits)):
@@ -334,7 +342,10 @@ class Quantizer(ABC):
         """Fit data-dependent state (codebooks …) on calibration tensors; no-op for local methods.
 
         Extra keyword calibration data (``k_grad2``/``v_grad2``: squared gradients of the loss w.r.t. K and V,
-        the Fisher information) may be used; methods ignore keywords they do not know.
+        the Fisher information) may be used; methods ignore keywords they do not know. The harness may pass
+        ``scratch``: a dict that lives as long as the calibration tensors, where a method may keep work
+        that later fits on the same tensors can reuse (e.g. sorted data shared by every bit width); the
+        fitted state must be the same with or without it.
         Returns ``self``.
         """
         return self

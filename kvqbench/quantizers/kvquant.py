@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
-from kvqbench.numerics.kmeans import assign_nearest, kmeans_1d
+from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, kmeans_sorted, sorted_samples
 from kvqbench.quantizers.base import (
     Kind,
     QuantizedTensor,
@@ -275,13 +275,13 @@ class KVQuant(Quantizer):
         return y
 
     # --- calibration -------------------------------------------------------------------------
-    def _kmeans(self, y: torch.Tensor, dense: torch.Tensor, bits: int, w: torch.Tensor | None,
-                half: torch.Tensor) -> torch.Tensor:
-        """Per-layer codebook from normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions.
+    def _samples(self, y: torch.Tensor, dense: torch.Tensor, w: torch.Tensor | None,
+                 half: torch.Tensor) -> SortedSamples:
+        """The k-means data of every layer, sorted (:func:`kvqbench.numerics.kmeans.sorted_samples`): the
+        normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions, weighted by ``w``.
 
         A vector with zero half-range (zero or constant) decodes exactly whatever the codebook, so it gets
-        weight 0 (it used to pull centroids onto y = 0 and duplicate them). The levels are then made
-        strictly increasing (:func:`distinct_levels`)."""
+        weight 0 (it used to pull centroids onto y = 0 and duplicate them)."""
         n_layers = y.shape[0]
         y_dense = y[dense].reshape(n_layers, -1)  # every vector has the same dense count
         live = (half > 0).expand_as(y)
@@ -289,17 +289,56 @@ class KVQuant(Quantizer):
             w = live.to(y.dtype) if w is None else w * live
         w_dense = None if w is None else w[dense].reshape(n_layers, -1)
         gen = torch.Generator().manual_seed(self.seed)
-        cb = kmeans_1d(
-            y_dense, 2**bits, weights=w_dense, n_iter=self.kmeans_iters,
-            max_samples=self.calib_samples, generator=gen,
-        )
-        return distinct_levels(cb)
+        return sorted_samples(y_dense, weights=w_dense, max_samples=self.calib_samples, generator=gen)
 
-    def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None) -> torch.Tensor:
-        vec = self._vectors(self._body(x).to(torch.float32), kind)
-        out_idx, _, mid, half = self._split(vec)
-        w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
-        return self._kmeans(self._normalize(vec, mid, half), self._dense_mask(vec, out_idx), bits, w, half)
+    def _subsampled(self, shape: tuple[int, ...], kind: str) -> bool:
+        """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (then the
+        samples depend on the seed)."""
+        if self.calib_samples is None:
+            return False
+        _, h, t, d = shape
+        t = t - 1 if self.attention_sink else t
+        n_vec, n = (h * d, t) if kind == "k" else (h * t, d)
+        return n_vec * (n - 2 * outlier_count_per_tail(n, self.outlier_frac)) > self.calib_samples
+
+    def seeded_for(self, shape: tuple[int, ...]) -> bool:
+        """The seed enters only through k-means' subsample (:meth:`_subsampled`): ``False`` for tensors of
+        ``shape`` (and any with fewer tokens: the dense count grows with the tokens) whose K and V codebooks
+        are fitted on all their dense values."""
+        if len(shape) != 4:
+            return True
+        return any(self.bits_for(kind) < 16 and self._subsampled(tuple(shape), kind)  # type: ignore[arg-type]
+                   for kind in ("k", "v"))
+
+    def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None,
+                      scratch: dict | None = None, grad2_src: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-layer codebook ``[B, 2^b]`` from the calibration tensor ``x`` (Fisher weights ``grad2``).
+
+        The sorted k-means data (:meth:`_samples`) do not depend on the bit width, nor on the seed unless
+        k-means subsamples; with a ``scratch`` dict (see :meth:`fit`) they are kept there, with ``x`` and
+        ``grad2_src`` (the weights as passed to ``fit``), and reused by a later fit on the same tensors.
+        The levels are made strictly increasing (:func:`distinct_levels`)."""
+        def prepare() -> SortedSamples:
+            vec = self._vectors(self._body(x).to(torch.float32), kind)
+            out_idx, _, mid, half = self._split(vec)
+            w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
+            return self._samples(self._normalize(vec, mid, half), self._dense_mask(vec, out_idx), w, half)
+
+        if scratch is None:
+            samples = prepare()
+        else:
+            key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
+                   self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
+            src = (x, grad2_src)
+            versions = tuple(None if t is None else t._version for t in src)
+            hit = scratch.get(key)
+            if hit is not None and all(a is b for a, b in zip(hit[0], src)) and hit[1] == versions:
+                samples = hit[2]
+            else:
+                samples = prepare()
+                scratch[key] = (src, versions, samples)
+        cb = kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters)
+        return distinct_levels(cb)
 
     @torch.no_grad()
     def fit(
@@ -309,6 +348,7 @@ class KVQuant(Quantizer):
         *,
         k_grad2: torch.Tensor | None = None,
         v_grad2: torch.Tensor | None = None,
+        scratch: dict | None = None,
         **calib: Any,
     ) -> "KVQuant":
         """Fit one codebook per layer for K (pre-RoPE) and/or V on calibration tensors.
@@ -317,6 +357,12 @@ class KVQuant(Quantizer):
             k, v: ``(layers, kv_heads, seq_len, head_dim)`` calibration tensors (either may be None).
             k_grad2, v_grad2: squared gradients of the loss w.r.t. ``k``/``v`` (Fisher information),
                 same shapes; when given, k-means is weighted by them (arXiv:2401.18079 §3.3).
+            scratch: optional dict that lives as long as these calibration tensors (e.g. the calibration
+                batch's :attr:`~kvqbench.data.types.KVData.cache`): the sorted k-means data, which depend
+                neither on the bit width nor (without subsampling) on the seed, are kept there and reused
+                by later fits on the same tensor objects (checked by identity and in-place version), so
+                the fits of every bit width and seed sort the data once. The codebooks are the same, bit
+                for bit, as without it.
             **calib: other calibration data is ignored.
         Returns:
             ``self``.
@@ -327,6 +373,7 @@ class KVQuant(Quantizer):
             if x is None:
                 continue
             validate_kv(x, name=kind.upper())
+            g_src = g
             if g is not None:
                 validate_kv(g, name=f"{kind}_grad2")
                 if g.shape != x.shape:
@@ -335,7 +382,7 @@ class KVQuant(Quantizer):
             bits = self.bits_for(kind)  # type: ignore[arg-type]
             if bits >= 16 or (self.attention_sink and x.shape[2] < 2):
                 continue
-            self._codebooks[kind] = self._fit_codebook(x, kind, bits, g)
+            self._codebooks[kind] = self._fit_codebook(x, kind, bits, g, scratch, g_src)
             self._fisher[kind] = g is not None
         return self
 

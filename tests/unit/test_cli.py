@@ -188,3 +188,26 @@ def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, mon
 def test_merge_of_no_shard_folder_exits_2(tmp_path, capsys):
     assert main(["merge", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no shard.json" in capsys.readouterr().err
+
+
+def test_run_starts_its_workers_with_the_steady_allocator(monkeypatch, tmp_path):
+    """``kvqbench run`` hands pytest (and so the xdist workers it spawns) an environment with glibc's
+    steady-allocator tunables; a tunable the user already set is kept and wins."""
+    import os
+
+    import pytest as pytest_mod
+
+    from kvqbench.perf import STEADY_TUNABLES
+
+    seen = []
+    monkeypatch.setattr(pytest_mod, "main", lambda args: seen.append(os.environ.get("GLIBC_TUNABLES")) or 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests" / "bench").mkdir(parents=True)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert main(["run"]) == 0
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=7")
+    assert main(["run"]) == 0
+    fresh = dict(t.split("=") for t in seen[0].split(":"))
+    assert fresh == STEADY_TUNABLES
+    user = dict(t.split("=") for t in seen[1].split(":"))
+    assert user == {**STEADY_TUNABLES, "glibc.malloc.trim_threshold": "7"}

@@ -125,3 +125,21 @@ def test_leaderboard_ranks_every_new_metric_with_ci():
         assert rows[0]["ci95"] is not None and math.isfinite(rows[0]["ci95"])
         best = "a" if CATALOG[n].better in ("lower", "zero") else "b"
         assert rows[0]["method"] == best, n
+
+
+@pytest.mark.parametrize("warmup,repeats", [(1, 3), (2, 1), (0, 2)])
+def test_run_cost_calls_each_quantize_warmup_plus_twice_repeats(warmup, repeats, monkeypatch):
+    """Without pytest-benchmark: per kind, ``warmup + repeats`` timed-loop quantize calls, then the round
+    trip's ``repeats`` (no warm-up round trip: its calls were just warmed up); the repeats are recorded."""
+    m = create("rtn_token", 2, 2)
+    calls = {"k": 0, "v": 0}
+    orig = type(m).quantize
+
+    def counting(self, x, kind):
+        calls[kind] += 1
+        return orig(self, x, kind)
+
+    monkeypatch.setattr(type(m), "quantize", counting)
+    res = run_cost(m, _data(), CostConfig(warmup=warmup, repeats=repeats))
+    assert calls == {"k": warmup + 2 * repeats, "v": warmup + 2 * repeats}
+    assert len(res.extra["timings"]["roundtrip_ms_all"]) == repeats

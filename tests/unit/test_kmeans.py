@@ -141,3 +141,19 @@ def test_count_below_comparisons_equal_binary_search(m: int, rows: int, n: int, 
         assert got.dtype == out and torch.equal(got.to(torch.int64), ref)
     if rows:  # one row: the shared (1-D, Python-scalar) path
         assert torch.equal(count_below(x[0], t[0]), ref[0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 3), n=st.integers(1, 300), seed=st.integers(0, 2**31 - 1), weighted=st.booleans(),
+       ks=st.lists(st.integers(1, 12), min_size=2, max_size=4))
+def test_sorted_samples_serve_every_k(rows: int, n: int, seed: int, weighted: bool, ks: list[int]) -> None:
+    """One :func:`sorted_samples` reused for several k in a row gives, for each k, the centroids of a fresh
+    ``kmeans_1d`` (the prepared data are not changed by a fit), bit for bit."""
+    from kvqbench.numerics.kmeans import kmeans_sorted, sorted_samples
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=g) * 4).round() / 4  # ties and repeated values
+    w = torch.rand(rows, n, generator=g) if weighted else None
+    s = sorted_samples(x, weights=w)
+    for k in ks:
+        assert torch.equal(kmeans_sorted(s, k), kmeans_1d(x, k, weights=w))

@@ -1,6 +1,10 @@
 """One computation for the cells that are the same computation (kvqbench.memo, plugin.seed_free_key)."""
 
 import multiprocessing as mp
+import os
+import time
+
+import pytest
 
 from kvqbench.cells import Cell
 from kvqbench.memo import ResultMemo
@@ -71,3 +75,72 @@ def test_an_unreadable_file_counts_as_absent(tmp_path):
     memo = ResultMemo(tmp_path)
     (tmp_path / f"{memo.digest(('x',))}.pkl").write_bytes(b"not a pickle")
     assert memo.compute(("x",), lambda: 5) == 5 and memo.misses == 1
+
+
+def test_a_key_being_computed_elsewhere_is_waited_for_not_computed_again(tmp_path):
+    """Two memos on one folder (two workers): the second asks while the first computes; it gets the first's
+    value, its own function never runs, and the claim is gone afterwards."""
+    import threading
+
+    calls, started = [], threading.Event()
+
+    def slow():
+        calls.append("first")
+        started.set()
+        time.sleep(0.5)
+        return {"v": 1}
+
+    first = threading.Thread(target=lambda: ResultMemo(tmp_path).compute(("k",), slow))
+    first.start()
+    assert started.wait(10)
+    second = ResultMemo(tmp_path)
+    got = second.compute(("k",), lambda: calls.append("second") or {"v": 2})
+    first.join(10)
+    assert got == {"v": 1} and calls == ["first"] and second.waited == 1 and second.misses == 0
+    assert not list(tmp_path.glob("*.claim"))
+
+
+def test_a_released_or_dead_claim_is_not_waited_for(tmp_path):
+    """A claim released without a result (the computation raised) or left by a process that is gone: the
+    waiter computes the value itself."""
+    import subprocess
+    import sys
+    import threading
+
+    memo = ResultMemo(tmp_path)
+    claim = tmp_path / f"{memo.digest(('a',))}.claim"
+    claim.write_text(str(os.getpid()))  # held by a live process (this one) ...
+    threading.Timer(0.2, claim.unlink).start()  # ... and released without a result
+    assert memo.compute(("a",), lambda: "mine") == "mine" and memo.misses == 1 and memo.waited == 0
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    claim_b = tmp_path / f"{memo.digest(('b',))}.claim"
+    claim_b.write_text(str(dead.pid))
+    assert memo.compute(("b",), lambda: "also mine") == "also mine" and not claim_b.exists()
+
+
+def test_a_failing_computation_releases_its_claim(tmp_path):
+    memo = ResultMemo(tmp_path)
+
+    def boom():
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError, match="no"):
+        memo.compute(("c",), boom)
+    assert not list(tmp_path.glob("*.claim")) and memo.compute(("c",), lambda: 3) == 3
+
+
+def test_kvquant_real_cells_share_a_key_below_its_subsample_size_only():
+    """KVQuant's seed only picks k-means' subsample: with the cell's data (and calibration) shapes below
+    calib_samples dense values per layer the key is seed-free; above it, or without shapes, it is None."""
+    s = Settings()
+
+    def key(seed, shapes):
+        return seed_free_key(_cell("kvquant", seed), create("kvquant", 2, 2, seed=seed), s, _run, (1,), shapes)
+
+    small = ((30, 3, 1024, 64), (30, 3, 1024, 64))  # 192 channels · 1014 dense tokens < 2^18
+    assert key(0, small) == key(1, small) is not None
+    assert key(0, ((30, 3, 1024, 64), (30, 3, 2048, 64))) is None  # the calibration batch subsamples
+    assert key(0, ()) is None
+    assert seed_free_key(_cell("turboquant", 0), create("turboquant", 2, 2), s, _run, (1,), small) is None
