@@ -54,21 +54,10 @@ def mean_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float
     return m, float(_student_t_ppf(0.5 + confidence / 2, n - 1) * math.sqrt(var / n))
 
 
-#: ``scipy.special.stdtrit(df, 0.975)`` for the seed counts a run uses (2–11 seeds), as printed by
-#: ``repr``, so the 95 % CI needs no scipy import (half a CPU-second at session end); a test checks every
-#: entry against scipy to the bit, and other quantiles or degrees of freedom call scipy
-_T975 = {1: 12.706204736174694, 2: 4.302652729749462, 3: 3.1824463052837078, 4: 2.7764451051977934,
-         5: 2.5705818356363146, 6: 2.4469118511449786, 7: 2.364624251592784, 8: 2.306004135204166,
-         9: 2.262157162798205, 10: 2.228138851986274}
-
-
 @functools.lru_cache(maxsize=None)
 def _student_t_ppf(p: float, df: int) -> float:
     """Student-t quantile: ``scipy.special.stdtrit`` — the function ``scipy.stats.t.ppf`` evaluates, the
-    same value to the bit — without importing ``scipy.stats`` (about a CPU-second at session end);
-    the 97.5 % quantile for up to 10 degrees of freedom from :data:`_T975`."""
-    if p == 0.975 and df in _T975:
-        return _T975[df]
+    same value to the bit — without importing ``scipy.stats`` (about a CPU-second at session end)."""
     from scipy.special import stdtrit
 
     return float(stdtrit(df, p))
@@ -510,30 +499,10 @@ PREDICTIVITY_SEED = 0
 
 
 def _rank_rows(a: Any) -> Any:
-    """Average ranks along the last axis (ties share their mean rank): ``scipy.stats.rankdata(a,
-    axis=-1)``, the same values (ranks are exact half-integers), computed with one stable sort of the
-    whole array instead of scipy's per-call checks (the bootstrap calls it hundreds of times). Rows
-    holding NaN go to scipy (its NaN policy)."""
-    import numpy as np
+    """Average ranks along the last axis (ties share their mean rank), like ``scipy.stats.rankdata``."""
+    from scipy.stats import rankdata
 
-    a = np.asarray(a, dtype=float)
-    if a.ndim != 2 or a.shape[-1] == 0 or np.isnan(a).any():
-        from scipy.stats import rankdata
-
-        return rankdata(a, axis=-1)
-    rows, n = a.shape
-    order = np.argsort(a, axis=-1, kind="stable")
-    s = np.take_along_axis(a, order, axis=-1)
-    pos = np.broadcast_to(np.arange(n), (rows, n))
-    new = np.ones((rows, n), dtype=bool)  # a tie group starts here
-    new[:, 1:] = s[:, 1:] != s[:, :-1]
-    last = np.ones((rows, n), dtype=bool)  # a tie group ends here
-    last[:, :-1] = new[:, 1:]
-    first = np.maximum.accumulate(np.where(new, pos, 0), axis=-1)
-    end = np.minimum.accumulate(np.where(last, pos, n - 1)[:, ::-1], axis=-1)[:, ::-1]
-    ranks = np.empty((rows, n), dtype=float)
-    np.put_along_axis(ranks, order, (first + end) / 2.0 + 1.0, axis=-1)
-    return ranks
+    return rankdata(a, axis=-1)
 
 
 def spearman_rows(x: Any, y: Any) -> Any:
@@ -541,13 +510,8 @@ def spearman_rows(x: Any, y: Any) -> Any:
     average ranks (the definition ``scipy.stats.spearmanr`` uses). A row with a constant side → NaN."""
     import numpy as np
 
-    return _pearson_rows(_rank_rows(np.asarray(x, dtype=float)), _rank_rows(np.asarray(y, dtype=float)))
-
-
-def _pearson_rows(rx: Any, ry: Any) -> Any:
-    """Pearson correlation of each row pair of ``rx``/``ry`` ``(rows, n)`` (NaN where a side is constant)."""
-    import numpy as np
-
+    rx = _rank_rows(np.asarray(x, dtype=float))
+    ry = _rank_rows(np.asarray(y, dtype=float))
     rx = rx - rx.mean(-1, keepdims=True)
     ry = ry - ry.mean(-1, keepdims=True)
     den = np.sqrt((rx * rx).sum(-1) * (ry * ry).sum(-1))
@@ -555,59 +519,24 @@ def _pearson_rows(rx: Any, ry: Any) -> Any:
         return np.where(den > 0, (rx * ry).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
 
 
-def _boot_ranks(a: Any, idx: Any) -> Any:
-    """``_rank_rows(a[idx].reshape(len(idx), -1))`` — the average ranks of every bootstrap resample of
-    the rows (methods) of ``a`` ``(methods, settings)`` — without sorting each resample: the rank of a value
-    v in a resample is Σ over the drawn methods of (#values < v + #values = v / 2) of that method, + 1/2,
-    so a multiplicity matrix ``(n_boot, methods)`` times a per-method count matrix ``(methods, values)``
-    gives them all. Every term is a half-integer, so the sums are exact and equal the sorted ranks to the
-    bit. NaN input goes the sorting way."""
-    import numpy as np
-
-    n_boot, k = idx.shape
-    m = a.shape[0]
-    if np.isnan(a).any():
-        return _rank_rows(a[idx].reshape(n_boot, -1))
-    flat = a.ravel()  # (m * s,)
-    # per method i and value j: (#values of i below flat[j]) + (#values of i equal to flat[j]) / 2
-    below = (a[:, :, None] < flat[None, None, :]).sum(1)
-    equal = (a[:, :, None] == flat[None, None, :]).sum(1)
-    counts = below + equal / 2.0  # (m, m * s)
-    mult = np.zeros((n_boot, m))
-    np.add.at(mult, (np.repeat(np.arange(n_boot), k), idx.ravel()), 1.0)
-    ranks_all = mult @ counts + 0.5  # (n_boot, m * s): rank of every original value within each resample
-    s = a.shape[1]
-    cols = (idx[:, :, None] * s + np.arange(s)).reshape(n_boot, -1)
-    return np.take_along_axis(ranks_all, cols, axis=-1)
-
-
-def spearman_rho(x: Any, y: Any) -> float:
-    """Spearman ρ of two 1-D samples: ``scipy.stats.spearmanr(x, y).statistic`` to the bit — the same
-    steps (column-stacked, average ranks per column, ``numpy.corrcoef``) — without importing
-    ``scipy.stats`` (about a CPU-second at session end). NaN when a side is constant or holds NaN, or
-    with fewer than 2 points."""
-    import numpy as np
-
-    a = np.column_stack((np.asarray(x, dtype=float), np.asarray(y, dtype=float)))
-    if a.shape[0] <= 1 or np.isnan(a).any() or (a[:, 0][0] == a[:, 0]).all() or (a[:, 1][0] == a[:, 1]).all():
-        return math.nan
-    ranked = np.apply_along_axis(lambda col: _rank_rows(col[None])[0], 0, a)
-    return float(np.corrcoef(ranked, rowvar=False)[1, 0])
-
-
 def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
     """ρ of ``x``/``y`` ``(methods, settings)`` (flattened) with ``scipy.stats.spearmanr``, and the
     percentile bootstrap 95 % CI over methods (each resample draws methods with replacement and keeps all
     their settings; degenerate resamples with a constant side are dropped)."""
+    import warnings
+
     import numpy as np
+    from scipy.stats import spearmanr
 
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    rho = spearman_rho(x.ravel(), y.ravel())  # constant input: ρ is undefined (NaN), reported as None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # constant input: ρ is undefined (NaN), reported as None
+        rho = float(spearmanr(x.ravel(), y.ravel()).statistic)
     if not math.isfinite(rho):
         return None, None
     rng = np.random.Generator(np.random.PCG64(seed))
     idx = rng.integers(0, x.shape[0], size=(n_boot, x.shape[0]))
-    boot = _pearson_rows(_boot_ranks(x, idx), _boot_ranks(y, idx))
+    boot = spearman_rows(x[idx].reshape(n_boot, -1), y[idx].reshape(n_boot, -1))
     boot = boot[np.isfinite(boot)]
     if boot.size < n_boot // 2:
         return rho, None
@@ -730,4 +659,4 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     return rows
 
 
-__all__ += ["PREDICTIVITY_TARGETS", "predictivity", "spearman_rows", "spearman_rho", "choose_headline", "headline_budget"]
+__all__ += ["PREDICTIVITY_TARGETS", "predictivity", "spearman_rows", "choose_headline", "headline_budget"]

@@ -8,7 +8,6 @@ import copy
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
@@ -185,52 +184,3 @@ def test_fp16_endtoend_flag(board) -> None:
             r["metrics"]["e2e_prefill_kl_nats"] = 1e-9
     flags = {d["name"]: d for d in assemble(bad, catalog(), copy.deepcopy(PROVENANCE))["sources"]["real"]["data_quality"]}
     assert flags["fp16_endtoend_exact"]["ok"] is False and flags["fp16_endtoend_exact"]["offenders"]
-
-
-@hyp_settings(max_examples=200, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 12), st.integers(1, 6), st.data())
-def test_rank_rows_is_scipy_rankdata(rows, n, levels, data) -> None:
-    """The bootstrap's vectorized average ranks equal ``scipy.stats.rankdata(axis=-1)`` exactly, ties
-    (few distinct levels) included."""
-    from scipy.stats import rankdata
-
-    from kvqbench.report.leaderboard import _rank_rows
-
-    vals = data.draw(st.lists(st.integers(0, levels - 1), min_size=rows * n, max_size=rows * n))
-    a = np.asarray(vals, dtype=float).reshape(rows, n) * 0.37
-    assert np.array_equal(_rank_rows(a), rankdata(a, axis=-1))
-
-
-@given(st.lists(st.tuples(st.integers(-3, 3), st.floats(-5, 5, allow_nan=False, width=32)), min_size=0, max_size=40))
-def test_spearman_rho_is_scipy_to_the_bit(pairs) -> None:
-    """ρ without scipy.stats is ``scipy.stats.spearmanr(x, y).statistic`` bit for bit (NaN alike)."""
-    import warnings
-
-    from kvqbench.report.leaderboard import spearman_rho
-
-    x = np.array([p[0] for p in pairs], dtype=float)
-    y = np.array([p[1] for p in pairs], dtype=float)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = float(spearmanr(x, y).statistic)
-    got = spearman_rho(x, y)
-    assert (np.isnan(got) and np.isnan(want)) or got == want
-
-
-@given(st.integers(2, 40), st.integers(1, 8), st.integers(1, 5), st.integers(0, 2**32 - 1))
-def test_bootstrap_ranks_are_the_sorted_ranks(n_boot, methods, settings, seed) -> None:
-    """The bootstrap's ranks from counts equal the average ranks of each resample sorted on its own."""
-    from kvqbench.report.leaderboard import _boot_ranks, _rank_rows
-
-    rng = np.random.default_rng(seed)
-    a = rng.integers(0, 4, size=(methods, settings)).astype(float) * 0.3  # ties across and within methods
-    idx = rng.integers(0, methods, size=(n_boot, methods))
-    assert np.array_equal(_boot_ranks(a, idx), _rank_rows(a[idx].reshape(n_boot, -1)))
-
-
-def test_t_quantile_table_is_scipy_to_the_bit() -> None:
-    from scipy.special import stdtrit
-
-    from kvqbench.report.leaderboard import _T975
-
-    assert _T975 == {df: float(stdtrit(df, 0.975)) for df in range(1, 11)}
