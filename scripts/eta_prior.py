@@ -77,23 +77,25 @@ def _rescaled(histories: list[dict], rounds: int = 3) -> list[tuple[dict, dict, 
 
 def merge_median(histories: list[dict]) -> dict:
     """The prior of several runs: per test and per step the median of the runs' rescaled values (see
-    :func:`_rescaled`); a report step is taken per cell (its seconds over the cells it was measured with)
-    and billed at the last run's cell count that has it."""
+    :func:`_rescaled`). A report step that every run having it measured with a cell count is taken per
+    cell (its seconds over those cells) and billed at the last such run's count."""
     tests: dict[str, list[float]] = {}
-    steps: dict[str, list[float]] = {}
-    cells: dict[str, int] = {}
+    steps: dict[str, list[tuple[float, int | None]]] = {}
     for t, s, c in _rescaled(histories):
         for k, v in t.items():
             tests.setdefault(k, []).append(v)
         for k, v in s.items():
-            n = c.get(k) if k.startswith("report|") else None
-            steps.setdefault(k, []).append(v / n if n else v)
-            if n:
-                cells[k] = n
-    out = merge([{"version": 1, "tests": {k: statistics.median(v) for k, v in tests.items()},
-                  "steps": {k: statistics.median(v) * cells.get(k, 1) for k, v in steps.items()},
-                  "step_cells": cells}])
-    return out
+            steps.setdefault(k, []).append((v, c.get(k) if k.startswith("report|") else None))
+    merged_steps: dict[str, float] = {}
+    cells: dict[str, int] = {}
+    for k, vals in steps.items():
+        if all(n for _, n in vals):
+            cells[k] = int(vals[-1][1])
+            merged_steps[k] = statistics.median(v / n for v, n in vals) * cells[k]
+        else:
+            merged_steps[k] = statistics.median(v for v, _ in vals)
+    return merge([{"version": 1, "tests": {k: statistics.median(v) for k, v in tests.items()},
+                   "steps": merged_steps, "step_cells": cells}])
 
 
 def main(argv: list[str] | None = None) -> int:
