@@ -798,6 +798,32 @@ def seed_group(seed: int, seeds: list[int], size: int = SEED_GROUP) -> list[int]
     return ordered[i:i + size]
 
 
+def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:
+    """The logic of :func:`kvq_seed_rows` for ``cell`` (whose configured method is ``method``), with the
+    session's settings ``s`` and result store ``memo`` (:class:`kvqbench.memo.ResultMemo`)."""
+    from kvqbench.quantizers import create
+
+    group = seed_group(cell.seed, s.seeds)
+    base = (fn.__module__, fn.__qualname__, cell.experiment, cell.method, cell.k_bits, cell.v_bits,
+            tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
+            s.device, s.model, s.dtype)
+    hit, res = memo.get(base + (cell.seed,))
+    if hit:
+        memo.hits += 1
+        return res
+    memo.misses += 1
+    methods = [method if seed == cell.seed else
+               create(cell.method, cell.k_bits, cell.v_bits, seed=seed, **cell.variant_dict()) for seed in group]
+    results = list(fn(methods, list(group)))
+    if len(results) != len(group):
+        raise ValueError(f"{fn.__qualname__} returned {len(results)} results for seeds {group}")
+    for seed, r in zip(group, results):
+        r.extra[SEEDS_TOGETHER] = list(group)
+        if seed != cell.seed:
+            memo.put(base + (seed,), r)
+    return results[group.index(cell.seed)]
+
+
 @pytest.fixture
 def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestconfig: pytest.Config):
     """``kvq_seed_rows(fn)`` → this cell's result of ``fn(methods, seeds)``: a computation of one method's
@@ -809,32 +835,7 @@ def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestcon
     cells run seed 0 first, see :func:`real_capture_first`). ``fn`` may depend on nothing but the cell's
     method, bits, variant, source and size and the session settings (its results are stored under
     those). Every result records ``extra["seeds_computed_together"]``. Not for timings."""
-    from kvqbench.quantizers import create
-
-    def run(fn: Any) -> Any:
-        s = kvq_settings
-        group = seed_group(cell.seed, s.seeds)
-        base = (fn.__module__, fn.__qualname__, cell.experiment, cell.method, cell.k_bits, cell.v_bits,
-                tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
-                s.device, s.model, s.dtype)
-        memo = _memo(pytestconfig)
-        hit, res = memo.get(base + (cell.seed,))
-        if hit:
-            memo.hits += 1
-            return res
-        memo.misses += 1
-        methods = [kvq_method if seed == cell.seed else
-                   create(cell.method, cell.k_bits, cell.v_bits, seed=seed, **cell.variant_dict()) for seed in group]
-        results = list(fn(methods, list(group)))
-        if len(results) != len(group):
-            raise ValueError(f"{fn.__qualname__} returned {len(results)} results for seeds {group}")
-        for seed, r in zip(group, results):
-            r.extra[SEEDS_TOGETHER] = list(group)
-            if seed != cell.seed:
-                memo.put(base + (seed,), r)
-        return results[group.index(cell.seed)]
-
-    return run
+    return lambda fn: seed_rows(cell, kvq_method, kvq_settings, _memo(pytestconfig), fn)
 
 
 class Recorder:

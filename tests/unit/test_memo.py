@@ -71,3 +71,44 @@ def test_an_unreadable_file_counts_as_absent(tmp_path):
     memo = ResultMemo(tmp_path)
     (tmp_path / f"{memo.digest(('x',))}.pkl").write_bytes(b"not a pickle")
     assert memo.compute(("x",), lambda: 5) == 5 and memo.misses == 1
+
+
+def test_seed_groups_are_runs_of_the_seed_list_whatever_runs_first():
+    from kvqbench.plugin import seed_group
+
+    assert [seed_group(s, [0, 1, 2]) for s in (0, 1, 2)] == [[0, 1, 2]] * 3
+    assert [seed_group(s, [4, 0, 3, 1, 2]) for s in (0, 2, 3, 4)] == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
+    assert seed_group(7, [0, 1, 2]) == [7]  # a seed the session does not sweep: alone
+    assert seed_group(1, [0, 1, 2], size=1) == [1]
+
+
+class _Res:
+    def __init__(self, seed, method_seed):
+        self.metrics = {"seed": float(seed), "method_seed": float(method_seed)}
+        self.extra = {}
+
+
+def test_seed_rows_compute_a_group_once_and_hand_each_seed_its_own_result(tmp_path):
+    from kvqbench.plugin import seed_rows
+
+    calls = []
+
+    def rows(methods, seeds):
+        calls.append(list(seeds))
+        return [_Res(s, m.seed) for m, s in zip(methods, seeds)]
+
+    s = Settings()
+    memo = ResultMemo(tmp_path)
+    got = {}
+    for seed in (1, 0, 2):  # whichever cell runs first computes the group
+        c = _cell("turboquant", seed)
+        got[seed] = seed_rows(c, create("turboquant", 2, 2, seed=seed), s, memo, rows)
+    assert calls == [[0, 1, 2]]
+    for seed, r in got.items():  # each its own seed's result, from a method seeded with it
+        assert r.metrics == {"seed": float(seed), "method_seed": float(seed)}
+        assert r.extra["seeds_computed_together"] == [0, 1, 2]
+    # another process sharing the folder finds the group done; other bits are another group
+    assert seed_rows(_cell("turboquant", 2), create("turboquant", 2, 2, seed=2), s, ResultMemo(tmp_path),
+                     rows).metrics["seed"] == 2.0 and len(calls) == 1
+    seed_rows(_cell("turboquant", 0, bits=4), create("turboquant", 4, 4, seed=0), s, memo, rows)
+    assert len(calls) == 2
