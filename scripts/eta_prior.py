@@ -11,8 +11,12 @@ tests or cells change a lot, on a fresh clone so that caches are cold as on a us
 
 Each argument is a history file that kvqbench keeps in pytest's cache (``{"tests": {nodeid: s},
 "kinds": …, "steps": …, "step_cells": {report step: cells}}``); later files override earlier ones test by
-test (and step by step). The kinds are recomputed
-as the medians of the merged tests. Durations are rounded to milliseconds and keys sorted, so the file
+test (and step by step). With ``--median`` the files are instead several runs of the same tests under
+different conditions (a quiet host, a loaded one, a slow phase): each run is first rescaled to the others'
+speed (by the median ratio over the tests it shares with them) and every test and step gets the median
+of its rescaled values, so one run's odd phase (a host that slowed down halfway, a report step that ran
+at another speed than the tests) does not become the prior. The kinds are recomputed as the medians of
+the merged tests. Durations are rounded to milliseconds and keys sorted, so the file
 diffs well. Only relative durations matter: each run scales them by its own measured speed.
 Standard library only (plus kvqbench.progress for the kinds).
 """
@@ -49,10 +53,56 @@ def merge(histories: list[dict]) -> dict:
             "step_cells": {k: cells[k] for k in sorted(cells) if k in steps}}
 
 
+def _rescaled(histories: list[dict], rounds: int = 3) -> list[tuple[dict, dict, dict]]:
+    """Each history's ``(tests, steps, step_cells)`` rescaled to a common speed: a run's factor is the
+    median, over its tests that another run also has, of (median of all runs' values) / its own value —
+    iterated, as the medians move with the factors. A run that shares no test keeps factor 1."""
+    raw = [({str(k): float(v) for k, v in (h.get("tests") or {}).items()},
+            {str(k): float(v) for k, v in (h.get("steps") or {}).items()},
+            {str(k): int(v) for k, v in (h.get("step_cells") or {}).items()}) for h in histories]
+    factors = [1.0] * len(raw)
+    for _ in range(rounds):
+        values: dict[str, list[float]] = {}
+        for f, (tests, _, _) in zip(factors, raw):
+            for k, v in tests.items():
+                values.setdefault(k, []).append(v * f)
+        for i, (tests, _, _) in enumerate(raw):
+            ratios = [statistics.median(values[k]) / v for k, v in tests.items()
+                      if v > 0 and len(values[k]) > 1]
+            if ratios:
+                factors[i] = float(statistics.median(ratios))
+    return [({k: v * f for k, v in t.items()}, {k: v * f for k, v in s.items()}, c)
+            for f, (t, s, c) in zip(factors, raw)]
+
+
+def merge_median(histories: list[dict]) -> dict:
+    """The prior of several runs: per test and per step the median of the runs' rescaled values (see
+    :func:`_rescaled`); a report step is taken per cell (its seconds over the cells it was measured with)
+    and billed at the last run's cell count that has it."""
+    tests: dict[str, list[float]] = {}
+    steps: dict[str, list[float]] = {}
+    cells: dict[str, int] = {}
+    for t, s, c in _rescaled(histories):
+        for k, v in t.items():
+            tests.setdefault(k, []).append(v)
+        for k, v in s.items():
+            n = c.get(k) if k.startswith("report|") else None
+            steps.setdefault(k, []).append(v / n if n else v)
+            if n:
+                cells[k] = n
+    out = merge([{"version": 1, "tests": {k: statistics.median(v) for k, v in tests.items()},
+                  "steps": {k: statistics.median(v) * cells.get(k, 1) for k, v in steps.items()},
+                  "step_cells": cells}])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("history", nargs="+", type=Path, help="pytest-cache history files (.pytest_cache/v/kvqbench/durations)")
     ap.add_argument("-o", "--out", type=Path, default=None, help="write here (default: stdout)")
+    ap.add_argument("--median", action="store_true",
+                    help="the files are several runs: rescale each to a common speed and take per test and "
+                         "step the median (default: later files override earlier ones)")
     a = ap.parse_args(argv)
     try:
         docs = [json.loads(p.read_text(encoding="utf-8")) for p in a.history]
@@ -62,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if not all(isinstance(d, dict) and d.get("version") == 1 for d in docs):
         print("eta_prior: not a kvqbench durations history (version 1)", file=sys.stderr)
         return 2
-    text = json.dumps(merge(docs), indent=0) + "\n"
+    text = json.dumps((merge_median if a.median else merge)(docs), indent=0) + "\n"
     if a.out is None:
         sys.stdout.write(text)
     else:

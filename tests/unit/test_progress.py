@@ -462,6 +462,32 @@ def test_eta_prior_merges_histories_and_recomputes_kinds(tmp_path):
     assert mod.main([str(tmp_path / "missing")]) == 2
 
 
+def test_eta_prior_median_of_runs_rescales_each_run_and_drops_an_odd_one(tmp_path):
+    spec = importlib.util.spec_from_file_location("eta_prior", ROOT / "scripts" / "eta_prior.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = {"t.py::x[1]": 1.0, "t.py::x[2]": 2.0, "t.py::x[3]": 4.0}
+    runs = [  # a quiet run; the same at half the speed; a run where one test and the report ran oddly
+        {"tests": base, "steps": {"capture|real-full": 10.0, "report|real-full": 20.0},
+         "step_cells": {"report|real-full": 10}},
+        {"tests": {k: 2 * v for k, v in base.items()}, "steps": {"capture|real-full": 20.0, "report|real-full": 40.0},
+         "step_cells": {"report|real-full": 10}},
+        {"tests": {**base, "t.py::x[3]": 40.0}, "steps": {"capture|real-full": 10.0, "report|real-full": 60.0},
+         "step_cells": {"report|real-full": 30}},
+    ]
+    for i, d in enumerate(runs):
+        (tmp_path / f"h{i}").write_text(json.dumps({"version": 1, "kinds": {}, **d}))
+    paths = [str(tmp_path / f"h{i}") for i in range(3)]
+    assert mod.main([*paths, "--median", "-o", str(tmp_path / "prior.json")]) == 0
+    prior = json.loads((tmp_path / "prior.json").read_text())
+    # the slow run is rescaled by 1/2, the odd test value is out-voted: the quiet run's values
+    assert prior["tests"] == base
+    assert prior["kinds"] == {"t.py::x": 2.0}
+    # steps: the median of the rescaled runs; the report per cell (2 s/cell in all three) × the last cells
+    assert prior["steps"] == {"capture|real-full": 10.0, "report|real-full": 60.0}
+    assert prior["step_cells"] == {"report|real-full": 30}
+
+
 def test_the_committed_prior_covers_the_test_suite_and_the_main_job():
     from kvqbench.progress import load_prior
 
