@@ -20,6 +20,7 @@ import hashlib
 import os
 import pickle
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,3 +91,36 @@ class ResultMemo:
         value = fn()
         self.put(key, value)
         return value
+
+    def claim(self, key: Any) -> bool:
+        """Claim the computation of ``key`` for this process: ``True`` when no other process sharing the
+        folder claimed it first (always ``True`` without a folder, or when the folder cannot be written).
+        The claimant stores the result, or calls :meth:`release` when it cannot."""
+        if self.folder is None:
+            return True
+        try:
+            os.close(os.open(self.folder / f"{self.digest(key)}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
+        return True
+
+    def release(self, key: Any) -> None:
+        """Withdraw a :meth:`claim` (the claimant failed: another process may compute it)."""
+        if self.folder is not None:
+            try:
+                os.remove(self.folder / f"{self.digest(key)}.claim")
+            except OSError:
+                pass
+
+    def wait(self, key: Any, claim: Any, *, timeout: float = 600.0, poll: float = 0.1) -> tuple[bool, Any]:
+        """Wait for another process to store ``key`` while it holds ``claim``: :meth:`get`'s answer as soon
+        as the value is there, ``(False, None)`` when the claim is released or after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        path = None if self.folder is None else self.folder / f"{self.digest(claim)}.claim"
+        while True:
+            hit, value = self.get(key)
+            if hit or path is None or not path.exists() or time.monotonic() > end:
+                return hit, value
+            time.sleep(poll)

@@ -811,12 +811,22 @@ def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:
     if hit:
         memo.hits += 1
         return res
+    claim = base + ("seeds", tuple(group))
+    if not memo.claim(claim):  # another worker is computing the group right now: wait for its result
+        hit, res = memo.wait(base + (cell.seed,), claim)
+        if hit:
+            memo.hits += 1
+            return res
     memo.misses += 1
     methods = [method if seed == cell.seed else
                create(cell.method, cell.k_bits, cell.v_bits, seed=seed, **cell.variant_dict()) for seed in group]
-    results = list(fn(methods, list(group)))
-    if len(results) != len(group):
-        raise ValueError(f"{fn.__qualname__} returned {len(results)} results for seeds {group}")
+    try:
+        results = list(fn(methods, list(group)))
+        if len(results) != len(group):
+            raise ValueError(f"{fn.__qualname__} returned {len(results)} results for seeds {group}")
+    except BaseException:
+        memo.release(claim)
+        raise
     for seed, r in zip(group, results):
         r.extra[SEEDS_TOGETHER] = list(group)
         if seed != cell.seed:
@@ -832,7 +842,8 @@ def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestcon
 
     The first cell of a :func:`seed_group` to run computes every seed of the group; the others take their
     own copy from the session's result store (:mod:`kvqbench.memo`, shared by the xdist workers; the real
-    cells run seed 0 first, see :func:`real_capture_first`). ``fn`` may depend on nothing but the cell's
+    cells run seed 0 first, see :func:`real_capture_first`); one that starts while another worker computes
+    its group waits for that result instead of computing the group again. ``fn`` may depend on nothing but the cell's
     method, bits, variant, source and size and the session settings (its results are stored under
     those). Every result records ``extra["seeds_computed_together"]``. Not for timings."""
     return lambda fn: seed_rows(cell, kvq_method, kvq_settings, _memo(pytestconfig), fn)

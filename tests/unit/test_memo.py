@@ -112,3 +112,39 @@ def test_seed_rows_compute_a_group_once_and_hand_each_seed_its_own_result(tmp_pa
                      rows).metrics["seed"] == 2.0 and len(calls) == 1
     seed_rows(_cell("turboquant", 0, bits=4), create("turboquant", 4, 4, seed=0), s, memo, rows)
     assert len(calls) == 2
+
+
+def test_a_claim_is_one_processes_until_released_and_waiters_get_the_value(tmp_path):
+    import threading
+
+    a, b = ResultMemo(tmp_path), ResultMemo(tmp_path)
+    assert a.claim(("g",)) and not b.claim(("g",))  # the folder decides: one claimant
+    a.release(("g",))
+    assert b.claim(("g",)) and ResultMemo().claim(("g",))  # released: claimable; no folder: always own
+    threading.Timer(0.3, lambda: b.put(("v",), 42)).start()
+    assert a.wait(("v",), ("g",), timeout=30) == (True, 42)  # the claimant stored it
+    b.release(("g",))
+    assert a.wait(("w",), ("g",), timeout=30) == (False, None)  # no claim held: nothing to wait for
+
+
+def test_seed_rows_started_while_another_worker_computes_the_group_waits_for_it(tmp_path):
+    import threading
+    import time
+
+    from kvqbench.plugin import seed_rows
+
+    calls = []
+
+    def rows(methods, seeds):
+        calls.append(list(seeds))
+        time.sleep(0.5)
+        return [_Res(s, m.seed) for m, s in zip(methods, seeds)]
+
+    s = Settings()
+    first = threading.Thread(target=seed_rows, args=(_cell("kvquant", 0), create("kvquant", 2, 2, seed=0), s,
+                                                     ResultMemo(tmp_path), rows))
+    first.start()
+    time.sleep(0.2)  # the group is being computed by the other "worker"
+    got = seed_rows(_cell("kvquant", 1), create("kvquant", 2, 2, seed=1), s, ResultMemo(tmp_path), rows)
+    first.join()
+    assert calls == [[0, 1, 2]] and got.metrics == {"seed": 1.0, "method_seed": 1.0}
