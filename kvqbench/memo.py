@@ -165,10 +165,31 @@ class ResultMemo:
             return True
         return True
 
+    def claim(self, key: Any) -> bool:
+        """Claim the computation of ``key`` for this process (what :meth:`compute` does for its own key,
+        for a caller that stores several results itself): ``False`` when a live process sharing the folder
+        holds it; ``True`` otherwise (always without a folder, or when the folder cannot be written). The
+        claimant stores its results, or calls :meth:`release` when it cannot."""
+        return self.folder is None or self._claim(key) is not None
+
+    def release(self, key: Any) -> None:
+        """Withdraw a :meth:`claim` (done, or failed: another process may then compute it)."""
+        if self.folder is not None:
+            try:
+                os.unlink(self._claim_path(key))
+            except OSError:
+                pass
+
     def _wait(self, key: Any) -> tuple[bool, Any]:
-        """Wait while another process holds ``key``'s claim: ``(True, value)`` once its result is stored,
-        ``(False, None)`` if the claim goes away without one or its process dies."""
-        path = self._claim_path(key)
+        return self.wait(key, key)
+
+    def wait(self, key: Any, claim: Any) -> tuple[bool, Any]:
+        """Wait for ``key``'s result while another process holds ``claim``'s claim: ``(True, value)`` once
+        it is stored, :meth:`get`'s answer once the claim goes away (released, with a result or without:
+        the computation raised) or its process dies."""
+        if self.folder is None:
+            return self.get(key)
+        path = self._claim_path(claim)
         while True:
             hit, value = self.get(key)
             if hit:

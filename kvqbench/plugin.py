@@ -122,12 +122,15 @@ def real_capture_first(items: list[Any]) -> list[Any]:
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
     first items round-robin); with a cached capture the order changes nothing but when cells run.
-    Deterministic, so every worker collects the same order.
+    Deterministic, so every worker collects the same order. Without a cell that needs the capture (e.g.
+    ``-k endtoend``) the real cells still come last, by seed, so that a seed group's first cell has run
+    before its others (see :func:`kvq_seed_rows`).
     """
     first = next((i for i, it in enumerate(items)
                   if _cell_source(it) == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
     if first is None:
-        return list(items)
+        real = sorted((it for it in items if _cell_source(it) == "real"), key=_cell_seed)  # stable
+        return [it for it in items if _cell_source(it) != "real"] + real
     rest = items[:first] + items[first + 1:]
     real = sorted((it for it in rest if _cell_source(it) == "real"), key=_cell_seed)  # stable
     return [items[first]] + [it for it in rest if _cell_source(it) != "real"] + real
@@ -805,6 +808,76 @@ def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, 
         return res
 
     return run
+
+
+#: the most seeds whose cells :func:`kvq_seed_rows` computes together (e.g. as the rows of one batch)
+SEED_GROUP = 3
+#: what a cell computed together with its other seeds records in ``extra``: the seeds of the computation
+SEEDS_TOGETHER = "seeds_computed_together"
+
+
+def seed_group(seed: int, seeds: list[int], size: int = SEED_GROUP) -> list[int]:
+    """The seeds computed together with ``seed``: its run of ``size`` consecutive seeds in the session's
+    seed list ``seeds`` (e.g. ``[0, 1, 2]`` for any of them with the default ``0,1,2``; ``[3, 4]`` for 4 of
+    ``0…4``). A function of the seed list only, never of which cells are selected or run first, so a group
+    is the same computation in every run (serial, ``-n auto``, sharded); ``[seed]`` when the list lacks it."""
+    if seed not in seeds:
+        return [seed]
+    ordered = sorted(set(seeds))
+    i = ordered.index(seed) // size * size
+    return ordered[i:i + size]
+
+
+def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:
+    """The logic of :func:`kvq_seed_rows` for ``cell`` (whose configured method is ``method``), with the
+    session's settings ``s`` and result store ``memo`` (:class:`kvqbench.memo.ResultMemo`)."""
+    from kvqbench.quantizers import create
+
+    group = seed_group(cell.seed, s.seeds)
+    base = (fn.__module__, fn.__qualname__, cell.experiment, cell.method, cell.k_bits, cell.v_bits,
+            tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
+            s.device, s.model, s.dtype)
+    hit, res = memo.get(base + (cell.seed,))
+    if hit:
+        memo.hits += 1
+        return res
+    claim = base + ("seeds", tuple(group))
+    if not memo.claim(claim):  # another worker is computing the group right now: wait for its result
+        hit, res = memo.wait(base + (cell.seed,), claim)
+        if hit:
+            memo.hits += 1
+            return res
+    memo.misses += 1
+    methods = [method if seed == cell.seed else
+               create(cell.method, cell.k_bits, cell.v_bits, seed=seed, **cell.variant_dict()) for seed in group]
+    try:
+        results = list(fn(methods, list(group)))
+        if len(results) != len(group):
+            raise ValueError(f"{fn.__qualname__} returned {len(results)} results for seeds {group}")
+    except BaseException:
+        memo.release(claim)
+        raise
+    for seed, r in zip(group, results):
+        r.extra[SEEDS_TOGETHER] = list(group)
+        if seed != cell.seed:
+            memo.put(base + (seed,), r)
+    memo.release(claim)
+    return results[group.index(cell.seed)]
+
+
+@pytest.fixture
+def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestconfig: pytest.Config):
+    """``kvq_seed_rows(fn)`` → this cell's result of ``fn(methods, seeds)``: a computation of one method's
+    cells at several seeds together (``methods[i]`` = the cell's method at ``seeds[i]``; it returns one
+    result per seed, each the one its cell would get alone), e.g. as the rows of one batch.
+
+    The first cell of a :func:`seed_group` to run computes every seed of the group; the others take their
+    own copy from the session's result store (:mod:`kvqbench.memo`, shared by the xdist workers; the real
+    cells run seed 0 first, see :func:`real_capture_first`); one that starts while another worker computes
+    its group waits for that result instead of computing the group again. ``fn`` may depend on nothing but the cell's
+    method, bits, variant, source and size and the session settings (its results are stored under
+    those). Every result records ``extra["seeds_computed_together"]``. Not for timings."""
+    return lambda fn: seed_rows(cell, kvq_method, kvq_settings, _memo(pytestconfig), fn)
 
 
 class Recorder:

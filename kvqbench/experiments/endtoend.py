@@ -62,7 +62,7 @@ from kvqbench.quantizers.base import Quantizer, StreamPolicy
 
 __all__ = ["source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
            "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side",
-           "ReferenceSide"]
+           "ReferenceSide", "RowsHook", "run_model_rows", "run_endtoend_rows"]
 
 EXPERIMENT = "exp5"
 REGIMES: tuple[str, str] = ("prefill", "decode")
@@ -152,28 +152,39 @@ class KVCacheHook:
         Returns:
             ``(K̂, V̂)`` of ``k_all``'s shape: quantized tokens dequantized (K rotated back to post-RoPE for
             a pre-RoPE method), fp16 tokens exact.
+        Raises:
+            ValueError: ``layer`` beyond the methods given.
         """
+        k_out, v_out = k_all.clone(), v_all.clone()
+        self.write(layer, k_new, v_new, k_out, v_out)
+        return k_out, v_out
+
+    @torch.no_grad()
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_out: torch.Tensor,
+              v_out: torch.Tensor) -> None:
+        """:meth:`update` in place: feed the new tokens and overwrite the quantized tokens of ``k_out`` /
+        ``v_out`` (the exact cache after the arrival, ``(batch, kv_heads, L, head_dim)``, e.g. a copy of
+        it or one batch row of a copy) with their dequantized values."""
         if layer >= len(self.methods):
             raise ValueError(f"the model has more layers than methods given ({len(self.methods)})")
-        length = int(k_all.shape[-2])
+        length = int(k_out.shape[-2])
         start = length - int(k_new.shape[-2])
         k_in = k_new
         if self._pre(layer):
             k_in = apply_rope(k_new, self.cos[start:length], -self.sin[start:length])  # RoPE⁻¹
         self.k[layer].extend(k_in)
         self.v[layer].extend(v_new)
-        return self._state(self.k[layer], k_all, self._pre(layer)), self._state(self.v[layer], v_all, False)
+        self._state(self.k[layer], k_out, self._pre(layer))
+        self._state(self.v[layer], v_out, False)
 
-    def _state(self, stream: Stream, x_all: torch.Tensor, pre: bool) -> torch.Tensor:
+    def _state(self, stream: Stream, out: torch.Tensor, pre: bool) -> None:
         res = stream.result(0)
         s, q = res.boundary(stream.length)
-        out = x_all.clone()
         if q > s:
             xh = res.x_hat[..., s:q, :]
             if pre:
                 xh = apply_rope(xh, self.cos[s:q], self.sin[s:q])
             out[..., s:q, :] = xh.to(out.dtype)
-        return out
 
     def bits_billed(self) -> float:
         """Mean over layers of the K and V bits per element billed at the current length."""
@@ -189,6 +200,38 @@ class KVCacheHook:
         return {"policy": {"k": dataclasses.asdict(sk.policy), "v": dataclasses.asdict(sv.policy)},
                 "fp16_tokens": {"k": sk.result(0).fp16_tokens(sk.length), "v": sv.result(0).fp16_tokens(sv.length)},
                 "segments": {"k": len(sk.segments), "v": len(sv.segments)}}
+
+
+class RowsHook:
+    """Independent :class:`KVCacheHook` s, one per batch row: row ``r`` of every arrival goes to
+    ``hooks[r]`` alone, so each row's streams (and any per-tensor statistics) see exactly the tokens a
+    one-row run of the same window would, and never another row's.
+
+    Args:
+        hooks: one hook per batch row (each with its own methods, e.g. differently seeded).
+    Raises:
+        ValueError: no hook.
+    """
+
+    def __init__(self, hooks: Sequence[KVCacheHook]) -> None:
+        self.hooks = list(hooks)
+        if not self.hooks:
+            raise ValueError("RowsHook needs at least one hook")
+
+    @torch.no_grad()
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
+               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`KVCacheHook.update` row by row (shapes as there, ``batch`` = the number of hooks).
+
+        Raises:
+            ValueError: a batch of another size than the hooks.
+        """
+        if int(k_all.shape[0]) != len(self.hooks):
+            raise ValueError(f"batch of {int(k_all.shape[0])} rows for {len(self.hooks)} hooks")
+        k_out, v_out = k_all.clone(), v_all.clone()
+        for r, hook in enumerate(self.hooks):
+            hook.write(layer, k_new[r:r + 1], v_new[r:r + 1], k_out[r:r + 1], v_out[r:r + 1])
+        return k_out, v_out
 
 
 @functools.lru_cache(maxsize=1)
@@ -317,25 +360,49 @@ def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], h
         Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t``
         predicts token ``t+1``).
     """
+    return run_model_rows(net, [ids], chunks, hook, first=first)[0]
+
+
+@torch.no_grad()
+def run_model_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
+                   hook: KVCacheHook | RowsHook | None, *, first: int = 0) -> torch.Tensor:
+    """:func:`run_model` over several token sequences of one length at once, one batch row each (the
+    same forward calls, each with a batch of ``len(rows)``); give each row its own hook with
+    :class:`RowsHook`.
+
+    On a CPU every row's logits are bitwise those of a one-row run of the same sequence and hook (the
+    model computes each row's values by the same kernels; checked by ``tests/unit/test_endtoend.py``):
+    batching saves time, mostly in the short forward calls of the decode regime, whose matrix products
+    are too small to use the CPU well one row at a time.
+
+    Returns:
+        Logits ``(len(rows), len(row) − first, vocab)`` fp32.
+    Raises:
+        ValueError: no rows, or rows of different lengths.
+    """
+    if not rows or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"rows must be one or more token sequences of one length, got lengths "
+                         f"{[len(r) for r in rows]}")
     dev = next(net.parameters()).device
-    x = torch.tensor([list(ids)], dtype=torch.long, device=dev)
+    x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
+    n = int(x.shape[0])
     cache = quantized_cache(hook)
     kw = _cache_kwarg(net)
     keep_kw = _keep_kwarg(net) if first > 0 else None
-    out = []
+    out: list[list[torch.Tensor]] = [[] for _ in range(n)]
     for a, b in chunks:
         extra: dict[str, Any] = {}
         need = b - max(first, a)  # positions of this call whose logits are wanted
         keep = min(b - a, max(need, MIN_HEAD_ROWS) if need > 0 else 1)
         if keep_kw is not None and keep < b - a:
             extra[keep_kw] = keep
-        res = net(input_ids=x[:, a:b], position_ids=torch.arange(a, b, device=dev)[None], use_cache=True,
-                  **{kw: cache}, **extra)
-        lg = res.logits[0]
-        start = b - int(lg.shape[0])  # the position of lg's first row
+        pos = torch.arange(a, b, device=dev)[None].expand(n, -1)
+        res = net(input_ids=x[:, a:b], position_ids=pos, use_cache=True, **{kw: cache}, **extra)
+        start = b - int(res.logits.shape[1])  # the position of the logits' first row
         if need > 0:
-            out.append(lg[max(first, start) - start:].float())
-    return torch.cat(out, 0)
+            for r in range(n):
+                out[r].append(res.logits[r, max(first, start) - start:].float())
+    return torch.stack([torch.cat(o, 0) for o in out])
 
 
 @dataclass(frozen=True)
@@ -392,22 +459,29 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
 
 
 _REFERENCES: dict[tuple, tuple[torch.Tensor, ReferenceSide]] = {}
+#: the most (window, regime) references kept per process
+_MAX_REFERENCES = 8
 
 
-def _reference(src: RealSource, ids: list[int], regime: str, cfg: EndToEndConfig
-               ) -> tuple[torch.Tensor, ReferenceSide]:
-    """Unquantized logits of a window's scored positions (``cfg.scored(regime)``) under the regime's
-    forward schedule, and their :class:`ReferenceSide` (cached per process: every method's cell on the
-    same window reuses them)."""
+def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig
+                ) -> list[tuple[torch.Tensor, ReferenceSide]]:
+    """Per window of ``rows``: the unquantized logits of its scored positions (``cfg.scored(regime)``)
+    under the regime's forward schedule, and their :class:`ReferenceSide` (cached per process: every
+    method's cell on the same window reuses them). The windows not cached yet run as one batch
+    (:func:`run_model_rows`)."""
     a, b = cfg.scored(regime)
-    key = (src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(), tuple(cfg.chunks(regime)),
-           (a, b))
-    if key not in _REFERENCES:
-        if len(_REFERENCES) >= 8:
-            _REFERENCES.pop(next(iter(_REFERENCES)))
-        logits = run_model(src.net, ids, cfg.chunks(regime), None, first=a)[:b - a]
-        _REFERENCES[key] = (logits, reference_side(logits, torch.tensor(ids[a + 1:b + 1], dtype=torch.long)))
-    return _REFERENCES[key]
+    keys = [(src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+             tuple(cfg.chunks(regime)), (a, b)) for ids in rows]
+    got = {k: _REFERENCES[k] for k in keys if k in _REFERENCES}
+    todo = {k: ids for k, ids in zip(keys, rows) if k not in got}
+    if todo:
+        logits = run_model_rows(src.net, list(todo.values()), cfg.chunks(regime), None, first=a)[:, :b - a]
+        for (key, ids), lg in zip(todo.items(), logits):
+            got[key] = (lg, reference_side(lg, torch.tensor(ids[a + 1:b + 1], dtype=torch.long)))
+            while len(_REFERENCES) >= _MAX_REFERENCES:
+                _REFERENCES.pop(next(iter(_REFERENCES)))
+            _REFERENCES[key] = got[key]
+    return [got[k] for k in keys]
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -450,31 +524,59 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
     Raises:
         ValueError: a config whose window differs from the source's.
     """
+    return run_endtoend_rows([method], src, [window_index], config)[0]
+
+
+@torch.no_grad()
+def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indices: Sequence[int],
+                      config: EndToEndConfig | None = None) -> list[CellResult]:
+    """:func:`run_endtoend` of several (method, window) pairs at once: pair ``r`` is batch row ``r`` of
+    every forward call, with its own per-layer methods and streams (:class:`RowsHook`), so its result is
+    the one :func:`run_endtoend` gives it alone (bitwise on a CPU, see :func:`run_model_rows`); the
+    cells of one method at several seeds (= windows) run this way.
+
+    Args:
+        methods: one configured quantizer per row (e.g. the same method at each row's seed).
+        window_indices: one window per row (see module doc), as many as ``methods``.
+    Returns:
+        One :class:`~kvqbench.experiments.reconstruction.CellResult` per row, as :func:`run_endtoend`'s.
+    Raises:
+        ValueError: no row, ``methods`` and ``window_indices`` of different lengths, or a config whose
+            window differs from the source's.
+    """
     cfg = config or EndToEndConfig()
     if cfg.window != src.window:
         raise ValueError(f"config window {cfg.window} != the source's calibration window {src.window}")
-    ids = src.window_ids(window_index)
-    methods = layer_methods(method, src.calibration)
-    cos, sin = src.rope(cfg.window) if any(m.k_pre_rope for m in methods) else (None, None)
-    targets = torch.tensor(ids[1:], dtype=torch.long)
-    res = CellResult()
-    res.extra.update({"window": cfg.window, "window_index": window_index,
-                      "window_tokens": [(window_index + 1) * cfg.window, (window_index + 2) * cfg.window],
-                      "calibration_tokens": [0, cfg.window], "prefill_tokens": cfg.prefill, "block": cfg.block,
-                      "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
-                      "regimes": list(cfg.regimes), "k_pre_rope": bool(method.k_pre_rope)})
+    if not methods or len(methods) != len(window_indices):
+        raise ValueError(f"one window per method: got {len(methods)} methods and {len(window_indices)} windows")
+    rows = [src.window_ids(i) for i in window_indices]
+    per_row = [layer_methods(m, src.calibration) for m in methods]
+    pre_rope = any(m.k_pre_rope for ms in per_row for m in ms)
+    cos, sin = src.rope(cfg.window) if pre_rope else (None, None)
+    targets = [torch.tensor(ids[1:], dtype=torch.long) for ids in rows]
+    results = []
+    for method, i, ids in zip(methods, window_indices, rows):
+        res = CellResult()
+        res.extra.update({"window": cfg.window, "window_index": i,
+                          "window_tokens": [(i + 1) * cfg.window, (i + 2) * cfg.window],
+                          "calibration_tokens": [0, cfg.window], "prefill_tokens": cfg.prefill,
+                          "block": cfg.block, "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+                          "regimes": list(cfg.regimes), "k_pre_rope": bool(method.k_pre_rope)})
+        results.append(res)
     for regime in cfg.regimes:
-        hook = KVCacheHook(methods, streaming=regime == "decode", cos=cos, sin=sin)
+        hooks = [KVCacheHook(ms, streaming=regime == "decode", cos=cos, sin=sin) for ms in per_row]
         a, b = cfg.scored(regime)
-        logits = run_model(src.net, ids, cfg.chunks(regime), hook, first=a)[:b - a]
-        ref, side = _reference(src, ids, regime, cfg)
-        m = next_token_metrics(ref, logits, targets[a:b], reference=side)
-        pre = f"e2e_{regime}_"
-        for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
-            res.metrics[pre + name] = m[name]
-        res.metrics[pre + "bits_billed"] = hook.bits_billed()
-        for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
-            tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
-        res.extra[regime] = {"scored_positions": [a, b], "loss_ref_nats": m["loss_ref_nats"],
-                             "forward_calls": len(cfg.chunks(regime)), **hook.describe()}
-    return res
+        logits = run_model_rows(src.net, rows, cfg.chunks(regime), hooks[0] if len(hooks) == 1 else RowsHook(hooks),
+                                first=a)[:, :b - a]
+        refs = _references(src, rows, regime, cfg)
+        for res, hook, lg, (ref, side), tg in zip(results, hooks, logits, refs, targets):
+            m = next_token_metrics(ref, lg, tg[a:b], reference=side)
+            pre = f"e2e_{regime}_"
+            for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
+                res.metrics[pre + name] = m[name]
+            res.metrics[pre + "bits_billed"] = hook.bits_billed()
+            for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
+                tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
+            res.extra[regime] = {"scored_positions": [a, b], "loss_ref_nats": m["loss_ref_nats"],
+                                 "forward_calls": len(cfg.chunks(regime)), **hook.describe()}
+    return results

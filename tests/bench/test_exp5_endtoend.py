@@ -2,7 +2,10 @@
 
 One case per (method × bits × seed) on the real source only (``--kvq-real``); the seed picks the text
 window (and seeds random methods). Bits swept by default: 2 and 4, like experiment 2 (16 bits is exact
-for every method; ``--kvq-bits`` overrides).
+for every method; ``--kvq-bits`` overrides). The cells of one method and bits at the seeds of a group
+(``kvq_seed_rows``: 0, 1, 2 by default) run as the rows of one batch, each row with its own method and
+cache (:func:`~kvqbench.experiments.endtoend.run_endtoend_rows`), computed by whichever of them runs
+first: the values are those of one window at a time, in less time.
 """
 
 import math
@@ -10,14 +13,18 @@ import math
 import pytest
 
 from kvqbench.experiments.common import check_roundtrip_finite
-from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, REGIMES, run_endtoend
+from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, REGIMES, run_endtoend_rows
 
 
 @pytest.mark.kvq(experiment="exp5", bits=(2, 4), sources=("real",))
-def test_endtoend(cell, kvq_method, kvq_model, kvq_record):
-    res = run_endtoend(kvq_method, kvq_model, cell.seed, CONFIG_BY_SIZE[cell.size])
+def test_endtoend(cell, kvq_model, kvq_record, kvq_seed_rows):
+    def windows(methods, seeds):  # window i = seed i
+        return run_endtoend_rows(methods, kvq_model, seeds, CONFIG_BY_SIZE[cell.size])
+
+    res = kvq_seed_rows(windows)
     kvq_record(res)
     check_roundtrip_finite(res, cell.method)
+    assert res.extra["window_index"] == cell.seed
     bad = {k: v for k, v in res.metrics.items() if not math.isfinite(v)}
     assert not bad, f"non-finite metrics: {bad}"
     for regime in REGIMES:

@@ -223,3 +223,20 @@ def test_xdist_order_puts_one_real_capture_cell_first_then_synthetic_then_real()
     assert [it.name for it in real_capture_first(items)] == ["r1", "unit", "s1", "s2", "e2e", "r2"]
     no_real = items[:2] + items[4:5]
     assert real_capture_first(no_real) == no_real
+
+
+def test_xdist_order_runs_real_cells_by_seed_without_a_capture_cell():
+    # only model cells (e.g. -k endtoend): every seed-0 cell before any seed-1 cell, so the first cell of
+    # a seed group (kvq_seed_rows) has computed the group before its other seeds come up
+    from types import SimpleNamespace
+
+    from kvqbench.cells import Cell
+    from kvqbench.plugin import real_capture_first
+
+    def item(name, seed, source="real"):
+        cell = Cell("exp5", name, 2, 2, seed, source, "full")
+        return SimpleNamespace(name=f"{name}{seed}", callspec=SimpleNamespace(params={"cell": cell}),
+                               fixturenames=("kvq_model",))
+
+    items = [item(m, s) for m in ("a", "b") for s in (0, 1, 2)] + [item("s", 0, "synthetic")]
+    assert [it.name for it in real_capture_first(items)] == ["s0", "a0", "b0", "a1", "b1", "a2", "b2"]

@@ -204,3 +204,47 @@ def test_smoke_cells_fp16_exact_and_kvquant_calibrated(model) -> None:
         assert kvq.metrics[f"e2e_{regime}_kl_nats"] > 0
         assert 0.0 <= kvq.metrics[f"e2e_{regime}_top1_agree"] <= 1.0
         assert 2.0 < kvq.metrics[f"e2e_{regime}_bits_billed"] < 16.0
+
+
+@real
+def test_batch_rows_give_each_window_the_values_it_gets_alone(model) -> None:
+    """Several (method, window) pairs as the rows of one batch (run_endtoend_rows): each row's metrics and
+    details equal a one-row run of the same pair, bitwise — per-tensor statistics (rtn_tensor) never see
+    another row, a pre-RoPE calibrated method (kvquant) and a seeded one (turboquant at its own seed) keep
+    their own methods, and the unquantized references of several windows run as one batch too."""
+    cfg = E.CONFIG_BY_SIZE["smoke"]
+    src = E.load_source(model="smollm2", window=cfg.window)
+    pairs = [(create("rtn_tensor", 2, 2), 2), (create("kvquant", 2, 2, seed=1), 0), (create("turboquant", 2, 2, seed=2), 1)]
+    E._REFERENCES.clear()  # references of the three windows computed in one batch here
+    rows = E.run_endtoend_rows([m for m, _ in pairs], src, [w for _, w in pairs], cfg)
+    E._REFERENCES.clear()  # … and one window at a time here
+    alone = [E.run_endtoend(m, src, w, cfg) for m, w in pairs]
+    for r, a, (_, w) in zip(rows, alone, pairs):
+        assert r.metrics == a.metrics and r.extra == a.extra
+        assert r.extra["window_index"] == w and r.metrics["e2e_prefill_kl_nats"] > 0
+    with pytest.raises(ValueError, match="one window per method"):
+        E.run_endtoend_rows([create("fp16", 2, 2)], src, [0, 1], cfg)
+    with pytest.raises(ValueError, match="one length"):
+        E.run_model_rows(src.net, [[1, 2, 3], [1, 2]], [(0, 2)], None)
+
+
+def test_rows_hook_feeds_each_row_to_its_own_hook_only() -> None:
+    """Row r of an arrival reaches hooks[r] alone, with its own methods and streams: each row of the
+    result equals a one-row hook's, here with a different method per row (2 and 4 bits, per-tensor RTN),
+    through a prefill and a streamed arrival."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 12, 16)
+    x[1] *= 100.0
+    bits = (2, 4)
+    hooks = [E.KVCacheHook([create("rtn_tensor", b, b)], streaming=True) for b in bits]
+    alone = [E.KVCacheHook([create("rtn_tensor", b, b)], streaming=True) for b in bits]
+    for a, b in ((0, 8), (8, 12)):
+        k_hat, v_hat = E.RowsHook(hooks).update(0, x[..., a:b, :], x[..., a:b, :] * 2, x[..., :b, :], x[..., :b, :] * 2)
+        for r in range(2):
+            xr = x[r:r + 1]
+            k1, v1 = alone[r].update(0, xr[..., a:b, :], xr[..., a:b, :] * 2, xr[..., :b, :], xr[..., :b, :] * 2)
+            assert torch.equal(k_hat[r:r + 1], k1) and torch.equal(v_hat[r:r + 1], v1)
+            assert not torch.equal(k1, xr[..., :b, :])  # quantized
+    assert [h.bits_billed() for h in hooks] == [h.bits_billed() for h in alone]
+    with pytest.raises(ValueError, match="2 hooks"):
+        E.RowsHook(hooks).update(0, x[:1], x[:1], x[:1], x[:1])

@@ -144,3 +144,80 @@ def test_kvquant_real_cells_share_a_key_below_its_subsample_size_only():
     assert key(0, ((30, 3, 1024, 64), (30, 3, 2048, 64))) is None  # the calibration batch subsamples
     assert key(0, ()) is None
     assert seed_free_key(_cell("turboquant", 0), create("turboquant", 2, 2), s, _run, (1,), small) is None
+
+
+def test_seed_groups_are_runs_of_the_seed_list_whatever_runs_first():
+    from kvqbench.plugin import seed_group
+
+    assert [seed_group(s, [0, 1, 2]) for s in (0, 1, 2)] == [[0, 1, 2]] * 3
+    assert [seed_group(s, [4, 0, 3, 1, 2]) for s in (0, 2, 3, 4)] == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
+    assert seed_group(7, [0, 1, 2]) == [7]  # a seed the session does not sweep: alone
+    assert seed_group(1, [0, 1, 2], size=1) == [1]
+
+
+class _Res:
+    def __init__(self, seed, method_seed):
+        self.metrics = {"seed": float(seed), "method_seed": float(method_seed)}
+        self.extra = {}
+
+
+def test_seed_rows_compute_a_group_once_and_hand_each_seed_its_own_result(tmp_path):
+    from kvqbench.plugin import seed_rows
+
+    calls = []
+
+    def rows(methods, seeds):
+        calls.append(list(seeds))
+        return [_Res(s, m.seed) for m, s in zip(methods, seeds)]
+
+    s = Settings()
+    memo = ResultMemo(tmp_path)
+    got = {}
+    for seed in (1, 0, 2):  # whichever cell runs first computes the group
+        c = _cell("turboquant", seed)
+        got[seed] = seed_rows(c, create("turboquant", 2, 2, seed=seed), s, memo, rows)
+    assert calls == [[0, 1, 2]]
+    for seed, r in got.items():  # each its own seed's result, from a method seeded with it
+        assert r.metrics == {"seed": float(seed), "method_seed": float(seed)}
+        assert r.extra["seeds_computed_together"] == [0, 1, 2]
+    # another process sharing the folder finds the group done; other bits are another group
+    assert seed_rows(_cell("turboquant", 2), create("turboquant", 2, 2, seed=2), s, ResultMemo(tmp_path),
+                     rows).metrics["seed"] == 2.0 and len(calls) == 1
+    seed_rows(_cell("turboquant", 0, bits=4), create("turboquant", 4, 4, seed=0), s, memo, rows)
+    assert len(calls) == 2
+
+
+def test_a_claim_is_one_processes_until_released_and_waiters_get_the_value(tmp_path):
+    import threading
+
+    a, b = ResultMemo(tmp_path), ResultMemo(tmp_path)
+    assert a.claim(("g",)) and not b.claim(("g",))  # the folder decides: one claimant
+    a.release(("g",))
+    assert b.claim(("g",)) and ResultMemo().claim(("g",))  # released: claimable; no folder: always own
+    threading.Timer(0.3, lambda: b.put(("v",), 42)).start()
+    assert a.wait(("v",), ("g",)) == (True, 42)  # the claimant stored it
+    b.release(("g",))
+    assert a.wait(("w",), ("g",)) == (False, None)  # no claim held: nothing to wait for
+
+
+def test_seed_rows_started_while_another_worker_computes_the_group_waits_for_it(tmp_path):
+    import threading
+    import time
+
+    from kvqbench.plugin import seed_rows
+
+    calls = []
+
+    def rows(methods, seeds):
+        calls.append(list(seeds))
+        time.sleep(0.5)
+        return [_Res(s, m.seed) for m, s in zip(methods, seeds)]
+
+    s = Settings()
+    first = threading.Thread(target=seed_rows, args=(_cell("kvquant", 0), create("kvquant", 2, 2, seed=0), s,
+                                                     ResultMemo(tmp_path), rows))
+    first.start()
+    time.sleep(0.2)  # the group is being computed by the other "worker"
+    got = seed_rows(_cell("kvquant", 1), create("kvquant", 2, 2, seed=1), s, ResultMemo(tmp_path), rows)
+    first.join()
+    assert calls == [[0, 1, 2]] and got.metrics == {"seed": 1.0, "method_seed": 1.0}
