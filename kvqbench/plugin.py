@@ -117,7 +117,10 @@ def real_capture_first(items: list[Any]) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
     (``kvq_data``), then every item that needs no real data, then the other real cells by seed (each group
     in collection order; seed 0 of every real cell comes before seed 1, so the cells that share one
-    computation across seeds, see :func:`seed_free_key`, find it done).
+    computation across seeds, see :func:`seed_free_key`, find it done). Within a seed, the cells that
+    compute a whole seed group (:func:`kvq_seed_rows`, exp5) come first: the cheap cells of the other
+    experiments at that seed then separate a group's first cell from its other seeds, so two workers do
+    not draw the two halves of one group side by side (one computing it, the other waiting for it).
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
@@ -126,13 +129,16 @@ def real_capture_first(items: list[Any]) -> list[Any]:
     ``-k endtoend``) the real cells still come last, by seed, so that a seed group's first cell has run
     before its others (see :func:`kvq_seed_rows`).
     """
+    def order(it: Any) -> tuple[int, int]:
+        return _cell_seed(it), 0 if "kvq_seed_rows" in getattr(it, "fixturenames", ()) else 1
+
     first = next((i for i, it in enumerate(items)
                   if _cell_source(it) == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
     if first is None:
-        real = sorted((it for it in items if _cell_source(it) == "real"), key=_cell_seed)  # stable
+        real = sorted((it for it in items if _cell_source(it) == "real"), key=order)  # stable
         return [it for it in items if _cell_source(it) != "real"] + real
     rest = items[:first] + items[first + 1:]
-    real = sorted((it for it in rest if _cell_source(it) == "real"), key=_cell_seed)  # stable
+    real = sorted((it for it in rest if _cell_source(it) == "real"), key=order)  # stable
     return [items[first]] + [it for it in rest if _cell_source(it) != "real"] + real
 
 

@@ -240,3 +240,23 @@ def test_xdist_order_runs_real_cells_by_seed_without_a_capture_cell():
 
     items = [item(m, s) for m in ("a", "b") for s in (0, 1, 2)] + [item("s", 0, "synthetic")]
     assert [it.name for it in real_capture_first(items)] == ["s0", "a0", "b0", "a1", "b1", "a2", "b2"]
+
+
+def test_xdist_order_puts_seed_group_cells_first_within_each_seed():
+    # the main job: exp5's group cells (kvq_seed_rows) lead each seed's block, so that the other real cells
+    # of that seed run between a group's first cell and its other seeds
+    from types import SimpleNamespace
+
+    from kvqbench.cells import Cell
+    from kvqbench.plugin import real_capture_first
+
+    def item(exp, seed, fixtures):
+        cell = Cell(exp, "fp16", 2, 2, seed, "real", "full")
+        return SimpleNamespace(name=f"{exp}-{seed}", callspec=SimpleNamespace(params={"cell": cell}),
+                               fixturenames=fixtures)
+
+    cells = ("kvq_data", "kvq_run")
+    groups = ("kvq_model", "kvq_seed_rows")
+    items = [item("exp1", s, cells) for s in (0, 1, 2)] + [item("exp5", s, groups) for s in (0, 1, 2)]
+    order = [it.name for it in real_capture_first(items)]
+    assert order == ["exp1-0", "exp5-0", "exp5-1", "exp1-1", "exp5-2", "exp1-2"]  # exp1-0: the capture cell
