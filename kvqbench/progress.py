@@ -33,7 +33,9 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
    bookkeeping, fixtures).
    A pending real-model capture is charged to the first cell that needs it on each worker, and a pending
    model load (the end-to-end cells' model and calibration capture, once per worker) to the first
-   end-to-end cell (:data:`MODEL_TESTS`) on each worker.
+   end-to-end cell (:data:`MODEL_TESTS`) on each worker: the run's first of each at the tables' seconds
+   for it, the later ones (which read the disk cache the first wrote) at those of a later one
+   (:data:`PER_WORKER_STEPS`).
 4. **The report step** (results and figures, after the last test, alone) is added at the end: the
    table's seconds × the run's recent speed × this run's benchmark cells / the cells it was measured
    with (the tables keep them in ``step_cells``); it counts down once it has begun (once overrun, a
@@ -64,6 +66,11 @@ PRIOR_PATH = Path(__file__).resolve().parent / "data" / "eta_prior.json"
 #: a group's recent speed forgets exponentially over this many base seconds of its finished tests
 #: (replayed main job: 20 s followed its end-phase slowdown best among 10-60 s; the suite did not change)
 SPEED_MEMORY_S = 20.0
+#: steps paid once per worker (the real-model capture, the end-to-end model load): the run's first does
+#: the work and fills the disk cache, the later ones read it; tables keep the first as ``kind`` and the
+#: median of the later ones as ``kind + AGAIN``
+PER_WORKER_STEPS: tuple[str, ...] = ("capture|", "model|")
+AGAIN = "|again"
 #: one finished test moves a group's recent speed by at most this much (log): an outlier is not a new speed
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
@@ -400,6 +407,26 @@ class Progress:
             return _median([d for v in self.durations.values() for d in v])
         return None
 
+    def _per_worker_steps(self, kind: str, left: int, speed: float) -> list[float]:
+        """The seconds of the ``left`` steps of ``kind`` (a capture or model load, once per worker) still to
+        come, in the order they happen. The run's first one does the work and writes the disk cache, the
+        others read it: the first is charged the tables' ``kind`` (the first of a recorded run), the later
+        ones this run's median of its later ones, else the tables' ``kind|again`` (× ``speed``), else as
+        the first (a table without it)."""
+        seen = self.steps.get(kind) or []
+        again = None
+        if len(seen) > 1:
+            again = _median(seen[1:])
+        else:
+            for t in self._tables():
+                v = (t.get("steps") or {}).get(kind + AGAIN)
+                if v is not None:
+                    again = float(v) * speed
+                    break
+        first = self._step_prediction(kind, speed) if not seen else None
+        later = again if again is not None else self._step_prediction(kind, speed)
+        return [first if i == 0 and first is not None else later for i in range(left)]
+
     def _step_prediction(self, kind: str, speed: float) -> float:
         """A step's seconds: this run's median of it, else the table's seconds × ``speed``; a report step
         also scales with this run's number of benchmark cells over the number it was measured with (its
@@ -440,10 +467,10 @@ class Progress:
         over = self.overhead(now)
         captures = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
                     if k.startswith("capture|") and v > 0}
-        cap_s = {tag: self._step_prediction("capture|" + tag, speed) for tag in captures}
+        cap_s = {tag: self._per_worker_steps("capture|" + tag, v, speed) for tag, v in captures.items()}
         models = {k.split("|", 1)[1]: v for k, v in self.expected_steps.items()
                   if k.startswith("model|") and v > 0}
-        model_s = {tag: self._step_prediction("model|" + tag, speed) for tag in models}
+        model_s = {tag: self._per_worker_steps("model|" + tag, v, speed) for tag, v in models.items()}
         charge: dict[str, float] = {}  # pending test -> seconds it still takes (running: what is left)
         for n, kind in self.pending.items():
             p = self.predict(n, kind)
@@ -452,10 +479,10 @@ class Progress:
             tag = "-".join(_split(n)[2])
             if captures.get(tag, 0) > 0:  # the first cells of a size on each worker pay its capture
                 captures[tag] -= 1
-                p += cap_s[tag]
+                p += cap_s[tag].pop(0)
             if models.get(tag, 0) > 0 and _needs_model(n):  # and the first end-to-end cells its model load
                 models[tag] -= 1
-                p += model_s[tag]
+                p += model_s[tag].pop(0)
             if n in self.running:
                 ran = now - self.running[n]
                 # what its charge has left; once overrun, a quarter of the overrun again
@@ -506,6 +533,11 @@ class Progress:
             tests = dict(list(tests.items())[-max_tests:])
         kinds = {**(old.get("kinds") or {}), **{k: round(_median(v), 4) for k, v in self.durations.items() if v}}
         steps = {**(old.get("steps") or {}), **{k: round(_median(v), 4) for k, v in self.steps.items() if v}}
+        for k, v in self.steps.items():  # a once-per-worker step: the run's first (the work) and the others
+            if k.startswith(PER_WORKER_STEPS) and v:
+                steps[k] = round(v[0], 4)
+                if len(v) > 1:
+                    steps[k + AGAIN] = round(_median(v[1:]), 4)
         cells = {**(old.get("step_cells") or {}),
                  **{k: self.cells for k, v in self.steps.items() if v and k.startswith("report|") and self.cells}}
         return {"version": 1, "tests": tests, "kinds": kinds, "steps": steps, "step_cells": cells}

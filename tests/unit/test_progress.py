@@ -309,6 +309,31 @@ def test_pending_capture_is_charged_to_the_first_real_cell_of_each_worker():
     assert p.eta(30.0) == pytest.approx(1.0 + 1.0 + 5.0)
 
 
+def test_the_first_capture_does_the_work_and_the_later_ones_read_its_cache():
+    # a table that knows both: the run's first capture 30 s, a later one (a disk-cache read) 2 s
+    ids = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(4)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in ids}, "kinds": {},
+             "steps": {"capture|real-full": 30.0, "capture|real-full|again": 2.0, "report|real-full": 5.0}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(ids)
+    # worker 1: capture 30 + its cell; worker 2: a cache read 2 + its cell, then the other two cells (free
+    # first) → ends at 5; worker 1 ends at 31; then the report
+    assert p.eta(0.0) == pytest.approx(31.0 + 5.0)
+    p.started(ids[0], 0.0)
+    p.step("capture|real-full", 30.0, 30.0, ids[0])
+    p.finished(ids[0], 1.0, 31.0)
+    # the first capture is done: the other worker's is still charged a cache read, not another 30 s
+    charged = p._per_worker_steps("capture|real-full", 1, 1.0)
+    assert charged == [2.0]
+    p.step("capture|real-full", 3.0, 31.0, ids[1])
+    hist = p.updated_history()
+    assert hist["steps"]["capture|real-full"] == 30.0 and hist["steps"]["capture|real-full|again"] == 3.0
+    # an old table without the later value: every capture charged as the first, as before
+    old = Progress(interval_s=0, workers=2, prior={**prior, "steps": {"capture|real-full": 30.0}}, trace_path=None)
+    old.collected(ids)
+    assert old._per_worker_steps("capture|real-full", 2, 1.0) == [30.0, 30.0]
+
+
 def test_pending_model_load_is_charged_to_the_first_end_to_end_cell_of_each_worker():
     e2e = [f"t.py::test_endtoend[m-k2v2-seed{i}-real-full]" for i in range(4)]
     other = [f"t.py::test_a[m-k2v2-seed{i}-real-full]" for i in range(2)]
