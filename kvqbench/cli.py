@@ -47,14 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: 6-11 min on a 2-core CPU, the host's speed varies; the progress line's ETA says how long "
+                                   "(measured: about 3 min, 332 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
+                                   "the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 11-40 s on a 2-core machine, the host's speed varies; no figures unless --kvq-figures on); add --kvq-real for the "
+                      help="tiny synthetic cells only (measured: 8-9 s on an idle 2-core machine, more when the host is busy; "
+                           "no figures unless --kvq-figures on); add --kvq-real for the "
                            "real-model smoke cells too (over 2 min)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
