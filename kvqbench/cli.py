@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--smoke", action="store_true",
                       help="tiny synthetic cells only (measured: 8-9 s on an idle 2-core machine, more when the host is busy; "
                            "no figures unless --kvq-figures on); add --kvq-real for the "
-                           "real-model smoke cells too (over 2 min)")
+                           "real-model smoke cells too (about 1-1.5 min: 57 s with the capture cached, 81 s without)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
