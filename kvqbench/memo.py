@@ -97,25 +97,20 @@ class ResultMemo:
         if hit:
             self.hits += 1
             return value
-        claim = None
-        if self.folder is not None:
-            claim = self._claim(key)
-            if claim is None:  # another live process is computing it: take its result
-                hit, value = self._wait(key)
-                if hit:
-                    self.hits += 1
-                    self.waited += 1
-                    return value
+        mine = self.claim(key)
+        if not mine:  # another live process is computing it: take its result
+            hit, value = self.wait(key, key)
+            if hit:
+                self.hits += 1
+                self.waited += 1
+                return value
         self.misses += 1
         try:
             value = fn()
             self.put(key, value)
         finally:
-            if claim is not None:
-                try:
-                    os.unlink(claim)
-                except OSError:
-                    pass
+            if mine:
+                self.release(key)
         return value
 
     #: seconds between two looks at a claimed key's result
@@ -179,9 +174,6 @@ class ResultMemo:
                 os.unlink(self._claim_path(key))
             except OSError:
                 pass
-
-    def _wait(self, key: Any) -> tuple[bool, Any]:
-        return self.wait(key, key)
 
     def wait(self, key: Any, claim: Any) -> tuple[bool, Any]:
         """Wait for ``key``'s result while another process holds ``claim``'s claim: ``(True, value)`` once
