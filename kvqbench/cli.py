@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
                       help="tiny synthetic cells only (measured: 8-9 s on an idle 2-core machine, more when the host is busy; "
-                           "no figures unless --kvq-figures on); add --kvq-real for the "
+                           "no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
+                           "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
                            "real-model smoke cells too (about 1-1.5 min: 57 s with the capture cached, 81 s without)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
@@ -200,6 +201,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         # one torch thread per worker (see --kvq-threads); xdist uses the cores. Smoke runs serially: its
         # cells take seconds in all, less than starting workers that each import torch and collect
         cmd += ["-n", "auto"]
+    if args.smoke and not any(a in ("--benchmark-quiet", "--benchmark-verbose") for a in extra):
+        # smoke cells' timings are a quick look, not a measurement: no wide pytest-benchmark table at the
+        # end (its JSON is still written beside the results; --benchmark-verbose brings the table back)
+        cmd.append("--benchmark-quiet")
     cmd += extra
     steady_allocator_for_workers(os.environ)
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)

@@ -400,16 +400,35 @@ def _fig_pareto(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path
     ax.set_title(f"Quality vs bits — Pareto front ({src})")
     ax.grid(True, which="major", alpha=0.3)
     _legend_outside(ax)
-    markers = [(p["bits_effective"], p["rel_mse"] if p["rel_mse"] > 0 else floor) for p in pts]
-    _place_labels(fig, ax, texts, markers)
+    # marker radii in points: a scatter marker of size s (points²) spans √s points; the front's rings
+    # (s=150, edge 1.4) are larger than the methods' markers (s=42)
+    markers = [(p["bits_effective"], p["rel_mse"] if p["rel_mse"] > 0 else floor, _CORE_RADIUS) for p in pts]
+    markers += [(x, y, 6.9) for x, y, _ in texts]
+    step = _step_polyline(fx, fy) if front else []
+    _place_labels(fig, ax, texts, markers, lines=[step] if step else None)
     return _finish(fig, out / f"pareto_{src}.png")
 
 
-#: label offsets tried around a point, in points: the four sides first, then rings of 16 directions
-#: at growing distance (a leader line then joins label and point)
-_LABEL_OFFSETS = [(9.0, 2.0), (9.0, -10.0), (-9.0, 2.0), (-9.0, -10.0)] + [
-    (r * math.cos(2 * math.pi * k / 16), r * math.sin(2 * math.pi * k / 16) - 4.0)
-    for r in (22.0, 34.0, 48.0, 64.0, 82.0) for k in range(16)]
+def _step_polyline(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
+    """The vertices of ``ax.step(xs, ys, where="post")``: across to the next x, then down or up."""
+    px, py = [xs[0]], [ys[0]]
+    for x, y in zip(xs[1:], ys[1:], strict=False):
+        px += [x, x]
+        py += [py[-1], y]
+    return px, py
+
+
+#: where a label may go around its point: directions (degrees, tried in this order: right, then up/down
+#: right, left …) at growing distances (points from the point to the label's near corner); from
+#: :data:`_LEADER_FROM` points on a thin grey leader line joins label and point
+_LABEL_ANGLES = (0, 30, -30, 180, 150, -150, 60, -60, 120, -120, 90, -90, 15, -15, 165, -165, 45, -45, 135, -135,
+                 75, -75, 105, -105)
+_LABEL_RADII = (4.0, 8.0, 12.0, 16.0, 21.0, 27.0, 34.0, 42.0, 52.0, 64.0, 78.0, 94.0, 114.0)
+_LEADER_FROM = 6.0
+#: radius (points) of a method's filled marker; a front ring around it is larger
+_CORE_RADIUS = 3.6
+#: white space kept between a label and anything else (pixels)
+_LABEL_GAP = 1.5
 
 
 def log_debug(msg: str) -> None:
@@ -426,68 +445,240 @@ def _text_extent(a: Any, renderer: Any) -> Any:
     return Text.get_window_extent(a, renderer)
 
 
-def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]], markers: list[tuple[float, float]],
-                  fontsize: float = 7.0) -> None:
-    """Label points so that no label overlaps another label, a marker, or leaves the axes: each label
-    takes the first free spot of :data:`_LABEL_OFFSETS` (measured in display space after a draw); when
-    some label finds none, every point is numbered instead and the numbers are explained in a key
-    below the legend."""
+def _seg_box_hits(segs: Any, boxes: Any) -> Any:
+    """``(n, m)`` bools: does segment ``i`` (rows ``x0, y0, x1, y1``) pass through box ``j`` (rows
+    ``x0, y0, x1, y1``)? Liang–Barsky clipping, vectorised."""
+    import numpy as np
+
+    S = np.asarray(segs, dtype=float).reshape(-1, 1, 4)
+    B = np.asarray(boxes, dtype=float).reshape(1, -1, 4)
+    x0, y0, dx, dy = S[..., 0], S[..., 1], S[..., 2] - S[..., 0], S[..., 3] - S[..., 1]
+    t0 = np.zeros(np.broadcast_shapes(S.shape[:2], B.shape[:2]))
+    t1 = np.ones_like(t0)
+    ok = np.ones(t0.shape, dtype=bool)
+    for p, q in ((-dx, x0 - B[..., 0]), (dx, B[..., 2] - x0), (-dy, y0 - B[..., 1]), (dy, B[..., 3] - y0)):
+        p = np.broadcast_to(p, t0.shape)
+        q = np.broadcast_to(q, t0.shape)
+        zero = p == 0
+        ok &= ~(zero & (q < 0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(zero, 0.0, q / np.where(zero, 1.0, p))
+        t0 = np.where(~zero & (p < 0), np.maximum(t0, t), t0)
+        t1 = np.where(~zero & (p > 0), np.minimum(t1, t), t1)
+    return ok & (t0 <= t1)
+
+
+def _seg_meets_box(seg: tuple[float, float, float, float], b: tuple) -> bool:
+    """:func:`_seg_box_hits` for one segment and one box (plain floats: cheaper for one pair)."""
+    x0, y0 = seg[0], seg[1]
+    dx, dy = seg[2] - x0, seg[3] - y0
+    t0, t1 = 0.0, 1.0
+    for p, q in ((-dx, x0 - b[0]), (dx, b[2] - x0), (-dy, y0 - b[1]), (dy, b[3] - y0)):
+        if p == 0:
+            if q < 0:
+                return False
+            continue
+        t = q / p
+        if p < 0:
+            t0 = max(t0, t)
+        else:
+            t1 = min(t1, t)
+        if t0 > t1:
+            return False
+    return True
+
+
+def _segs_cross(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
+    """Whether two segments ``(x0, y0, x1, y1)`` cross (touching ends do not count)."""
+    def orient(px: float, py: float, qx: float, qy: float, rx: float, ry: float) -> float:
+        return (qx - px) * (ry - py) - (qy - py) * (rx - px)
+
+    d1, d2 = orient(*b, a[0], a[1]), orient(*b, a[2], a[3])
+    d3, d4 = orient(*a, b[0], b[1]), orient(*a, b[2], b[3])
+    return (d1 > 0) != (d2 > 0) and (d3 > 0) != (d4 > 0)
+
+
+def _label_spots(cx: float, cy: float, w: float, h: float, radius: float, pt: float
+                 ) -> list[tuple[tuple[float, float, float, float], float, float, str, str]]:
+    """Candidate boxes of a ``w``×``h`` pixel label around the point ``(cx, cy)`` whose marker has
+    ``radius`` pixels, nearest first: ``(box, dx, dy, ha, va)`` with the offset in points from the point
+    to the text anchor (``ha``/``va``: the anchor's alignment)."""
+    out = []
+    for r in _LABEL_RADII:
+        angles = _LABEL_ANGLES + (tuple(a + 7.5 for a in _LABEL_ANGLES) if r >= 24 else ())
+        for deg in angles:
+            c, s = math.cos(math.radians(deg)), math.sin(math.radians(deg))
+            ha = "left" if c > 0.3 else "right" if c < -0.3 else "center"
+            va = "bottom" if s > 0.3 else "top" if s < -0.3 else "center"
+            ax_ = cx + c * (radius + r * pt)
+            ay_ = cy + s * (radius + r * pt)
+            x0 = ax_ if ha == "left" else ax_ - w if ha == "right" else ax_ - w / 2
+            y0 = ay_ if va == "bottom" else ay_ - h if va == "top" else ay_ - h / 2
+            out.append(((x0, y0, x0 + w, y0 + h), (ax_ - cx) / pt, (ay_ - cy) / pt, ha, va))
+    return out
+
+
+def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
+                  markers: list[tuple[float, float, float]], fontsize: float = 7.0,
+                  lines: list[tuple[list[float], list[float]]] | None = None, key_title: str = "Pareto front points"
+                  ) -> None:
+    """Label points so that no label overlaps another label, a marker, a line of ``lines`` or leaves
+    the axes, and no leader line runs through a marker, a label or another leader line.
+
+    ``texts``: ``(x, y, text)`` in data coordinates; ``markers``: ``(x, y, radius in points)`` of every
+    marker drawn (the labelled points among them); ``lines``: ``(xs, ys)`` polylines labels must not
+    cover (the Pareto step). Each label takes the nearest free spot (:func:`_label_spots`, measured in
+    display space after one draw); several label orders are tried and the one that places the most
+    labels as words is kept. A label that finds no free spot is replaced by a number, placed by the same
+    rules except that its leader may cross the front ring (not the marker) of a neighbour, and the
+    numbers are explained in a key below the legend — so a dense cluster reads as numbers while the
+    labels around it stay words."""
+    import numpy as np
+
     if not texts:
         return
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    ax_box = ax.get_window_extent(renderer)
-    pad = 6.0 * fig.dpi / 72.0  # a front point's ring radius, in pixels
-    occupied = []
-    for mx, my in markers:
-        px, py = ax.transData.transform((mx, my))
-        occupied.append((px - pad, py - pad, px + pad, py + pad))
+    ab = ax.get_window_extent(renderer)
+    pt = fig.dpi / 72.0
+    gap = _LABEL_GAP
+
+    def px(x: float, y: float) -> tuple[float, float]:
+        u, v = ax.transData.transform((x, y))
+        return float(u), float(v)
+
+    centres = np.array([px(x, y) for x, y, _ in markers]).reshape(-1, 2)
+    radii = np.array([r for *_, r in markers], dtype=float) * pt
+    core = np.minimum(radii, _CORE_RADIUS * pt)
+    full_boxes = np.column_stack([centres - radii[:, None] - gap, centres + radii[:, None] + gap])
+    core_boxes = np.column_stack([centres - core[:, None] - gap, centres + core[:, None] + gap])
+    notes = []
     for t in ax.texts:  # notes already on the axes
         b = t.get_window_extent(renderer)
-        occupied.append((b.x0, b.y0, b.x1, b.y1))
+        notes.append((b.x0 - gap, b.y0 - gap, b.x1 + gap, b.y1 + gap))
+    notes_a = np.array(notes, dtype=float).reshape(-1, 4)
+    line_segs = []
+    for xs, ys in lines or []:
+        pts = [px(x, y) for x, y in zip(xs, ys, strict=False)]
+        line_segs += [(*a, *b) for a, b in zip(pts, pts[1:], strict=False)]
+    line_a = np.array(line_segs, dtype=float).reshape(-1, 4)
 
-    def free(b: Any) -> bool:
-        if b.x0 < ax_box.x0 or b.x1 > ax_box.x1 or b.y0 < ax_box.y0 or b.y1 > ax_box.y1:
-            return False
-        return not any(b.x0 < o[2] and b.x1 > o[0] and b.y0 < o[3] and b.y1 > o[1] for o in occupied)
+    def size(text: str) -> tuple[float, float]:
+        t = ax.text(0, 0, text, fontsize=fontsize, transform=None)
+        b = t.get_window_extent(renderer)
+        t.remove()
+        return b.width, b.height
 
-    def place(items: list[tuple[float, float, str]]) -> list[Any] | None:
-        placed = []
-        for x, y, text in items:
-            for dx, dy in _LABEL_OFFSETS:
-                far = math.hypot(dx, dy) > 16  # away from its point: a thin leader line says whose it is
-                a = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), fontsize=fontsize,
-                                ha="left" if dx > 0 else "right" if dx < 0 else "center", va="bottom", zorder=5,
-                                arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6,
-                                            "shrinkA": 0, "shrinkB": 5} if far else None)
-                b = _text_extent(a, renderer)  # the text alone, not its leader line
-                if free(b):
-                    occupied.append((b.x0, b.y0, b.x1, b.y1))
-                    placed.append(a)
+    def meets(boxes: Any, others: Any) -> Any:
+        """``(n,)``: box ``i`` overlaps any of ``others``."""
+        if not len(others) or not len(boxes):
+            return np.zeros(len(boxes), dtype=bool)
+        A, O = boxes[:, None, :], others[None, :, :]
+        return ((A[..., 0] < O[..., 2]) & (A[..., 2] > O[..., 0]) & (A[..., 1] < O[..., 3])
+                & (A[..., 3] > O[..., 1])).any(1)
+
+    def crossed(segs: Any, boxes: Any) -> Any:
+        if not len(segs) or not len(boxes):
+            return np.zeros(len(segs), dtype=bool)
+        return _seg_box_hits(segs, boxes).any(1)
+
+    # every label's (words, number) candidate spots that nothing fixed gets in the way of, nearest first:
+    # (box, leader segment or None, (dx, dy, ha, va, leader))
+    wide = "8" * len(str(len(texts)))  # a number is placed as the widest one (digits are equally wide)
+    free: list[list[list[tuple[Any, Any, tuple]]]] = []
+    for x, y, text in texts:
+        cx, cy = px(x, y)
+        own = (np.abs(centres[:, 0] - cx) < 0.5) & (np.abs(centres[:, 1] - cy) < 0.5)
+        rad = float(radii[own].max()) if own.any() else _CORE_RADIUS * pt
+        per_alt = []
+        for k, alt in enumerate((text, wide)):
+            w, h = size(alt)
+            spots = _label_spots(cx, cy, w + 2 * gap, h + 2 * gap, rad, pt)
+            boxes = np.array([sp[0] for sp in spots], dtype=float)
+            ok = (boxes[:, 0] >= ab.x0) & (boxes[:, 2] <= ab.x1) & (boxes[:, 1] >= ab.y0) & (boxes[:, 3] <= ab.y1)
+            ok &= ~meets(boxes, full_boxes) & ~meets(boxes, notes_a)
+            if len(line_a):
+                ok &= ~_seg_box_hits(line_a, boxes).any(0)
+            dxy = np.array([(sp[1], sp[2]) for sp in spots])
+            lead = np.hypot(dxy[:, 0], dxy[:, 1]) > _LEADER_FROM
+            mid = np.column_stack([(boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2])
+            d = np.maximum(np.hypot(mid[:, 0] - cx, mid[:, 1] - cy), 1e-9)
+            start = np.column_stack([cx + (mid[:, 0] - cx) * rad / d, cy + (mid[:, 1] - cy) * rad / d])
+            segs = np.column_stack([start, mid])  # from the marker's edge to the label's centre
+            # a number's leader (the last resort, inside a dense cluster) may cross a neighbour's front
+            # ring, never a method's marker
+            obstacles = (core_boxes if k else full_boxes)[~own]
+            ok &= ~(lead & (crossed(segs, obstacles) | crossed(segs, notes_a)))
+            sx = {"left": gap, "right": -gap, "center": 0.0}  # the anchor sits ``gap`` inside the box
+            sy = {"bottom": gap, "top": -gap, "center": 0.0}
+            per_alt.append([(tuple(boxes[j]), tuple(segs[j]) if lead[j] else None,
+                             (spots[j][1] + sx[spots[j][3]] / pt, spots[j][2] + sy[spots[j][4]] / pt,
+                              spots[j][3], spots[j][4], bool(lead[j]))) for j in np.flatnonzero(ok)])
+        free.append(per_alt)
+
+    def overlap(a: tuple, b: tuple) -> bool:
+        return a[0] < b[2] and a[2] > b[0] and a[1] < b[3] and a[3] > b[1]
+
+    def place(order: list[int]) -> dict[int, tuple[int, tuple]]:
+        """Greedy, in the given order, each label as words if they fit anywhere, else as a number:
+        ``{index: (0 words / 1 number, (dx, dy, ha, va, leader))}`` of the labels that fit."""
+        boxes: list[tuple] = []
+        leaders: list[tuple] = []
+        got = {}
+        for i in order:
+            for k in (0, 1):
+                for box, seg, spot in free[i][k]:
+                    if any(overlap(box, o) for o in boxes) or any(_seg_meets_box(o, box) for o in leaders):
+                        continue
+                    if seg is not None and (any(_seg_meets_box(seg, o) for o in boxes)
+                                            or any(_segs_cross(seg, o) for o in leaders)):
+                        continue
+                    boxes.append(box)
+                    if seg is not None:
+                        leaders.append(seg)
+                    got[i] = (k, spot)
                     break
-                a.remove()
-            else:
-                for a in placed:
-                    a.remove()
-                log_debug(f"no free spot for label {text!r}")
-                return None
-        return placed
+                if i in got:
+                    break
+        return got
 
-    base = list(occupied)
-    if place(texts) is not None:
+    def score(got: dict[int, tuple[int, tuple]]) -> tuple[int, int]:
+        return (len(texts) - len(got), sum(k for k, _ in got.values()))  # unplaced, then numbered
+
+    ys = [px(x, y)[1] for x, y, _ in texts]
+    n = len(texts)
+    orders = [list(range(n)), list(range(n))[::-1], sorted(range(n), key=lambda i: ys[i]),
+              sorted(range(n), key=lambda i: -ys[i]),
+              sorted(range(n), key=lambda i: len(free[i][0]))]  # the most constrained first
+    best: dict[int, tuple[int, tuple]] = {}
+    for order in orders:
+        got = place(order)
+        if not best or score(got) < score(best):
+            best = got
+        if score(best) == (0, 0):
+            break
+    as_number = [i for i in range(n) if best.get(i, (1, None))[0] == 1]
+    numbered = {i: str(j + 1) for j, i in enumerate(as_number)}
+    for i, (x, y, text) in enumerate(texts):
+        k, spot = best.get(i, (1, None))
+        if spot is None:  # not even a number fits anywhere: beside its point (the key still names it)
+            log_debug(f"no free spot for label {text!r}")
+            spot = (4.0, 2.0, "left", "bottom", False)
+        dx, dy, ha, va, leader = spot
+        own = (np.abs(centres[:, 0] - px(x, y)[0]) < 0.5) & (np.abs(centres[:, 1] - px(x, y)[1]) < 0.5)
+        shrink = float(radii[own].max()) / pt if own.any() else _CORE_RADIUS
+        ax.annotate(numbered[i] if k == 1 else text, (x, y), textcoords="offset points", xytext=(dx, dy),
+                    fontsize=fontsize, ha=ha, va=va, zorder=5,
+                    arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6, "shrinkA": 0,
+                                "shrinkB": shrink} if leader else None)
+    if not numbered:
         return
-    occupied[:] = base
-    numbered = [(x, y, str(i + 1)) for i, (x, y, _) in enumerate(texts)]
-    if place(numbered) is None:  # even numbers collide: put them on anyway, the key still names them
-        for x, y, n in numbered:
-            ax.annotate(n, (x, y), textcoords="offset points", xytext=(6, 3), fontsize=fontsize, zorder=5)
-    key = "\n".join(f"{i + 1}  {t}" for i, (_, _, t) in enumerate(texts))
+    key = "\n".join(f"{numbered[i]}  {texts[i][2]}" for i in as_number)
     legend = ax.get_legend()
     top = 1.0
     if legend is not None:  # the key goes below the legend
         top = ax.transAxes.inverted().transform((0, legend.get_window_extent(renderer).y0))[1] - 0.03
-    ax.text(1.01, top, "Pareto front points:\n" + key, transform=ax.transAxes, fontsize=fontsize,
-            va="top", ha="left")
+    ax.text(1.01, top, f"{key_title}:\n" + key, transform=ax.transAxes, fontsize=fontsize, va="top", ha="left")
 
 
 def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path) -> Path | None:

@@ -171,6 +171,23 @@ def test_run_smoke_is_synthetic_unless_kvq_real(monkeypatch, tmp_path):
     assert "--kvq-real" in full and "full" in full
 
 
+def test_run_smoke_hides_the_benchmark_table_but_keeps_its_json(monkeypatch, tmp_path):
+    """``--smoke`` passes pytest-benchmark's ``--benchmark-quiet`` (no timing table; the JSON is still
+    saved: quiet only skips the display); the main job and an explicit ``--benchmark-verbose`` do not."""
+    import pytest as pytest_mod
+
+    calls = []
+    monkeypatch.setattr(pytest_mod, "main", lambda args: calls.append(list(args)) or 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tests" / "bench").mkdir(parents=True)
+    assert main(["run", "--smoke"]) == 0
+    assert main(["run", "--smoke", "--benchmark-verbose"]) == 0
+    assert main(["run"]) == 0
+    smoke, verbose, full = calls
+    assert smoke.count("--benchmark-quiet") == 1
+    assert "--benchmark-quiet" not in verbose and "--benchmark-quiet" not in full
+
+
 @pytest.mark.parametrize("argv,message", [
     (["run", "--shard", "4/3"], "--shard expects I/N with 1 <= I <= N"),
     (["run", "--shard", "two"], "--shard expects I/N"),
