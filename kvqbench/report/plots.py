@@ -530,7 +530,8 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     cover (the Pareto step). Each label takes the nearest free spot (:func:`_label_spots`, measured in
     display space after one draw); several label orders are tried and the one that places the most
     labels as words is kept. A label that finds no free spot is replaced by a number, placed by the same
-    rules except that its leader may cross the front ring (not the marker) of a neighbour, and the
+    rules except that its leader may cross the front ring (not the marker) of a neighbour — or, where
+    markers overlap so that no line leaves the cluster without crossing one, any marker — and the
     numbers are explained in a key below the legend — so a dense cluster reads as numbers while the
     labels around it stay words."""
     import numpy as np
@@ -591,7 +592,7 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
         own = (np.abs(centres[:, 0] - cx) < 0.5) & (np.abs(centres[:, 1] - cy) < 0.5)
         rad = float(radii[own].max()) if own.any() else _CORE_RADIUS * pt
         per_alt = []
-        for k, alt in enumerate((text, wide)):
+        for k, alt in enumerate((text, wide, wide)):
             w, h = size(alt)
             spots = _label_spots(cx, cy, w + 2 * gap, h + 2 * gap, rad, pt)
             boxes = np.array([sp[0] for sp in spots], dtype=float)
@@ -606,8 +607,9 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
             start = np.column_stack([cx + (mid[:, 0] - cx) * rad / d, cy + (mid[:, 1] - cy) * rad / d])
             segs = np.column_stack([start, mid])  # from the marker's edge to the label's centre
             # a number's leader (the last resort, inside a dense cluster) may cross a neighbour's front
-            # ring, never a method's marker
-            obstacles = (core_boxes if k else full_boxes)[~own]
+            # ring, not a method's marker — unless the markers themselves overlap so that no line gets
+            # out of the cluster without crossing one (the third try)
+            obstacles = full_boxes[~own] if k == 0 else core_boxes[~own] if k == 1 else full_boxes[:0]
             ok &= ~(lead & (crossed(segs, obstacles) | crossed(segs, notes_a)))
             sx = {"left": gap, "right": -gap, "center": 0.0}  # the anchor sits ``gap`` inside the box
             sy = {"bottom": gap, "top": -gap, "center": 0.0}
@@ -621,12 +623,13 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
 
     def place(order: list[int]) -> dict[int, tuple[int, tuple]]:
         """Greedy, in the given order, each label as words if they fit anywhere, else as a number:
-        ``{index: (0 words / 1 number, (dx, dy, ha, va, leader))}`` of the labels that fit."""
+        ``{index: (0 words / 1 number / 2 number whose leader crosses markers, (dx, dy, ha, va,
+        leader))}`` of the labels that fit."""
         boxes: list[tuple] = []
         leaders: list[tuple] = []
         got = {}
         for i in order:
-            for k in (0, 1):
+            for k in (0, 1, 2):
                 for box, seg, spot in free[i][k]:
                     if any(overlap(box, o) for o in boxes) or any(_seg_meets_box(o, box) for o in leaders):
                         continue
@@ -642,8 +645,9 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
                     break
         return got
 
-    def score(got: dict[int, tuple[int, tuple]]) -> tuple[int, int]:
-        return (len(texts) - len(got), sum(k for k, _ in got.values()))  # unplaced, then numbered
+    def score(got: dict[int, tuple[int, tuple]]) -> tuple[int, int, int]:
+        # unplaced, then numbered, then leaders through markers
+        return (len(texts) - len(got), sum(k > 0 for k, _ in got.values()), sum(k == 2 for k, _ in got.values()))
 
     ys = [px(x, y)[1] for x, y, _ in texts]
     n = len(texts)
@@ -655,9 +659,9 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
         got = place(order)
         if not best or score(got) < score(best):
             best = got
-        if score(best) == (0, 0):
+        if score(best) == (0, 0, 0):
             break
-    as_number = [i for i in range(n) if best.get(i, (1, None))[0] == 1]
+    as_number = [i for i in range(n) if best.get(i, (1, None))[0] >= 1]
     numbered = {i: str(j + 1) for j, i in enumerate(as_number)}
     for i, (x, y, text) in enumerate(texts):
         k, spot = best.get(i, (1, None))
@@ -667,7 +671,7 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
         dx, dy, ha, va, leader = spot
         own = (np.abs(centres[:, 0] - px(x, y)[0]) < 0.5) & (np.abs(centres[:, 1] - px(x, y)[1]) < 0.5)
         shrink = float(radii[own].max()) / pt if own.any() else _CORE_RADIUS
-        ax.annotate(numbered[i] if k == 1 else text, (x, y), textcoords="offset points", xytext=(dx, dy),
+        ax.annotate(numbered[i] if k >= 1 else text, (x, y), textcoords="offset points", xytext=(dx, dy),
                     fontsize=fontsize, ha=ha, va=va, zorder=5,
                     arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6, "shrinkA": 0,
                                 "shrinkB": shrink} if leader else None)
