@@ -131,6 +131,15 @@ def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
                         ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
     """Like :func:`iter_histograms` but yields the bin ``edges`` (one more than the densities), so
     bins of unequal width (e.g. fine near 0, wider in the tails) keep their true extent."""
+    for p, e, dens, _tails in _histograms(series, path):
+        yield p, e, dens
+
+
+def _histograms(series: Any, path: tuple[str, ...] = ()
+                ) -> Iterable[tuple[tuple[str, ...], list[float], list[float], tuple[float, float]]]:
+    """:func:`iter_histogram_bins` plus ``(under, over)``: the shares of tokens in a flat layout's
+    underflow and overflow bins (below the first edge, above the last; not drawn), ``(0, 0)`` when
+    the layout has none."""
     if not isinstance(series, dict):
         return
     edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
@@ -150,10 +159,11 @@ def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
             widths = [b - a for a, b in zip(e, e[1:], strict=False)]
             if vkey == "density":  # already per unit x: rescale to integral 1
                 area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
-                yield path, e, [v / area if area > 0 else 0.0 for v in vals]
+                yield path, e, [v / area if area > 0 else 0.0 for v in vals], (0.0, 0.0)
             else:  # counts per bin: divide by the total and by each bin's own width
                 total = math.fsum(vals)
-                yield path, e, [v / total / w if total > 0 else 0.0 for v, w in zip(vals, widths, strict=False)]
+                yield (path, e, [v / total / w if total > 0 else 0.0 for v, w in zip(vals, widths, strict=False)],
+                       (0.0, 0.0))
             return
     flat_edges = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
     if flat_edges:
@@ -165,15 +175,16 @@ def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
             if vals is None or len(vals) not in (len(e) - 1, len(e) + 1):
                 continue
             total = math.fsum(vals)
+            tails = (vals[0] / total, vals[-1] / total) if len(vals) == len(e) + 1 and total > 0 else (0.0, 0.0)
             inner = vals[1:-1] if len(vals) == len(e) + 1 else vals
             if total > 0:
-                yield path + (str(key),), e, [v / total / w for v, w in zip(inner, widths, strict=True)]
+                yield path + (str(key),), e, [v / total / w for v, w in zip(inner, widths, strict=True)], tails
                 found = True
         if found:
             return
     for key in sorted(series):
         if isinstance(series[key], dict):
-            yield from iter_histogram_bins(series[key], path + (str(key),))
+            yield from _histograms(series[key], path + (str(key),))
 
 
 def _regime(name: str) -> str:
@@ -265,6 +276,27 @@ def _mean_curves(cells: list[dict[str, Any]], setting: str, kind: Callable[[str]
         same = [ys for x, ys in xys if x == xs]
         out[k] = (xs, [math.fsum(col) / len(col) for col in zip(*same, strict=False)])
     return out
+
+
+def _mean_tails(cells: list[dict[str, Any]], setting: str, kind: Callable[[str], Any]
+                ) -> dict[tuple[str, Any], tuple[float, float]]:
+    """``{(method, key): (under, over)}``: the histograms' underflow and overflow shares (see
+    :func:`_histograms`), mean over the seeds at ``setting`` — the same cells and keys as
+    :func:`_mean_curves` with ``hist=True``."""
+    from kvqbench.report.leaderboard import setting_key
+
+    acc: dict[tuple[str, Any], list[tuple[float, float]]] = defaultdict(list)
+    for c in cells:
+        if c.get("status") != "passed" or setting_key(c) != setting:
+            continue
+        found: dict[Any, tuple[float, float]] = {}
+        for path, _e, _d, tails in _histograms(c.get("series") or {}):
+            key = kind("/".join(path).lower())
+            if key is not None and key not in found:
+                found[key] = tails
+        for key, t in found.items():
+            acc[(c["method"], key)].append(t)
+    return {k: (math.fsum(u for u, _ in v) / len(v), math.fsum(o for _, o in v) / len(v)) for k, v in acc.items()}
 
 
 def _ctx_metric_curves(stats_exp: dict[str, Any], setting: str, kind: Callable[[str], Any]
@@ -896,6 +928,7 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     curves = _mean_curves(cells, setting, kind, hist=True)
     if not curves:
         return None
+    tails = _mean_tails(cells, setting, kind)
     methods = sorted({m for m, _ in curves}, key=lambda m: style.idx.get(m, 99))
     kvs = [kv for kv in ("K", "V") if any(k == kv for _, k in curves)]
     ncol = min(4, len(methods))
@@ -905,20 +938,34 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         ax = axes[i // ncol][i % ncol]
         st = style(m)
         drawn = {kv: curves[(m, kv)] for kv in kvs if (m, kv) in curves}
-        lo, hi = _mass_range([d for d in drawn.values()])
+        lo, hi = _mass_range([d for d in drawn.values()], tails=[tails.get((m, kv), (0.0, 0.0)) for kv in drawn])
         outside = []
         for kv, (edges, dens) in drawn.items():
+            # the drawn density integrates to the share inside the bins: the rest is under/overflow
             share_out = 1.0 - _mass_within(edges, dens, lo, hi)
             if share_out > 0.005:
-                outside.append(f"{kv} {share_out:.0%}" if share_out >= 0.01 else f"{kv} <1%")
+                under, over = tails.get((m, kv), (0.0, 0.0))
+                beyond = [f"{v:.0%} {sign} {edge:g}" if v >= 0.01 else f"<1% {sign} {edge:g}"
+                          for v, sign, edge in ((under, "<", edges[0]), (over, ">", edges[-1])) if v > 0.005]
+                outside.append((f"{kv} {share_out:.0%}" if share_out >= 0.01 else f"{kv} <1%")
+                               + (f" ({', '.join(beyond)}, past the last bin)" if beyond else ""))
             ax.stairs(dens, edges, fill=True, alpha=0.35 if kv == "K" else 0.15, color=st["color"])
             ax.stairs(dens, edges, color=st["color"], linewidth=1.0, linestyle="-" if kv == "K" else "--", label=kv)
         ax.set_xlim(lo, hi)
         ax.xaxis.set_major_locator(plt.MaxNLocator(5))
         ax.axvline(0, color="grey", linewidth=0.6)
-        if outside:
-            ax.text(0.02, 0.97, "off scale: " + ", ".join(outside), transform=ax.transAxes, fontsize=7,
-                    va="top", color="dimgrey")
+        if outside:  # in the upper corner where the drawn densities are lower
+            line = ", ".join(outside)
+            text = "off scale: " + (line if len(line) <= 28 else "\n".join(outside))
+            third = (hi - lo) / 3
+            left = max((d for e, ds in drawn.values() for a, d in zip(e, ds, strict=False) if a < lo + third),
+                       default=0.0)
+            right = max((d for e, ds in drawn.values() for a, b, d in zip(e, e[1:], ds, strict=False)
+                         if b > hi - third), default=0.0)
+            x_note, ha = (0.02, "left") if left <= right else (0.98, "right")
+            ax.text(x_note, 0.97, text, transform=ax.transAxes, fontsize=7, va="top", ha=ha, color="dimgrey",
+                    zorder=5, bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none",
+                                    "alpha": 0.8})
         ax.set_title(m, fontsize=9, color=st["color"])
         ax.tick_params(labelsize=7)
         ax.grid(True, alpha=0.25)
@@ -932,8 +979,9 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
             col[-1].set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
-    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; 0 = norm preserved; "
-                 "x-range per method holds ≥ 98 % of its tokens)", fontsize=11)
+    fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; 0 = norm preserved)\n"
+                 "x-range per method holds ≥ 98 % of its tokens, or reaches the histogram's last bin where more "
+                 "lie beyond it; a panel names any share off scale", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"norm_diff_density_{src}.png")
 
@@ -947,23 +995,26 @@ def _mass_within(edges: list[float], dens: list[float], lo: float, hi: float) ->
     return tot
 
 
-def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1
-                ) -> tuple[float, float]:
-    """An x-range chosen from the data: it holds at least ``keep`` of every histogram's drawn mass
-    (equal tails cut on each side), always includes 0, spans at least ``min_span``, padded by 5 %;
-    falls back to the edges' span."""
+def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1,
+                tails: list[tuple[float, float]] | None = None) -> tuple[float, float]:
+    """An x-range chosen from the data: it holds at least ``keep`` of every histogram's tokens (equal
+    tails cut on each side), always includes 0, spans at least ``min_span``, padded by 5 %; falls back
+    to the edges' span. ``tails``: each histogram's ``(under, over)`` shares beyond its first and last
+    edge (not drawn; the drawn mass is ``1 − under − over``): where one holds more than its side's
+    share of ``1 − keep``, the range reaches that edge (the rest cannot be drawn)."""
     los, his = [], []
-    for edges, dens in hists:
+    for n, (edges, dens) in enumerate(hists):
         mass = [d * (b - a) for a, b, d in zip(edges, edges[1:], dens, strict=False)]
-        total = math.fsum(mass)
-        if total <= 0:
+        under, over = tails[n] if tails else (0.0, 0.0)
+        total = math.fsum(mass) + under + over
+        if total <= 0 or math.fsum(mass) <= 0:
             continue
         cut = (1.0 - keep) / 2 * total
-        acc, i = 0.0, 0
+        acc, i = under, 0
         while i < len(mass) - 1 and acc + mass[i] <= cut:
             acc += mass[i]
             i += 1
-        acc, j = 0.0, len(mass) - 1
+        acc, j = over, len(mass) - 1
         while j > i and acc + mass[j] <= cut:
             acc += mass[j]
             j -= 1

@@ -134,7 +134,8 @@ def _line_labels(ax) -> list[str]:
 def _rich_records():
     """The sample records plus what the figures must explain: a pseudo-decode billed-bits series
     that changes with the length for kvarn only, a norm-difference histogram with a wide tail
-    (rtn_token K), and cost bits of 2.0 (kivi) and 2.7 (kvarn) beside fp16's 16."""
+    (rtn_token K), one with 30 % of its tokens past its last bin (kivi K, exp3's flat layout with under-
+    and overflow), and cost bits of 2.0 (kivi) and 2.7 (kvarn) beside fp16's 16."""
     from test_report_samples import CTX
 
     recs = records()
@@ -147,6 +148,11 @@ def _rich_records():
             edges = [-2.0 + 0.25 * i for i in range(17)] + [4.0, 8.0, 16.0]
             counts = [0.0] * 8 + [120.0, 40.0, 15.0, 8.0, 5.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.6]  # a tail out to 16
             r["series"]["k_norm_diff"] = {"edges": edges, "counts": counts}
+        if r["experiment"] == "exp3" and r["method"] == "kivi":  # the flat layout of exp3: 30 % of K past 4.0
+            edges = [-1.0 + 0.25 * i for i in range(21)]
+            k = [0.0] + [0.7 / 20] * 20 + [0.3]  # [underflow, 20 bins, overflow], shares of tokens
+            v = [0.0] + [1.0 / 20] * 20 + [0.0]
+            r["series"] = {"norm_diff_edges": edges, "k_norm_diff_density": k, "v_norm_diff_density": v}
         if r["experiment"] == "exp4" and r["k_bits"] == 2 and r["method"] in ("kvarn", "kivi"):
             r["metrics"]["cost_bits_effective"] = 2.7 if r["method"] == "kvarn" else 2.0
     return recs
@@ -230,6 +236,45 @@ def test_density_x_range_is_chosen_from_the_data_and_off_scale_share_is_shown(re
     # a narrow method's range is narrower than the wide one's
     k_lo, k_hi = panels["kvarn"].get_xlim()
     assert k_hi - k_lo < hi - lo
+
+
+def _in_view(edges, shares, lo, hi):
+    """Share of tokens inside [lo, hi] from a record's bins (shares per bin, pro rata for a partial bin)."""
+    return sum(c * max(0.0, min(b, hi) - max(a, lo)) / (b - a) for a, b, c in zip(edges, edges[1:], shares))
+
+
+def test_density_title_claim_holds_in_every_panel(rendered):
+    """The title says each x-range holds ≥ 98 % of the tokens or reaches the last bin where more lie
+    beyond it: checked in every panel against the records' own bins (mean over the seeds), and every
+    share off scale is named in its panel."""
+    recs, figs, _ = rendered
+    fig = figs["norm_diff_density_synthetic.png"]
+    assert "≥ 98 %" in fig._suptitle.get_text() and "last bin" in fig._suptitle.get_text()
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    for m, ax in panels.items():
+        lo, hi = ax.get_xlim()
+        note = " ".join(t.get_text() for t in ax.texts)
+        for kv in ("k", "v"):
+            cells = [r for r in recs if r["experiment"] == "exp3" and r["method"] == m and r["k_bits"] == 2]
+            views, overs = [], []
+            for r in cells:
+                ser = r["series"]
+                if "norm_diff_edges" in ser:  # [underflow, bins…, overflow]
+                    edges, vals = ser["norm_diff_edges"], ser[f"{kv}_norm_diff_density"]
+                    tot = sum(vals)
+                    views.append(_in_view(edges, [v / tot for v in vals[1:-1]], lo, hi))
+                    overs.append(vals[-1] / tot)
+                else:
+                    edges, counts = ser[f"{kv}_norm_diff"]["edges"], ser[f"{kv}_norm_diff"]["counts"]
+                    views.append(_in_view(edges, [c / sum(counts) for c in counts], lo, hi))
+                    overs.append(0.0)
+            view, over = sum(views) / len(views), sum(overs) / len(overs)
+            assert view >= 0.98 - 1e-9 or (over > 0.01 and hi >= edges[-1]), (m, kv, view, over, hi)
+            if 1 - view >= 0.01:
+                assert f"{kv.upper()} {1 - view:.0%}" in note, (m, kv, note)
+            if over >= 0.01:
+                assert f"{over:.0%} > {edges[-1]:g}" in note, (m, kv, note)
+    assert "K 30% (30% > 4, past the last bin)" in " ".join(t.get_text() for t in panels["kivi"].texts)
 
 
 def test_cost_bits_scale_separates_2_from_2_7_bits(rendered):
