@@ -1108,7 +1108,7 @@ def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) 
     med = sorted(vals)[len(vals) // 2]
     tall = [y > 2.5 * med for y in vals]
     rest = [y + e for _, ys, es in drawn for y, e in zip(ys, es, strict=False) if not y > 2.5 * med]
-    top = 1.22 * max(rest) if any(tall) and rest else None
+    top = 1.4 * max(rest) if any(tall) and rest else None  # headroom: values above the bars, the legend
     for bars, ys, _ in drawn:
         for bar, y in zip(bars, ys, strict=False):
             x = bar.get_x() + bar.get_width() / 2
@@ -1124,9 +1124,11 @@ def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) 
                             va="bottom", fontsize=5.5, rotation=90)
     if top is not None:
         ax.set_ylim(0, top)
-        ax.text(0.99, 0.80, f"hatched bars are cut at the top (value written on them);\naxis fitted to the bars "
-                f"under {2.5 * med:.3g} bits", transform=ax.transAxes, ha="right", va="top", fontsize=7,
-                color="dimgrey")
+        # between the title and the axes, where no bar, value or legend can be
+        ax.set_title(ax.get_title(), fontsize=ax.title.get_fontsize(), pad=16)
+        ax.annotate(f"hatched bars are cut at the top (value written on them); axis fitted to the bars under "
+                    f"{2.5 * med:.3g} bits", (0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="dimgrey")
 
 
 def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path, top: int = 4

@@ -288,6 +288,19 @@ def test_cost_bits_scale_separates_2_from_2_7_bits(rendered):
     cut = [b for b in _bars(ax) if b.get_hatch()]
     assert len(cut) == 1 and cut[0].get_height() <= top  # fp16, cut at the top, hatched …
     assert any(t.get_text().startswith("16 ") for t in ax.texts)  # … its value written on it
+    # the note on the cut bars sits above the axes (over no bar and no value), the legend over no value
+    fig = figs["cost_synthetic.png"]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    note = [t for t in ax.texts if t.get_text().startswith("hatched bars are cut")]
+    assert len(note) == 1 and note[0].get_window_extent(r).y0 >= ax.get_window_extent(r).y1 - 0.5
+    assert note[0].get_window_extent(r).y1 <= ax.title.get_window_extent(r).y0 + 0.5  # under the title
+    legend = ax.get_legend().get_window_extent(r)
+    values = [t.get_window_extent(r) for t in ax.texts if t not in note]
+    assert values and not any(legend.overlaps(v) for v in values)
 
 
 @pytest.mark.parametrize("dense", [False, True])
