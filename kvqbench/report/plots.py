@@ -795,14 +795,16 @@ _ERR_LABEL = {"rel_mse": "attention-output relative MSE Σ(Ô−O)²/ΣO²", "ms
 
 def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any] | None, style: _Style,
                     out: Path, quantity: str) -> Path | None:
+    from matplotlib.transforms import blended_transform_factory
+
     setting, kind, curves = _exp2_curves(sd, exp2, quantity)
     if not curves or kind is None:
         return None
     regimes = [r for r in ("static", "pseudo-decode") if any(k[1] == r for k in curves)]
-    billed = _decode_billed_bits(exp2, setting) if "pseudo-decode" in regimes else {}
-    if billed:  # a second row: the billed bits under the pseudo-decode panel
-        fig, grid = plt.subplots(2, len(regimes), figsize=(6 * len(regimes) + 1.5, 6.6), squeeze=False,
-                                 gridspec_kw={"height_ratios": [3, 1.35]}, sharex="col")
+    fp16 = _decode_fp16(exp2, setting) if "pseudo-decode" in regimes else {}
+    if fp16:  # a second row: the fp16 tokens and billed bits under the pseudo-decode panel
+        fig, grid = plt.subplots(2, len(regimes), figsize=(6 * len(regimes) + 1.5, 7.0), squeeze=False,
+                                 gridspec_kw={"height_ratios": [3, 1.5]}, sharex="col")
         axes = grid[:1]
         for ax in grid[0][1:]:
             ax.sharey(grid[0][0])
@@ -811,27 +813,41 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                                  squeeze=False)
     allv = [y for xs, ys in curves.values() for y in ys]
     log = _span_decades(allv) >= 1.5
-    zero_points = False
     handles: dict[str, Any] = {}
+    zeros: dict[str, list[tuple[str, list[float]]]] = {}  # regime → (method, lengths where exactly 0)
+    n_lines = 0  # the most lines of notes at the foot of a panel
     for ax, reg in zip(axes[0], regimes, strict=False):
         zero_methods: list[str] = []
         for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
             if r != reg:
                 continue
             pts = [(x, y) for x, y in zip(xs, ys, strict=False) if (y > 0 or not log)]
-            zero_points |= 0 < len(pts) < len(ys)
             if not pts:
                 zero_methods.append(m)
                 continue
+            if len(pts) < len(ys):
+                zeros.setdefault(reg, []).append((m, [x for x, y in zip(xs, ys, strict=False) if not y > 0]))
             st = style(m)
             (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=m, color=st["color"],
                               marker=st["marker"], linestyle=st["linestyle"], markersize=4, linewidth=1.3)
             handles.setdefault(m, line)
+        notes = []
+        for m, xs0 in zeros.get(reg, []):  # a point at exactly 0 has no place on a log axis: ▽ on its x axis
+            st = style(m)
+            ax.plot(xs0, [0.0] * len(xs0), transform=blended_transform_factory(ax.transData, ax.transAxes),
+                    linestyle="none", marker="v", markersize=7, markerfacecolor="white", markeredgewidth=1.3,
+                    color=st["color"], clip_on=False, zorder=5, label=f"_exactly 0: {m}")
+            why = _all_fp16_at(fp16.get(m), xs0) if reg == "pseudo-decode" else []
+            at = ", ".join(f"{x:g}" for x in xs0)
+            notes.append(f"▽ {m} at {at} tokens: exactly 0" + (" (every token still fp16)" if why else ""))
         if zero_methods:
-            ax.text(0.01, 0.01, "exactly 0 at every length (not drawn): " + ", ".join(zero_methods),
-                    transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom")
+            notes.append("exactly 0 at every length (not drawn): " + ", ".join(zero_methods))
         if log:
             ax.set_yscale("log")
+        if notes:
+            ax.text(0.01, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom",
+                    zorder=6)
+            n_lines = max(n_lines, len(notes))
         xs_all = sorted({x for (m, r), (xs, _) in curves.items() if r == reg for x in xs})
         if xs_all and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 8:
             ax.set_xscale("log", base=2)
@@ -839,69 +855,180 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
         ax.set_title(f"{reg}" + (" (whole prefix quantized at once)" if reg == "static" else
                                   " (quantized block by block as it arrives)"), fontsize=10)
         ax.grid(True, alpha=0.3)
+    if n_lines:  # an empty band at the foot of the (shared) y axis for the notes: they cover no curve
+        _foot_room(axes[0][0], 0.045 * n_lines + 0.03)
     axes[0][0].set_ylabel(_ERR_LABEL.get(kind, kind) + (" (log scale)" if log else ""))
     order = sorted(handles, key=lambda m: style.idx.get(m, 99))  # every method drawn in any panel
     if order:
         axes[0][-1].legend([handles[m] for m in order], order, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                            fontsize=8, frameon=False)
-    if billed:
-        _draw_billed_bits(grid, regimes, billed, style, axes)
+    if fp16:
+        _draw_fp16_panel(grid, regimes, fp16, style, axes, {m: xy for (m, r), xy in curves.items()
+                                                             if r == "pseudo-decode"}, kind)
     what = "Attention KL" if quantity == "kl" else "Attention error"
-    note = "; points at exactly 0 (e.g. inside an fp16 residual window) omitted on the log scale" if zero_points else ""
-    fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds{note})", fontsize=11)
+    fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds)", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
 
 
-def _decode_billed_bits(exp2: dict[str, Any] | None, setting: str | None
-                       ) -> dict[str, tuple[list[float], list[float]]]:
-    """``{method: (context lengths, billed bits/element)}`` in pseudo-decode, for the methods whose
-    billed bits change with the length by more than 5 % (their fp16 share — attention sinks, a
-    residual window, a partial last tile — changes with it). Empty when none does."""
+def _foot_room(ax: Any, frac: float) -> None:
+    """Lower the y axis so that the bottom ``frac`` of its height holds no data (log or linear)."""
+    ax.autoscale_view()
+    lo, hi = ax.get_ylim()
+    if ax.get_yscale() == "log" and lo > 0:
+        span = math.log10(hi / lo)
+        ax.set_ylim(lo / 10 ** (span * frac / (1 - frac)), hi)
+    else:
+        ax.set_ylim(lo - (hi - lo) * frac / (1 - frac), hi)
+
+
+def _decode_fp16(exp2: dict[str, Any] | None, setting: str | None) -> dict[str, dict[str, Any]]:
+    """What pseudo-decode holds in fp16, per method whose billed bits change with the length by more
+    than 5 % (its fp16 share — attention sinks, a recent window, a partly filled last tile — changes
+    with it): ``{method: {"x": lengths, "bits": billed bits/element, "share": share of the tokens in
+    fp16 or None, "newest": the newest tokens held in fp16 (mean of K and V) or None}}``. The newest
+    are the fp16 tokens that are not sink tokens: ``share · L − sink`` (sinks from the cells'
+    ``extra.decode.policy``; None where a cell records no policy). Empty when no method qualifies."""
     if setting is None:
         return {}
+    from kvqbench.report.leaderboard import setting_key
 
     def kind(name: str) -> Any:
         last = name.split("/")[-1]
-        return "bits" if _regime(name) == "pseudo-decode" and last in ("bits_effective", "bits") else None
+        if _regime(name) != "pseudo-decode":
+            return None
+        return "bits" if last in ("bits_effective", "bits") else "share" if last == "fp16_token_share" else None
 
     cells = (exp2 or {}).get("cells") or []
-    out = {}
-    for (m, _), (xs, ys) in _mean_curves(cells, setting, kind).items():
+    mean = _mean_curves(cells, setting, kind)
+    out: dict[str, dict[str, Any]] = {}
+    for (m, key), (xs, ys) in mean.items():
         lo, hi = min(ys), max(ys)
-        if lo > 0 and (hi - lo) / lo > 0.05:
-            out[m] = (xs, ys)
+        if key != "bits" or not (lo > 0 and (hi - lo) / lo > 0.05):
+            continue
+        share = mean.get((m, "share"))
+        share_y = share[1] if share is not None and share[0] == xs else None
+        sinks = None
+        for c in cells:
+            pol = ((c.get("extra") or {}).get("decode") or {}).get("policy") or {}
+            if c.get("method") == m and c.get("status") == "passed" and setting_key(c) == setting and pol:
+                sinks = [p.get("sink_tokens", 0) for p in pol.values()]
+                break
+        newest = None
+        if share_y is not None and sinks:
+            newest = [max(0.0, round(2 * (f * x - math.fsum(min(sk, x) for sk in sinks) / len(sinks))) / 2)
+                      for x, f in zip(xs, share_y, strict=False)]
+        out[m] = {"x": xs, "bits": ys, "share": share_y, "newest": newest}
     return out
 
 
-def _draw_billed_bits(grid: Any, regimes: list[str], billed: dict[str, tuple[list[float], list[float]]],
-                      style: _Style, top_axes: Any) -> None:
+def _all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
+    """Whether every token is fp16 at each of the lengths ``xs0`` (fp16 share 1 there)."""
+    if not info or info.get("share") is None:
+        return False
+    at = dict(zip(info["x"], info["share"], strict=False))
+    return all(x in at and at[x] >= 1.0 - 1e-9 for x in xs0)
+
+
+def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: _Style,
+                     top_axes: Any, decode_curves: dict[str, tuple[list[float], list[float]]], kind: str) -> None:
+    """Under the pseudo-decode panel: per method whose fp16 share changes with the length, the newest
+    tokens still in fp16 (solid, left axis) and the billed bits/element (dashed, right axis); beside it,
+    a note that says, from the data, why those curves jump between neighbouring lengths."""
+    from matplotlib.lines import Line2D
+
     ax = grid[1][regimes.index("pseudo-decode")]
-    for m in sorted(billed, key=lambda m: style.idx.get(m, 99)):
+    methods = sorted(fp16, key=lambda m: style.idx.get(m, 99))
+    with_newest = [m for m in methods if fp16[m]["newest"] is not None]
+    bits_ax = ax.twinx() if with_newest else ax
+    if with_newest:
+        bits_ax.spines["right"].set_visible(True)
+    for m in methods:
         st = style(m)
-        xs, ys = billed[m]
-        ax.plot(xs, ys, color=st["color"], marker=st["marker"], linestyle=st["linestyle"], markersize=4,
-                linewidth=1.3, label=m)
-    ax.set_ylabel("billed bits/element", fontsize=8)
+        info = fp16[m]
+        if info["newest"] is not None:
+            ax.plot(info["x"], info["newest"], color=st["color"], marker=st["marker"], linestyle="-", markersize=4,
+                    linewidth=1.3, label=m)
+        bits_ax.plot(info["x"], info["bits"], color=st["color"], marker=st["marker"], markersize=4,
+                     linestyle="--" if with_newest else "-", linewidth=0.9 if with_newest else 1.3,
+                     markerfacecolor="white" if with_newest else st["color"],
+                     label=f"{m} billed bits" if with_newest else m)
     ax.set_xlabel("context length (tokens)")
-    ax.set_title("billed bits in pseudo-decode (fp16 sink / residual / partial-tile tokens at 16 bits)",
-                 fontsize=8)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    bits_ax.set_ylabel("billed bits/element" + (" (dashed)" if with_newest else ""), fontsize=8)
+    if with_newest:
+        ax.set_ylabel("newest tokens in fp16\n(solid)", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.set_title("pseudo-decode fp16: the newest tokens still fp16 (solid, left) and the billed bits "
+                     "(dashed, right)", fontsize=8)
+        handles = [Line2D([], [], color=style(m)["color"], marker=style(m)["marker"], markersize=4) for m in methods]
+        handles += [Line2D([], [], color="black", linestyle="-"), Line2D([], [], color="black", linestyle="--",
+                                                                          marker="o", markerfacecolor="white",
+                                                                          markersize=4)]
+        labels = methods + ["newest tokens in fp16", "billed bits/element"]
+        ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.12, 1.0))
+    else:
+        ax.set_title("billed bits in pseudo-decode (fp16 sink / residual / partial-tile tokens at 16 bits)",
+                     fontsize=8)
+        ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
-    names = ", ".join(sorted(billed, key=lambda m: style.idx.get(m, 99)))
-    note = (f"Pseudo-decode, {names}: which tokens stay fp16 (attention sinks, a residual window, a partly "
-            "filled last tile of the most recent tokens) changes with the length, so their error jumps "
-            "between neighbouring lengths: it drops where the most recent tokens — which draw the most "
-            "attention — are still fp16, and rises where the length fills the last tile and they are "
-            "quantized too. The billed bits (right) show the fp16 share at each length.")
+    note = _fp16_note(fp16, methods, decode_curves, kind)
     for i, reg in enumerate(regimes):
         if reg != "pseudo-decode":
             a = grid[1][i]
             a.axis("off")
             top_axes[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
             top_axes[0][i].set_xlabel("context length (tokens)")
-            a.text(0.0, 0.80, "\n".join(_wrap(note, 88)), transform=a.transAxes, fontsize=8, va="top")
+            a.text(0.0, 0.95, "\n".join(line for para in note for line in (_wrap(para, 82) or [""])),
+                   transform=a.transAxes, fontsize=8, va="top")
+
+
+def _fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
+               decode_curves: dict[str, tuple[list[float], list[float]]], kind: str) -> list[str]:
+    """The note beside the fp16 panel, as paragraphs: the general reason, then, for each method whose
+    newest tokens are all fp16 at some lengths and all quantized at others (its curve jumps), the
+    lengths of each case with its error there — from the data."""
+    what = "KL" if kind in ("kl", "kl_rev") else "error"
+    paras = [f"Pseudo-decode, {', '.join(methods)}: which tokens stay fp16 (attention sinks, a recent window, "
+             "a partly filled last tile) changes with the length. The queries, the last positions of each "
+             "prefix, attend most to the newest tokens in a real model: while those are fp16 the error is "
+             "low; where the length fills the last tile, they are quantized too and it jumps. The panel to the right of "
+             "this note (below the pseudo-decode curves) shows the newest tokens in fp16 and the bits billed at "
+             "each length."]
+
+    def rng(vals: list[float]) -> str:
+        if not vals:
+            return ""
+        lo, hi = f"{min(vals):.2g}", f"{max(vals):.2g}"
+        return f"{what} {lo}" if lo == hi else f"{what} {lo}–{hi}"
+
+    for m in methods:
+        info = fp16[m]
+        if info["newest"] is None:
+            continue
+        ys = dict(zip(*decode_curves[m], strict=False)) if m in decode_curves else {}
+        every = [x for x in info["x"] if _all_fp16_at(info, [x])]
+        some: dict[float, list[float]] = {}
+        none = []
+        for x, n in zip(info["x"], info["newest"], strict=False):
+            if x in every:
+                continue
+            if n > 0:
+                some.setdefault(n, []).append(x)
+            else:
+                none.append(x)
+        if not none or not (some or every):
+            continue  # the newest tokens are fp16 at every length (or at none): no jump to explain
+        parts = []
+        if every:
+            parts.append(f"every token fp16 at {', '.join(f'{x:g}' for x in every)} ({what} exactly 0)")
+        for n, xs in sorted(some.items(), key=lambda kv: -kv[0]):
+            parts.append(f"the newest {n:g} fp16 at {', '.join(f'{x:g}' for x in xs)} "
+                         f"({rng([ys[x] for x in xs if x in ys])})")
+        parts.append(f"none at {', '.join(f'{x:g}' for x in none)}, where the length fills its last tile "
+                     f"({rng([ys[x] for x in none if x in ys])})")
+        paras.append(f"{m}: " + "; ".join(parts) + ".")
+    return paras
 
 
 def _wrap(text: str, width: int) -> list[str]:

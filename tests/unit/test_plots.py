@@ -144,6 +144,14 @@ def _rich_records():
             flat = 16.0 if r["method"] == "fp16" else r["k_bits"] + 0.25
             r["series"]["pseudo_decode"]["bits_effective"] = (
                 [16.0, 8.0, 5.0, 6.0] if r["method"] == "kvarn" and r["k_bits"] == 2 else [flat] * len(CTX))
+            if r["method"] == "kvarn" and r["k_bits"] == 2:
+                # 32 sink tokens; every token fp16 at 64, the newest 64, 0 and 64 tokens fp16 at 128, 256, 512
+                r["series"]["pseudo_decode"]["fp16_token_share"] = [1.0, 96 / 128, 32 / 256, 96 / 512]
+                pol = {"sink_tokens": 32, "tile_tokens": 64, "residual_tokens": 0, "residual_mode": "none"}
+                r["extra"] = {"decode": {"policy": {"k": pol, "v": pol}}}
+                dec = r["series"]["pseudo_decode"]  # exactly 0 where every token is fp16; small where the
+                dec["attn_kl"] = [0.0, 1e-4, dec["attn_kl"][2], 1e-4]  # newest are, large where they are not
+                dec["attn_mse"] = [0.0, 1e-4, dec["attn_mse"][2], 1e-4]
         if r["experiment"] == "exp3" and r["method"] == "rtn_token":
             edges = [-2.0 + 0.25 * i for i in range(17)] + [4.0, 8.0, 16.0]
             counts = [0.0] * 8 + [120.0, 40.0, 15.0, 8.0, 5.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.6]  # a tail out to 16
@@ -193,19 +201,44 @@ def test_figure_axes_hold_the_expected_series(rendered):
         assert sorted(c.get_label() for c in ax.containers) == sorted(compressed)
 
     # attention error / KL vs context: static and pseudo-decode panels with every method (fp16, exactly
-    # 0, is either a line or named in the "exactly 0" note), and the billed-bits panel holding exactly
-    # the method whose fp16 share changes with length
+    # 0, is either a line or named in the "exactly 0" note), and the fp16 panel below holding exactly the
+    # method whose fp16 share changes with length: its newest fp16 tokens, its billed bits on a twin axis
     for name in ("attn_error_vs_context_synthetic.png", "attn_kl_vs_context_synthetic.png"):
-        axes = {ax.get_title().split(" ")[0]: ax for ax in figs[name].axes if ax.get_title()}
+        axes = {ax.get_title().split(" ")[0]: ax for ax in figs[name].axes
+                if ax.get_title().startswith(("static (", "pseudo-decode ("))}
         for reg in ("static", "pseudo-decode"):
             labels = set(_line_labels(axes[reg]))
             noted = " ".join(t.get_text() for t in axes[reg].texts)
             assert set(compressed) <= labels and ("fp16" in labels or "fp16" in noted), (name, reg)
-        bits_ax = axes["billed"]
-        assert _line_labels(bits_ax) == ["kvarn"]
+        fp16_ax = next(ax for ax in figs[name].axes if ax.get_title().startswith("pseudo-decode fp16"))
+        assert _line_labels(fp16_ax) == ["kvarn"]  # the newest tokens in fp16: share · L − 32 sink tokens
+        assert list(fp16_ax.get_lines()[0].get_ydata()) == [32.0, 64.0, 0.0, 64.0]
+        bits_ax = next(ax for ax in figs[name].axes if "kvarn billed bits" in _line_labels(ax))
+        assert bits_ax is not fp16_ax and bits_ax.get_shared_x_axes().joined(bits_ax, fp16_ax)  # a twin axis
         assert list(bits_ax.get_lines()[0].get_ydata()) == [16.0, 8.0, 5.0, 6.0]
-        notes = " ".join(t.get_text() for ax in figs[name].axes for t in ax.texts)
-        assert "kvarn" in notes and "fp16" in notes
+        assert bits_ax.yaxis.get_label_position() == "right"
+        notes = " ".join(t.get_text().replace("\n", " ") for ax in figs[name].axes for t in ax.texts)
+        assert "kvarn: every token fp16 at 64" in notes and "the newest 64 fp16 at 128, 512" in notes
+        assert "none at 256, where the length fills its last tile" in notes
+        assert "The panel to the right of this note (below the pseudo-decode curves)" in notes
+        # kvarn's 0 at 64 tokens cannot sit on the log axis: a ▽ on the x axis and a note say so
+        decode = axes["pseudo-decode"]
+        assert decode.get_yscale() == "log"
+        zero = [ln for ln in decode.get_lines() if ln.get_label() == "_exactly 0: kvarn"]
+        assert len(zero) == 1 and list(zero[0].get_xdata()) == [64]
+        foot = " ".join(t.get_text() for t in decode.texts)
+        assert "▽ kvarn at 64 tokens: exactly 0 (every token still fp16)" in foot
+        # the notes at the foot of the panel cover no point of any curve
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(figs[name])
+        figs[name].canvas.draw()
+        r = figs[name].canvas.get_renderer()
+        for ax in (axes["static"], decode):
+            top = max(t.get_window_extent(r).y1 for t in ax.texts)
+            pts = [ax.transData.transform(xy)[1] for ln in ax.get_lines() if not ln.get_label().startswith("_")
+                   for xy in ln.get_xydata()]
+            assert pts and min(pts) > top, (name, min(pts), top)
 
     # norm-difference density: one panel per method, K and V drawn
     panels = {ax.get_title(): ax for ax in figs["norm_diff_density_synthetic.png"].axes if ax.get_title()}
@@ -217,6 +250,26 @@ def test_figure_axes_hold_the_expected_series(rendered):
     lat_ax, bits_ax = figs["cost_synthetic.png"].axes
     assert _bar_labels(lat_ax) == ["dequantize_ms [ms]", "quantize_ms [ms]"]
     assert _bar_labels(bits_ax) == ["cost_bits_effective [bits/element]"]
+
+
+def test_fp16_panel_without_a_policy_shows_the_billed_bits(tmp_path, monkeypatch):
+    """Results that record no fp16 share or streaming policy (an older run, a third-party method): the
+    panel under the pseudo-decode curves holds the billed bits alone, on its own axis."""
+    from kvqbench.report import plots
+
+    recs = _rich_records()
+    for r in recs:
+        if r["experiment"] == "exp2":
+            r["series"]["pseudo_decode"].pop("fp16_token_share", None)
+            r.pop("extra", None)
+    figs = {}
+    orig = plots._finish
+    monkeypatch.setattr(plots, "_finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    write_figures(write_results(tmp_path / "r", [r for r in recs if r["experiment"] in ("exp1", "exp2")]))
+    fig = figs["attn_kl_vs_context_synthetic.png"]
+    bits_ax = next(ax for ax in fig.axes if ax.get_title().startswith("billed bits in pseudo-decode"))
+    assert _line_labels(bits_ax) == ["kvarn"] and list(bits_ax.get_lines()[0].get_ydata()) == [16.0, 8.0, 5.0, 6.0]
+    assert not any(ax.get_title().startswith("pseudo-decode fp16") for ax in fig.axes)
 
 
 def test_density_x_range_is_chosen_from_the_data_and_off_scale_share_is_shown(rendered):
