@@ -40,6 +40,49 @@ def pytest_configure(config: pytest.Config) -> None:
     if plugin is not None:
         config.pluginmanager.unregister(plugin)
 
+@pytest.hookimpl(tryfirst=True)  # configured (--kvq-out read, pytest's temporary folder made); before xdist
+def pytest_sessionstart(session: pytest.Session) -> None:  # starts its workers with the options
+    _suite_results_in_tmp(session.config)
+
+
+#: where the test suite's smoke cells write their results instead of pytest's temporary folder (CI keeps
+#: them as an artifact)
+SUITE_OUT_ENV = "KVQBENCH_SUITE_OUT"
+
+
+def _suite_results_in_tmp(config: pytest.Config) -> None:
+    """The test suite (a session that may select tests beyond the benchmark cells, from outside
+    tests/bench — ``python -m pytest -n auto``) runs the smoke cells too: their results go to
+    ``<pytest's temporary folder>/kvqbench-results`` (or ``$KVQBENCH_SUITE_OUT``), never into the
+    repository's ``results/smoke`` where a user's own smoke run lives. ``--kvq-out`` wins; a cells-only
+    session (``kvqbench run``, ``pytest -m smoke``, ``pytest tests/bench``) keeps the plugin's default."""
+    if hasattr(config, "workerinput") or config.getoption("--kvq-out", None) is not None:
+        return
+    if _only_cells(config.getoption("markexpr", "") or ""):
+        return
+    here = Path(config.invocation_params.dir)
+    paths = [(here / str(a).split("::")[0]).resolve() for a in config.args] or [_TESTS]
+    if all(p == _BENCH or _BENCH in p.parents for p in paths):
+        return
+    env = os.environ.get(SUITE_OUT_ENV)
+    if env:
+        out = Path(env)
+    else:
+        factory = getattr(config, "_tmp_path_factory", None)  # pytest's tmp_path_factory (kept 3 sessions)
+        if factory is None:  # -p no:tmpdir
+            import tempfile
+
+            out = Path(tempfile.mkdtemp(prefix="kvqbench-suite-")) / "kvqbench-results"
+        else:
+            out = factory.getbasetemp() / "kvqbench-results"
+    config.option.kvq_out = str(out)  # xdist hands the workers this option namespace
+    from kvqbench.plugin import SETTINGS_KEY
+
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is not None:  # already read by the plugin's pytest_configure
+        settings.out_dir = str(out)
+
+
 #: the benchmark cells (the only tests the plugin marks ``smoke``/``full``/``kvq``) live here; the other
 #: folders under tests/ hold none (tests/unit/test_cells_only_in_bench.py checks it)
 _TESTS = Path(__file__).parent / "tests"
