@@ -35,6 +35,17 @@ from typing import Any, Callable
 __all__ = ["ResultMemo"]
 
 
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited but was not reaped yet (Linux: state ``Z`` in ``/proc/PID/stat``): a
+    crashed xdist worker stays such a zombie until the controller reaps it, and ``os.kill(pid, 0)`` still
+    finds it. ``False`` where ``/proc`` cannot tell (another OS)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return False
+    return stat[stat.rfind(")") + 2: stat.rfind(")") + 3] == "Z"  # the state follows "(command) "
+
+
 class ResultMemo:
     """Results by key, in this process and (optionally) in a folder shared with other processes.
 
@@ -158,7 +169,7 @@ class ResultMemo:
             return False
         except (PermissionError, ValueError, OverflowError):
             return True
-        return True
+        return not _is_zombie(int(text))
 
     def claim(self, key: Any) -> bool:
         """Claim the computation of ``key`` for this process (what :meth:`compute` does for its own key,

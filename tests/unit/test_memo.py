@@ -120,6 +120,27 @@ def test_a_released_or_dead_claim_is_not_waited_for(tmp_path):
     assert memo.compute(("b",), lambda: "also mine") == "also mine" and not claim_b.exists()
 
 
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/stat"), reason="needs Linux /proc")
+def test_a_claim_of_an_unreaped_dead_process_is_not_waited_for(tmp_path):
+    """A crashed xdist worker stays a zombie until the controller reaps it (``os.kill(pid, 0)`` still finds
+    it): its claim is stale, not waited for forever (seen in a main job whose worker was killed)."""
+    import subprocess
+    import sys
+    import time
+
+    memo = ResultMemo(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    for _ in range(500):  # exited but not reaped: a zombie
+        if open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.01)
+    os.kill(child.pid, 0)  # still "there" for the plain liveness check
+    claim = tmp_path / f"{memo.digest(('z',))}.claim"
+    claim.write_text(str(child.pid))
+    assert memo.compute(("z",), lambda: "computed") == "computed" and not claim.exists()
+    child.wait()
+
+
 def test_a_failing_computation_releases_its_claim(tmp_path):
     memo = ResultMemo(tmp_path)
 
