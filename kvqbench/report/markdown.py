@@ -395,6 +395,9 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
             why += f"; Spearman rho {head['rho']:.2f} with {head.get('target')}{on}"
         out.append(f"kvqbench [{src_name}] {label} ({why}) at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
+        if not head.get("from_predictivity"):  # SPEC §4.5: the headline follows predictivity, which needs exp5
+            out.append("  (relative MSE: this result set has no end-to-end run to pick the tensor metric that "
+                       "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
         out.append(tabulate(rows, headers=["rank", "method", metric, "bits eff."] + (["e2e KL (nats)"] if e2e else []),
                             tablefmt="simple"))
     return "\n".join(out)

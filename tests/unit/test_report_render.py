@@ -58,6 +58,7 @@ def test_report_without_torch_is_byte_identical(smoke_run, tmp_path):
     assert res.returncode == 0, res.stderr
     assert (d / "LEADERBOARD.md").read_bytes() == original
     assert "kvqbench [synthetic] headline rel_mse (exp1) at k2v2" in res.stdout
+    assert "(relative MSE: this result set has no end-to-end run" in res.stdout  # why not the main job's metric
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -96,3 +97,22 @@ def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
     # a results tree whose only set is in a subfolder (a smoke run writes results/smoke): named in the error
     assert main(["report", str(tmp_path)]) == 2
     assert f"result sets below it: {out}" in capsys.readouterr().err
+
+
+def test_terminal_says_why_a_set_without_end_to_end_ranks_on_relative_mse():
+    """SPEC §4.5: the headline metric is the one predictivity picks, which needs the end-to-end run; a set
+    without it (a smoke run) ranks on relative MSE, and the terminal table says why; one with it does not."""
+    import copy
+
+    from test_report_samples import board
+
+    from kvqbench.report.markdown import render_terminal
+
+    b = board()
+    assert not b["headline"]["from_predictivity"]
+    assert "this result set has no end-to-end run" in render_terminal(b)
+    picked = copy.deepcopy(b)
+    picked["headline"] = {**b["headline"], "metric": "rel_mse", "from_predictivity": True, "rho": 0.9,
+                          "source": "synthetic", "target": "e2e_prefill_kl_nats"}
+    text = render_terminal(picked)
+    assert "no end-to-end run" not in text and "Spearman rho 0.90" in text
