@@ -795,7 +795,7 @@ _ERR_LABEL = {"rel_mse": "attention-output relative MSE Σ(Ô−O)²/ΣO²", "ms
 
 def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any] | None, style: _Style,
                     out: Path, quantity: str) -> Path | None:
-    from matplotlib.transforms import blended_transform_factory
+    from matplotlib.transforms import blended_transform_factory, offset_copy
 
     setting, kind, curves = _exp2_curves(sd, exp2, quantity)
     if not curves or kind is None:
@@ -832,11 +832,16 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                               marker=st["marker"], linestyle=st["linestyle"], markersize=4, linewidth=1.3)
             handles.setdefault(m, line)
         notes = []
+        foot = blended_transform_factory(ax.transData, ax.transAxes)
+        at_x: dict[float, int] = defaultdict(int)  # ▽ already drawn at a length: the next one beside it
         for m, xs0 in zeros.get(reg, []):  # a point at exactly 0 has no place on a log axis: ▽ on its x axis
             st = style(m)
-            ax.plot(xs0, [0.0] * len(xs0), transform=blended_transform_factory(ax.transData, ax.transAxes),
-                    linestyle="none", marker="v", markersize=7, markerfacecolor="white", markeredgewidth=1.3,
-                    color=st["color"], clip_on=False, zorder=5, label=f"_exactly 0: {m}")
+            for x in xs0:
+                shift = offset_copy(foot, fig=fig, x=7.0 * at_x[x], units="points")
+                at_x[x] += 1
+                ax.plot([x], [0.0], transform=shift, linestyle="none", marker="v", markersize=7,
+                        markerfacecolor="white", markeredgewidth=1.3, color=st["color"], clip_on=False, zorder=5,
+                        label=f"_exactly 0: {m}")
             why = _all_fp16_at(fp16.get(m), xs0) if reg == "pseudo-decode" else []
             at = ", ".join(f"{x:g}" for x in xs0)
             notes.append(f"▽ {m} at {at} tokens: exactly 0" + (" (every token still fp16)" if why else ""))
@@ -888,7 +893,8 @@ def _decode_fp16(exp2: dict[str, Any] | None, setting: str | None) -> dict[str, 
     with it): ``{method: {"x": lengths, "bits": billed bits/element, "share": share of the tokens in
     fp16 or None, "newest": the newest tokens held in fp16 (mean of K and V) or None}}``. The newest
     are the fp16 tokens that are not sink tokens: ``share · L − sink`` (sinks from the cells'
-    ``extra.decode.policy``; None where a cell records no policy). Empty when no method qualifies."""
+    ``extra.decode.policy``; None where a cell records no policy), all ``L`` where every token is fp16.
+    Empty when no method qualifies."""
     if setting is None:
         return {}
     from kvqbench.report.leaderboard import setting_key
@@ -915,8 +921,9 @@ def _decode_fp16(exp2: dict[str, Any] | None, setting: str | None) -> dict[str, 
                 sinks = [p.get("sink_tokens", 0) for p in pol.values()]
                 break
         newest = None
-        if share_y is not None and sinks:
-            newest = [max(0.0, round(2 * (f * x - math.fsum(min(sk, x) for sk in sinks) / len(sinks))) / 2)
+        if share_y is not None and sinks:  # every token fp16 (nothing quantized yet): all L are the newest
+            newest = [float(x) if f >= 1.0 - 1e-9 else
+                      max(0.0, round(2 * (f * x - math.fsum(min(sk, x) for sk in sinks) / len(sinks))) / 2)
                       for x, f in zip(xs, share_y, strict=False)]
         out[m] = {"x": xs, "bits": ys, "share": share_y, "newest": newest}
     return out

@@ -211,8 +211,8 @@ def test_figure_axes_hold_the_expected_series(rendered):
             noted = " ".join(t.get_text() for t in axes[reg].texts)
             assert set(compressed) <= labels and ("fp16" in labels or "fp16" in noted), (name, reg)
         fp16_ax = next(ax for ax in figs[name].axes if ax.get_title().startswith("pseudo-decode fp16"))
-        assert _line_labels(fp16_ax) == ["kvarn"]  # the newest tokens in fp16: share · L − 32 sink tokens
-        assert list(fp16_ax.get_lines()[0].get_ydata()) == [32.0, 64.0, 0.0, 64.0]
+        assert _line_labels(fp16_ax) == ["kvarn"]  # the newest tokens in fp16: share · L − 32 sink tokens,
+        assert list(fp16_ax.get_lines()[0].get_ydata()) == [64.0, 64.0, 0.0, 64.0]  # all 64 where all are fp16
         bits_ax = next(ax for ax in figs[name].axes if "kvarn billed bits" in _line_labels(ax))
         assert bits_ax is not fp16_ax and bits_ax.get_shared_x_axes().joined(bits_ax, fp16_ax)  # a twin axis
         assert list(bits_ax.get_lines()[0].get_ydata()) == [16.0, 8.0, 5.0, 6.0]
