@@ -263,16 +263,16 @@ class _PrintThread(threading.Thread):
         config.stash[PRINTER_KEY] = self
 
     def run(self) -> None:
-        # While reports arrive, the main thread prints (in _progress_tick) so lines never interleave with
-        # pytest's own dots; this thread speaks only when nothing has arrived for a whole interval (a
-        # long test, the real-model capture, the closing report).
-        while not self.stop.wait(self.prog.interval_s / 2):
+        # While reports arrive, the main thread prints (in _progress_tick) so lines rarely cut into pytest's
+        # own dots; this thread speaks when the line is due and no report has come for a moment (a long
+        # test, the real-model capture, the closing report), or when the line is half an interval late.
+        tick = min(0.5, self.prog.interval_s / 4)
+        while not self.stop.wait(tick):
             with _PROGRESS_LOCK:
                 now = time.time()
                 if self.stop.is_set():
                     return
-                quiet = max(self.prog.interval_s, 2.0)  # no test report for that long: pytest is not writing
-                if now - max(self.prog.last, self.prog.last_report) >= quiet:
+                if self.prog.line_due(now, at_report=False):
                     _print_progress(self.config, self.prog, now)
 
 
@@ -324,7 +324,7 @@ def _progress_tick(report: pytest.TestReport) -> None:
         prog.last_report = now
         if report.when == "teardown":
             prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0), now)
-            if prog.interval_s > 0 and now - prog.last >= prog.interval_s and prog.total:
+            if prog.line_due(now, at_report=True):
                 _print_progress(_CONFIG["config"], prog, now)
 
 

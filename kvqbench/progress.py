@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
-           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N"]
+           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR"]
 
 _TAGS = ("real", "synthetic", "full", "smoke")
 
@@ -75,6 +75,11 @@ AGAIN = "|again"
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
 SHRINK_N = 2.0
+#: between test reports the progress line waits for this many seconds without one (pytest writes its
+#: progress dots as reports arrive, so a line then would cut into them) — unless it is already
+#: :data:`LATE_FACTOR` intervals since the last line
+QUIET_S = 1.0
+LATE_FACTOR = 1.5
 
 
 def _groups(kind: str) -> tuple[tuple[str, str], ...]:
@@ -510,6 +515,23 @@ class Progress:
             report = max(report - ran, 0.25 * (ran - report))
         self.debug = f"tests={tests:.1f} speed={speed:.2f} over={over:.3f} report={report:.1f}"
         return tests + report
+
+    def line_due(self, now: float, *, at_report: bool) -> bool:
+        """Whether the progress line is due at ``now``: when a test report has just arrived
+        (``at_report``), once :attr:`interval_s` has passed since the last line; otherwise (the printer's
+        clock) once it has passed and no report came in the last :data:`QUIET_S` seconds (half an
+        interval if shorter), or once :data:`LATE_FACTOR` intervals have passed in any case. So with a
+        printer that checks every ``tick`` seconds, lines are at most ``LATE_FACTOR · interval_s + tick``
+        apart whatever the reports do (tests/unit/test_progress.py checks it). Never with
+        ``interval_s == 0`` or no tests."""
+        if self.interval_s <= 0 or not self.total:
+            return False
+        since = now - self.last
+        if since < self.interval_s:
+            return False
+        if at_report or since >= LATE_FACTOR * self.interval_s:
+            return True
+        return now - self.last_report >= min(QUIET_S, self.interval_s / 2)
 
     def line(self, now: float) -> str:
         eta = self.eta(now)

@@ -11,6 +11,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvqbench.progress import Progress, coarse_kind_of, hms, kind_of
 
@@ -27,6 +29,39 @@ def _eta_script():
 def test_hms_and_line_format():
     assert (hms(3725), hms(95), hms(7), hms(-1)) == ("1h02m05s", "1m35s", "7s", "0s")
     assert Progress(total=5, t0=0.0).line(3725.0) == "kvqbench: 0/5 tests, elapsed 1h02m05s, ETA ?"
+
+
+@settings(max_examples=200, deadline=None)
+@given(interval=st.sampled_from([0.5, 2.0, 10.0]),
+       gaps=st.lists(st.floats(min_value=0.0, max_value=40.0), min_size=1, max_size=80))
+def test_progress_lines_come_at_a_steady_interval_whatever_the_reports_do(interval, gaps):
+    """The printer (a clock ticking every ``tick`` s) and the test reports (at arbitrary times) share
+    :meth:`Progress.line_due`: lines are never closer than the interval, never further apart than
+    ``LATE_FACTOR`` intervals plus a tick, and the printer never speaks right after a report unless
+    the line is late."""
+    from kvqbench.progress import LATE_FACTOR, QUIET_S
+    tick = min(0.5, interval / 4)
+    reports, t = [], 0.0
+    for g in gaps:
+        t += g * interval / 10
+        reports.append(t)
+    end = reports[-1] + 3 * interval
+    p = Progress(interval_s=interval, total=1, t0=0.0)
+    p.last = 0.0  # the first line
+    lines, events = [0.0], sorted([(r, 0) for r in reports] + [(k * tick, 1) for k in range(1, int(end / tick) + 1)])
+    for now, clock in events:
+        if not clock:
+            p.last_report = now
+        if p.line_due(now, at_report=not clock):
+            assert clock == 0 or now - p.last_report >= min(QUIET_S, interval / 2) - 1e-9 \
+                or now - p.last >= LATE_FACTOR * interval - 1e-9
+            p.last = now
+            lines.append(now)
+    gaps_out = [b - a for a, b in zip(lines, lines[1:])]
+    assert all(g >= interval - 1e-9 for g in gaps_out)
+    assert all(g <= LATE_FACTOR * interval + tick + 1e-9 for g in gaps_out), gaps_out
+    assert end - lines[-1] <= LATE_FACTOR * interval + tick + 1e-9
+    assert not Progress(interval_s=0.0, total=1).line_due(100.0, at_report=True)
 
 
 def test_kinds_separate_method_and_data_size():
