@@ -12,7 +12,8 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
 1. **A base duration per test**, in the seconds of the run it was measured in: the test's own seconds in
    ``history`` (this machine's previous runs, kept in pytest's cache by the plugin), else in ``prior``
    (the committed table ``kvqbench/data/eta_prior.json``, measured on a fresh clone — so a user's first
-   run has one too), else the median of its *kind* there, else the median of its file there. A kind is
+   run has one too), else the median of its *kind* there, else of the kinds of its test function and data
+   source/size there (a method the tables lack), else the median of its file there. A kind is
    the test function plus, for benchmark cells, the method and the data source/size in the id
    (``tests/bench/x.py::test_a|kivi|real-full``).
 2. **This machine's speed**, estimated online from the tests finished so far (:meth:`Progress._model`):
@@ -224,6 +225,7 @@ class Progress:
     #: session through the estimate (``scripts/eta_error.py --replay``)
     trace_path: str | None = field(default_factory=lambda: os.environ.get("KVQBENCH_PROGRESS_TRACE") or None)
     _file_base: dict[str, float] | None = None
+    _coarse_base: dict[str, float] | None = None
     _model_cache: tuple | None = None
 
     def _trace(self, *event: object) -> None:
@@ -319,8 +321,9 @@ class Progress:
         return tuple(t for t in (self.history, self.prior) if t)
 
     def base(self, nodeid: str, kind: str | None = None) -> float | None:
-        """The test's base seconds (history, else prior: the test, else its kind, else its file's
-        median), or ``None`` when neither table knows anything like it."""
+        """The test's base seconds (history, else prior: the test, else its kind, else the median of the
+        kinds of its function and data source/size — a method the tables lack —, else its file's median),
+        or ``None`` when neither table knows anything like it."""
         tables = self._tables()
         for t in tables:
             tests = t.get("tests") or {}
@@ -331,6 +334,17 @@ class Progress:
             kinds = t.get("kinds") or {}
             if kind in kinds:
                 return float(kinds[kind])
+        if self._coarse_base is None:  # a method the tables lack (a third-party one): its function and data
+            by_coarse: dict[str, list[float]] = {}
+            for t in reversed(tables):
+                for k, v in (t.get("kinds") or {}).items():
+                    parts = k.split("|")
+                    if len(parts) == 3:  # function|method|source-size
+                        by_coarse.setdefault(f"{parts[0]}|{parts[2]}", []).append(float(v))
+            self._coarse_base = {c: _median(v) for c, v in by_coarse.items()}
+        coarse = coarse_kind_of(nodeid)
+        if coarse in self._coarse_base:
+            return self._coarse_base[coarse]
         if self._file_base is None:
             merged: dict[str, float] = {}
             for t in reversed(tables):  # the history overrides the prior test by test

@@ -225,6 +225,19 @@ def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file()
     assert p.base("w.py::test_e") is None
 
 
+def test_a_method_the_tables_lack_is_charged_its_functions_median_at_its_data_size():
+    """A third-party method's cells: the median over the methods the tables know of the same test function
+    and data source/size — not the file's median, which mixes smoke cells with full ones."""
+    f = "tests/bench/x.py::test_a"
+    kinds = {f"{f}|kivi|real-full": 6.0, f"{f}|rtn_token|real-full": 2.0, f"{f}|quarot|real-full": 3.0,
+             f"{f}|kivi|synthetic-smoke": 0.01, f"{f}|quarot|synthetic-smoke": 0.03}
+    prior = {"version": 1, "tests": {f"{f}[kivi-k2v2-seed0-synthetic-smoke]": 0.01}, "kinds": kinds, "steps": {}}
+    p = Progress(prior=prior, trace_path=None)
+    assert p.base(f"{f}[mine-k2v2-seed0-real-full]") == 3.0
+    assert p.base(f"{f}[mine-k2v2-seed0-synthetic-smoke]") == pytest.approx(0.02)
+    assert p.base(f"{f}[mine-k2v2-seed0-real-smoke]") == 0.01  # no such data size there: the file's median
+
+
 def test_a_kind_whose_table_entry_is_off_by_2x_is_corrected_after_a_few_of_its_tests():
     """Two kinds in two files of one folder, alternating; the table says 1 s for both, a takes 1 s and b
     2 s (its code got slower). Each file's and kind's recent speed is its own ratio exactly (its first
