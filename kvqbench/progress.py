@@ -450,7 +450,8 @@ class Progress:
         """A step's seconds: this run's median of it, else the table's seconds × ``speed``; a report step
         also scales with this run's number of benchmark cells over the number it was measured with (its
         results and figures grow with the cells), and a report kind the tables lack (another selection of
-        sources) is charged the tables' median seconds per cell × this run's cells."""
+        sources) is charged the tables' median seconds per cell × this run's cells; a capture or model load
+        of a data size the tables lack, the median of that step at the sizes they have."""
         if self.steps.get(kind):
             return _median(self.steps[kind])
         report = kind.startswith("report|")
@@ -466,6 +467,12 @@ class Progress:
             rates = [float(v) / ref for t in self._tables() for k, v in (t.get("steps") or {}).items()
                      if k.startswith("report|") and (ref := (t.get("step_cells") or {}).get(k))]
             return _median(rates) * self.cells * speed
+        if not report:  # a capture or model load of a data size the tables lack: as those of the sizes they have
+            what, _, rest = kind.partition("|")
+            same = [float(v) for t in self._tables() for k, v in (t.get("steps") or {}).items()
+                    if k.partition("|")[0] == what and k.endswith(AGAIN) == rest.endswith(AGAIN)]
+            if same:
+                return _median(same) * speed
         return 0.0
 
     def overhead(self, now: float) -> float:

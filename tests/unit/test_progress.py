@@ -407,6 +407,21 @@ def test_pending_model_load_is_charged_to_the_first_end_to_end_cell_of_each_work
     assert p.expected_steps["model|real-full"] == 0
 
 
+def test_a_model_load_of_a_data_size_the_tables_lack_is_charged_as_the_sizes_they_have():
+    """``kvqbench run --smoke --kvq-real`` on tables made without it: its model load and capture are
+    charged the tables' loads at the other sizes (first and later ones apart), not nothing."""
+    e2e = [f"t.py::test_endtoend[m-k2v2-seed{i}-real-smoke]" for i in range(2)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in e2e}, "kinds": {},
+             "steps": {"model|real-full": 20.0, "model|real-full|again": 2.0, "model|real-big": 30.0,
+                       "capture|real-full": 8.0}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(e2e)
+    # one capture and one model load per worker: the first ones, 8 and median(20, 30)
+    assert p.eta(0.0) == pytest.approx(2 * 1.0 + 8.0 + 25.0)
+    assert p._step_prediction("model|real-smoke|again", 1.0) == 2.0
+    assert p._step_prediction("capture|real-smoke", 1.5) == 12.0  # scaled by the run's speed
+
+
 def _simulate(history: dict | None, speed: float, seed: int, prior: dict | None = None,
               trace: str | None = None) -> tuple[list[tuple[float, float | None]], float, Progress]:
     """Two workers pulling from one queue on a fake clock (like xdist's load scheduling); the base
