@@ -7,9 +7,13 @@ One set of PNGs per data source, written next to the JSON (real and synthetic ne
                                             method, the non-dominated front drawn as a black step
 ``mse_vs_bits_{source}.png``                K and V relative MSE vs bit-width, one line per method
 ``attn_error_vs_context_{source}.png``      exp2: attention-output error vs context length,
-                                            panels *static* and *pseudo-decode*
+                                            panels *static* and *pseudo-decode*; under the latter,
+                                            for methods whose fp16 share changes with the length,
+                                            the newest tokens held fp16 and the billed bits, and a
+                                            note that says from the data why their curves jump
 ``attn_kl_vs_context_{source}.png``         exp2: attention KL(p‖p̂) vs context length, same panels
-``norm_diff_density_{source}.png``          exp3: density of ‖k̂‖−‖k‖ per method (small multiples)
+``norm_diff_density_{source}.png``          exp3: density of ‖k̂‖−‖k‖ per method (small multiples),
+                                            x-range from the data, any share off scale named
 ``cost_{source}.png``                       exp4: latency bars and bits/element bars per method
 ``predictivity_{source}.png``               exp5: the best-predicting tensor metrics against the
                                             end-to-end KL, one point per method × bits, log axes
