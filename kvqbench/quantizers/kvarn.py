@@ -135,57 +135,28 @@ def tile_window(tiles: torch.Tensor, kind: str, absmax: torch.Tensor | None = No
     under- nor overflows.
     """
     p = pow2_floor(tile_absmax(tiles) if absmax is None else absmax)
+    # the mean square tile by tile in cache-sized slices (no full-size temporary; a tile's mean is the same
+    # reduction of the same values whatever the slice)
     # [outer, n, R, C]: the tile axis next to the tile stays a view even when the tiles are a strided slice
     t4 = tiles.reshape(-1, *tiles.shape[-3:]) if tiles.dim() >= 3 else tiles.reshape(1, 1, *tiles.shape)
     p4 = p.reshape(t4.shape[0], t4.shape[1], 1, 1)
+    step = max(1, _SLICE_BYTES // max(1, t4.shape[-2] * t4.shape[-1] * 4))
     ms = torch.empty_like(p4)
-    with blocks.one_cpu_thread(tiles.device):  # cache-sized operations: one thread (as VarN's)
+    nt = torch.get_num_threads()
+    single = tiles.device.type == "cpu" and nt > 1  # cache-sized operations: one thread (as VarN's)
+    if single:
+        torch.set_num_threads(1)
+    try:
         for o in range(t4.shape[0]):
-            _mean_square(t4[o], p4[o], ms[o])
-    return _window(ms.reshape(p.shape), p, kind)
-
-
-def _mean_square(tiles: torch.Tensor, p: torch.Tensor, out: torch.Tensor) -> None:
-    """``out`` ``[n, 1, 1]`` ← the mean of ``(tiles / p)²`` over each tile of ``tiles`` ``[n, R, C]``, in
-    cache-sized slices of tiles (no full-size temporary; a tile's mean is the same reduction of the same
-    values whatever the slice)."""
-    step = max(1, _SLICE_BYTES // max(1, tiles.shape[-2] * tiles.shape[-1] * 4))
-    for i in range(0, tiles.shape[0], step):
-        sq = tiles[i : i + step] / p[i : i + step]
-        torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=out[i : i + step])
-
-
-def _window(ms: torch.Tensor, p: torch.Tensor, kind: str) -> torch.Tensor:
-    """:func:`tile_window`'s power of two from the tiles' mean squares of ``tiles / p`` and ``p``."""
-    rms = torch.sqrt(ms) * p
+            for i in range(0, t4.shape[1], step):
+                sq = t4[o, i : i + step] / p4[o, i : i + step]
+                torch.mean(sq.mul_(sq), dim=(-2, -1), keepdim=True, out=ms[o, i : i + step])
+    finally:
+        if single:
+            torch.set_num_threads(nt)
+    rms = torch.sqrt(ms.reshape(p.shape)) * p
     lo_exp, hi_exp = WINDOW[kind]
     return pow2_window(rms, lo_exp, hi_exp)
-
-
-def _rotate_stats(x: torch.Tensor, g: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 1 and the tiles' statistics in one pass, for a single span (``T`` a multiple of ``g``):
-    ``(xr, absmax, ms)`` — :func:`hadamard_transform` ``(x)`` (fp32), :func:`tile_absmax` of its token-major
-    tiles ``[B, H, T/g, g, D]`` and the mean squares :func:`tile_window` takes of them (K: of the
-    transposed tiles, as it reads them; ``kind`` ``"k"`` or ``"v"``), block by block of tiles (:func:`_tile_blocks`): each block is
-    rotated into the output and its statistics are taken while it is in the core's cache. A row's product
-    with the fixed rotation does not depend on the other rows (blocks of at least half a block), the
-    maxima and minima are exact and a tile's mean square is the same reduction whatever the block, so the
-    bits are those of the separate passes."""
-    b_, h, t, d = x.shape
-    n = b_ * h * (t // g)
-    qm = hadamard_matrix(d, dtype=torch.float32, device=x.device)
-    x2d = x.reshape(-1, d)
-    xr = torch.empty(b_ * h * t, d, dtype=torch.float32, device=x.device)
-    absmax = torch.empty(n, 1, 1, dtype=torch.float32, device=x.device)
-    ms = torch.empty_like(absmax)
-    with blocks.one_cpu_thread(x.device):
-        for sl in _tile_blocks(n, g, d, x.device):
-            rows = slice(sl.start * g, sl.stop * g)
-            torch.mm(x2d[rows].to(torch.float32), qm, out=xr[rows])
-            blk = xr[rows].view(-1, g, d)
-            absmax[sl] = tile_absmax(blk)
-            _mean_square(blk.transpose(-1, -2) if kind == "k" else blk, pow2_floor(absmax[sl]), ms[sl])
-    return xr.view(b_, h, t, d), absmax.view(b_, h, -1, 1, 1), ms.view(b_, h, -1, 1, 1)
 
 
 @register
@@ -277,25 +248,19 @@ class KVarN(Quantizer):
 
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         b_, h, t, d = x.shape
-        spans = self._spans(t)
-        fused = len(spans) == 1 and x.device.type == "cpu"  # one span: rotation and statistics in one pass
-        if fused:
-            xr, absmax, ms = _rotate_stats(x, min(self.group_size, t), kind)
-        else:
-            xr = hadamard_transform(x.to(torch.float32))
+        xr = hadamard_transform(x.to(torch.float32))
         qt = self._new_qt(x, kind, bits)
+        spans = self._spans(t)
         qt.meta["spans"] = spans
         for name, start, n in spans:
             g = min(self.group_size, n)
             blk = xr[:, :, start : start + n, :].reshape(b_, h, n // g, g, d)  # [B, H, nt, G, D]
             tiles = blk.transpose(-1, -2) if kind == "k" else blk  # rows: K channels, V tokens
-            if not fused:
-                absmax = tile_absmax(blk)
+            absmax = tile_absmax(blk)
             # finite_check "stats": a NaN/Inf of x spreads over its token's rotated row, so its tile's max |x|
             # is not finite (and a finite x whose rotation overflows is told apart by check_finite)
             check_finite(x, absmax, name=kind.upper())
-            # 1 for every tile of normal scale
-            c = _window(ms, pow2_floor(absmax), kind) if fused else tile_window(tiles, kind, absmax)
+            c = tile_window(tiles, kind, absmax)  # 1 for every tile of normal scale
             unit = bool((c == 1).all())  # then dividing by c changes nothing: skipped
             # a contiguous buffer of our own (xr is ours; K's transpose is copied once, divided by c on the
             # way), scaled and balanced in place
