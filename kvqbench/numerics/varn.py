@@ -76,10 +76,11 @@ def imbalance(tile: torch.Tensor) -> torch.Tensor:
 #: reproducible bit for bit; it no longer sets how many tiles are processed together
 _GROUP_BYTES = 1 << 19
 #: at most this many bytes of tiles are processed together: enough that the ~50 small per-iteration
-#: operations on the scale vectors cost little beside the four mat-vecs over the chunk (a multiple of the
-#: fallback group), few enough that the chunk's four layouts (x, x², and both column-major, 4× the chunk)
+#: operations on the scale vectors cost little beside the sums over the chunk (a multiple of the
+#: fallback group), few enough that the chunk's four layouts (x, x², and both transposed, 4× the chunk)
 #: stay in the cache a core gets: measured on the shared 2-core host (1 thread, 256 and 1024 tiles of
 #: 128×128, CPU time, medians of 5), 8 MiB took 0.84× the time of 16 MiB, and 4, 6 and 12 MiB more than 8
+#: (with the row sums as a matrix product, :func:`_row_sums`: 8 MiB against 4 and 16 MiB, same ranking)
 _CHUNK_BYTES = 1 << 23
 
 
@@ -87,7 +88,7 @@ _CHUNK_BYTES = 1 << 23
 def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Tensor | None = None) -> VarNResult:
     """Run VarN on a batch of tiles.
 
-    Everything is fp32, as the recipe. Per iteration, four mat-vecs over the tiles give the sums and the
+    Everything is fp32, as the recipe. Per iteration, two mat-vecs and one matrix product give the sums and the
     sums of squares of the rescaled tile along both axes (one-pass stds); the balanced tile is never
     materialized (see :func:`_varn_chunk`). Stds that would lose digits to cancellation are recomputed
     two-pass, per group of tiles (:data:`_GROUP_BYTES`), so every std is accurate to fp32 rounding.
@@ -234,7 +235,8 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
 
     Stds of the rebalanced tile without materializing it: with ``ir = 1/exp(log_s_row)``, ``ic =
     1/exp(log_s_col)``, its column sums are ``ic ⊙ (irᵀ·x)`` and its row sums ``ir ⊙ (x·ic)`` (and the same
-    with ``x²``, ``ir²``, ``ic²`` for the sums of squares): four fp32 mat-vecs per iteration. Where the
+    with ``x²``, ``ir²``, ``ic²`` for the sums of squares): two fp32 mat-vecs (the column sums) and one
+    matrix product over the transposed tiles (both row sums, :func:`_row_sums`) per iteration. Where the
     one-pass formula would cancel (a mean large against the std) the stds of the tile's group are
     recomputed two-pass on the materialized scaled tile.
     """
