@@ -188,20 +188,17 @@ def _row_sums(st: torch.Tensor, ic: torch.Tensor, w: torch.Tensor) -> tuple[torc
 
 def _row_sums_match(r: int, c: int) -> bool:
     """Whether :func:`_row_sums` reproduces ``torch.matmul(x, vᵀ)`` and ``torch.matmul(x², (v²)ᵀ)`` bit for
-    bit on tiles ``[R, C]`` (CPU, the caller's thread count — VarN's one —, batches of one and of three random
-    tiles with an offset): checked once per shape and process."""
+    bit on tiles ``[R, C]`` (CPU, the caller's thread count — VarN's one —, a batch of three random tiles with
+    an offset): checked once per shape and process."""
     key = (r, c)
     if key not in _GEMM_MATCHES:
         g = torch.Generator().manual_seed(r * 7919 + c)
-        ok = True
-        for n in (1, 3):
-            x = torch.randn(n, r, c, generator=g) * 3.0 + 1.0
-            v = torch.rand(n, 1, c, generator=g) + 0.5
-            st = torch.cat((x, x * x), 1).transpose(-1, -2).contiguous()
-            s1, s2 = _row_sums(st, v, torch.empty(n, 2, c))
-            ok = ok and torch.equal(s1, torch.matmul(x, v.transpose(-1, -2))) and \
-                torch.equal(s2, torch.matmul(x * x, (v * v).transpose(-1, -2)))
-        _GEMM_MATCHES[key] = ok
+        x = torch.randn(3, r, c, generator=g) * 3.0 + 1.0
+        v = torch.rand(3, 1, c, generator=g) + 0.5
+        st = torch.cat((x, x * x), 1).transpose(-1, -2).contiguous()
+        s1, s2 = _row_sums(st, v, torch.empty(3, 2, c))
+        _GEMM_MATCHES[key] = torch.equal(s1, torch.matmul(x, v.transpose(-1, -2))) and \
+            torch.equal(s2, torch.matmul(x * x, (v * v).transpose(-1, -2)))
     return _GEMM_MATCHES[key]
 
 
@@ -263,8 +260,9 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     # The row sums ``x·icᵀ`` and ``x²·(ic²)ᵀ``: torch's batched mat-vec accumulates every row's dot product
     # in column order with one fused multiply-add per term, slowly (one scalar chain per row); a matrix
     # product over the transposed tiles gives the same bits faster where a once-per-shape check says so
-    # (:func:`_row_sums`); elsewhere (other kernels: small tiles, another CPU) the mat-vec is kept.
-    gemm = c >= 2 and x.device.type == "cpu" and _row_sums_match(r, c)
+    # (:func:`_row_sums`); elsewhere (other kernels: small tiles, a batch of one tile, another CPU) the
+    # mat-vec is kept.
+    gemm = n > 1 and c >= 2 and x.device.type == "cpu" and _row_sums_match(r, c)
     if gemm:
         # st[t] = [x[t]ᵀ, (x[t]²)ᵀ], [n, C, 2R] (a transposing copy that moves whole rows)
         st = torch.empty(n, c, 2 * r, dtype=x.dtype, device=x.device)
