@@ -1,7 +1,8 @@
 """Cache-sized blocks change nothing: KVQuant, TurboQuant, Kitty, PolarQuant and KVarN process vectors,
 tokens, pages, token groups or tiles in blocks (:mod:`kvqbench.numerics.blocks`), and so does the grouped RTN of the RTN
-family, KIVI and PolarQuant's V (:mod:`kvqbench.numerics.rtn`); every stored field and the reconstruction
-are bit-identical with many small blocks and with one block over the whole tensor."""
+family, KIVI and PolarQuant's V (:mod:`kvqbench.numerics.rtn`) and QuaRot's whole round trip (rotation
+included); every stored field and the reconstruction are bit-identical with many small blocks and with one
+block over the whole tensor (QuaRot: its whole-tensor path)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,8 @@ def test_quarot_blocks_give_the_same_bytes_as_the_whole_tensor(x, kind, bits, sm
     d = int(x.shape[-1])
     with mock.patch.object(blocks, "BLOCK_ELEMS", small):
         several = len(quarot_mod._spans(x.numel() // d, d)) > 1
-        probe = rotation_rows_independent(d, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2)
+        probe = rotation_rows_independent(d, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2,
+                                          block_rows=quarot_mod._block_rows(d))
     assert not took1 and took2 == (several and probe)
     assert set(qt1.fields) == set(qt2.fields)
     for name, f in qt1.fields.items():
