@@ -433,7 +433,7 @@ class KVQuant(Quantizer):
             vec = vecs[:, rows]
             out_idx, lo, mid, half = self._split(vec)
             y = self._normalize(vec, mid, half)
-            codes[:, rows] = assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8).view(y.shape)
+            assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8, out=codes[:, rows].view(b_, -1))
             parts.append((out_idx, lo, mid, half, torch.gather(vec, -1, out_idx)))
         out_idx, lo, mid, half, outlier_value = (torch.cat(p, 1) for p in zip(*parts))
         # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
