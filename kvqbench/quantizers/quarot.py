@@ -40,9 +40,10 @@ CLIP_RATIO = 0.95
 
 #: QuaRot's round trip runs in row blocks (:meth:`QuaRot._quantize_blocked`) for CPU tensors of more than
 #: this many elements (and more than one block); smaller ones take the whole-tensor ops. Measured on the
-#: shared 2-core host, 1 thread, (1, 8, T, 128) fp32, interleaved medians, round trip as a multiple of the
-#: eager RTN: T = 4096 blocks 1.43–1.87, whole 1.60–1.74 (no difference beyond the noise: the two 128×128
-#: products alone take about one eager RTN); T = 16384 blocks 1.35–1.42, whole 1.73–1.77.
+#: shared 2-core host, 1 thread, (1, 8, T, 128) fp32, round trip as a multiple of the eager RTN, paired in
+#: one process (interleaved medians, three sessions): T = 16384 blocks 1.35–1.57, whole 1.59–1.77; T = 4096
+#: blocks 1.43–1.87, whole 1.60–1.74, no difference beyond the noise (the two 128×128 products alone take
+#: about one eager RTN, blocked or not), so 4096 tokens × 8 heads × 128 (2^22) keep the whole-tensor ops.
 _WHOLE_MAX_ELEMS = 1 << 22
 
 #: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (4 MiB of
