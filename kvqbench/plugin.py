@@ -263,16 +263,16 @@ class _PrintThread(threading.Thread):
         config.stash[PRINTER_KEY] = self
 
     def run(self) -> None:
-        # While reports arrive, the main thread prints (in _progress_tick) so lines never interleave with
-        # pytest's own dots; this thread speaks only when nothing has arrived for a whole interval (a
-        # long test, the real-model capture, the closing report).
-        while not self.stop.wait(self.prog.interval_s / 2):
+        # While reports arrive, the main thread prints (in _progress_tick) so lines rarely cut into pytest's
+        # own dots; this thread speaks when the line is due and no report has come for a moment (a long
+        # test, the real-model capture, the closing report), or when the line is half an interval late.
+        tick = min(0.5, self.prog.interval_s / 4)
+        while not self.stop.wait(tick):
             with _PROGRESS_LOCK:
                 now = time.time()
                 if self.stop.is_set():
                     return
-                quiet = max(self.prog.interval_s, 2.0)  # no test report for that long: pytest is not writing
-                if now - max(self.prog.last, self.prog.last_report) >= quiet:
+                if self.prog.line_due(now, at_report=False):
                     _print_progress(self.config, self.prog, now)
 
 
@@ -287,12 +287,67 @@ def _xdist_queues(config: pytest.Config) -> list[list[str]] | None:
         return None
 
 
+#: the terminal as it was before any test ran: a duplicate of stdout's file descriptor, taken at configure
+#: time (pytest's output capture is suspended then). In a serial run the tests run in this process and
+#: pytest redirects stdout's descriptor into its capture file during each test phase; the printer
+#: thread writes there, or its lines during a long test would land in that test's captured output
+TERMINAL_KEY = pytest.StashKey[Any]()
+#: set while this process runs a test phase (setup, call, teardown), when pytest's capture may be active
+_IN_PHASE = threading.Event()
+
+
+def _open_terminal(config: pytest.Config) -> None:
+    try:
+        fd = os.dup(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no real stdout (an in-process pytester run, a GUI)
+        return
+    config.stash[TERMINAL_KEY] = os.fdopen(fd, "w", encoding=getattr(sys.stdout, "encoding", None) or "utf-8",
+                                           errors="replace")
+    config.add_cleanup(config.stash[TERMINAL_KEY].close)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    _IN_PHASE.set()
+    try:
+        return (yield)
+    finally:
+        _IN_PHASE.clear()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    _IN_PHASE.set()
+    try:
+        return (yield)
+    finally:
+        _IN_PHASE.clear()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    _IN_PHASE.set()
+    try:
+        return (yield)
+    finally:
+        _IN_PHASE.clear()
+
+
 def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
     tr = config.pluginmanager.get_plugin("terminalreporter")
     if tr is None:
         return
     prog.last = now
     prog.set_queues(_xdist_queues(config), now)
+    terminal = config.stash.get(TERMINAL_KEY, None)
+    if _IN_PHASE.is_set() and terminal is not None and not terminal.closed:
+        # a test phase is running here (serial run): write past pytest's capture, on a line of its own,
+        # and let the reporter start its next line afresh (it writes the file's path again)
+        lead = "\n" if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0) else ""
+        terminal.write(f"{lead}{prog.line(now)}\n")
+        terminal.flush()
+        tr.currentfspath = None
+        return
     if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
         tr.write("\n")  # after the progress dots of -q / xdist
     tr.write_line(prog.line(now))
@@ -324,7 +379,7 @@ def _progress_tick(report: pytest.TestReport) -> None:
         prog.last_report = now
         if report.when == "teardown":
             prog.finished(report.nodeid, prog.partial.pop(report.nodeid, 0.0), now)
-            if prog.interval_s > 0 and now - prog.last >= prog.interval_s and prog.total:
+            if prog.line_due(now, at_report=True):
                 _print_progress(_CONFIG["config"], prog, now)
 
 
@@ -507,6 +562,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if not _is_worker(config):
         config.stash[PROGRESS_KEY] = Progress(interval_s=config.getoption("--kvq-progress"), t0=time.time(),
                                               last=time.time(), history=_load_history(config), prior=load_prior())
+        if config.getoption("--kvq-progress") > 0:
+            _open_terminal(config)
 
 
 def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:

@@ -12,7 +12,8 @@ How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and t
 1. **A base duration per test**, in the seconds of the run it was measured in: the test's own seconds in
    ``history`` (this machine's previous runs, kept in pytest's cache by the plugin), else in ``prior``
    (the committed table ``kvqbench/data/eta_prior.json``, measured on a fresh clone — so a user's first
-   run has one too), else the median of its *kind* there, else the median of its file there. A kind is
+   run has one too), else the median of its *kind* there, else of the kinds of its test function and data
+   source/size there (a method the tables lack), else the median of its file there. A kind is
    the test function plus, for benchmark cells, the method and the data source/size in the id
    (``tests/bench/x.py::test_a|kivi|real-full``).
 2. **This machine's speed**, estimated online from the tests finished so far (:meth:`Progress._model`):
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
-           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N"]
+           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR"]
 
 _TAGS = ("real", "synthetic", "full", "smoke")
 
@@ -75,6 +76,11 @@ AGAIN = "|again"
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
 SHRINK_N = 2.0
+#: between test reports the progress line waits for this many seconds without one (pytest writes its
+#: progress dots as reports arrive, so a line then would cut into them) — unless it is already
+#: :data:`LATE_FACTOR` intervals since the last line
+QUIET_S = 1.0
+LATE_FACTOR = 1.5
 
 
 def _groups(kind: str) -> tuple[tuple[str, str], ...]:
@@ -219,6 +225,7 @@ class Progress:
     #: session through the estimate (``scripts/eta_error.py --replay``)
     trace_path: str | None = field(default_factory=lambda: os.environ.get("KVQBENCH_PROGRESS_TRACE") or None)
     _file_base: dict[str, float] | None = None
+    _coarse_base: dict[str, float] | None = None
     _model_cache: tuple | None = None
 
     def _trace(self, *event: object) -> None:
@@ -314,8 +321,9 @@ class Progress:
         return tuple(t for t in (self.history, self.prior) if t)
 
     def base(self, nodeid: str, kind: str | None = None) -> float | None:
-        """The test's base seconds (history, else prior: the test, else its kind, else its file's
-        median), or ``None`` when neither table knows anything like it."""
+        """The test's base seconds (history, else prior: the test, else its kind, else the median of the
+        kinds of its function and data source/size — a method the tables lack —, else its file's median),
+        or ``None`` when neither table knows anything like it."""
         tables = self._tables()
         for t in tables:
             tests = t.get("tests") or {}
@@ -326,6 +334,17 @@ class Progress:
             kinds = t.get("kinds") or {}
             if kind in kinds:
                 return float(kinds[kind])
+        if self._coarse_base is None:  # a method the tables lack (a third-party one): its function and data
+            by_coarse: dict[str, list[float]] = {}
+            for t in reversed(tables):
+                for k, v in (t.get("kinds") or {}).items():
+                    parts = k.split("|")
+                    if len(parts) == 3:  # function|method|source-size
+                        by_coarse.setdefault(f"{parts[0]}|{parts[2]}", []).append(float(v))
+            self._coarse_base = {c: _median(v) for c, v in by_coarse.items()}
+        coarse = coarse_kind_of(nodeid)
+        if coarse in self._coarse_base:
+            return self._coarse_base[coarse]
         if self._file_base is None:
             merged: dict[str, float] = {}
             for t in reversed(tables):  # the history overrides the prior test by test
@@ -431,7 +450,8 @@ class Progress:
         """A step's seconds: this run's median of it, else the table's seconds × ``speed``; a report step
         also scales with this run's number of benchmark cells over the number it was measured with (its
         results and figures grow with the cells), and a report kind the tables lack (another selection of
-        sources) is charged the tables' median seconds per cell × this run's cells."""
+        sources) is charged the tables' median seconds per cell × this run's cells; a capture or model load
+        of a data size the tables lack, the median of that step at the sizes they have."""
         if self.steps.get(kind):
             return _median(self.steps[kind])
         report = kind.startswith("report|")
@@ -447,6 +467,12 @@ class Progress:
             rates = [float(v) / ref for t in self._tables() for k, v in (t.get("steps") or {}).items()
                      if k.startswith("report|") and (ref := (t.get("step_cells") or {}).get(k))]
             return _median(rates) * self.cells * speed
+        if not report:  # a capture or model load of a data size the tables lack: as those of the sizes they have
+            what, _, rest = kind.partition("|")
+            same = [float(v) for t in self._tables() for k, v in (t.get("steps") or {}).items()
+                    if k.partition("|")[0] == what and k.endswith(AGAIN) == rest.endswith(AGAIN)]
+            if same:
+                return _median(same) * speed
         return 0.0
 
     def overhead(self, now: float) -> float:
@@ -510,6 +536,23 @@ class Progress:
             report = max(report - ran, 0.25 * (ran - report))
         self.debug = f"tests={tests:.1f} speed={speed:.2f} over={over:.3f} report={report:.1f}"
         return tests + report
+
+    def line_due(self, now: float, *, at_report: bool) -> bool:
+        """Whether the progress line is due at ``now``: when a test report has just arrived
+        (``at_report``), once :attr:`interval_s` has passed since the last line; otherwise (the printer's
+        clock) once it has passed and no report came in the last :data:`QUIET_S` seconds (half an
+        interval if shorter), or once :data:`LATE_FACTOR` intervals have passed in any case. So with a
+        printer that checks every ``tick`` seconds, lines are at most ``LATE_FACTOR · interval_s + tick``
+        apart whatever the reports do (tests/unit/test_progress.py checks it). Never with
+        ``interval_s == 0`` or no tests."""
+        if self.interval_s <= 0 or not self.total:
+            return False
+        since = now - self.last
+        if since < self.interval_s:
+            return False
+        if at_report or since >= LATE_FACTOR * self.interval_s:
+            return True
+        return now - self.last_report >= min(QUIET_S, self.interval_s / 2)
 
     def line(self, now: float) -> str:
         eta = self.eta(now)

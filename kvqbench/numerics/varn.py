@@ -76,10 +76,11 @@ def imbalance(tile: torch.Tensor) -> torch.Tensor:
 #: reproducible bit for bit; it no longer sets how many tiles are processed together
 _GROUP_BYTES = 1 << 19
 #: at most this many bytes of tiles are processed together: enough that the ~50 small per-iteration
-#: operations on the scale vectors cost little beside the four mat-vecs over the chunk (a multiple of the
-#: fallback group), few enough that the chunk's four layouts (x, x², and both column-major, 4× the chunk)
+#: operations on the scale vectors cost little beside the sums over the chunk (a multiple of the
+#: fallback group), few enough that the chunk's four layouts (x, x², and both transposed, 4× the chunk)
 #: stay in the cache a core gets: measured on the shared 2-core host (1 thread, 256 and 1024 tiles of
 #: 128×128, CPU time, medians of 5), 8 MiB took 0.84× the time of 16 MiB, and 4, 6 and 12 MiB more than 8
+#: (with the row sums as a matrix product, :func:`_row_sums`: 8 MiB against 4 and 16 MiB, same ranking)
 _CHUNK_BYTES = 1 << 23
 
 
@@ -87,7 +88,7 @@ _CHUNK_BYTES = 1 << 23
 def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Tensor | None = None) -> VarNResult:
     """Run VarN on a batch of tiles.
 
-    Everything is fp32, as the recipe. Per iteration, four mat-vecs over the tiles give the sums and the
+    Everything is fp32, as the recipe. Per iteration, two mat-vecs and one matrix product give the sums and the
     sums of squares of the rescaled tile along both axes (one-pass stds); the balanced tile is never
     materialized (see :func:`_varn_chunk`). Stds that would lose digits to cancellation are recomputed
     two-pass, per group of tiles (:data:`_GROUP_BYTES`), so every std is accurate to fp32 rounding.
@@ -164,39 +165,41 @@ def _scaled_std(x: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.linalg.vector_norm(z, dim=dim, keepdim=True) / math.sqrt(n - 1)
 
 
-def _row_chain(xc: torch.Tensor | tuple[torch.Tensor, ...], v: torch.Tensor) -> torch.Tensor:
-    """``Σ_col xc[col]·v[col]`` in column order, one fused multiply-add per column: ``xc`` ``[C, *s, R]``
-    (tiles laid out column-major; or the tuple of its ``C`` slices), ``v`` ``[C, *s, 1]``; returns
-    ``[*s, R, 1]``. Every element is the same chain of operations whatever ``s`` holds (the inner loop
-    runs over ``R`` with ``v`` broadcast), so the sums of ``x`` and of ``x²`` computed together, ``s = (2,
-    n)``, are those computed apart, ``s = (n,)``."""
-    cols, vs = (xc if isinstance(xc, tuple) else xc.unbind(0)), v.unbind(0)
-    acc = torch.mul(cols[0], vs[0])
-    for a, b in zip(cols[1:], vs[1:]):
-        acc.addcmul_(a, b)
-    return acc.unsqueeze(-1)
+#: per tile shape ``(R, C)``: whether :func:`_row_sums` gives torch's batched mat-vec bits here
+_GEMM_MATCHES: dict[tuple[int, int], bool] = {}
 
 
-#: per tile shape ``(R, C)``: whether :func:`_row_chain` gives torch's batched mat-vec bits here
-_CHAIN_MATCHES: dict[tuple[int, int], bool] = {}
+def _row_sums(st: torch.Tensor, ic: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row sums ``x·icᵀ`` and ``x²·(ic²)ᵀ`` of tiles ``x`` ``[n, R, C]`` from their transposes laid side
+    by side, ``st`` ``[n, C, 2R]`` (``st[t] = [x[t]ᵀ, (x[t]²)ᵀ]``), as one batched matrix product of the two
+    rows ``[ic; ic²]`` (``w``, an ``[n, 2, C]`` buffer, overwritten) with ``st``: ``(s1, s2)``, views
+    ``[n, R, 1]`` (the two cross terms of the product are computed and not used).
+
+    With two or more rows on the left, torch runs its matrix-matrix kernel, which (on this class of CPU,
+    for the tile shapes :func:`_row_sums_match` checks) accumulates every output in column order with one
+    fused multiply-add per term: the bits of the mat-vec ``torch.matmul(x, icᵀ)``, which runs one scalar
+    chain per row and is several times slower."""
+    r = st.shape[-1] // 2
+    w[:, :1].copy_(ic)
+    torch.mul(ic, ic, out=w[:, 1:])
+    o = torch.matmul(w, st)  # [n, 2, 2R]
+    return o[:, 0, :r].unsqueeze(-1), o[:, 1, r:].unsqueeze(-1)
 
 
-def _row_chain_matches(r: int, c: int) -> bool:
-    """Whether :func:`_row_chain` reproduces ``torch.matmul(x, vᵀ)`` bit for bit on tiles ``[R, C]`` (CPU,
-    the caller's thread count — VarN's one —, a batch of three random tiles with an offset): checked once
-    per shape and process."""
+def _row_sums_match(r: int, c: int) -> bool:
+    """Whether :func:`_row_sums` reproduces ``torch.matmul(x, vᵀ)`` and ``torch.matmul(x², (v²)ᵀ)`` bit for
+    bit on tiles ``[R, C]`` (CPU, the caller's thread count — VarN's one —, a batch of three random tiles with
+    an offset): checked once per shape and process."""
     key = (r, c)
-    if key not in _CHAIN_MATCHES:
+    if key not in _GEMM_MATCHES:
         g = torch.Generator().manual_seed(r * 7919 + c)
         x = torch.randn(3, r, c, generator=g) * 3.0 + 1.0
         v = torch.rand(3, 1, c, generator=g) + 0.5
-        xc = x.permute(2, 0, 1).contiguous()
-        vc = v.permute(2, 0, 1)
-        # as _varn_chunk runs it: the sums of x and of x² in one chain
-        got = _row_chain(torch.stack((xc, xc * xc), 1), torch.stack((vc, vc * vc), 1))
-        _CHAIN_MATCHES[key] = torch.equal(got[0], torch.matmul(x, v.transpose(-1, -2))) and \
-            torch.equal(got[1], torch.matmul(x * x, (v * v).transpose(-1, -2)))
-    return _CHAIN_MATCHES[key]
+        st = torch.cat((x, x * x), 1).transpose(-1, -2).contiguous()
+        s1, s2 = _row_sums(st, v, torch.empty(3, 2, c))
+        _GEMM_MATCHES[key] = torch.equal(s1, torch.matmul(x, v.transpose(-1, -2))) and \
+            torch.equal(s2, torch.matmul(x * x, (v * v).transpose(-1, -2)))
+    return _GEMM_MATCHES[key]
 
 
 #: one-pass variances ``(Σz² − (Σz)²/n)/(n − 1)`` are trusted while ``mean² ≤ CANCEL·var`` (fp32 keeps
@@ -229,7 +232,8 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
 
     Stds of the rebalanced tile without materializing it: with ``ir = 1/exp(log_s_row)``, ``ic =
     1/exp(log_s_col)``, its column sums are ``ic ⊙ (irᵀ·x)`` and its row sums ``ir ⊙ (x·ic)`` (and the same
-    with ``x²``, ``ir²``, ``ic²`` for the sums of squares): four fp32 mat-vecs per iteration. Where the
+    with ``x²``, ``ir²``, ``ic²`` for the sums of squares): two fp32 mat-vecs (the column sums) and one
+    matrix product over the transposed tiles (both row sums, :func:`_row_sums`) per iteration. Where the
     one-pass formula would cancel (a mean large against the std) the stds of the tile's group are
     recomputed two-pass on the materialized scaled tile.
     """
@@ -253,29 +257,24 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
         sd, bad = _std_from_sums(torch.matmul(irt, x), torch.matmul(irt * irt, x2), r)
         return fallback(sd, bad, ir, -2).mul_(ic)
 
-    # The row sums ``x·icᵀ`` and ``x²·(ic²)ᵀ``: for tiles of 16 rows or more torch's batched mat-vec (on this
-    # class of CPU) accumulates every row's dot product in column order with one fused multiply-add per
-    # term, and slowly (4x the column mat-vec). The same chain written as one ``addcmul_`` per column over
-    # the rows of all tiles (the tiles laid out column-major once per chunk: ``xc[col] = x[:, :, col]``)
-    # gives the same bits faster. Whether it does for a tile shape is checked once per process against
-    # torch's mat-vec (:func:`_row_chain_matches`); where it does not (other kernels: small tiles, a batch
-    # of one tile, another CPU) the mat-vec is kept.
-    chain = n > 1 and c >= 2 and x.device.type == "cpu" and _row_chain_matches(r, c)
-    if chain:
-        # xc[col] = (x[:, :, col], x[:, :, col]²): both chains in one (half the calls), [C, 2, n, R]
-        xcc = torch.empty(c, 2, n, r, dtype=x.dtype, device=x.device)
-        # (transposing copies that move whole rows are several times faster than one 3-axis permute)
-        xcc[:, 0].copy_((x.transpose(-1, -2).contiguous() if xt is None else xt).transpose(0, 1))
-        torch.mul(xcc[:, 0], xcc[:, 0], out=xcc[:, 1])
-        cols = xcc.unbind(0)
+    # The row sums ``x·icᵀ`` and ``x²·(ic²)ᵀ``: torch's batched mat-vec accumulates every row's dot product
+    # in column order with one fused multiply-add per term, slowly (one scalar chain per row); a matrix
+    # product over the transposed tiles gives the same bits faster where a once-per-shape check says so
+    # (:func:`_row_sums`); elsewhere (other kernels: small tiles, a batch of one tile, another CPU) the
+    # mat-vec is kept.
+    gemm = n > 1 and c >= 2 and x.device.type == "cpu" and _row_sums_match(r, c)
+    if gemm:
+        # st[t] = [x[t]ᵀ, (x[t]²)ᵀ], [n, C, 2R] (a transposing copy that moves whole rows)
+        st = torch.empty(n, c, 2 * r, dtype=x.dtype, device=x.device)
+        st[..., :r].copy_(x.transpose(-1, -2) if xt is None else xt)
+        torch.mul(st[..., :r], st[..., :r], out=st[..., r:])
+        w = torch.empty(n, 2, c, dtype=x.dtype, device=x.device)
 
     def row_std_unscaled(ic: torch.Tensor) -> torch.Tensor:  # [n, R, 1]: stds over columns of x·ic
         if c < 2:
             return x.new_ones(n, r, 1)
-        if chain:
-            v = ic.permute(2, 0, 1)  # [C, n, 1]
-            s12 = _row_chain(cols, torch.stack((v, v * v), 1))  # [2, n, R, 1]
-            s1, s2 = s12[0], s12[1]
+        if gemm:
+            s1, s2 = _row_sums(st, ic, w)
         else:
             ict = ic.transpose(-1, -2)
             s1, s2 = torch.matmul(x, ict), torch.matmul(x2, ict * ict)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics import blocks
-from kvqbench.numerics.hadamard import hadamard_transform
+from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform
 from kvqbench.numerics.scale import pow2_floor, pow2_window
 from kvqbench.numerics.varn import DEFAULT_ITERS, varn
 from kvqbench.quantizers.base import (
@@ -280,6 +280,8 @@ class KVarN(Quantizer):
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         b_, h, t, d = qt.shape
+        if len(qt.meta["spans"]) == 1 and qt.device.type == "cpu":
+            return self._dequantize_fused(qt)
         parts = []
         for name, _start, n in qt.meta["spans"]:
             q = qt.codes(f"{name}.codes", torch.uint8)
@@ -300,6 +302,36 @@ class KVarN(Quantizer):
             parts.append(blk.reshape(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return hadamard_transform(xr)
+
+    def _dequantize_fused(self, qt: QuantizedTensor) -> torch.Tensor:
+        """:meth:`_dequantize` of a single span (every tile of the same shape) with the inverse rotation
+        applied block by block of tiles: each block is decoded into a cache-sized buffer and rotated from
+        there into the output (no full-size rotated intermediate). A tile block is a run of whole
+        consecutive rows of the output; a row's product with the fixed rotation does not depend on the
+        other rows of the product (blocks of at least half a block, :func:`_tile_blocks`), so the bits are
+        those of :func:`hadamard_transform` on the whole tensor."""
+        b_, h, t, d = qt.shape
+        (name, _start, _n), = qt.meta["spans"]
+        q = qt.codes(f"{name}.codes", torch.uint8)
+        a = qt[f"{name}.row_scale"].unsqueeze(-1)
+        z = qt[f"{name}.row_zero"].unsqueeze(-1)
+        c = qt[f"{name}.col_scale"].unsqueeze(-2)
+        rows, cols = q.shape[-2:]
+        q3 = q.reshape(-1, rows, cols)
+        a3, z3, c3 = a.reshape(-1, rows, 1), z.reshape(-1, rows, 1), c.reshape(-1, 1, cols)
+        qm = hadamard_matrix(d, dtype=a.dtype, device=a.device)
+        out = torch.empty(b_ * h * t, d, dtype=a.dtype, device=a.device)
+        tile_rows = rows * cols // d  # output rows (tokens) per tile
+        sls = _tile_blocks(q3.shape[0], rows, cols, a.device)
+        buf = torch.empty(max(sl.stop - sl.start for sl in sls), rows * cols, dtype=a.dtype, device=a.device)
+        with blocks.one_cpu_thread(a.device):
+            for sl in sls:
+                nb = sl.stop - sl.start
+                blk = buf[:nb].view(nb, tile_rows, d)  # token-major tiles [nb, G, D]
+                tiles = blk.transpose(-1, -2) if qt.kind == "k" else blk
+                tiles.copy_(q3[sl]).mul_(a3[sl]).add_(z3[sl]).mul_(c3[sl])
+                torch.mm(blk.view(-1, d), qm, out=out[sl.start * tile_rows : sl.stop * tile_rows])
+        return out.view(b_, h, t, d)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         """``b`` + per tile (rows·(8 + 16) + cols·8) bits / elements: FP8 absorbed scales, FP16 zero."""

@@ -260,3 +260,42 @@ def test_non_finite_input_is_rejected_by_the_window_statistic() -> None:
             x[pos] = bad
             with pytest.raises(ValueError, match="contains 1 NaN/Inf"):
                 KVarN(2).quantize(x, kind)
+
+
+def _plain_decode(qt, kind: str) -> torch.Tensor:
+    """The stored fields decoded step by step, each a fresh tensor: ``(q·a + z)·t`` per span, token-major,
+    concatenated, then the inverse rotation over the whole tensor (at the caller's thread count)."""
+    from kvqbench.numerics.hadamard import hadamard_transform
+
+    b_, h, t, d = qt.shape
+    out = []
+    for nm, _start, n in qt.meta["spans"]:
+        rec = (qt.codes(f"{nm}.codes").float() * qt[f"{nm}.row_scale"].unsqueeze(-1)
+               + qt[f"{nm}.row_zero"].unsqueeze(-1)) * qt[f"{nm}.col_scale"].unsqueeze(-2)
+        out.append((rec.transpose(-1, -2) if kind == "k" else rec).reshape(b_, h, n, d))
+    y = hadamard_transform(torch.cat(out, dim=2))
+    return y.clamp(-torch.finfo(qt.dtype).max, torch.finfo(qt.dtype).max).to(qt.dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 2), h=st.integers(1, 4), tiles=st.integers(1, 40),
+       tail=st.sampled_from([0, 0, 1, 5]), d=st.sampled_from([16, 48, 64, 80, 96, 128]),
+       g=st.sampled_from([16, 64, 128]), kind=st.sampled_from(["k", "v"]), bits=st.sampled_from([1, 2, 4]),
+       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), threads=st.sampled_from([1, 2]))
+def test_blocked_decode_matches_the_plain_decode(seed, b, h, tiles, tail, d, g, kind, bits, dtype, threads) -> None:
+    """The decode runs block by block of tiles, rotating each block back into the output (one span: T a
+    multiple of G, or fewer than G tokens), else over the whole tensor: the same bits as the plain decode
+    and whole-tensor rotation, from one block to many (up to 40 tiles per head, several cache-sized blocks
+    with a short last one), head_dims that are not powers of two, at 1 and 2 threads."""
+    t = tiles * g + tail
+    x = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    q = KVarN(bits, group_size=g, varn_iters=1)
+    nt = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        qt = q.quantize(x, kind)
+        got, want = q.dequantize(qt), _plain_decode(qt, kind)
+    finally:
+        torch.set_num_threads(nt)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert torch.equal(got, want)

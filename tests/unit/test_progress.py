@@ -11,6 +11,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvqbench.progress import Progress, coarse_kind_of, hms, kind_of
 
@@ -27,6 +29,39 @@ def _eta_script():
 def test_hms_and_line_format():
     assert (hms(3725), hms(95), hms(7), hms(-1)) == ("1h02m05s", "1m35s", "7s", "0s")
     assert Progress(total=5, t0=0.0).line(3725.0) == "kvqbench: 0/5 tests, elapsed 1h02m05s, ETA ?"
+
+
+@settings(max_examples=200, deadline=None)
+@given(interval=st.sampled_from([0.5, 2.0, 10.0]),
+       gaps=st.lists(st.floats(min_value=0.0, max_value=40.0), min_size=1, max_size=80))
+def test_progress_lines_come_at_a_steady_interval_whatever_the_reports_do(interval, gaps):
+    """The printer (a clock ticking every ``tick`` s) and the test reports (at arbitrary times) share
+    :meth:`Progress.line_due`: lines are never closer than the interval, never further apart than
+    ``LATE_FACTOR`` intervals plus a tick, and the printer never speaks right after a report unless
+    the line is late."""
+    from kvqbench.progress import LATE_FACTOR, QUIET_S
+    tick = min(0.5, interval / 4)
+    reports, t = [], 0.0
+    for g in gaps:
+        t += g * interval / 10
+        reports.append(t)
+    end = reports[-1] + 3 * interval
+    p = Progress(interval_s=interval, total=1, t0=0.0)
+    p.last = 0.0  # the first line
+    lines, events = [0.0], sorted([(r, 0) for r in reports] + [(k * tick, 1) for k in range(1, int(end / tick) + 1)])
+    for now, clock in events:
+        if not clock:
+            p.last_report = now
+        if p.line_due(now, at_report=not clock):
+            assert clock == 0 or now - p.last_report >= min(QUIET_S, interval / 2) - 1e-9 \
+                or now - p.last >= LATE_FACTOR * interval - 1e-9
+            p.last = now
+            lines.append(now)
+    gaps_out = [b - a for a, b in zip(lines, lines[1:])]
+    assert all(g >= interval - 1e-9 for g in gaps_out)
+    assert all(g <= LATE_FACTOR * interval + tick + 1e-9 for g in gaps_out), gaps_out
+    assert end - lines[-1] <= LATE_FACTOR * interval + tick + 1e-9
+    assert not Progress(interval_s=0.0, total=1).line_due(100.0, at_report=True)
 
 
 def test_kinds_separate_method_and_data_size():
@@ -188,6 +223,19 @@ def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file()
     assert p.base("v.py::test_d[3]") == 3.0  # the kind's median
     assert p.base("t.py::test_new") == pytest.approx(3.0)  # median of its file (history 4, prior 2)
     assert p.base("w.py::test_e") is None
+
+
+def test_a_method_the_tables_lack_is_charged_its_functions_median_at_its_data_size():
+    """A third-party method's cells: the median over the methods the tables know of the same test function
+    and data source/size — not the file's median, which mixes smoke cells with full ones."""
+    f = "tests/bench/x.py::test_a"
+    kinds = {f"{f}|kivi|real-full": 6.0, f"{f}|rtn_token|real-full": 2.0, f"{f}|quarot|real-full": 3.0,
+             f"{f}|kivi|synthetic-smoke": 0.01, f"{f}|quarot|synthetic-smoke": 0.03}
+    prior = {"version": 1, "tests": {f"{f}[kivi-k2v2-seed0-synthetic-smoke]": 0.01}, "kinds": kinds, "steps": {}}
+    p = Progress(prior=prior, trace_path=None)
+    assert p.base(f"{f}[mine-k2v2-seed0-real-full]") == 3.0
+    assert p.base(f"{f}[mine-k2v2-seed0-synthetic-smoke]") == pytest.approx(0.02)
+    assert p.base(f"{f}[mine-k2v2-seed0-real-smoke]") == 0.01  # no such data size there: the file's median
 
 
 def test_a_kind_whose_table_entry_is_off_by_2x_is_corrected_after_a_few_of_its_tests():
@@ -357,6 +405,21 @@ def test_pending_model_load_is_charged_to_the_first_end_to_end_cell_of_each_work
         p.pending.pop(n)
     p._close_capture_steps()
     assert p.expected_steps["model|real-full"] == 0
+
+
+def test_a_model_load_of_a_data_size_the_tables_lack_is_charged_as_the_sizes_they_have():
+    """``kvqbench run --smoke --kvq-real`` on tables made without it: its model load and capture are
+    charged the tables' loads at the other sizes (first and later ones apart), not nothing."""
+    e2e = [f"t.py::test_endtoend[m-k2v2-seed{i}-real-smoke]" for i in range(2)]
+    prior = {"version": 1, "tests": {n: 1.0 for n in e2e}, "kinds": {},
+             "steps": {"model|real-full": 20.0, "model|real-full|again": 2.0, "model|real-big": 30.0,
+                       "capture|real-full": 8.0}}
+    p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
+    p.collected(e2e)
+    # one capture and one model load per worker: the first ones, 8 and median(20, 30)
+    assert p.eta(0.0) == pytest.approx(2 * 1.0 + 8.0 + 25.0)
+    assert p._step_prediction("model|real-smoke|again", 1.0) == 2.0
+    assert p._step_prediction("capture|real-smoke", 1.5) == 12.0  # scaled by the run's speed
 
 
 def _simulate(history: dict | None, speed: float, seed: int, prior: dict | None = None,

@@ -112,3 +112,28 @@ def test_bad_progress_value_is_a_usage_error(pytester, args):
     res = pytester.runpytest_subprocess(*args, "--kvq-progress", "soon")
     assert res.ret != 0
     res.stderr.fnmatch_lines(["*--kvq-progress expects seconds*"])
+
+
+LONG_TEST = '''
+import time
+
+def test_long():
+    print("captured output of the test")
+    time.sleep(2.6)
+
+def test_short():
+    pass
+'''
+
+
+def test_serial_progress_lines_appear_during_a_long_test_despite_output_capture(pytester, args):
+    """In a serial run pytest redirects stdout into its capture file during each test phase; the progress
+    line must still reach the terminal while a long test runs (at --kvq-progress 0.5: a line at least
+    every 0.75 s + 0.125 s, so >= 2 lines during a 2.6 s test), and the test's own output stays captured."""
+    pytester.makepyfile(test_long=LONG_TEST)
+    res = pytester.runpytest_subprocess(*args[:2], "--kvq-progress", "0.5", "-q")
+    res.assert_outcomes(passed=2)
+    during = [ln for ln in res.outlines if re.match(r"^kvqbench: 0/2 tests, elapsed \d+s, ETA ", ln)]
+    assert len(during) >= 2, res.stdout.str()
+    assert "captured output of the test" not in res.stdout.str()
+    assert any(ln.startswith("kvqbench: finished 2/2 tests") for ln in res.outlines)

@@ -9,7 +9,7 @@ from unittest.mock import patch
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 
 from kvqbench.numerics import varn as varn_mod
 from kvqbench.numerics.varn import LOG_SCALE_CLIP, imbalance, varn
@@ -275,3 +275,24 @@ def test_transposed_tiles_given_give_the_plain_recipe_bits(seed, n, r, c, offset
 def test_transposed_tiles_of_another_shape_raise() -> None:
     with pytest.raises(ValueError, match="tiles_t"):
         varn(torch.ones(2, 4, 3), 1, tiles_t=torch.ones(2, 4, 3))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 48), r=st.sampled_from([2, 7, 16, 33, 64, 96, 128]),
+       c=st.sampled_from([2, 3, 16, 65, 80, 128]), offset=st.sampled_from([0.0, 40.0]))
+def test_matrix_product_row_sums_are_the_mat_vec_bits(seed, n, r, c, offset) -> None:
+    """Where the once-per-shape check admits the matrix-product row sums (on its own three tiles), they equal
+    torch's batched mat-vec bit for bit on other data and batch sizes too (VarN's one thread)."""
+    nt = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assume(varn_mod._row_sums_match(r, c))  # elsewhere VarN keeps the mat-vec
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, r, c, generator=g) * torch.exp(torch.randn(n, r, 1, generator=g)) + offset
+        v = torch.exp(torch.randn(n, 1, c, generator=g))
+        s1, s2 = varn_mod._row_sums(torch.cat((x, x * x), 1).transpose(-1, -2).contiguous(), v,
+                                    torch.empty(n, 2, c))
+        want1, want2 = torch.matmul(x, v.transpose(-1, -2)), torch.matmul(x * x, (v * v).transpose(-1, -2))
+    finally:
+        torch.set_num_threads(nt)
+    assert torch.equal(s1, want1) and torch.equal(s2, want2)
