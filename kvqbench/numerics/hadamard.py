@@ -19,12 +19,15 @@ import math
 
 import torch
 
+from kvqbench.numerics import blocks
+
 __all__ = [
     "is_power_of_two",
     "sylvester_hadamard",
     "hadamard_blocks",
     "hadamard_matrix",
     "hadamard_transform",
+    "rotation_rows_independent",
 ]
 
 
@@ -126,3 +129,43 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
     q = hadamard_matrix(int(x.shape[-1]), dtype=cdt, device=x.device)
     return torch.matmul(x.to(cdt), q)
+
+
+#: ``(d, dtype, min_rows, block_rows, threads)`` → the answer of :func:`rotation_rows_independent`
+_ROWS_INDEPENDENT: dict[tuple[int, torch.dtype, int, int, int], bool] = {}
+
+
+def rotation_rows_independent(d: int, dtype: torch.dtype = torch.float32, *, min_rows: int = 2,
+                              block_rows: int | None = None) -> bool:
+    """Whether :func:`hadamard_transform` on the CPU gives the same bits computed on blocks of rows as on
+    the whole tensor: ``x[a:b] @ Q`` on one thread, for blocks of ``min_rows`` to ``1.5·block_rows`` rows,
+    against ``x @ Q`` at the caller's thread count, for head_dim ``d`` in ``dtype`` (fp32 or fp64).
+
+    Each row of a product is its own dot products with ``Q``'s columns, but a BLAS library picks its
+    kernel (and so its order of additions) from the shapes it is given: a one-row product runs as a
+    mat-vec and may round differently, and a split across threads could too. So this is checked once per
+    process and ``(d, dtype, min_rows, block_rows, thread count)`` on a seeded random probe: its whole
+    product against the products of consecutive blocks of ``min_rows``, ``min_rows + 1``, 17,
+    ``block_rows`` (default: a cache-sized block, :data:`kvqbench.numerics.blocks.BLOCK_ELEMS` elements)
+    and ``block_rows/2 + 3`` rows. A caller that blocks the rotation keeps the whole-tensor product where
+    this says ``False``.
+
+    Raises:
+        ValueError: ``d`` is not a positive int, or ``min_rows < 1``.
+    """
+    _check_dim(d)
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+    per = max(blocks.BLOCK_ELEMS // d if block_rows is None else int(block_rows), min_rows)
+    key = (d, dtype, min_rows, per, torch.get_num_threads())
+    if key not in _ROWS_INDEPENDENT:
+        sizes = [min_rows, min_rows + 1, 17, per, max(per // 2, min_rows) + 3]
+        g = torch.Generator().manual_seed(d)
+        x = torch.randn(sum(sizes), d, generator=g, dtype=dtype) * torch.randn(sum(sizes), 1, generator=g,
+                                                                                 dtype=dtype).exp()
+        q = hadamard_matrix(d, dtype=dtype)
+        whole = torch.mm(x, q)
+        with blocks.one_cpu_thread(x.device):
+            parts = torch.cat([torch.mm(xb, q) for xb in x.split(sizes)])
+        _ROWS_INDEPENDENT[key] = torch.equal(parts, whole)
+    return _ROWS_INDEPENDENT[key]

@@ -36,19 +36,22 @@ COMPARE_MAX_SCALAR = 15
 COMPARE_MAX_ROWS = 7
 
 
-def count_below(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def count_below(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype = torch.int64,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``#{j : thresholds[…, j] < x}`` for every element of ``x`` — the cell index for ascending thresholds,
     a value exactly on a threshold counting to the lower cell (``searchsorted(…, right=False)``).
 
     Small codebooks are counted with one comparison pass per threshold (Python scalars for 1-D thresholds,
     a broadcast column per threshold for per-row ones), large ones with :func:`torch.searchsorted`; both
-    give the same integers for every non-NaN ``x`` (tested against each other).
+    give the same integers for every non-NaN ``x`` (tested against each other). In ``uint8`` the first
+    comparison is written straight into the result and the others reuse one mask buffer.
 
     Args:
         x: ``[..., N]`` values.
         thresholds: ``[m]`` (shared) or ``[..., m]`` with ``x``'s leading dims (one row per row of ``x``),
             ascending; cast to ``x``'s dtype.
         dtype: integer dtype of the result (``torch.uint8`` saves the int64 widening when ``m < 256``).
+        out: optional ``dtype`` tensor of ``x``'s shape that receives the result (returned).
     Returns:
         ``dtype`` tensor of ``x``'s shape with values in ``[0, m]``.
     """
@@ -57,35 +60,46 @@ def count_below(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype
     if t.dim() > 1 and t.numel() == m:  # one row broadcast over every row of x: the shared thresholds
         t = t.reshape(m)
     if t.dim() == 1 and m <= COMPARE_MAX_SCALAR:
-        idx = torch.zeros(x.shape, dtype=dtype, device=x.device)
-        for v in t.tolist():
-            idx += x > v
+        cols: list = t.tolist()
+    elif t.dim() > 1 and m <= COMPARE_MAX_ROWS:
+        cols = [t[..., j : j + 1] for j in range(m)]
+    else:
+        cols = []
+    if cols and dtype == torch.uint8:
+        idx = torch.empty(x.shape, dtype=dtype, device=x.device) if out is None else out
+        torch.gt(x, cols[0], out=idx.view(torch.bool))  # 0/1 bytes
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        for c in cols[1:]:
+            idx.add_(torch.gt(x, c, out=mask))
         return idx
-    if t.dim() > 1 and m <= COMPARE_MAX_ROWS:
+    if cols:
         idx = torch.zeros(x.shape, dtype=dtype, device=x.device)
-        for j in range(m):
-            idx += x > t[..., j : j + 1]
-        return idx
-    if t.dim() == 1:
-        return torch.bucketize(x, t, right=False).to(dtype)
-    t = t.expand(*x.shape[:-1], m).contiguous()
-    return torch.searchsorted(t, x.contiguous(), right=False).to(dtype)
+        for c in cols:
+            idx += x > c
+    elif t.dim() == 1:
+        idx = torch.bucketize(x, t, right=False).to(dtype)
+    else:
+        t = t.expand(*x.shape[:-1], m).contiguous()
+        idx = torch.searchsorted(t, x.contiguous(), right=False).to(dtype)
+    return idx if out is None else out.copy_(idx)
 
 
-def assign_nearest(x: torch.Tensor, centroids: torch.Tensor, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+def assign_nearest(x: torch.Tensor, centroids: torch.Tensor, *, dtype: torch.dtype = torch.int64,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """Index of the nearest centroid for every element of ``x``.
 
     Args:
         x: ``[..., N]`` values.
         centroids: ``[..., k]`` sorted ascending (same leading dims as ``x``, or 1-D ``[k]``).
         dtype: integer dtype of the result (default int64; ``torch.uint8`` for ``k <= 256``).
+        out: optional ``dtype`` tensor of ``x``'s shape that receives the result (returned).
     Returns:
         ``[..., N]`` in ``[0, k)``; a value exactly on a midpoint goes to the lower centroid
         (:func:`count_below` of the midpoints).
     """
     c = centroids.to(x.dtype)
     mids = (c[..., 1:] + c[..., :-1]) / 2
-    return count_below(x, mids, dtype=dtype)
+    return count_below(x, mids, dtype=dtype, out=out)
 
 
 def weighted_sse(x: torch.Tensor, centroids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -433,7 +433,7 @@ class KVQuant(Quantizer):
             vec = vecs[:, rows]
             out_idx, lo, mid, half = self._split(vec)
             y = self._normalize(vec, mid, half)
-            codes[:, rows] = assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8).view(y.shape)
+            assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8, out=codes[:, rows].view(b_, -1))
             parts.append((out_idx, lo, mid, half, torch.gather(vec, -1, out_idx)))
         out_idx, lo, mid, half, outlier_value = (torch.cat(p, 1) for p in zip(*parts))
         # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
@@ -460,19 +460,20 @@ class KVQuant(Quantizer):
             b_, h, t, d = body_shape
             codes = qt.codes("codes", torch.uint8)  # [B, n_vec, n]
             cb = qt["codebook"]  # [B, 2^b]
-            flat_cb = cb.reshape(-1)
             half, mid = qt["half"], qt["mid"]
-            # layer l's codes index row l of the flattened codebooks
-            offset = (torch.arange(b_, dtype=torch.int32, device=codes.device).view(-1, 1, 1) * cb.shape[1]
-                      if b_ > 1 else None)
+            levels_per_vec = cb.shape[1]
             out = torch.empty(b_, *codes.shape[1:], dtype=cb.dtype, device=cb.device)  # [B, n_vec, n]
             for rows in self._blocks(codes.shape[1], codes.shape[2], b_):
-                c = codes[:, rows].to(torch.int32)
-                if offset is not None:
-                    c += offset
-                # c[q]·r + m in the looked-up buffer (same two roundings as c*r + m)
-                torch.mul(flat_cb.index_select(0, c.view(-1)).view(c.shape), half[:, rows], out=out[:, rows])
-                out[:, rows] += mid[:, rows]
+                # each vector's decoded levels c[j]·r + m ([B, rows, 2^b], the same two roundings as decoding
+                # every element), then one lookup per element: level (b·rows + v)·2^b + q
+                levels = torch.mul(cb.unsqueeze(1), half[:, rows]).add_(mid[:, rows])
+                idx = codes[:, rows].to(torch.int32)
+                idx += (torch.arange(levels.shape[0] * levels.shape[1], dtype=torch.int32, device=idx.device)
+                        * levels_per_vec).view(*levels.shape[:2], 1)
+                if b_ == 1:  # the block of the output is contiguous: looked up in place
+                    torch.index_select(levels.view(-1), 0, idx.view(-1), out=out[:, rows].view(-1))
+                else:
+                    out[:, rows] = levels.view(-1).index_select(0, idx.view(-1)).view(idx.shape)
             if "outlier_ptr" in qt.fields:  # written back exactly, at their places in the output layout
                 ptr = qt["outlier_ptr"]
                 counts = ptr[1:] - ptr[:-1]

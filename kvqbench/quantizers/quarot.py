@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics import blocks
-from kvqbench.numerics.hadamard import hadamard_transform
+from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
@@ -38,18 +38,43 @@ __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "
 CLIP_RATIO = 0.95
 
 
-#: QuaRot's per-group steps run in blocks for tensors of more than this many elements: below it the
-#: whole-tensor passes find the tensor in cache and blocks only add calls (measured on the shared 2-core
-#: host, 1 thread, (1, 8, T, 128) fp32, paired medians: blocks took 1.04–1.06× the time at T = 4096,
-#: 0.89–0.92× at T = 16384)
+#: QuaRot's round trip runs in row blocks (:meth:`QuaRot._quantize_blocked`) for CPU tensors of more than
+#: this many elements (and more than one block); smaller ones take the whole-tensor ops. Measured on the
+#: shared 2-core host, 1 thread, (1, 8, T, 128) fp32, round trip as a multiple of the eager RTN, paired in
+#: one process (interleaved medians, three sessions): T = 16384 blocks 1.35–1.57, whole 1.59–1.77; T = 4096
+#: blocks 1.43–1.87, whole 1.60–1.74, no difference beyond the noise (the two 128×128 products alone take
+#: about one eager RTN, blocked or not), so 4096 tokens × 8 heads × 128 (2^22) keep the whole-tensor ops.
 _WHOLE_MAX_ELEMS = 1 << 22
 
+#: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (4 MiB of
+#: fp32, the size of a core's L2 here): the rotation's matrix product is cheaper per row on taller blocks
+#: (same host, T = 16384: 1.56× the eager RTN at factor 1, 1.47 at 2, 1.41 at 4)
+_BLOCK_FACTOR = 4
 
-def _blocked(device: torch.device, numel: int, d: int, g: int) -> bool:
-    """Whether QuaRot's per-group steps run token block by token block (the rotations stay whole-tensor
-    products): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements (``numel``), when groups of
-    ``g`` tile head_dim ``d`` exactly (a padded partial group takes the whole-tensor path)."""
-    return device.type == "cpu" and d % g == 0 and numel > max(_WHOLE_MAX_ELEMS, blocks.BLOCK_ELEMS)
+#: block starts are multiples of this many rows: 64-byte aligned for any head_dim (the alignment
+#: :func:`~kvqbench.quantizers.base._canonical_layout` gives the whole tensor), and no block of a
+#: several-block tensor has fewer than half as many rows (a one-row product is a mat-vec, another kernel)
+_ROW_MULTIPLE = 16
+
+
+def _block_rows(d: int) -> int:
+    """Rows per block for head_dim ``d`` (before :func:`~kvqbench.numerics.blocks.row_blocks` merges a
+    short tail)."""
+    return max(1, blocks.BLOCK_ELEMS * _BLOCK_FACTOR // (d * _ROW_MULTIPLE)) * _ROW_MULTIPLE
+
+
+def _spans(n: int, d: int) -> list[slice]:
+    """The row blocks of ``n`` rows of ``d`` elements (:func:`~kvqbench.numerics.blocks.row_blocks`)."""
+    return blocks.row_blocks(n, d, multiple=_ROW_MULTIPLE, target=blocks.BLOCK_ELEMS * _BLOCK_FACTOR)
+
+
+def _blocked(device: torch.device, numel: int, d: int, dtype: torch.dtype) -> bool:
+    """Whether QuaRot's round trip of a tensor of ``numel`` elements, head_dim ``d``, runs in row blocks
+    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements in more
+    than one block (:func:`_spans`), where the rotation's row blocks give the whole product's bits
+    (:func:`~kvqbench.numerics.hadamard.rotation_rows_independent` in the compute ``dtype``)."""
+    return (device.type == "cpu" and numel > _WHOLE_MAX_ELEMS and len(_spans(numel // d, d)) > 1
+            and rotation_rows_independent(d, dtype, min_rows=_ROW_MULTIPLE // 2, block_rows=_block_rows(d)))
 
 
 def quarot_qparams(
@@ -83,15 +108,16 @@ def quarot_qparams(
 
 def quarot_quantize(
     xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64,
-    *, inplace: bool = False,
+    *, inplace: bool = False, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Codes ``clamp(round(x/scale) + z, 0, 2^b − 1)`` as ``dtype`` (default int64); a zero scale gives
-    code ``z``. ``inplace=True`` reuses ``xg``'s buffer (the caller no longer needs it). A zero scale
+    code ``z``. ``inplace=True`` reuses ``xg``'s buffer (the caller no longer needs it); ``out`` (``xg``'s
+    shape, of ``dtype``) receives the codes instead of a new tensor (the same cast). A zero scale
     divides by ``+inf`` (``x/inf = 0`` for finite ``x``), so no full-size mask is built."""
     safe = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
     q = xg.div_(safe) if inplace else torch.div(xg, safe)
     q.round_().add_(zero).clamp_(0, 2**bits - 1)
-    return q.to(dtype)
+    return q.to(dtype) if out is None else out.copy_(q)
 
 
 def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -171,10 +197,11 @@ class QuaRot(Quantizer):
     finite_check = "stats"  # the rotation spreads a NaN/Inf over its token's row: the group min/max see it
 
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
+        d = int(x.shape[-1])
+        g = self._group(d)
+        if _blocked(x.device, x.numel(), d, compute_dtype(x.dtype)):
+            return self._quantize_blocked(x, kind, bits, g)
         xr = hadamard_transform(x.to(compute_dtype(x.dtype)))  # a fresh buffer, quantized in place
-        g = self._group(int(x.shape[-1]))
-        if _blocked(xr.device, xr.numel(), int(xr.shape[-1]), g):
-            return self._quantize_blocked(x, xr, kind, bits, g)
         xg, restore = to_groups(xr, -1, g)
         lo = xg.amin(-1, keepdim=True)
         hi = xg.amax(-1, keepdim=True)
@@ -188,28 +215,44 @@ class QuaRot(Quantizer):
         qt.fields["zero"] = Stored(zero, 16)
         return qt
 
-    def _quantize_blocked(self, x: torch.Tensor, xr: torch.Tensor, kind: Kind, bits: int,
-                          g: int) -> QuantizedTensor:
-        """:meth:`_quantize` of the rotated ``xr`` token block by token block (:func:`_blocked`): a pass for
-        the group minima and maxima, then one for the codes, each block while it is in the core's cache
-        (instead of one pass over memory per operation). Every step is per group (exact minima/maxima,
-        elementwise arithmetic), so the stored fields are those of the whole-tensor path, bit for bit."""
-        cd, dev, d = xr.dtype, xr.device, int(xr.shape[-1])
-        n, ng = xr.numel() // d, d // g
-        rows = xr.view(n, ng, g)
-        codes = torch.empty(n, ng, g, dtype=torch.uint8, device=dev)
-        lo, hi = (torch.empty(n, ng, 1, dtype=cd, device=dev) for _ in range(2))
+    def _quantize_blocked(self, x: torch.Tensor, kind: Kind, bits: int, g: int) -> QuantizedTensor:
+        """:meth:`_quantize` in blocks of rows (one row = one token of one head) of about
+        :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements, on one CPU thread (:func:`_blocked`).
+
+        Why: written as whole-tensor operations the round trip makes a pass over memory per operation
+        (rotation, minima, maxima, divide, round, shift, clamp, cast), each with a full-size temporary.
+        Here each block is rotated into one cache-sized buffer and quantized there (group minima and maxima,
+        parameters, codes) before the next block is read: the input is read once and the codes written once.
+
+        Guarantee: the stored fields are those of the whole-tensor path, bit for bit. The rotation of a
+        block is the rotation of its rows (:func:`_blocked` takes this path only where the product's row
+        blocks give the whole product's bits), and every later step is per group (exact minima and maxima,
+        elementwise arithmetic; a partial last group is padded per block as on the whole tensor). NaN/Inf
+        raise the same ``ValueError``: the group minima and maxima of every block are kept and checked
+        after the loop, as in the whole-tensor path (a NaN spoils only its own codes, never returned).
+        """
+        cd, dev, d = compute_dtype(x.dtype), x.device, int(x.shape[-1])
+        n, ng = x.numel() // d, -(-d // g)
+        rows = x.reshape(n, d)
+        q = hadamard_matrix(d, dtype=cd, device=dev)
+        spans = _spans(n, d)
+        buf = torch.empty(max(sl.stop - sl.start for sl in spans), d, dtype=cd, device=dev)
+        codes = torch.empty(n, d, dtype=torch.uint8, device=dev)
+        lo, hi, scale, zero = (torch.empty(n, ng, 1, dtype=cd, device=dev) for _ in range(4))
         with blocks.one_cpu_thread(dev):
-            spans = blocks.row_blocks(n, d)
-            for sl in spans:  # the group minima and maxima (both from the block in cache) ...
-                torch.amin(rows[sl], -1, keepdim=True, out=lo[sl])
-                torch.amax(rows[sl], -1, keepdim=True, out=hi[sl])
-            check_finite(x, lo, hi, name=kind.upper())
-            # ... the parameters of all groups at once (few small operations) ...
-            scale, zero = quarot_qparams(rows, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
-                                         lo_hi=(lo, hi))
-            for sl in spans:  # ... and the codes, block by block
-                codes[sl] = quarot_quantize(rows[sl], scale[sl], zero[sl], bits, torch.uint8, inplace=True)
+            for sl in spans:
+                xr = torch.mm(rows[sl].to(cd), q, out=buf[: sl.stop - sl.start])  # hadamard_transform
+                xg, restore = to_groups(xr, -1, g)  # a view (a padded copy for a partial last group)
+                torch.amin(xg, -1, keepdim=True, out=lo[sl])
+                torch.amax(xg, -1, keepdim=True, out=hi[sl])
+                scale[sl], zero[sl] = quarot_qparams(xg, bits, include_zero=(kind == "k"),
+                                                     clip_ratio=self.clip_ratio, lo_hi=(lo[sl], hi[sl]))
+                if xg.data_ptr() == xr.data_ptr():  # groups tile head_dim: the codes go straight to their place
+                    quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True,
+                                    out=codes[sl].view(xg.shape))
+                else:
+                    codes[sl] = restore(quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True))
+        check_finite(x, lo, hi, name=kind.upper())
         lead = tuple(x.shape[:-1])
         qt = self._new_qt(x, kind, bits, group_size=g)
         qt.add_codes("codes", codes.view(x.shape), bits)
@@ -218,18 +261,30 @@ class QuaRot(Quantizer):
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        g, scale, d = qt.meta["group_size"], qt["scale"], int(qt.shape[-1])
-        if _blocked(scale.device, math.prod(qt.shape), d, g) and tuple(scale.shape) == (*qt.shape[:-1], d // g, 1):
-            codes = qt.codes("codes", torch.uint8).view(-1, d // g, g)
-            sc, ze = scale.reshape(-1, d // g, 1), qt["zero"].reshape(-1, d // g, 1)
-            xr = torch.empty(codes.shape, dtype=scale.dtype, device=scale.device)
-            with blocks.one_cpu_thread(scale.device):  # token blocks, as in quantize
-                for sl in blocks.row_blocks(xr.shape[0], d):
-                    xr[sl].copy_(codes[sl]).sub_(ze[sl]).mul_(sc[sl])  # quarot_dequantize, in place
-            return hadamard_transform(xr.view(qt.shape))
-        cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, qt.meta["group_size"])
-        xr = restore(quarot_dequantize(cg, qt["scale"], qt["zero"]))
+        g, scale, zero, d = qt.meta["group_size"], qt["scale"], qt["zero"], int(qt.shape[-1])
+        per_group = (*qt.shape[:-1], -(-d // g), 1)
+        if (tuple(scale.shape) == per_group and tuple(zero.shape) == per_group
+                and _blocked(scale.device, math.prod(qt.shape), d, scale.dtype)):
+            return self._dequantize_blocked(qt, g)
+        cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, g)
+        xr = restore(quarot_dequantize(cg, scale, zero))
         return hadamard_transform(xr)
+
+    def _dequantize_blocked(self, qt: QuantizedTensor, g: int) -> torch.Tensor:
+        """:meth:`_dequantize` in the row blocks of :meth:`_quantize_blocked` (same reasons, same
+        guarantee): each block's codes are decoded (``scale · (q − z)``) into a cache-sized buffer and
+        rotated back straight into the output."""
+        scale, d = qt["scale"], int(qt.shape[-1])
+        n, ng = math.prod(qt.shape) // d, -(-d // g)
+        codes = qt.codes("codes", torch.uint8).view(n, d)
+        sc, ze = scale.reshape(n, ng, 1), qt["zero"].reshape(n, ng, 1)
+        q = hadamard_matrix(d, dtype=scale.dtype, device=scale.device)
+        out = torch.empty(n, d, dtype=scale.dtype, device=scale.device)
+        with blocks.one_cpu_thread(scale.device):
+            for sl in _spans(n, d):
+                cg, restore = to_groups(codes[sl], -1, g)
+                torch.mm(restore(quarot_dequantize(cg, sc[sl], ze[sl])), q, out=out[sl])  # hadamard_transform
+        return out.view(qt.shape)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         d = shape[-1]

@@ -1,7 +1,8 @@
 """Cache-sized blocks change nothing: KVQuant, TurboQuant, Kitty, PolarQuant and KVarN process vectors,
 tokens, pages, token groups or tiles in blocks (:mod:`kvqbench.numerics.blocks`), and so does the grouped RTN of the RTN
-family, KIVI and PolarQuant's V (:mod:`kvqbench.numerics.rtn`); every stored field and the reconstruction
-are bit-identical with many small blocks and with one block over the whole tensor."""
+family, KIVI and PolarQuant's V (:mod:`kvqbench.numerics.rtn`) and QuaRot's whole round trip (rotation
+included); every stored field and the reconstruction are bit-identical with many small blocks and with one
+block over the whole tensor (QuaRot: its whole-tensor path)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvqbench.numerics import blocks
+from kvqbench.numerics.hadamard import rotation_rows_independent
 from kvqbench.numerics.rtn import PerChannel, PerToken, rtn_dequantize, rtn_quantize
 from kvqbench.quantizers import create
 from kvqbench.quantizers import quarot as quarot_mod
@@ -46,21 +48,49 @@ def test_blocks_give_the_same_bits_as_one_block(x, method, kind, bits, small, va
     assert torch.equal(rec1, rec2)
 
 
-@settings(max_examples=15, deadline=None)
-@given(x=kv_tensors(max_tokens=160, head_dims=(8, 16, 32, 64, 96, 128)), kind=st.sampled_from(["k", "v"]),
-       bits=st.integers(1, 4), small=st.sampled_from([1, 200, 3000]), group=st.sampled_from([None, 4, 16, 100]))
-def test_quarot_blocks_give_the_same_bits_as_the_whole_tensor(x, kind, bits, small, group) -> None:
-    """QuaRot's per-group steps in blocks (its size threshold lowered so that small inputs take that path)
-    against the whole-tensor ops: every stored field and the reconstruction, bit for bit."""
-    out = []
-    for whole_max, block_elems in ((1 << 40, 1 << 40), (0, small)):
-        with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", whole_max):
-            out.append(_roundtrip("quarot", {"group_size": group}, x, kind, bits, block_elems))
-    (qt1, rec1), (qt2, rec2) = out
+def _quarot(x: torch.Tensor, kind: str, bits: int, group: int | None, *, whole: bool, block_elems: int):
+    """QuaRot's round trip on the whole-tensor path (``whole``) or forced onto the blocked one (its size
+    threshold at 0, blocks of ``block_elems`` elements); returns ``(qt, reconstruction, took_blocks)``."""
+    q = create("quarot", bits, bits, group_size=group)
+    calls = []
+    real = quarot_mod.QuaRot._quantize_blocked
+
+    def spy(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", 1 << 62 if whole else 0), \
+            mock.patch.object(blocks, "BLOCK_ELEMS", block_elems), \
+            mock.patch.object(quarot_mod.QuaRot, "_quantize_blocked", spy):
+        qt = q.quantize(x, kind)
+        return qt, q.dequantize(qt), bool(calls)
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=kv_tensors(max_tokens=160, head_dims=(8, 16, 32, 48, 64, 80, 96, 128)), kind=st.sampled_from(["k", "v"]),
+       bits=st.integers(1, 8), small=st.sampled_from([1, 200, 3000, 1 << 14]),
+       group=st.sampled_from([None, 4, 16, 24, 100]), zeros=st.integers(0, 3))
+def test_quarot_blocks_give_the_same_bytes_as_the_whole_tensor(x, kind, bits, small, group, zeros) -> None:
+    """QuaRot's round trip in row blocks (rotation included; its size threshold lowered so that small
+    inputs take that path) against the whole-tensor ops (the second implementation): every stored field
+    and the reconstruction, byte for byte (signed zeros included), over head_dims that are and are not
+    powers of two (block-diagonal Hadamard), partial groups, fp32/fp16/bf16 and 1..160 tokens."""
+    x = x.clone()
+    if zeros:
+        x.view(-1)[:: zeros + 1] = 0.0 if zeros % 2 else -0.0
+    qt1, rec1, took1 = _quarot(x, kind, bits, group, whole=True, block_elems=small)
+    qt2, rec2, took2 = _quarot(x, kind, bits, group, whole=False, block_elems=small)
+    d = int(x.shape[-1])
+    with mock.patch.object(blocks, "BLOCK_ELEMS", small):
+        several = len(quarot_mod._spans(x.numel() // d, d)) > 1
+        probe = rotation_rows_independent(d, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2,
+                                          block_rows=quarot_mod._block_rows(d))
+    assert not took1 and took2 == (several and probe)
     assert set(qt1.fields) == set(qt2.fields)
     for name, f in qt1.fields.items():
-        assert torch.equal(f.tensor, qt2.fields[name].tensor), name
-    assert torch.equal(rec1, rec2)
+        a, b = f.tensor, qt2.fields[name].tensor
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), name
+    assert rec1.dtype == rec2.dtype and torch.equal(_bits(rec1), _bits(rec2))
 
 
 RTN_BLOCKED = ("rtn_tensor", "rtn_token", "rtn_channel", "kivi", "polarquant")

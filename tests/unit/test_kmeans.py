@@ -139,6 +139,8 @@ def test_count_below_comparisons_equal_binary_search(m: int, rows: int, n: int, 
     for out in (torch.int64, torch.uint8):
         got = count_below(x, t, dtype=out)
         assert got.dtype == out and torch.equal(got.to(torch.int64), ref)
+        buf = torch.full(x.shape, 7, dtype=out)  # into a given tensor (stale contents overwritten)
+        assert count_below(x, t, dtype=out, out=buf) is buf and torch.equal(buf.to(torch.int64), ref)
     if rows:  # one row: the shared (1-D, Python-scalar) path
         assert torch.equal(count_below(x[0], t[0]), ref[0])
 
