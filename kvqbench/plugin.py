@@ -263,9 +263,9 @@ class _PrintThread(threading.Thread):
         config.stash[PRINTER_KEY] = self
 
     def run(self) -> None:
-        # While reports arrive, the main thread prints (in _progress_tick) so lines rarely cut into pytest's
+        # While reports arrive, the main thread prints (in _progress_tick) so lines do not cut into pytest's
         # own dots; this thread speaks when the line is due and no report has come for a moment (a long
-        # test, the real-model capture, the closing report), or when the line is half an interval late.
+        # test, the real-model capture, the closing report): Progress.line_due.
         tick = min(0.5, self.prog.interval_s / 4)
         while not self.stop.wait(tick):
             with _PROGRESS_LOCK:

@@ -76,10 +76,11 @@ AGAIN = "|again"
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
 SHRINK_N = 2.0
-#: between test reports the progress line waits for this many seconds without one (pytest writes its
-#: progress dots as reports arrive, so a line then would cut into them) — unless it is already
-#: :data:`LATE_FACTOR` intervals since the last line
+#: between test reports the progress line waits for this many seconds without one (half an interval if
+#: shorter): pytest writes its progress dots as reports arrive, so a line printed then could cut into them.
+#: Either a report comes within that window (and the line is printed with it) or the window passes
 QUIET_S = 1.0
+#: so lines are at most this many intervals apart (plus the printer's tick)
 LATE_FACTOR = 1.5
 
 
@@ -538,21 +539,16 @@ class Progress:
         return tests + report
 
     def line_due(self, now: float, *, at_report: bool) -> bool:
-        """Whether the progress line is due at ``now``: when a test report has just arrived
-        (``at_report``), once :attr:`interval_s` has passed since the last line; otherwise (the printer's
-        clock) once it has passed and no report came in the last :data:`QUIET_S` seconds (half an
-        interval if shorter), or once :data:`LATE_FACTOR` intervals have passed in any case. So with a
-        printer that checks every ``tick`` seconds, lines are at most ``LATE_FACTOR · interval_s + tick``
-        apart whatever the reports do (tests/unit/test_progress.py checks it). Never with
-        ``interval_s == 0`` or no tests."""
-        if self.interval_s <= 0 or not self.total:
+        """Whether the progress line is due at ``now``: once :attr:`interval_s` has passed since the last
+        line — when a test report has just arrived (``at_report``: printed with it), or on the printer's
+        clock once no report has come for :data:`QUIET_S` seconds (half an interval if shorter). Past the
+        interval either a report comes within that window or the window passes, so with a printer that
+        checks every ``tick`` seconds lines are at most ``LATE_FACTOR · interval_s + tick`` apart whatever
+        the reports do, and the printer never speaks while reports (and pytest's dots) are coming
+        (tests/unit/test_progress.py checks both). Never with ``interval_s == 0`` or no tests."""
+        if self.interval_s <= 0 or not self.total or now - self.last < self.interval_s:
             return False
-        since = now - self.last
-        if since < self.interval_s:
-            return False
-        if at_report or since >= LATE_FACTOR * self.interval_s:
-            return True
-        return now - self.last_report >= min(QUIET_S, self.interval_s / 2)
+        return at_report or now - self.last_report >= min(QUIET_S, self.interval_s / 2)
 
     def line(self, now: float) -> str:
         eta = self.eta(now)
