@@ -250,7 +250,29 @@ def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
             prog.started(nodeid, time.time())
 
 
-_PROGRESS_LOCK = threading.Lock()
+#: held by the printer thread while it writes a line, and by the main thread while pytest reports a test
+#: (its dots, the file's path: the wrappers below) and while it enters or leaves a test phase — so a line
+#: never lands inside pytest's own output, and one written past the capture during a phase is written
+#: before the phase's report (re-entrant: the plugin's own report hooks take it again inside)
+_PROGRESS_LOCK = threading.RLock()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logreport")
+def _logreport_holds_the_progress_lock(report: pytest.TestReport) -> Any:
+    with _PROGRESS_LOCK:
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logstart")
+def _logstart_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
+    with _PROGRESS_LOCK:
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logfinish")
+def _logfinish_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
+    with _PROGRESS_LOCK:
+        return (yield)
 
 
 class _PrintThread(threading.Thread):
@@ -308,29 +330,35 @@ def _open_terminal(config: pytest.Config) -> None:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Any:
-    _IN_PHASE.set()
+    with _PROGRESS_LOCK:
+        _IN_PHASE.set()
     try:
         return (yield)
     finally:
-        _IN_PHASE.clear()
+        with _PROGRESS_LOCK:
+            _IN_PHASE.clear()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
-    _IN_PHASE.set()
+    with _PROGRESS_LOCK:
+        _IN_PHASE.set()
     try:
         return (yield)
     finally:
-        _IN_PHASE.clear()
+        with _PROGRESS_LOCK:
+            _IN_PHASE.clear()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    _IN_PHASE.set()
+    with _PROGRESS_LOCK:
+        _IN_PHASE.set()
     try:
         return (yield)
     finally:
-        _IN_PHASE.clear()
+        with _PROGRESS_LOCK:
+            _IN_PHASE.clear()
 
 
 def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:

@@ -7,6 +7,8 @@ tests or cells change a lot, on a fresh clone so that caches are cold as on a us
     git clone . /tmp/fresh && cd /tmp/fresh
     python -m pytest -n auto            # the test suite, as CI runs it
     kvqbench run                        # the main job
+    kvqbench run --smoke                # the documented smoke commands
+    kvqbench run --smoke --kvq-real
     python scripts/eta_prior.py .pytest_cache/v/kvqbench/durations -o kvqbench/data/eta_prior.json
 
 Each argument is a history file that kvqbench keeps in pytest's cache (``{"tests": {nodeid: s},
