@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: about 3 min, 331-342 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
+                                   "(measured: about 3 min, 317-342 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
                                    "the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="tiny synthetic cells only (measured: 8-9 s on an idle 2-core machine, more when the host is busy; "
                            "no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
                            "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
-                           "real-model smoke cells too (about 1-1.5 min: 57 s with the capture cached, 81 s without)")
+                           "real-model smoke cells too (about 1-1.5 min: 49-54 s with the capture cached, 81 s without)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")

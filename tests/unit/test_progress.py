@@ -575,14 +575,16 @@ def test_eta_prior_median_of_runs_rescales_each_run_and_drops_an_odd_one(tmp_pat
     assert prior["step_cells"] == {"report|real-full": 30}
 
 
-def test_the_committed_prior_covers_the_test_suite_and_the_main_job():
+def test_the_committed_prior_covers_the_test_suite_the_main_job_and_the_smoke_commands():
     from kvqbench.progress import load_prior
 
     prior = load_prior()
     tests = prior["tests"]
     assert any(n.startswith("tests/unit/") for n in tests) and any(n.startswith("tests/plugin/") for n in tests)
     assert any(n.endswith("-real-full]") for n in tests) and any(n.endswith("-synthetic-smoke]") for n in tests)
-    assert {"capture|real-full", "report|real-full,synthetic-full", "report|synthetic-smoke"} <= set(prior["steps"])
+    assert any(n.endswith("-real-smoke]") and "test_endtoend" in n for n in tests)  # --smoke --kvq-real
+    assert {"capture|real-full", "report|real-full,synthetic-full", "report|synthetic-smoke", "model|real-smoke",
+            "report|real-smoke,synthetic-smoke"} <= set(prior["steps"])
     assert load_prior(ROOT / "no-such-file.json") == {}
 
 
