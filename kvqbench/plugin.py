@@ -328,8 +328,8 @@ def _open_terminal(config: pytest.Config) -> None:
     config.add_cleanup(config.stash[TERMINAL_KEY].close)
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> Any:
+def _test_phase() -> Any:
+    """The body of the phase wrappers below: :data:`_IN_PHASE` is set while the phase runs."""
     with _PROGRESS_LOCK:
         _IN_PHASE.set()
     try:
@@ -337,28 +337,21 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
     finally:
         with _PROGRESS_LOCK:
             _IN_PHASE.clear()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    return (yield from _test_phase())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
-    with _PROGRESS_LOCK:
-        _IN_PHASE.set()
-    try:
-        return (yield)
-    finally:
-        with _PROGRESS_LOCK:
-            _IN_PHASE.clear()
+    return (yield from _test_phase())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    with _PROGRESS_LOCK:
-        _IN_PHASE.set()
-    try:
-        return (yield)
-    finally:
-        with _PROGRESS_LOCK:
-            _IN_PHASE.clear()
+    return (yield from _test_phase())
 
 
 def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:

@@ -155,13 +155,20 @@ def test_run_help_lists_every_plugin_option_with_its_default(capsys):
             assert str(default) in entry, (flag, default, entry)
 
 
-def test_run_smoke_is_synthetic_unless_kvq_real(monkeypatch, tmp_path):
+@pytest.fixture
+def pytest_calls(monkeypatch, tmp_path) -> list[list[str]]:
+    """The argument lists ``kvqbench run`` passes to ``pytest.main`` (stubbed), from an empty checkout."""
     import pytest as pytest_mod
 
-    calls = []
+    calls: list[list[str]] = []
     monkeypatch.setattr(pytest_mod, "main", lambda args: calls.append(list(args)) or 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
+    return calls
+
+
+def test_run_smoke_is_synthetic_unless_kvq_real(pytest_calls):
+    calls = pytest_calls
     assert main(["run", "--smoke"]) == 0
     assert main(["run", "--smoke", "--kvq-real"]) == 0
     assert main(["run"]) == 0
@@ -171,15 +178,10 @@ def test_run_smoke_is_synthetic_unless_kvq_real(monkeypatch, tmp_path):
     assert "--kvq-real" in full and "full" in full
 
 
-def test_run_smoke_hides_the_benchmark_table_but_keeps_its_json(monkeypatch, tmp_path):
+def test_run_smoke_hides_the_benchmark_table_but_keeps_its_json(pytest_calls):
     """``--smoke`` passes pytest-benchmark's ``--benchmark-quiet`` (no timing table; the JSON is still
     saved: quiet only skips the display); the main job and an explicit ``--benchmark-verbose`` do not."""
-    import pytest as pytest_mod
-
-    calls = []
-    monkeypatch.setattr(pytest_mod, "main", lambda args: calls.append(list(args)) or 0)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "tests" / "bench").mkdir(parents=True)
+    calls = pytest_calls
     assert main(["run", "--smoke"]) == 0
     assert main(["run", "--smoke", "--benchmark-verbose"]) == 0
     assert main(["run"]) == 0
