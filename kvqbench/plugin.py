@@ -257,22 +257,25 @@ def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
 _PROGRESS_LOCK = threading.RLock()
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logreport")
-def _logreport_holds_the_progress_lock(report: pytest.TestReport) -> Any:
+def _holding_progress_lock() -> Any:
+    """The body of the report wrappers below: the hook runs holding :data:`_PROGRESS_LOCK`."""
     with _PROGRESS_LOCK:
         return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logreport")
+def _logreport_holds_the_progress_lock(report: pytest.TestReport) -> Any:
+    return (yield from _holding_progress_lock())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logstart")
 def _logstart_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
-    with _PROGRESS_LOCK:
-        return (yield)
+    return (yield from _holding_progress_lock())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logfinish")
 def _logfinish_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
-    with _PROGRESS_LOCK:
-        return (yield)
+    return (yield from _holding_progress_lock())
 
 
 class _PrintThread(threading.Thread):
@@ -360,17 +363,16 @@ def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
         return
     prog.last = now
     prog.set_queues(_xdist_queues(config), now)
+    lead = "\n" if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0) else ""  # after pytest's dots
     terminal = config.stash.get(TERMINAL_KEY, None)
     if _IN_PHASE.is_set() and terminal is not None and not terminal.closed:
         # a test phase is running here (serial run): write past pytest's capture, on a line of its own,
         # and let the reporter start its next line afresh (it writes the file's path again)
-        lead = "\n" if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0) else ""
         terminal.write(f"{lead}{prog.line(now)}\n")
         terminal.flush()
         tr.currentfspath = None
         return
-    if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0):
-        tr.write("\n")  # after the progress dots of -q / xdist
+    tr.write(lead)
     tr.write_line(prog.line(now))
 
 
