@@ -331,9 +331,21 @@ def _open_terminal(config: pytest.Config) -> None:
     config.add_cleanup(config.stash[TERMINAL_KEY].close)
 
 
+def _flush_reporter() -> None:
+    """Push what pytest's reporter has buffered to the terminal. Its stdout is block-buffered when it is
+    a pipe (CI, a log file): a line left there would reach the terminal after the lines the printer
+    writes past the capture, and inside the capture file if flushed while a test phase runs."""
+    config = _CONFIG.get("config")
+    tr = config.pluginmanager.get_plugin("terminalreporter") if config is not None else None
+    if tr is not None:
+        tr.flush()
+
+
 def _test_phase() -> Any:
-    """The body of the phase wrappers below: :data:`_IN_PHASE` is set while the phase runs."""
+    """The body of the phase wrappers below: :data:`_IN_PHASE` is set while the phase runs (entered
+    before pytest's capture starts, so the reporter's buffer still goes to the terminal)."""
     with _PROGRESS_LOCK:
+        _flush_reporter()
         _IN_PHASE.set()
     try:
         return (yield)
@@ -363,17 +375,23 @@ def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
         return
     prog.last = now
     prog.set_queues(_xdist_queues(config), now)
-    lead = "\n" if getattr(getattr(tr, "_tw", None), "width_of_current_line", 0) else ""  # after pytest's dots
+    tw = getattr(tr, "_tw", None)
     terminal = config.stash.get(TERMINAL_KEY, None)
     if _IN_PHASE.is_set() and terminal is not None and not terminal.closed:
         # a test phase is running here (serial run): write past pytest's capture, on a line of its own,
         # and let the reporter start its next line afresh (it writes the file's path again)
+        lead = "\n" if getattr(tw, "width_of_current_line", 0) else ""  # after pytest's dots
         terminal.write(f"{lead}{prog.line(now)}\n")
         terminal.flush()
         tr.currentfspath = None
+        if isinstance(getattr(tw, "_current_line", None), str):
+            tw._current_line = ""  # the terminal is at a line's start now: no blank line before the next one
         return
-    tr.write(lead)
+    tr.ensure_newline()  # ends a row of dots that follows a file's path
+    if getattr(tw, "width_of_current_line", 0):
+        tr.write("\n")  # ends one that does not (-q)
     tr.write_line(prog.line(now))
+    tr.flush()  # before anything the printer writes past the capture: _flush_reporter
 
 
 PRINTER_KEY = pytest.StashKey[_PrintThread]()

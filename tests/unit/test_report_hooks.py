@@ -137,3 +137,47 @@ def test_serial_progress_lines_appear_during_a_long_test_despite_output_capture(
     assert len(during) >= 2, res.stdout.str()
     assert "captured output of the test" not in res.stdout.str()
     assert any(ln.startswith("kvqbench: finished 2/2 tests") for ln in res.outlines)
+
+
+
+SHORT_THEN_LONG = '''
+import time
+
+def test_a_short():
+    time.sleep(0.8)
+
+def test_b_long():
+    time.sleep(2.6)
+'''
+
+#: a pause outside every test phase, after each setup, where the printer thread speaks through pytest's
+#: reporter (no capture is active then)
+PAUSE_AFTER_SETUP = '''
+import time, pytest
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "setup":
+        time.sleep(0.5)
+    yield
+'''
+
+
+def test_serial_progress_lines_reach_the_terminal_in_order_each_on_its_own_line(pytester, args, monkeypatch):
+    """Lines the printer writes through pytest's reporter between test phases (its stdout is
+    block-buffered when it is a pipe, as in CI) and lines it writes past the capture during the next
+    long test (straight to the terminal's descriptor) must reach the terminal in the order written, each
+    starting a line. A first version left the reporter's lines in its buffer, so the later ones arrived
+    first, one glued to pytest's dots ('.kvqbench: 6/8 …', seen in CI)."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    pytester.makepyfile(test_order=SHORT_THEN_LONG)
+    pytester.makeconftest(PAUSE_AFTER_SETUP)
+    res = pytester.runpytest_subprocess(*args[:2], "--kvq-progress", "0.2", "-q")
+    res.assert_outcomes(passed=2)
+    lines = [ln for ln in res.outlines if "tests, elapsed" in ln and "finished" not in ln]
+    assert all(ln.startswith("kvqbench: ") for ln in lines), res.stdout.str()
+    parsed = [re.match(r"^kvqbench: (\d+)/2 tests, elapsed (\d+)s", ln) for ln in lines]
+    order = [(int(m.group(1)), int(m.group(2))) for m in parsed]
+    assert len(order) >= 4 and {d for d, _ in order} == {0, 1}, res.stdout.str()
+    assert order == sorted(order), res.stdout.str()  # done counts and elapsed seconds never go back
+    assert "" not in res.outlines[:res.outlines.index(lines[-1])], res.stdout.str()  # no blank lines between
