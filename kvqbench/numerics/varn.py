@@ -23,10 +23,13 @@ undefined; it is taken as 1 (no rescaling along that axis) instead of NaN.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from typing import NamedTuple
 
 import torch
+
+from kvqbench.numerics import cbuild
 
 __all__ = ["VarNResult", "varn", "imbalance", "STD_CLAMP", "LOG_SCALE_CLIP", "MIN_FLOOR", "DEFAULT_ITERS"]
 
@@ -202,6 +205,77 @@ def _row_sums_match(r: int, c: int) -> bool:
     return _GEMM_MATCHES[key]
 
 
+#: per tile shape ``(R, C)``: whether the compiled sums (:func:`_c_kernels`) give the torch products' bits
+_C_MATCHES: dict[tuple[int, int], bool] = {}
+
+
+def _c_kernels() -> ctypes.CDLL | None:
+    """The compiled one-pass sums of ``varn_sums.c`` (:mod:`kvqbench.numerics.cbuild`), or ``None``."""
+    lib = cbuild.load("varn_sums.c")
+    if lib is not None and not getattr(lib, "_kvq_typed", False):
+        for fn in (lib.varn_col_sums, lib.varn_row_sums):
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                           ctypes.c_void_p, ctypes.c_void_p]
+        lib._kvq_typed = True
+    return lib
+
+
+def _c_col_sums(lib: ctypes.CDLL, x: torch.Tensor, ir: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(irᵀ·x, (ir²)ᵀ·x²)`` ``[n, 1, C]`` of contiguous fp32 CPU tiles ``x`` ``[n, R, C]`` and row weights
+    ``ir`` ``[n, R, 1]``, one pass over ``x`` (``R`` a multiple of 8)."""
+    n, r, c = x.shape
+    ir = ir.contiguous()
+    s1, s2 = x.new_empty(n, 1, c), x.new_empty(n, 1, c)
+    lib.varn_col_sums(x.data_ptr(), ir.data_ptr(), n, r, c, s1.data_ptr(), s2.data_ptr())
+    return s1, s2
+
+
+def _c_row_sums(lib: ctypes.CDLL, xt: torch.Tensor, ic: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x·icᵀ, x²·(ic²)ᵀ)`` ``[n, R, 1]`` from the contiguous fp32 CPU transposed tiles ``xt`` ``[n, C, R]``
+    and column weights ``ic`` ``[n, 1, C]``, one pass over ``xt``."""
+    n, c, r = xt.shape
+    ic = ic.contiguous()
+    s1, s2 = xt.new_empty(n, r, 1), xt.new_empty(n, r, 1)
+    lib.varn_row_sums(xt.data_ptr(), ic.data_ptr(), n, r, c, s1.data_ptr(), s2.data_ptr())
+    return s1, s2
+
+
+def _c_kernels_for(n: int, r: int, c: int, device: torch.device) -> ctypes.CDLL | None:
+    """The compiled sums when they may replace the torch products of a chunk of ``n`` tiles ``[R, C]``:
+    on the CPU, for a batch of several tiles (a batch of one runs other torch kernels), ``R`` a multiple of 8,
+    and where a once-per-shape check on random tiles gives torch's bits (:func:`_c_matches`); else ``None``."""
+    if device.type != "cpu" or n < 2 or r < 8 or r % 8 or c < 2:
+        return None
+    lib = _c_kernels()
+    if lib is None or not _c_matches(lib, r, c):
+        return None
+    return lib
+
+
+def _c_matches(lib: ctypes.CDLL, r: int, c: int) -> bool:
+    """Whether the compiled sums reproduce, bit for bit, the torch products VarN runs otherwise —
+    ``torch.matmul(irᵀ, x)``, ``torch.matmul(ir²ᵀ, x²)``, ``torch.matmul(x, icᵀ)``, ``torch.matmul(x², ic²ᵀ)``
+    — on batches of random tiles ``[R, C]`` with an offset (CPU, the caller's thread count — VarN's one):
+    checked once per shape and process. The column sums follow the summation order of the CPU's BLAS
+    (``varn_sums.c``); on another BLAS or CPU this check fails and VarN keeps the torch products."""
+    key = (r, c)
+    if key not in _C_MATCHES:
+        ok = True
+        for n in (2, 3, 17):
+            g = torch.Generator().manual_seed(r * 7919 + c * 31 + n)
+            x = torch.randn(n, r, c, generator=g) * 3.0 + 1.0
+            ir = torch.rand(n, r, 1, generator=g) + 0.5
+            ic = torch.rand(n, 1, c, generator=g) + 0.5
+            x2, irt, ict = x * x, ir.transpose(-1, -2), ic.transpose(-1, -2)
+            c1, c2 = _c_col_sums(lib, x, ir)
+            r1, r2 = _c_row_sums(lib, x.transpose(-1, -2).contiguous(), ic)
+            ok = ok and torch.equal(c1, torch.matmul(irt, x)) and torch.equal(c2, torch.matmul(irt * irt, x2)) \
+                and torch.equal(r1, torch.matmul(x, ict)) and torch.equal(r2, torch.matmul(x2, ict * ict))
+        _C_MATCHES[key] = ok
+    return _C_MATCHES[key]
+
+
 #: one-pass variances ``(Σz² − (Σz)²/n)/(n − 1)`` are trusted while ``mean² ≤ CANCEL·var`` (fp32 keeps
 #: ~6 significant digits there); past it the group's stds are recomputed two-pass
 _CANCEL = 15.0
@@ -240,7 +314,12 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     n, r, c = x.shape
     lo_clip, hi_clip = LOG_SCALE_CLIP
     lo_std, hi_std = STD_CLAMP
-    x2 = x * x
+    # the compiled one-pass sums (x² formed on the fly: no x² and no side-by-side copy), where they give
+    # the torch products' bits (:func:`_c_kernels_for`)
+    lib = _c_kernels_for(n, r, c, x.device)
+    if lib is not None:
+        xt_c = (x.transpose(-1, -2) if xt is None else xt).contiguous()
+    x2 = x * x if lib is None else None
 
     def fallback(sd: torch.Tensor, bad: torch.Tensor | None, scale: torch.Tensor, dim: int) -> torch.Tensor:
         if bad is not None:
@@ -253,8 +332,12 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     def col_std(ir: torch.Tensor, ic: torch.Tensor) -> torch.Tensor:  # [n, 1, C]: stds over rows of x·ir·ic
         if r < 2:
             return x.new_ones(n, 1, c)
-        irt = ir.transpose(-1, -2)
-        sd, bad = _std_from_sums(torch.matmul(irt, x), torch.matmul(irt * irt, x2), r)
+        if lib is not None:
+            s1, s2 = _c_col_sums(lib, x, ir)
+        else:
+            irt = ir.transpose(-1, -2)
+            s1, s2 = torch.matmul(irt, x), torch.matmul(irt * irt, x2)
+        sd, bad = _std_from_sums(s1, s2, r)
         return fallback(sd, bad, ir, -2).mul_(ic)
 
     # The row sums ``x·icᵀ`` and ``x²·(ic²)ᵀ``: torch's batched mat-vec accumulates every row's dot product
@@ -262,7 +345,7 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     # product over the transposed tiles gives the same bits faster where a once-per-shape check says so
     # (:func:`_row_sums`); elsewhere (other kernels: small tiles, a batch of one tile, another CPU) the
     # mat-vec is kept.
-    gemm = n > 1 and c >= 2 and x.device.type == "cpu" and _row_sums_match(r, c)
+    gemm = lib is None and n > 1 and c >= 2 and x.device.type == "cpu" and _row_sums_match(r, c)
     if gemm:
         # st[t] = [x[t]ᵀ, (x[t]²)ᵀ], [n, C, 2R] (a transposing copy that moves whole rows)
         st = torch.empty(n, c, 2 * r, dtype=x.dtype, device=x.device)
@@ -273,7 +356,9 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     def row_std_unscaled(ic: torch.Tensor) -> torch.Tensor:  # [n, R, 1]: stds over columns of x·ic
         if c < 2:
             return x.new_ones(n, r, 1)
-        if gemm:
+        if lib is not None:
+            s1, s2 = _c_row_sums(lib, xt_c, ic)
+        elif gemm:
             s1, s2 = _row_sums(st, ic, w)
         else:
             ict = ic.transpose(-1, -2)

@@ -1,0 +1,108 @@
+"""Small C kernels compiled on first use (``cc``/``gcc``/``clang`` found on ``PATH``, or ``$CC``) and loaded
+with :mod:`ctypes` — no build step at install time, no torch headers.
+
+A kernel is only ever an optional fast path: :func:`load` returns ``None`` (and the caller runs its eager
+torch code) when no compiler is found, the compilation or loading fails, or ``$KVQBENCH_CKERNELS`` is ``0``
+(``off``, ``false``, ``no``). Callers check a kernel's results bit for bit against their eager code before
+using it (see :mod:`kvqbench.numerics.varn`).
+
+The shared object is cached under ``$KVQBENCH_CBUILD_DIR`` (default ``~/.cache/kvqbench/cbuild``, else the
+temporary directory), named by a hash of the source, the compiler, its flags and the CPU (the code is built
+for the host CPU, ``-march=native``); it is written to a temporary name and renamed, so concurrent
+processes (pytest-xdist workers) never load a partial file. A compilation takes well under a second.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+__all__ = ["ENV", "enabled", "load"]
+
+ENV = "KVQBENCH_CKERNELS"
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno",
+         "-shared", "-fPIC")
+_HERE = Path(__file__).resolve().parent
+
+
+def enabled() -> bool:
+    """Whether compiled kernels may be used (``$KVQBENCH_CKERNELS`` is not ``0``/``off``/``false``/``no``)."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
+        path = name and shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+    return platform.machine() + "\n" + "\n".join(keep)
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("KVQBENCH_CBUILD_DIR")
+    if env:
+        return Path(env)
+    home = Path.home() / ".cache" / "kvqbench" / "cbuild"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"kvqbench-cbuild-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cached(source: str) -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        return None
+    src = _HERE / source
+    try:
+        text = src.read_bytes()
+        key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(FLAGS).encode(),
+                                         _cpu_id().encode()])).hexdigest()[:16]
+        folder = _cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        lib = folder / f"{src.stem}-{key}.so"
+        if not lib.exists():
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            try:
+                subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.replace(tmp, lib)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return ctypes.CDLL(str(lib))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        warnings.warn(f"kvqbench: C kernel {source} unavailable ({type(e).__name__}: {e} "
+                      f"{detail.decode(errors='replace')[:200]}); using eager torch", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def load(source: str) -> ctypes.CDLL | None:
+    """The compiled shared object of ``source`` (a C file next to this module), or ``None`` (see module
+    docstring). Compiled at most once per process and once per cache folder."""
+    if not enabled():
+        return None
+    return _load_cached(source)
