@@ -6,6 +6,7 @@ Usage::
 
     python scripts/same_codes.py save OUT.pt [--methods a,b]   # run on the code before the change
     python scripts/same_codes.py check OUT.pt [--methods a,b]  # run after it: exit 1 on any difference
+    python scripts/same_codes.py save OUT.pt --real [--methods a,b]  # also real K/V (needs the real extra)
 
 For every method (default: every registered one), kind (K, V), and a fixed set of inputs (shapes with
 and without partial groups/tiles, head_dims that are and are not powers of two, fp32/fp16/bf16,
@@ -13,6 +14,9 @@ different scales, batch > 1, a non-contiguous input), it stores every field of t
 representation (packed codes, scales, zero-points, …), the unpacked-on-decode reconstruction and the
 representation's meta (as text), and compares them byte for byte (``torch.equal`` on tensors of equal
 dtype and shape; NaN never expected). Fitted methods are fitted on an independent batch first.
+With ``--real``, the inputs also include real K/V of SmolLM2-135M (every layer, :data:`REAL_TOKENS` tokens of
+the corpus, fp32, and a 300-token prefix: a partial tile; offline, ``HF_HUB_OFFLINE=1``), fitted on a
+capture of another length.
 """
 
 from __future__ import annotations
@@ -36,8 +40,26 @@ CASES = [
 ]
 
 
-def _inputs():
+#: tokens of the real capture (``--real``)
+REAL_TOKENS = 2048
+
+
+def _real_inputs():
+    from kvqbench.data.capture import capture_kv
+
+    data = capture_kv(seq_len=REAL_TOKENS)
+    data.calibration = capture_kv(seq_len=512)
+    yield f"real/{REAL_TOKENS}", data, torch.float32, 1.0
+    cut = capture_kv(seq_len=300)
+    cut.calibration = data.calibration
+    yield "real/300", cut, torch.float32, 1.0
+
+
+def _inputs(real: bool = False):
     from kvqbench.data.synthetic import make_synthetic
+
+    if real:
+        yield from _real_inputs()
 
     for b, h, t, d, dt, sc, seed in CASES:
         data = make_synthetic(seed=seed, batch=b, kv_heads=h, seq_len=t, head_dim=d)
@@ -46,12 +68,12 @@ def _inputs():
         yield f"{b}x{h}x{t}x{d}/{dt}/{sc}/{seed}", data, dt, sc
 
 
-def snapshot(methods: list[str]) -> dict[str, object]:
+def snapshot(methods: list[str], real: bool = False) -> dict[str, object]:
     from kvqbench.experiments.common import fit_method
     from kvqbench.quantizers import create
 
     out: dict[str, object] = {}
-    for case, data, dt, sc in _inputs():
+    for case, data, dt, sc in _inputs(real):
         for mid in methods:
             m = create(mid, 2, 2, seed=0)
             fit_method(m, data)
@@ -74,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", choices=("save", "check"))
     p.add_argument("path")
     p.add_argument("--methods", default="all")
+    p.add_argument("--real", action="store_true", help="also real K/V of SmolLM2-135M (needs the real extra)")
     a = p.parse_args(argv)
     from kvqbench.quantizers import available
 
     methods = available() if a.methods == "all" else a.methods.split(",")
-    snap = snapshot(methods)
+    snap = snapshot(methods, a.real)
     if a.mode == "save":
         torch.save(snap, a.path)
         print(f"saved {len(snap)} entries to {a.path}")
