@@ -217,6 +217,12 @@ def _c_kernels() -> ctypes.CDLL | None:
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                            ctypes.c_void_p, ctypes.c_void_p]
+        vp, lg, fl = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+        lib.varn_row_half.restype = lib.varn_col_half.restype = ctypes.c_int
+        lib.varn_row_half.argtypes = [vp, vp, lg, lg, lg, fl, vp, vp, vp, vp]
+        lib.varn_col_half.argtypes = [vp, vp, vp, lg, lg, lg, fl, vp, vp, vp, vp, vp]
+        lib.varn_track.restype = None
+        lib.varn_track.argtypes = [lg, lg, lg, fl, fl, fl, lg, vp, vp, vp, vp, vp, vp, vp, vp, vp]
         lib._kvq_typed = True
     return lib
 
@@ -375,6 +381,10 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     imb0 = best_imb.clone()
     best_iter = torch.zeros(n, dtype=torch.int64, device=x.device)
     e_row = torch.ones_like(log_row)  # exp(log_row)
+    if lib is not None:
+        _c_iterations(lib, x, xt_c, n_iter, cs, e_row=e_row, log_col=log_col, log_row=log_row,
+                      best=(best_imb, best_col, best_row, best_iter), fallback=fallback)
+        return torch.exp(best_row), torch.exp(best_col), best_imb, imb0, best_iter
     for it in range(1, n_iter + 1):
         log_col = log_col.add_(cs.clamp_(lo_std, hi_std).log_()).clamp_(lo_clip, hi_clip)
         ic = torch.exp(log_col).reciprocal_()
@@ -393,6 +403,49 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
         torch.where(mask, log_row, best_row, out=best_row)
         best_iter.masked_fill_(better, it)
     return torch.exp(best_row), torch.exp(best_col), best_imb, imb0, best_iter
+
+
+def _c_iterations(lib: ctypes.CDLL, x: torch.Tensor, xt: torch.Tensor, n_iter: int, cs: torch.Tensor, *,
+                  e_row: torch.Tensor, log_col: torch.Tensor, log_row: torch.Tensor,
+                  best: tuple[torch.Tensor, ...], fallback) -> None:
+    """The iterations of :func:`_varn_chunk` with the compiled half-steps of ``varn_sums.c``: per iteration
+    torch takes the two logs, the two exps and the two square roots (its own vectorized functions, whose bits
+    a C library does not reproduce) and three calls do the rest — row sums and variances, column sums and
+    variances, imbalance and
+    best-so-far — in one pass over the tiles each, with the same IEEE operations in the same order as the
+    torch loop (bit for bit, tested). ``cs``: the initial column stds (clamped here, in place); the state tensors are updated in place. The two-pass fallback (``fallback``) runs in torch on the groups a half-step flags."""
+    n, r, c = x.shape
+    lo_clip, hi_clip = LOG_SCALE_CLIP
+    lo_std, hi_std = STD_CLAMP
+    best_imb, best_col, best_row, best_iter = best
+    ic, csd, e_col = x.new_empty(n, 1, c), x.new_empty(n, 1, c), x.new_empty(n, 1, c)
+    rz, rsb, ir, rs = (x.new_empty(n, r, 1) for _ in range(4))
+    bad = torch.empty(n, dtype=torch.uint8)
+    work = x.new_empty(max(r, c))
+    f = ctypes.c_float
+    lo, hi, cancel, floor = f(lo_std), f(hi_std), f(_CANCEL), f(MIN_FLOOR)
+    p = {k: t.data_ptr() for k, t in dict(x=x, xt=xt, ic=ic, csd=csd, e_col=e_col, rz=rz, rsb=rsb, ir=ir, rs=rs,
+                                           bad=bad, work=work, e_row=e_row, log_col=log_col, log_row=log_row,
+                                           best_imb=best_imb, best_col=best_col, best_row=best_row,
+                                           best_iter=best_iter).items()}
+    cs.clamp_(lo_std, hi_std)
+    for it in range(1, n_iter + 1):
+        log_col.add_(cs.log_()).clamp_(lo_clip, hi_clip)
+        torch.exp(log_col, out=e_col)
+        flagged = lib.varn_row_half(p["xt"], p["e_col"], n, r, c, cancel, p["ic"], p["rz"], p["bad"], p["work"])
+        rz.sqrt_()
+        if flagged:
+            fallback(rz, bad.bool(), ic, -1)
+        log_row.add_(torch.div(rz, e_row, out=rsb).clamp_(lo_std, hi_std).log_()).clamp_(lo_clip, hi_clip)
+        torch.exp(log_row, out=e_row)
+        flagged = lib.varn_col_half(p["x"], p["e_row"], p["rz"], n, r, c, cancel, p["ir"], p["rs"], p["csd"],
+                                    p["bad"], p["work"])
+        csd.sqrt_()
+        if flagged:
+            fallback(csd, bad.bool(), ir, -2)
+        lib.varn_track(n, r, c, floor, lo, hi, it, p["csd"], p["ic"], p["rs"], p["log_col"], p["log_row"],
+                       p["best_imb"], p["best_col"], p["best_row"], p["best_iter"])
+        cs = csd
 
 
 def _group_any(bad: torch.Tensor, group: int) -> torch.Tensor:

@@ -58,3 +58,107 @@ void varn_row_sums(const float *restrict xt, const float *restrict w, long n, lo
     }
   }
 }
+
+/* ---- one VarN half-iteration per call (the glue between torch's exp, log and sqrt, which stay in torch:
+ * its vectorized versions are not the correctly rounded functions of a C library) ----------------------
+ * Every operation is the elementwise IEEE operation of the torch code it replaces, in the same order
+ * (division, product, difference, comparisons), so results are bit for bit those of varn._varn_chunk's
+ * torch path (tested). Sums: the two kernels above. Unbiased one-pass variance over m samples:
+ * mean2 = (s1/m)^2, var = max((s2 - (s1*s1)/m)/(m - 1), 0) (the caller takes the square root); a value is
+ * flagged (two-pass fallback, done by the caller) when mean2 > var*cancel. bad[t] = 1 when any value of
+ * tile t is flagged; the return value is 1 when any tile is. work: max(R, C) floats. */
+
+static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+static inline int var_from_sums(float *s1, const float *s2, long len, long m, float cancel) {
+  /* s1 <- variance (in place); returns whether any value is flagged */
+  const float fm = (float)m, fm1 = (float)(m - 1);
+  int flagged = 0;
+  for (long i = 0; i < len; i++) {
+    const float a = s1[i];
+    float mean2 = a / fm;
+    mean2 = mean2 * mean2;
+    float var = s2[i] - (a * a) / fm;
+    var = var / fm1;
+    var = var < 0.f ? 0.f : var;
+    flagged |= mean2 > var * cancel;
+    s1[i] = var;
+  }
+  return flagged;
+}
+
+/* e_col = exp(log_col) [n, C]: ic = 1/e_col; rz = row variances of x*ic (over C columns), from xt [n, C, R] */
+int varn_row_half(const float *restrict xt, const float *restrict e_col, long n, long R, long C, float cancel,
+                  float *restrict ic, float *restrict rz, unsigned char *restrict bad, float *restrict work) {
+  int any = 0;
+  float *s2 = work;
+  for (long t = 0; t < n; t++) {
+    float *ict = ic + t * C, *rzt = rz + t * R;
+    const float *ec = e_col + t * C;
+    for (long c = 0; c < C; c++) ict[c] = 1.0f / ec[c];
+    varn_row_sums(xt + t * R * C, ict, 1, R, C, rzt, s2);
+    const int f = var_from_sums(rzt, s2, R, C, cancel);
+    bad[t] = (unsigned char)f;
+    any |= f;
+  }
+  return any;
+}
+
+/* e_row = exp(log_row) [n, R], rz [n, R] (row stds): ir = 1/e_row; rs = rz*ir; csd = column variances of x*ir
+ * (over R rows),
+ * from x [n, R, C] (R a multiple of 8) */
+int varn_col_half(const float *restrict x, const float *restrict e_row, const float *restrict rz,
+                  long n, long R, long C, float cancel,
+                  float *restrict ir, float *restrict rs, float *restrict csd, unsigned char *restrict bad,
+                  float *restrict work) {
+  int any = 0;
+  float *s2 = work;
+  for (long t = 0; t < n; t++) {
+    float *irt = ir + t * R, *rst = rs + t * R, *cst = csd + t * C;
+    const float *er = e_row + t * R, *rzt = rz + t * R;
+    for (long r = 0; r < R; r++) { irt[r] = 1.0f / er[r]; rst[r] = rzt[r] * irt[r]; }
+    varn_col_sums(x + t * R * C, irt, 1, R, C, cst, s2);
+    const int f = var_from_sums(cst, s2, C, R, cancel);
+    bad[t] = (unsigned char)f;
+    any |= f;
+  }
+  return any;
+}
+
+/* cs (the column stds) = cs*ic; imbalance = max(cs)/max(min(cs), floor) + max(rs)/max(min(rs), floor); where imbalance <=
+ * best_imb: best_imb, best_col (<- log_col), best_row (<- log_row), best_iter (<- it) take the new state;
+ * cs <- clamp(cs, lo_std, hi_std) (what the next iteration takes the log of) */
+void varn_track(long n, long R, long C, float floor_, float lo_std, float hi_std, long it,
+                float *restrict cs, const float *restrict ic, const float *restrict rs,
+                const float *restrict log_col, const float *restrict log_row,
+                float *restrict best_imb, float *restrict best_col, float *restrict best_row,
+                long long *restrict best_iter) {
+  for (long t = 0; t < n; t++) {
+    float *cst = cs + t * C;
+    const float *ict = ic + t * C, *rst = rs + t * R;
+    float cmax = -INFINITY, cmin = INFINITY, rmax = -INFINITY, rmin = INFINITY;
+    int nan = 0;
+    for (long c = 0; c < C; c++) {
+      const float v = cst[c] * ict[c];
+      cst[c] = v;
+      nan |= v != v;
+      cmax = v > cmax ? v : cmax;
+      cmin = v < cmin ? v : cmin;
+    }
+    for (long r = 0; r < R; r++) {
+      const float v = rst[r];
+      nan |= v != v;
+      rmax = v > rmax ? v : rmax;
+      rmin = v < rmin ? v : rmin;
+    }
+    float cur = cmax / (cmin < floor_ ? floor_ : cmin) + rmax / (rmin < floor_ ? floor_ : rmin);
+    if (nan) cur = NAN;
+    if (cur <= best_imb[t]) {
+      best_imb[t] = cur;
+      for (long c = 0; c < C; c++) best_col[t * C + c] = log_col[t * C + c];
+      for (long r = 0; r < R; r++) best_row[t * R + r] = log_row[t * R + r];
+      best_iter[t] = it;
+    }
+    for (long c = 0; c < C; c++) cst[c] = clampf(cst[c], lo_std, hi_std);
+  }
+}
