@@ -31,7 +31,7 @@ import torch
 
 from kvqbench.numerics import cbuild
 
-__all__ = ["VarNResult", "varn", "imbalance", "STD_CLAMP", "LOG_SCALE_CLIP", "MIN_FLOOR", "DEFAULT_ITERS"]
+__all__ = ["VarNResult", "varn", "imbalance", "transposed", "STD_CLAMP", "LOG_SCALE_CLIP", "MIN_FLOOR", "DEFAULT_ITERS"]
 
 STD_CLAMP = (1e-3, 1e3)
 LOG_SCALE_CLIP = (-0.3, 10.0)
@@ -205,6 +205,26 @@ def _row_sums_match(r: int, c: int) -> bool:
     return _GEMM_MATCHES[key]
 
 
+def transposed(tiles: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tiles ``[..., R, C]`` transposed, ``[..., C, R]``, contiguous (written to ``out`` when given, a
+    contiguous tensor of that shape and dtype): a copy, so exactly the same values. For contiguous fp32 CPU
+    tiles the compiled blocked transpose of ``varn_sums.c`` (several times faster than torch's strided copy)
+    when available, else torch's copy."""
+    r, c = tiles.shape[-2:]
+    shape = (*tiles.shape[:-2], c, r)
+    if out is None:
+        out = tiles.new_empty(shape)
+    elif tuple(out.shape) != shape or out.dtype != tiles.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {tiles.dtype} tensor of shape {shape}, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    lib = _c_kernels() if tiles.device.type == "cpu" and tiles.dtype == torch.float32 \
+        and tiles.is_contiguous() and out.device.type == "cpu" else None
+    if lib is None or tiles.numel() == 0:
+        return out.copy_(tiles.transpose(-1, -2))
+    lib.varn_transpose(tiles.data_ptr(), tiles.numel() // max(1, r * c), r, c, out.data_ptr())
+    return out
+
+
 #: per tile shape ``(R, C)``: whether the compiled sums (:func:`_c_kernels`) give the torch products' bits
 _C_MATCHES: dict[tuple[int, int], bool] = {}
 
@@ -221,6 +241,8 @@ def _c_kernels() -> ctypes.CDLL | None:
         lib.varn_row_half.restype = lib.varn_col_half.restype = ctypes.c_int
         lib.varn_row_half.argtypes = [vp, vp, lg, lg, lg, fl, vp, vp, vp, vp]
         lib.varn_col_half.argtypes = [vp, vp, vp, lg, lg, lg, fl, vp, vp, vp, vp, vp]
+        lib.varn_transpose.restype = None
+        lib.varn_transpose.argtypes = [vp, lg, lg, lg, vp]
         lib.varn_track.restype = None
         lib.varn_track.argtypes = [lg, lg, lg, fl, fl, fl, lg, vp, vp, vp, vp, vp, vp, vp, vp, vp]
         lib._kvq_typed = True
@@ -324,7 +346,7 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
     # the torch products' bits (:func:`_c_kernels_for`)
     lib = _c_kernels_for(n, r, c, x.device)
     if lib is not None:
-        xt_c = (x.transpose(-1, -2) if xt is None else xt).contiguous()
+        xt_c = transposed(x) if xt is None else xt.contiguous()
     x2 = x * x if lib is None else None
 
     def fallback(sd: torch.Tensor, bad: torch.Tensor | None, scale: torch.Tensor, dim: int) -> torch.Tensor:

@@ -162,3 +162,19 @@ void varn_track(long n, long R, long C, float floor_, float lo_std, float hi_std
     for (long c = 0; c < C; c++) cst[c] = clampf(cst[c], lo_std, hi_std);
   }
 }
+
+/* dst[t, c, r] = src[t, r, c] for n tiles [R, C] (a copy: exact), in blocks of 16 x 16 */
+void varn_transpose(const float *restrict src, long n, long R, long C, float *restrict dst) {
+  for (long t = 0; t < n; t++) {
+    const float *s = src + t * R * C;
+    float *d = dst + t * R * C;
+    for (long r0 = 0; r0 < R; r0 += 16) {
+      const long r1 = r0 + 16 < R ? r0 + 16 : R;
+      for (long c0 = 0; c0 < C; c0 += 16) {
+        const long c1 = c0 + 16 < C ? c0 + 16 : C;
+        for (long c = c0; c < c1; c++)
+          for (long r = r0; r < r1; r++) d[c * R + r] = s[r * C + c];
+      }
+    }
+  }
+}

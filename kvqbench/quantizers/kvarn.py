@@ -34,7 +34,7 @@ import torch
 from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform
 from kvqbench.numerics.scale import pow2_floor, pow2_window
-from kvqbench.numerics.varn import DEFAULT_ITERS, varn
+from kvqbench.numerics.varn import DEFAULT_ITERS, transposed, varn
 from kvqbench.quantizers.base import (
     Kind,
     QuantizedTensor,
@@ -266,7 +266,7 @@ class KVarN(Quantizer):
             # way), scaled and balanced in place
             if kind == "k":
                 buf = torch.empty(b_, h, n // g, d, g, dtype=xr.dtype, device=xr.device)
-                tiles = buf.copy_(tiles) if unit else torch.div(tiles, c, out=buf)
+                tiles = transposed(blk, out=buf) if unit else torch.div(tiles, c, out=buf)
             else:
                 tiles = tiles.contiguous() if unit else tiles.contiguous().div_(c)
             # K: the token-major tiles (blk) are the transposed tiles VarN lays out anyway (one copy fewer)
