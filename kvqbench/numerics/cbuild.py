@@ -8,7 +8,7 @@ using it (see :mod:`kvqbench.numerics.varn`).
 
 The shared object is cached under ``$KVQBENCH_CBUILD_DIR`` (default ``~/.cache/kvqbench/cbuild``, else the
 temporary directory), named by a hash of the source, the compiler, its flags and the CPU (the code is built
-for the host CPU, ``-march=native``); it is written to a temporary name and renamed, so concurrent
+for the host CPU, ``-march=native``, or with :data:`PORTABLE_FLAGS` where the compiler rejects that); it is written to a temporary name and renamed, so concurrent
 processes (pytest-xdist workers) never load a partial file. A compilation takes well under a second.
 """
 
@@ -30,6 +30,8 @@ __all__ = ["ENV", "enabled", "load"]
 ENV = "KVQBENCH_CKERNELS"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno",
          "-shared", "-fPIC")
+#: tried when the compiler rejects :data:`FLAGS` (e.g. no ``-march=native`` on the platform)
+PORTABLE_FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 _HERE = Path(__file__).resolve().parent
 
 
@@ -86,8 +88,12 @@ def _load_cached(source: str) -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
             os.close(fd)
             try:
-                subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], check=True, capture_output=True,
-                               timeout=120)
+                try:
+                    subprocess.run([cc, *FLAGS, str(src), "-o", tmp, "-lm"], check=True, capture_output=True,
+                                   timeout=120)
+                except subprocess.CalledProcessError:
+                    subprocess.run([cc, *PORTABLE_FLAGS, str(src), "-o", tmp, "-lm"], check=True,
+                                   capture_output=True, timeout=120)
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):

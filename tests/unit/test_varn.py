@@ -296,3 +296,73 @@ def test_matrix_product_row_sums_are_the_mat_vec_bits(seed, n, r, c, offset) -> 
     finally:
         torch.set_num_threads(nt)
     assert torch.equal(s1, want1) and torch.equal(s2, want2)
+
+
+# --------------------------------------------------------------------------------------------------
+# The compiled path (varn_sums.c via kvqbench.numerics.cbuild): the same bits as the torch path.
+
+
+def _lib():
+    lib = varn_mod._c_kernels()
+    if lib is None:
+        pytest.skip("no C compiler (or KVQBENCH_CKERNELS=0): the compiled VarN kernels are not built")
+    return lib
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(2, 40), r=st.sampled_from([8, 16, 64, 96, 128]),
+       c=st.sampled_from([2, 3, 16, 64, 80, 128]), offset=st.sampled_from([0.0, 40.0]))
+def test_compiled_sums_are_the_torch_products_bits(seed, n, r, c, offset) -> None:
+    """Where the once-per-shape check admits the compiled sums (on its own random tiles), they equal torch's
+    batched mat-vecs bit for bit on other data and batch sizes too (VarN's one thread)."""
+    lib = _lib()
+    nt = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assume(varn_mod._c_matches(lib, r, c))  # elsewhere VarN keeps the torch products
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, r, c, generator=g) * torch.exp(torch.randn(n, r, 1, generator=g)) + offset
+        w_row = torch.exp(torch.randn(n, r, 1, generator=g))
+        w_col = torch.exp(torch.randn(n, 1, c, generator=g))
+        got = (*varn_mod._c_col_sums(lib, x, w_row),
+               *varn_mod._c_row_sums(lib, x.transpose(-1, -2).contiguous(), w_col))
+        wt, ct = w_row.transpose(-1, -2), w_col.transpose(-1, -2)
+        want = (torch.matmul(wt, x), torch.matmul(wt * wt, x * x), torch.matmul(x, ct), torch.matmul(x * x, ct * ct))
+    finally:
+        torch.set_num_threads(nt)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_compiled_iterations_are_bit_identical_to_torch(monkeypatch) -> None:
+    """KVarN-sized tiles (K's [128, 128], SmolLM2's [64, 128]), some with a large offset (the two-pass
+    fallback fires in both half-steps): the compiled iterations run and give exactly the torch loop's
+    scales, imbalances and iterations (``KVQBENCH_CKERNELS=0``)."""
+    _lib()
+    g = torch.Generator().manual_seed(3)
+    calls = []
+    real = varn_mod._c_iterations
+    monkeypatch.setattr(varn_mod, "_c_iterations", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for shape in ((41, 128, 128), (24, 64, 128), (24, 128, 64)):
+        x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(shape[0], shape[1], 1, generator=g))
+        x = x + 30.0 * (torch.rand(shape[0], 1, 1, generator=g) < 0.15)
+        calls.clear()
+        monkeypatch.setenv("KVQBENCH_CKERNELS", "1")
+        got = varn(x, 16)
+        assert calls, "the compiled path was not taken"
+        monkeypatch.setenv("KVQBENCH_CKERNELS", "0")
+        want = varn(x, 16)
+        for name, a, b in zip(("s_row", "s_col", "imbalance", "imbalance_init", "best_iter"), got, want):
+            assert torch.equal(a, b), (shape, name)
+
+
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_transposed_is_an_exact_transpose(monkeypatch, on: str) -> None:
+    monkeypatch.setenv("KVQBENCH_CKERNELS", on)
+    x = torch.randn(2, 3, 40, 24)
+    assert torch.equal(varn_mod.transposed(x), x.transpose(-1, -2))
+    out = torch.empty(2, 3, 24, 40)
+    assert varn_mod.transposed(x, out=out) is out and torch.equal(out, x.transpose(-1, -2))
+    assert torch.equal(varn_mod.transposed(x.transpose(-1, -2)), x)  # a non-contiguous input (torch's copy)
+    with pytest.raises(ValueError, match="out must be"):
+        varn_mod.transposed(x, out=torch.empty(2, 3, 40, 24))
