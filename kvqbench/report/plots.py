@@ -738,7 +738,7 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     bits = sorted({b for kv, _ in panels for pts in data[kv].values() for b, y, _ in pts if y > 0})
-    zero_note = False
+    zero_note = open_note = False
     for ax, (kv, KV) in zip(axes, panels, strict=False):
         for m in sorted(data[kv], key=lambda m: style.idx.get(m, 99)):
             pts = sorted(p for p in data[kv][m] if p[1] > 0)
@@ -746,9 +746,19 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
             if not pts:
                 continue
             st = style(m)
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[min(p[2], p[1] * 0.999) for p in pts],
+            # a 95 % CI reaching 0 or below (mean − CI ≤ 0: seeds that differ by orders of magnitude) has no
+            # lower end on a log axis: its whisker stops at mean / _CI_CUT and ends in a ▾, not in a cap
+            # several decades down that would read as a huge error
+            open_lo = [p[1] - p[2] <= 0 for p in pts]
+            lower = [p[1] * (1 - 1 / _CI_CUT) if o else p[2] for p, o in zip(pts, open_lo, strict=True)]
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[lower, [p[2] for p in pts]],
                         label=m, color=st["color"], marker=st["marker"], linestyle=st["linestyle"],
                         markersize=5, capsize=2, linewidth=1.2)
+            cut = [(p[0], p[1] / _CI_CUT) for p, o in zip(pts, open_lo, strict=True) if o]
+            if cut:
+                open_note = True
+                ax.plot([c[0] for c in cut], [c[1] for c in cut], linestyle="none", marker="v", markersize=5,
+                        color=st["color"], label=f"_CI reaches 0: {m}", zorder=4)
         ax.set_yscale("log")
         _bits_axis(ax, [float(b) for b in bits])
         ax.set_xlabel("bits per element (nominal bit-width of the setting)")
@@ -758,7 +768,15 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
     _legend_outside(axes[1])
     fig.suptitle(f"Reconstruction error vs bit-width ({src}; mean ± 95% CI over seeds"
                  + ("; exact 0 not drawn" if zero_note else "") + ")", fontsize=11)
+    if open_note:
+        fig.text(0.5, -0.01, f"▼ at a whisker's end: that 95% CI reaches 0 or below (mean − CI ≤ 0: the seeds spread "
+                 f"wider than their mean), which a log axis cannot draw;\nits whisker stops at mean / {_CI_CUT:g} "
+                 f"and the ▼ says the CI goes on down", ha="center", va="top", fontsize=8, color="dimgrey")
     return _finish(fig, out / f"mse_vs_bits_{src}.png")
+
+
+#: where the lower whisker of a CI that reaches 0 stops on the log axis of ``mse_vs_bits`` (mean / this)
+_CI_CUT = 3.0
 
 
 def _exp2_curves(sd: dict[str, Any], exp2: dict[str, Any] | None, quantity: str
@@ -820,6 +838,7 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     handles: dict[str, Any] = {}
     zeros: dict[str, list[tuple[str, list[float]]]] = {}  # regime → (method, lengths where exactly 0)
     n_lines = 0  # the most lines of notes at the foot of a panel
+    n_zero_rows = 0  # whether a panel has a row of ▽ (exact 0) under its notes
     for ax, reg in zip(axes[0], regimes, strict=False):
         zero_methods: list[str] = []
         for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
@@ -841,7 +860,8 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
         for m, xs0 in zeros.get(reg, []):  # a point at exactly 0 has no place on a log axis: ▽ on its x axis
             st = style(m)
             for x in xs0:
-                shift = offset_copy(foot, fig=fig, x=7.0 * at_x[x], units="points")
+                # inside the axes: the marker's tip (and its edge) stays above the x axis, never cut by it
+                shift = offset_copy(foot, fig=fig, x=7.0 * at_x[x], y=_ZERO_MARK_Y, units="points")
                 at_x[x] += 1
                 ax.plot([x], [0.0], transform=shift, linestyle="none", marker="v", markersize=7,
                         markerfacecolor="white", markeredgewidth=1.3, color=st["color"], clip_on=False, zorder=5,
@@ -853,10 +873,12 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
             notes.append("exactly 0 at every length (not drawn): " + ", ".join(zero_methods))
         if log:
             ax.set_yscale("log")
-        if notes:
-            ax.text(0.01, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom",
-                    zorder=6)
+        if notes:  # above the row of ▽ where there is one
+            lift = 2 * _ZERO_MARK_Y if zeros.get(reg) else 0.0
+            ax.text(0.01, 0.02, "\n".join(notes), fontsize=7, color="dimgrey", va="bottom", zorder=6,
+                    transform=offset_copy(ax.transAxes, fig=fig, y=lift, units="points"))
             n_lines = max(n_lines, len(notes))
+            n_zero_rows = max(n_zero_rows, 1 if zeros.get(reg) else 0)
         xs_all = sorted({x for (m, r), (xs, _) in curves.items() if r == reg for x in xs})
         if xs_all and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 8:
             ax.set_xscale("log", base=2)
@@ -865,7 +887,8 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                                   " (quantized block by block as it arrives)"), fontsize=10)
         ax.grid(True, alpha=0.3)
     if n_lines:  # an empty band at the foot of the (shared) y axis for the notes: they cover no curve
-        _foot_room(axes[0][0], 0.045 * n_lines + 0.03)
+        height_pt = axes[0][0].get_position().height * fig.get_size_inches()[1] * 72.0
+        _foot_room(axes[0][0], 0.045 * n_lines + 0.03 + n_zero_rows * 2 * _ZERO_MARK_Y / height_pt)
     axes[0][0].set_ylabel(_ERR_LABEL.get(kind, kind) + (" (log scale)" if log else ""))
     order = sorted(handles, key=lambda m: style.idx.get(m, 99))  # every method drawn in any panel
     if order:
@@ -873,11 +896,16 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                            fontsize=8, frameon=False)
     if fp16:
         _draw_fp16_panel(grid, regimes, fp16, style, axes, {m: xy for (m, r), xy in curves.items()
-                                                             if r == "pseudo-decode"}, kind)
+                                                             if r == "pseudo-decode"}, kind, src)
     what = "Attention KL" if quantity == "kl" else "Attention error"
     fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds)", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
+
+
+#: height (points) above the x axis of the centre of a ▽ that marks an exact 0 on a log axis: the whole
+#: marker (7 points, edge 1.3) stays inside the axes
+_ZERO_MARK_Y = 6.0
 
 
 def _foot_room(ax: Any, frac: float) -> None:
@@ -942,7 +970,8 @@ def _all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
 
 
 def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: _Style,
-                     top_axes: Any, decode_curves: dict[str, tuple[list[float], list[float]]], kind: str) -> None:
+                     top_axes: Any, decode_curves: dict[str, tuple[list[float], list[float]]], kind: str,
+                     src: str = "") -> None:
     """Under the pseudo-decode panel: per method whose fp16 share changes with the length, the newest
     tokens still in fp16 (solid, left axis) and the billed bits/element (dashed, right axis); beside it,
     a note that says, from the data, why those curves jump between neighbouring lengths."""
@@ -983,7 +1012,7 @@ def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, An
                      fontsize=8)
         ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
-    note = _fp16_note(fp16, methods, decode_curves, kind)
+    note = _fp16_note(fp16, methods, decode_curves, kind, src)
     for i, reg in enumerate(regimes):
         if reg != "pseudo-decode":
             a = grid[1][i]
@@ -995,17 +1024,18 @@ def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, An
 
 
 def _fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
-               decode_curves: dict[str, tuple[list[float], list[float]]], kind: str) -> list[str]:
-    """The note beside the fp16 panel, as paragraphs: the general reason, then, for each method whose
-    newest tokens are all fp16 at some lengths and all quantized at others (its curve jumps), the
-    lengths of each case with its error there — from the data."""
+               decode_curves: dict[str, tuple[list[float], list[float]]], kind: str, src: str = "") -> list[str]:
+    """The note beside the fp16 panel, as paragraphs, every claim from the data: what changes with the
+    length (which tokens stay fp16), then, for each method whose newest tokens are all fp16 at some
+    lengths and all quantized at others, the lengths of each case with its error there and what the
+    data say about it: lower wherever the newest tokens are fp16 (the fp16 share explains the jumps),
+    or ranges that overlap (it does not). ``src`` (``synthetic``/``real``) names the data."""
     what = "KL" if kind in ("kl", "kl_rev") else "error"
+    data = f"this {src} data" if src else "this data"
     paras = [f"Pseudo-decode, {', '.join(methods)}: which tokens stay fp16 (attention sinks, a recent window, "
-             "a partly filled last tile) changes with the length. The queries, the last positions of each "
-             "prefix, attend most to the newest tokens in a real model: while those are fp16 the error is "
-             "low; where the length fills the last tile, they are quantized too and it jumps. The panel to the right of "
-             "this note (below the pseudo-decode curves) shows the newest tokens in fp16 and the bits billed at "
-             "each length."]
+             "a partly filled last tile) changes with the length, and so do the bits billed. The panel to the "
+             "right of this note (below the pseudo-decode curves) shows, at each length, the newest tokens "
+             "still fp16 and the bits billed."]
 
     def rng(vals: list[float]) -> str:
         if not vals:
@@ -1038,7 +1068,17 @@ def _fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
                          f"({rng([ys[x] for x in xs if x in ys])})")
         parts.append(f"none at {', '.join(f'{x:g}' for x in none)}, where the length fills its last tile "
                      f"({rng([ys[x] for x in none if x in ys])})")
-        paras.append(f"{m}: " + "; ".join(parts) + ".")
+        with_fp16 = [ys[x] for xs in some.values() for x in xs if x in ys]
+        without = [ys[x] for x in none if x in ys]
+        if with_fp16 and without and max(with_fp16) < min(without):
+            verdict = (f"on {data} the {what} is {min(without) / max(with_fp16):.2g}–"
+                       f"{max(without) / min(with_fp16):.2g}× higher wherever none of the newest tokens are "
+                       f"fp16: the fp16 share explains the jumps")
+        elif with_fp16 and without:
+            verdict = (f"on {data} the two ranges overlap: the fp16 share does not explain the curve's shape")
+        else:
+            verdict = ""
+        paras.append(f"{m}: " + "; ".join(parts) + (f". So {verdict}." if verdict else "."))
     return paras
 
 
@@ -1193,7 +1233,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     panels = [p for p in (("latency", lat), ("bits", bit_names)) if p[1]]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels) + 1, 4.8), squeeze=False)
     unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in (exp4_doc or {}).get("cells", []))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
@@ -1230,16 +1270,19 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
         if kind == "bits" and drawn_bits:  # after the legend, whose swatches stay plain
-            _clip_tall_bars(ax, drawn_bits)
+            _clip_tall_bars(ax, drawn_bits, methods)
     fig.suptitle(f"Cost at {setting} ({src}; mean ± 95% CI over seeds)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"cost_{src}.png")
 
 
-def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) -> None:
+def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]],
+                    methods: list[str] | None = None) -> None:
     """Bits bars on a linear scale fitted to the compressed methods: a bar taller than 2.5× the
     median (fp16's 16 bits beside ~2-bit methods) is cut at the top of the axis, hatched, and keeps
-    its value as a label; every bar carries its value, so 2.0 vs 2.7 bits reads at a glance."""
+    its value as a label; every bar carries its value (8 points, upright along the bar), so 2.0 vs 2.7
+    bits reads at a glance. The line under the title says what is cut and where the axis ends.
+    ``methods``: the x tick names (bar ``i`` of a series is at tick ``round(x)``), to name the cut bars."""
     vals = [y for _, ys, _ in drawn for y in ys]
     if not vals:
         return
@@ -1247,26 +1290,30 @@ def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) 
     tall = [y > 2.5 * med for y in vals]
     rest = [y + e for _, ys, es in drawn for y, e in zip(ys, es, strict=False) if not y > 2.5 * med]
     top = 1.4 * max(rest) if any(tall) and rest else None  # headroom: values above the bars, the legend
+    cut: dict[str, float] = {}
     for bars, ys, _ in drawn:
         for bar, y in zip(bars, ys, strict=False):
             x = bar.get_x() + bar.get_width() / 2
             if top is not None and y > 2.5 * med:
                 bar.set_height(top * 0.93)
                 bar.set_hatch("//")
+                i = int(round(x))
+                cut[methods[i] if methods and 0 <= i < len(methods) else f"{y:.3g}"] = y
                 ax.annotate(f"{y:.3g} ↑", (x, top * 0.93), textcoords="offset points", xytext=(0, -3),
-                            ha="center", va="top", fontsize=7, fontweight="bold", rotation=90,
+                            ha="center", va="top", fontsize=8, fontweight="bold", rotation=90,
                             bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
                                   "alpha": 0.85})
             else:
                 ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 2), ha="center",
-                            va="bottom", fontsize=5.5, rotation=90)
+                            va="bottom", fontsize=8, rotation=90)
     if top is not None:
         ax.set_ylim(0, top)
         # between the title and the axes, where no bar, value or legend can be
         ax.set_title(ax.get_title(), fontsize=ax.title.get_fontsize(), pad=16)
-        ax.annotate(f"hatched bars are cut at the top (value written on them); axis fitted to the bars under "
-                    f"{2.5 * med:.3g} bits", (0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
-                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="dimgrey")
+        names = ", ".join(f"{m} {v:.3g}" for m, v in cut.items())
+        ax.annotate(f"hatched bars ({names} bits) are cut at the top of this 0–{top:.2g}-bit axis, their value "
+                    f"written on them", (0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8, color="dimgrey")
 
 
 def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path, top: int = 4

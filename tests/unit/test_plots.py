@@ -348,8 +348,12 @@ def test_cost_bits_scale_separates_2_from_2_7_bits(rendered):
     FigureCanvasAgg(fig)
     fig.canvas.draw()
     r = fig.canvas.get_renderer()
-    note = [t for t in ax.texts if t.get_text().startswith("hatched bars are cut")]
+    note = [t for t in ax.texts if t.get_text().startswith("hatched bars (")]
     assert len(note) == 1 and note[0].get_window_extent(r).y0 >= ax.get_window_extent(r).y1 - 0.5
+    # it names what is cut and the axis actually drawn (not a threshold the axis does not show)
+    assert "fp16 16 bits" in note[0].get_text() and f"0–{top:.2g}-bit axis" in note[0].get_text()
+    # every value label is readable (≥ 8 points), not squeezed to a few pixels
+    assert all(t.get_fontsize() >= 8 for t in ax.texts)
     assert note[0].get_window_extent(r).y1 <= ax.title.get_window_extent(r).y0 + 0.5  # under the title
     legend = ax.get_legend().get_window_extent(r)
     values = [t.get_window_extent(r) for t in ax.texts if t not in note]
