@@ -1116,8 +1116,9 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         ax = axes[i // ncol][i % ncol]
         st = style(m)
         drawn = {kv: curves[(m, kv)] for kv in kvs if (m, kv) in curves}
-        lo, hi = _mass_range([d for d in drawn.values()], tails=[tails.get((m, kv), (0.0, 0.0)) for kv in drawn])
+        lo, hi = _mass_range([d for d in drawn.values()])
         outside = []
+        merged = set()
         for kv, (edges, dens) in drawn.items():
             # the drawn density integrates to the share inside the bins: the rest is under/overflow
             share_out = 1.0 - _mass_within(edges, dens, lo, hi)
@@ -1127,14 +1128,24 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
                           for v, sign, edge in ((under, "<", edges[0]), (over, ">", edges[-1])) if v > 0.005]
                 outside.append((f"{kv} {share_out:.0%}" if share_out >= 0.01 else f"{kv} <1%")
                                + (f" ({', '.join(beyond)}, past the last bin)" if beyond else ""))
+            k = _merge_factor(edges, dens, lo, hi)
+            if k > 1:
+                merged.add(k)
+                edges, dens = _merge_bins(edges, dens, k)
             ax.stairs(dens, edges, fill=True, alpha=0.35 if kv == "K" else 0.15, color=st["color"])
             ax.stairs(dens, edges, color=st["color"], linewidth=1.0, linestyle="-" if kv == "K" else "--", label=kv)
         ax.set_xlim(lo, hi)
         ax.xaxis.set_major_locator(plt.MaxNLocator(5))
         ax.axvline(0, color="grey", linewidth=0.6)
-        if outside:  # in the upper corner where the drawn densities are lower
+        lines = []
+        if outside:
             line = ", ".join(outside)
-            text = "off scale: " + (line if len(line) <= 28 else "\n".join(outside))
+            lines += ["off scale: " + line] if len(line) <= 28 else ["off scale: " + outside[0], *outside[1:]]
+        if merged:
+            lines.append(f"bins merged ×{max(merged)} (fine bins zig-zag)")
+        if lines:  # in the upper corner where the drawn densities are lower, above the highest bin
+            text = "\n".join(lines)
+            ax.set_ylim(0, ax.get_ylim()[1] * (1 + 0.12 * len(lines)))
             third = (hi - lo) / 3
             left = max((d for e, ds in drawn.values() for a, d in zip(e, ds, strict=False) if a < lo + third),
                        default=0.0)
@@ -1158,8 +1169,8 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
     fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; 0 = norm preserved)\n"
-                 "x-range per method holds ≥ 98 % of its tokens, or reaches the histogram's last bin where more "
-                 "lie beyond it; a panel names any share off scale", fontsize=11)
+                 "x-range per method: the central 98 % of its tokens inside the histogram's bins (quantiles "
+                 "from the data); a panel names any share off scale, bins included", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"norm_diff_density_{src}.png")
 
@@ -1173,31 +1184,32 @@ def _mass_within(edges: list[float], dens: list[float], lo: float, hi: float) ->
     return tot
 
 
-def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1,
-                tails: list[tuple[float, float]] | None = None) -> tuple[float, float]:
-    """An x-range chosen from the data: it holds at least ``keep`` of every histogram's tokens (equal
-    tails cut on each side), always includes 0, spans at least ``min_span``, padded by 5 %; falls back
-    to the edges' span. ``tails``: each histogram's ``(under, over)`` shares beyond its first and last
-    edge (not drawn; the drawn mass is ``1 − under − over``): where one holds more than its side's
-    share of ``1 − keep``, the range reaches that edge (the rest cannot be drawn)."""
+def _quantile(edges: list[float], mass: list[float], q: float) -> float:
+    """The ``q`` quantile of a histogram (``mass`` per bin on ``edges``; uniform inside each bin)."""
+    total = math.fsum(mass)
+    target, acc = q * total, 0.0
+    for a, b, w in zip(edges, edges[1:], mass, strict=False):
+        if w > 0 and acc + w >= target:
+            return a + (b - a) * max(0.0, target - acc) / w
+        acc += w
+    return edges[-1]
+
+
+def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1
+                ) -> tuple[float, float]:
+    """An x-range chosen from the data: from the ``(1 − keep) / 2`` to the ``(1 + keep) / 2`` quantile of
+    the tokens inside each histogram's bins (the widest over the histograms; quantiles interpolated
+    inside a bin, so one wide tail bin does not stretch the axis to its far edge), always including 0,
+    at least ``min_span`` wide, padded by 5 %. Tokens past the first or last edge (under/overflow) are
+    not in the bins and do not stretch it either: the figure names their share. Falls back to the
+    edges' span."""
     los, his = [], []
-    for n, (edges, dens) in enumerate(hists):
+    for edges, dens in hists:
         mass = [d * (b - a) for a, b, d in zip(edges, edges[1:], dens, strict=False)]
-        under, over = tails[n] if tails else (0.0, 0.0)
-        total = math.fsum(mass) + under + over
-        if total <= 0 or math.fsum(mass) <= 0:
+        if math.fsum(mass) <= 0:
             continue
-        cut = (1.0 - keep) / 2 * total
-        acc, i = under, 0
-        while i < len(mass) - 1 and acc + mass[i] <= cut:
-            acc += mass[i]
-            i += 1
-        acc, j = over, len(mass) - 1
-        while j > i and acc + mass[j] <= cut:
-            acc += mass[j]
-            j -= 1
-        los.append(edges[i])
-        his.append(edges[j + 1])
+        los.append(_quantile(edges, mass, (1.0 - keep) / 2))
+        his.append(_quantile(edges, mass, (1.0 + keep) / 2))
     if not los:
         e = hists[0][0] if hists else [-1.0, 1.0]
         return e[0], e[-1]
@@ -1207,6 +1219,46 @@ def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98
         lo, hi = min(lo, mid - min_span / 2), max(hi, mid + min_span / 2)
     pad = 0.05 * (hi - lo)
     return lo - pad, hi + pad
+
+
+def _merge_factor(edges: list[float], dens: list[float], lo: float, hi: float, most: int = 4) -> int:
+    """How many neighbouring bins to merge (1 = none) so that the density inside ``[lo, hi]`` reads as a
+    curve: the smallest factor at which it turns back on itself (a rise then a fall, or a fall then a
+    rise, each step over 10 % of its peak) at most 3 times — a zig-zag of the fine bins (sampling
+    noise, or bins finer than the values' own grain) gives many more; at most ``most``."""
+    for k in range(1, most + 1):
+        e, d = _merge_bins(edges, dens, k) if k > 1 else (edges, dens)
+        seen = [v for a, b, v in zip(e, e[1:], d, strict=False) if b > lo and a < hi]
+        if len(seen) < 4:
+            return k
+        peak = max(seen)
+        steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if abs(b - a) > 0.1 * peak]
+        turns = sum((a > 0) != (b > 0) for a, b in zip(steps, steps[1:], strict=False))
+        if turns <= 3:
+            return k
+    return most
+
+
+def _merge_bins(edges: list[float], dens: list[float], k: int) -> tuple[list[float], list[float]]:
+    """Merge runs of ``k`` neighbouring bins of equal width into one (density = their mass over their
+    width, so the mass is kept); runs are aligned on the edge nearest 0 so that 0 stays an edge; bins
+    of another width (a wider tail) are kept as they are."""
+    z = min(range(len(edges)), key=lambda i: abs(edges[i]))
+    ne, nd = [edges[0]], []
+    i, n = 0, len(dens)
+    while i < n:
+        w = edges[i + 1] - edges[i]
+        run = i + k <= n and (i - z) % k == 0 and all(
+            abs((edges[j + 1] - edges[j]) - w) <= 1e-9 * max(abs(w), 1.0) for j in range(i, i + k))
+        if run:
+            ne.append(edges[i + k])
+            nd.append(math.fsum(dens[j] * (edges[j + 1] - edges[j]) for j in range(i, i + k)) / (edges[i + k] - edges[i]))
+            i += k
+        else:
+            ne.append(edges[i + 1])
+            nd.append(dens[i])
+            i += 1
+    return ne, nd
 
 
 def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], style: _Style,
