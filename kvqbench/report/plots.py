@@ -465,6 +465,12 @@ _LEADER_FROM = 6.0
 _CORE_RADIUS = 3.6
 #: white space kept between a label and anything else (pixels)
 _LABEL_GAP = 1.5
+#: a label (words or number, not the last-resort number) is at least this much (points) nearer its own
+#: marker than any other marker, and a word label's leader passes no other marker closer than this
+_LABEL_CLEAR = 5.0
+#: the farthest (points from the marker's edge) a label in words may sit from its point; a point
+#: whose words fit nowhere that near becomes a number explained in the key
+_WORD_REACH = 24.0
 
 
 def log_debug(msg: str) -> None:
@@ -589,6 +595,8 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     core = np.minimum(radii, _CORE_RADIUS * pt)
     full_boxes = np.column_stack([centres - radii[:, None] - gap, centres + radii[:, None] + gap])
     core_boxes = np.column_stack([centres - core[:, None] - gap, centres + core[:, None] + gap])
+    clear = radii + _LABEL_CLEAR * pt  # a word label's leader keeps this far from other markers
+    clear_boxes = np.column_stack([centres - clear[:, None], centres + clear[:, None]])
     notes = []
     for t in ax.texts:  # notes already on the axes
         b = t.get_window_extent(renderer)
@@ -645,8 +653,18 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
             # a number's leader (the last resort, inside a dense cluster) may cross a neighbour's front
             # ring, not a method's marker — unless the markers themselves overlap so that no line gets
             # out of the cluster without crossing one (the third try)
-            obstacles = full_boxes[~own] if k == 0 else core_boxes[~own] if k == 1 else full_boxes[:0]
+            obstacles = clear_boxes[~own] if k == 0 else core_boxes[~own] if k == 1 else full_boxes[:0]
             ok &= ~(lead & (crossed(segs, obstacles) | crossed(segs, notes_a)))
+            if k < 2 and (~own).any():  # unambiguous: the label is nearer its own marker than any other
+                ddx = np.maximum(np.maximum(boxes[:, None, 0] - centres[None, :, 0], 0.0),
+                                 centres[None, :, 0] - boxes[:, None, 2])
+                ddy = np.maximum(np.maximum(boxes[:, None, 1] - centres[None, :, 1], 0.0),
+                                 centres[None, :, 1] - boxes[:, None, 3])
+                dist = np.hypot(ddx, ddy) - radii[None, :]
+                own_d = dist[:, own].min(1) if own.any() else np.hypot(mid[:, 0] - cx, mid[:, 1] - cy)
+                ok &= dist[:, ~own].min(1) >= np.maximum(own_d + _LABEL_CLEAR * pt, _LABEL_CLEAR * pt)
+            if k == 0:  # words sit near their point: a long leader into a cluster reads as someone else's
+                ok &= np.hypot(dxy[:, 0], dxy[:, 1]) <= _WORD_REACH
             sx = {"left": gap, "right": -gap, "center": 0.0}  # the anchor sits ``gap`` inside the box
             sy = {"bottom": gap, "top": -gap, "center": 0.0}
             per_alt.append([(tuple(boxes[j]), tuple(segs[j]) if lead[j] else None,
