@@ -1092,6 +1092,9 @@ def _fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
             verdict = (f"on {data} the {what} is {min(without) / max(with_fp16):.2g}–"
                        f"{max(without) / min(with_fp16):.2g}× higher wherever none of the newest tokens are "
                        f"fp16: the fp16 share explains the jumps")
+        elif with_fp16 and without and max(without) <= min(with_fp16):
+            verdict = (f"on {data} the {what} is no higher where none of the newest tokens are fp16: the fp16 "
+                       f"share does not explain the curve's shape")
         elif with_fp16 and without:
             verdict = (f"on {data} the two ranges overlap: the fp16 share does not explain the curve's shape")
         else:
