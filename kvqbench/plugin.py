@@ -217,7 +217,7 @@ def _progress(config: pytest.Config | None) -> Progress | None:
 
 def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> None:
     prog = _progress(config)
-    if prog is None or prog.total:
+    if prog is None or prog.total or config.option.collectonly:  # --collect-only runs nothing
         return
     with _PROGRESS_LOCK:
         prog.workers = max(1, workers)
@@ -1316,8 +1316,8 @@ def _figures(s: Settings, records: list[dict[str, Any]]) -> bool:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if _is_worker(config) or STATE_KEY not in config.stash:
-        return
+    if _is_worker(config) or STATE_KEY not in config.stash or config.option.collectonly:
+        return  # --collect-only lists the cells (and a shard's share): it runs none and writes nothing
     t_report = time.time()
     prog = _progress(config)
     if prog is not None and prog.report_started is not None:
