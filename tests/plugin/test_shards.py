@@ -142,9 +142,16 @@ def test_shards_are_the_same_under_any_hash_seed_and_cover_the_matrix(runs):
     assert len(flat) == len(set(flat)) == N_CELLS and all(shards)
     assert sorted(flat) == sorted(_load(runs / "shard1" / "shard.json")["cells"])
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    before = _tree(ROOT / "results")
     r = _pytest(*SELECT, "--collect-only", "--kvq-shard", "2/3", env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert [ln for ln in r.stdout.splitlines() if "::" in ln] == shards[1]
+    assert _tree(ROOT / "results") == before and "kvqbench: wrote" not in r.stdout  # listing writes nothing
+
+
+def _tree(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` with its modification time (ns)."""
+    return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
 
 
 def test_three_shards_merge_to_the_single_session(runs, tmp_path):
@@ -225,6 +232,8 @@ def test_ray_run_on_a_local_cluster_merges_to_the_single_session(runs, tmp_path)
         assert f"shard {i}/2 finished" in r.stdout
         assert (out / "shards" / f"shard-{i}-of-2" / "shard.json").is_file()
     _assert_same_run(out, runs / "single")
+    # smoke, as in one session: no pytest-benchmark table from the shards, no figures from the merge
+    assert "Name (time in" not in r.stdout + r.stderr and not list(out.glob("*.png"))
 
 
 SBATCH_STANDIN = r'''#!/usr/bin/env bash
