@@ -1244,20 +1244,26 @@ def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98
 
 def _merge_factor(edges: list[float], dens: list[float], lo: float, hi: float, most: int = 4) -> int:
     """How many neighbouring bins to merge (1 = none) so that the density inside ``[lo, hi]`` reads as a
-    curve: the smallest factor at which it turns back on itself (a rise then a fall, or a fall then a
-    rise, each step over 10 % of its peak) at most 3 times — a zig-zag of the fine bins (sampling
-    noise, or bins finer than the values' own grain) gives many more; at most ``most``."""
-    for k in range(1, most + 1):
+    curve. A turn is a rise then a fall, or a fall then a rise, each step over 10 % of the peak; a
+    smooth curve with up to three modes has at most 3. Where the fine bins make more (sampling noise,
+    or bins finer than the values' own grain), the smallest factor up to ``most`` that brings them to 3
+    or fewer, else the one with the fewest turns — but only a factor that removes turns: where they
+    come from bins that cannot merge (a wider tail), none."""
+    def turns(k: int) -> int:
         e, d = _merge_bins(edges, dens, k) if k > 1 else (edges, dens)
         seen = [v for a, b, v in zip(e, e[1:], d, strict=False) if b > lo and a < hi]
         if len(seen) < 4:
-            return k
+            return 0
         peak = max(seen)
         steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if abs(b - a) > 0.1 * peak]
-        turns = sum((a > 0) != (b > 0) for a, b in zip(steps, steps[1:], strict=False))
-        if turns <= 3:
-            return k
-    return most
+        return sum((a > 0) != (b > 0) for a, b in zip(steps, steps[1:], strict=False))
+
+    counts = {k: turns(k) for k in range(1, most + 1)}
+    if counts[1] <= 3:
+        return 1
+    enough = [k for k in counts if counts[k] <= 3]
+    best = enough[0] if enough else min(counts, key=lambda k: (counts[k], k))
+    return best if counts[best] < counts[1] else 1
 
 
 def _merge_bins(edges: list[float], dens: list[float], k: int) -> tuple[list[float], list[float]]:
