@@ -4,17 +4,24 @@ One set of PNGs per data source, written next to the JSON (real and synthetic ne
 
 ==========================================  ====================================================
 ``pareto_{source}.png``                     rel. MSE vs effective bits/element, one marker per
-                                            method, the non-dominated front drawn as a black step
-``mse_vs_bits_{source}.png``                K and V relative MSE vs bit-width, one line per method
+                                            method, the non-dominated front drawn as a black step;
+                                            front points labelled in words near their own marker,
+                                            or by a number explained in a key in a crowded cluster
+``mse_vs_bits_{source}.png``                K and V relative MSE vs bit-width, one line per method;
+                                            a 95 % CI reaching 0 (no end on the log axis) stops at
+                                            mean / 3 in a ▼, explained under the figure
 ``attn_error_vs_context_{source}.png``      exp2: attention-output error vs context length,
                                             panels *static* and *pseudo-decode*; under the latter,
                                             for methods whose fp16 share changes with the length,
                                             the newest tokens held fp16 and the billed bits, and a
-                                            note that says from the data why their curves jump
+                                            note that says from the data (source named) whether the
+                                            fp16 share explains their curves' jumps
 ``attn_kl_vs_context_{source}.png``         exp2: attention KL(p‖p̂) vs context length, same panels
 ``norm_diff_density_{source}.png``          exp3: density of ‖k̂‖−‖k‖ per method (small multiples),
-                                            x-range from the data, any share off scale named
+                                            x-range from quantiles of the data, any share off scale
+                                            named, zig-zagging fine bins merged (and said so)
 ``cost_{source}.png``                       exp4: latency bars and bits/element bars per method
+                                            (bits axis fitted to the compressed methods, fp16 cut)
 ``predictivity_{source}.png``               exp5: the best-predicting tensor metrics against the
                                             end-to-end KL, one point per method × bits, log axes
 ==========================================  ====================================================
