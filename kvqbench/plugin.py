@@ -186,7 +186,7 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"--kvq-shard: {e}") from None
     matrix = [it.nodeid for it in items]
     est = sh.estimate_durations(matrix, durations, coarse_kind_of)
-    keep = set(sh.split(matrix, count, est)[index - 1])
+    keep = set(sh.split(matrix, count, est, unit=lambda n: shard_unit(n, s.seeds))[index - 1])
     selected = [it for it in items if it.nodeid in keep]
     deselected = [it for it in items if it.nodeid not in keep]
     doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if _is_cell_item(it)],
@@ -951,6 +951,22 @@ def seed_group(seed: int, seeds: list[int], size: int = SEED_GROUP) -> list[int]
     ordered = sorted(set(seeds))
     i = ordered.index(seed) // size * size
     return ordered[i:i + size]
+
+
+_REAL_SEED = re.compile(r"-seed(\d+)-real-")
+
+
+def shard_unit(nodeid: str, seeds: list[int]) -> str:
+    """The unit a cell is sharded with (:func:`kvqbench.shard.split`): a real-data cell goes with the
+    other cells of its seed group (:func:`seed_group`), which share one computation — a method that draws
+    no randomness computes every seed once (:func:`kvq_run`), exp5 computes a group's seeds as one batch
+    (:func:`kvq_seed_rows`), and in either case the group's first cell to run pays for all of them. Any
+    other node id is a unit of its own."""
+    m = _REAL_SEED.search(nodeid)
+    if m is None:
+        return nodeid
+    group = "_".join(str(g) for g in seed_group(int(m.group(1)), seeds))
+    return f"{nodeid[:m.start()]}-seeds{group}-real-{nodeid[m.end():]}"
 
 
 def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:

@@ -190,7 +190,7 @@ def test_every_hook_implementation_of_the_plugin_is_registered(pytestconfig):
     among the registered implementations of the hook it names."""
     import kvqbench.plugin as plugin
 
-    marked = {name: getattr(fn, "pytest_impl") for name, fn in vars(plugin).items()
+    marked = {name: fn.pytest_impl for name, fn in vars(plugin).items()
               if callable(fn) and hasattr(fn, "pytest_impl")}
     assert len(marked) >= 8  # the phase and report wrappers, configure, sessionfinish, …
     pm = pytestconfig.pluginmanager
