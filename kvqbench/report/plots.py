@@ -477,7 +477,7 @@ _LABEL_GAP = 1.5
 _LABEL_CLEAR = 5.0
 #: the farthest (points from the marker's edge) a label in words may sit from its point; a point
 #: whose words fit nowhere that near becomes a number explained in the key
-_WORD_REACH = 24.0
+_WORD_REACH = 16.0
 
 
 def log_debug(msg: str) -> None:
