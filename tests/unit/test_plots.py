@@ -592,3 +592,30 @@ def test_density_bins_merged_only_where_they_zig_zag():
     # bin holding 1 % (8 units wide) does not stretch the axis to its far edge
     lo, hi = _mass_range([(edges, smooth)])
     assert -1.0 < lo < 0.0 < hi < 1.0
+
+
+def test_density_panel_merges_zig_zagging_bins_and_says_so(tmp_path, monkeypatch):
+    """A method whose fine bins alternate high/low (kvarn K here) is drawn with its bins merged in pairs —
+    the same mass per merged bin as the record's two bins — and its panel says so; a smooth method's
+    panel (rtn_token) is drawn on the record's own bins."""
+    from kvqbench.report import plots
+
+    recs = records(experiments=("exp1", "exp3"))
+    edges = [-1.0 + 0.125 * i for i in range(17)]
+    zig = [1.0, 1.0, 2.0, 1.0, 6.0, 2.0, 9.0, 3.0, 9.0, 3.0, 6.0, 2.0, 2.0, 1.0, 1.0, 1.0]
+    for r in recs:
+        if r["experiment"] == "exp3" and r["method"] == "kvarn":
+            r["series"]["k_norm_diff"] = {"edges": edges, "counts": zig}
+    figs = {}
+    orig = plots._finish
+    monkeypatch.setattr(plots, "_finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    write_figures(write_results(tmp_path / "r", recs))
+    panels = {ax.get_title(): ax for ax in figs["norm_diff_density_synthetic.png"].axes if ax.get_title()}
+    assert "bins merged ×2" in " ".join(t.get_text() for t in panels["kvarn"].texts)
+    assert not any("merged" in t.get_text() for t in panels["rtn_token"].texts)
+    k = [p for p in panels["kvarn"].patches if p.get_label() == "K"][0]
+    vals, drawn_edges, _ = k.get_data()
+    assert list(drawn_edges) == pytest.approx(edges[::2])  # pairs, 0 still an edge
+    total = sum(zig)
+    for i, v in enumerate(vals):  # each merged bin: the two record bins' share over their joint width
+        assert v == pytest.approx((zig[2 * i] + zig[2 * i + 1]) / total / 0.25)
