@@ -93,7 +93,10 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Ten
 
     Everything is fp32, as the recipe. Per iteration, two mat-vecs and one matrix product give the sums and the
     sums of squares of the rescaled tile along both axes (one-pass stds); the balanced tile is never
-    materialized (see :func:`_varn_chunk`). Stds that would lose digits to cancellation are recomputed
+    materialized (see :func:`_varn_chunk`). On the CPU, where a C compiler exists, compiled kernels
+    (``varn_sums.c``, :func:`_c_iterations`) do the sums and the glue of each iteration in one pass over the
+    tiles per half-step, with the same bits (checked once per tile shape against the torch products, tested
+    against the torch loop); ``KVQBENCH_CKERNELS=0`` keeps the torch path. Stds that would lose digits to cancellation are recomputed
     two-pass, per group of tiles (:data:`_GROUP_BYTES`), so every std is accurate to fp32 rounding.
     The result of a tile depends only on the tile and on whether a tile of its group needed the two-pass
     fallback; it is bit for bit the same at every thread count.
