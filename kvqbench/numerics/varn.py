@@ -85,6 +85,11 @@ _GROUP_BYTES = 1 << 19
 #: 128×128, CPU time, medians of 5), 8 MiB took 0.84× the time of 16 MiB, and 4, 6 and 12 MiB more than 8
 #: (with the row sums as a matrix product, :func:`_row_sums`: 8 MiB against 4 and 16 MiB, same ranking)
 _CHUNK_BYTES = 1 << 23
+#: the same for the compiled path (:func:`_c_iterations`; the smaller of the two), which keeps only the tiles and their transposes
+#: (2× the chunk) and makes a dozen small operations per iteration: 1 MiB (both layouts in a 2 MiB L2) took
+#: 0.93–0.99× the time of 1.5, 2, 4 and 8 MiB (1 thread, 64, 256 and 1024 tiles of 128×128, CPU time,
+#: medians of 7, shared 2-core host)
+_C_CHUNK_BYTES = 1 << 20
 
 
 @torch.no_grad()
@@ -131,13 +136,6 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Ten
     tile_bytes = max(1, r * c * 4)
     group = max(1, _GROUP_BYTES // tile_bytes)
     n = x.shape[0]
-    chunk = group * max(1, _CHUNK_BYTES // (group * tile_bytes)) if group > 1 else 1
-    spans = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
-    if spans and spans[-1][1] - spans[-1][0] > 1 and (spans[-1][1] - spans[-1][0]) % group == 1:
-        # a group of one tile is a batch of one (torch runs its mat-vecs with other kernels, which round
-        # differently): keep it one
-        i, j = spans.pop()
-        spans += [(i, j - 1), (j - 1, j)]
     # On the CPU every operation runs on one thread: the kernels, hence the results, are then the same at
     # every thread count, and splitting such operations across the intra-op pool cost more than it saved.
     # (Spreading the chunks over a pool of Python threads was tried: on the shared 2-core machine it was
@@ -147,6 +145,15 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Ten
     if single:
         torch.set_num_threads(1)
     try:
+        compiled = _c_kernels_for(2, r, c, x.device) is not None
+        chunk_bytes = min(_CHUNK_BYTES, _C_CHUNK_BYTES) if compiled else _CHUNK_BYTES
+        chunk = group * max(1, chunk_bytes // (group * tile_bytes)) if group > 1 else 1
+        spans = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
+        if spans and spans[-1][1] - spans[-1][0] > 1 and (spans[-1][1] - spans[-1][0]) % group == 1:
+            # a group of one tile is a batch of one (torch runs its mat-vecs with other kernels, which round
+            # differently): keep it one
+            i, j = spans.pop()
+            spans += [(i, j - 1), (j - 1, j)]
         parts = [_varn_chunk(x[i:j].contiguous(), n_iter, group, None if xt is None else xt[i:j])
                  for i, j in spans]
     finally:
