@@ -253,6 +253,9 @@ def _c_kernels() -> ctypes.CDLL | None:
         lib.varn_col_half.argtypes = [vp, vp, vp, lg, lg, lg, fl, vp, vp, vp, vp, vp]
         lib.varn_transpose.restype = None
         lib.varn_transpose.argtypes = [vp, lg, lg, lg, vp]
+        lib.varn_iterate.restype = ctypes.c_long
+        lib.varn_iterate.argtypes = [vp, vp, lg, lg, lg, lg, lg, lg, fl, fl, fl, fl, fl, fl, vp, vp, vp,
+                                     ctypes.c_longlong] + [vp] * 16
         lib.varn_track.restype = None
         lib.varn_track.argtypes = [lg, lg, lg, fl, fl, fl, lg, vp, vp, vp, vp, vp, vp, vp, vp, vp]
         lib._kvq_typed = True
@@ -289,6 +292,53 @@ def _c_kernels_for(n: int, r: int, c: int, device: torch.device) -> ctypes.CDLL 
     if lib is None or not _c_matches(lib, r, c):
         return None
     return lib
+
+
+#: ``(exp, log, sqrt, mode)``: MKL's vector math entry points torch's CPU exp/log/sqrt run (fp32), or ``None``
+_VML: dict[str, tuple[int, int, int, int] | None] = {}
+#: MKL's VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE (torch's mode)
+_VML_MODE = 0x2 | 0x140000 | 0x100
+
+
+def _vml() -> tuple[int, int, int, int] | None:
+    """The addresses of ``vmsExp``, ``vmsLn``, ``vmsSqrt`` (Fortran entry points of the MKL linked into
+    torch) and torch's mode, when they give torch's fp32 ``exp``, ``log`` and ``sqrt`` bit for bit (checked
+    once per process on random data of several lengths, in place and not, at one thread); else ``None``
+    (another BLAS, platform or torch build)."""
+    if "fns" not in _VML:
+        _VML["fns"] = None
+        try:
+            import os
+
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+            fns = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in ("VMSEXP_", "VMSLN_",
+                                                                                     "VMSSQRT_")]
+        except (OSError, AttributeError):
+            return None
+        proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        mode = ctypes.c_longlong(_VML_MODE)
+        g = torch.Generator().manual_seed(2606)
+        nt = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for fn, ref, lo, hi in zip(fns, (torch.exp, torch.log, torch.sqrt), (-12.0, -9.0, -9.0), (12.0, 9.0, 9.0)):
+                call = proto(fn)
+                for size in (1, 15, 16, 17, 2053, 65536 + 7):
+                    a = torch.rand(size, generator=g) * (hi - lo) + lo
+                    if ref is not torch.exp:
+                        a = torch.exp(a)
+                    n = ctypes.c_longlong(size)
+                    y = torch.empty_like(a)
+                    call(ctypes.byref(n), a.data_ptr(), y.data_ptr(), ctypes.byref(mode))
+                    want = ref(a)
+                    b = a.clone()
+                    call(ctypes.byref(n), b.data_ptr(), b.data_ptr(), ctypes.byref(mode))
+                    if not (torch.equal(y, want) and torch.equal(b, want)):
+                        return None
+        finally:
+            torch.set_num_threads(nt)
+        _VML["fns"] = (*fns, _VML_MODE)
+    return _VML["fns"]
 
 
 def _c_matches(lib: ctypes.CDLL, r: int, c: int) -> bool:
@@ -461,6 +511,22 @@ def _c_iterations(lib: ctypes.CDLL, x: torch.Tensor, xt: torch.Tensor, n_iter: i
                                            best_imb=best_imb, best_col=best_col, best_row=best_row,
                                            best_iter=best_iter).items()}
     cs.clamp_(lo_std, hi_std)
+    vml = _vml()
+    if vml is not None:  # every iteration in one call; back here only for a two-pass fallback
+        csd.copy_(cs)
+        args = (p["x"], p["xt"], n, r, c)
+        rest = (n_iter, lo, hi, f(lo_clip), f(hi_clip), cancel, floor, *vml, p["log_col"], p["log_row"],
+                p["e_col"], p["e_row"], p["ic"], p["rz"], p["rsb"], p["ir"], p["rs"], p["csd"], p["bad"], p["work"],
+                p["best_imb"], p["best_col"], p["best_row"], p["best_iter"])
+        at = lib.varn_iterate(*args, 1, 0, *rest)
+        while at >= 0:
+            it, phase = divmod(at, 3)
+            if phase == 1:
+                fallback(rz, bad.bool(), ic, -1)
+            else:
+                fallback(csd, bad.bool(), ir, -2)
+            at = lib.varn_iterate(*args, it, phase, *rest)
+        return
     for it in range(1, n_iter + 1):
         log_col.add_(cs.log_()).clamp_(lo_clip, hi_clip)
         torch.exp(log_col, out=e_col)

@@ -178,3 +178,51 @@ void varn_transpose(const float *restrict src, long n, long R, long C, float *re
     }
   }
 }
+
+/* ---- all iterations in one call, torch's exp/log/sqrt included --------------------------------------------
+ * On the CPU torch computes fp32 exp, log and sqrt with MKL's vector math (vmsExp, vmsLn, vmsSqrt, high
+ * accuracy, denormals kept, errors ignored): the caller passes those functions (their Fortran entry points,
+ * all arguments by reference) and `mode`, after checking their bits against torch's on random data, and this
+ * runs VarN's iterations with exactly the operations of varn._c_iterations. Iterations it0..n_iter from
+ * phase p0 (0: start of an iteration, 1: after the row stds, 2: after the column stds); returns -1 when done,
+ * else 3*it + phase where it stopped because a half-step flagged a tile for the two-pass fallback (bad[]):
+ * the caller replaces the flagged stds (rz at phase 1, csd at phase 2) and calls again from there. */
+typedef void (*vml_fn)(const long long *n, const float *a, float *y, const long long *mode);
+
+static inline void clamp_add(float *restrict dst, const float *restrict add, long len, float lo, float hi) {
+  for (long i = 0; i < len; i++) dst[i] = clampf(dst[i] + add[i], lo, hi);
+}
+
+long varn_iterate(const float *restrict x, const float *restrict xt, long n, long R, long C, long it0, long p0,
+                  long n_iter, float lo_std, float hi_std, float lo_clip, float hi_clip, float cancel, float floor_,
+                  vml_fn vexp, vml_fn vln, vml_fn vsqrt, long long mode,
+                  float *log_col, float *log_row, float *e_col, float *e_row, float *ic, float *rz, float *rsb,
+                  float *ir, float *rs, float *csd, unsigned char *bad, float *work,
+                  float *best_imb, float *best_col, float *best_row, long long *best_iter) {
+  const long long nc = n * C, nr = n * R;
+  long p = p0;
+  for (long it = it0; it <= n_iter; it++, p = 0) {
+    if (p == 0) {
+      vln(&nc, csd, csd, &mode);                     /* cs.log_() (csd holds the clamped column stds) */
+      clamp_add(log_col, csd, nc, lo_clip, hi_clip); /* log_col.add_(…).clamp_(lo_clip, hi_clip) */
+      vexp(&nc, log_col, e_col, &mode);
+      const int f = varn_row_half(xt, e_col, n, R, C, cancel, ic, rz, bad, work);
+      vsqrt(&nr, rz, rz, &mode);
+      if (f) return 3 * it + 1;
+      p = 1;
+    }
+    if (p == 1) {
+      for (long i = 0; i < nr; i++) rsb[i] = clampf(rz[i] / e_row[i], lo_std, hi_std);
+      vln(&nr, rsb, rsb, &mode);
+      clamp_add(log_row, rsb, nr, lo_clip, hi_clip);
+      vexp(&nr, log_row, e_row, &mode);
+      const int f = varn_col_half(x, e_row, rz, n, R, C, cancel, ir, rs, csd, bad, work);
+      vsqrt(&nc, csd, csd, &mode);
+      if (f) return 3 * it + 2;
+      p = 2;
+    }
+    varn_track(n, R, C, floor_, lo_std, hi_std, it, csd, ic, rs, log_col, log_row, best_imb, best_col, best_row,
+               best_iter);
+  }
+  return -1;
+}
