@@ -85,11 +85,14 @@ _GROUP_BYTES = 1 << 19
 #: 128×128, CPU time, medians of 5), 8 MiB took 0.84× the time of 16 MiB, and 4, 6 and 12 MiB more than 8
 #: (with the row sums as a matrix product, :func:`_row_sums`: 8 MiB against 4 and 16 MiB, same ranking)
 _CHUNK_BYTES = 1 << 23
-#: the same for the compiled path (:func:`_c_iterations`; the smaller of the two), which keeps only the tiles and their transposes
-#: (2× the chunk) and makes a dozen small operations per iteration: 1 MiB (both layouts in a 2 MiB L2) took
-#: 0.93–0.99× the time of 1.5, 2, 4 and 8 MiB (1 thread, 64, 256 and 1024 tiles of 128×128, CPU time,
-#: medians of 7, shared 2-core host)
+#: the same for the compiled half-steps (:func:`_c_iterations`; the smaller of the two), which keep only the
+#: tiles and their transposes (2× the chunk) and make a dozen small torch operations per iteration: 1 MiB
+#: (both layouts in a 2 MiB L2) took 0.93–0.99× the time of 1.5, 2, 4 and 8 MiB (1 thread, 64, 256 and 1024
+#: tiles of 128×128, CPU time, medians of 7, shared 2-core host)
 _C_CHUNK_BYTES = 1 << 20
+#: … and for the one-call iterations (MKL's vector math available, :func:`_vml`): one fallback group, 512 KiB,
+#: took 0.86–0.90× the time of 1 MiB and 0.69–0.70× that of 2 MiB (same measurement)
+_C1_CHUNK_BYTES = 1 << 19
 
 
 @torch.no_grad()
@@ -146,7 +149,9 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Ten
         torch.set_num_threads(1)
     try:
         compiled = _c_kernels_for(2, r, c, x.device) is not None
-        chunk_bytes = min(_CHUNK_BYTES, _C_CHUNK_BYTES) if compiled else _CHUNK_BYTES
+        chunk_bytes = _CHUNK_BYTES
+        if compiled:
+            chunk_bytes = min(chunk_bytes, _C_CHUNK_BYTES if _vml() is None else _C1_CHUNK_BYTES)
         chunk = group * max(1, chunk_bytes // (group * tile_bytes)) if group > 1 else 1
         spans = [(i, min(i + chunk, n)) for i in range(0, n, chunk)]
         if spans and spans[-1][1] - spans[-1][0] > 1 and (spans[-1][1] - spans[-1][0]) % group == 1:
