@@ -334,11 +334,17 @@ def test_compiled_sums_are_the_torch_products_bits(seed, n, r, c, offset) -> Non
         assert torch.equal(a, b)
 
 
-def test_compiled_iterations_are_bit_identical_to_torch(monkeypatch) -> None:
+@pytest.mark.parametrize("one_call", [True, False])
+def test_compiled_iterations_are_bit_identical_to_torch(monkeypatch, one_call: bool) -> None:
     """KVarN-sized tiles (K's [128, 128], SmolLM2's [64, 128]), some with a large offset (the two-pass
-    fallback fires in both half-steps): the compiled iterations run and give exactly the torch loop's
-    scales, imbalances and iterations (``KVQBENCH_CKERNELS=0``)."""
+    fallback fires in both half-steps): the compiled iterations — all in one call with MKL's vector math, or
+    half-steps between torch's exp/log/sqrt — run and give exactly the torch loop's scales, imbalances and
+    iterations (``KVQBENCH_CKERNELS=0``)."""
     _lib()
+    if one_call and varn_mod._vml() is None:
+        pytest.skip("torch's exp/log/sqrt are not MKL's vector math here: the one-call path is not used")
+    if not one_call:
+        monkeypatch.setitem(varn_mod._VML, "fns", None)
     g = torch.Generator().manual_seed(3)
     calls = []
     real = varn_mod._c_iterations
