@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import NamedTuple
+import os
+from typing import Callable, NamedTuple
 
 import torch
 
 from kvqbench.numerics import cbuild
 
-__all__ = ["VarNResult", "varn", "imbalance", "transposed", "STD_CLAMP", "LOG_SCALE_CLIP", "MIN_FLOOR", "DEFAULT_ITERS"]
+__all__ = ["VarNResult", "varn", "imbalance", "transposed", "STD_CLAMP", "LOG_SCALE_CLIP", "MIN_FLOOR",
+           "DEFAULT_ITERS"]
 
 STD_CLAMP = (1e-3, 1e3)
 LOG_SCALE_CLIP = (-0.3, 10.0)
@@ -102,9 +104,10 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Ten
     Everything is fp32, as the recipe. Per iteration, two mat-vecs and one matrix product give the sums and the
     sums of squares of the rescaled tile along both axes (one-pass stds); the balanced tile is never
     materialized (see :func:`_varn_chunk`). On the CPU, where a C compiler exists, compiled kernels
-    (``varn_sums.c``, :func:`_c_iterations`) do the sums and the glue of each iteration in one pass over the
-    tiles per half-step, with the same bits (checked once per tile shape against the torch products, tested
-    against the torch loop); ``KVQBENCH_CKERNELS=0`` keeps the torch path. Stds that would lose digits to cancellation are recomputed
+    (``varn_sums.c``, :func:`_c_iterations`) run the iterations with one pass over the tiles per half-step,
+    with the same bits (checked once per tile shape against the torch products, tested against the torch
+    loop); ``KVQBENCH_CKERNELS=0`` keeps the torch path. Stds that would lose digits to cancellation are
+    recomputed
     two-pass, per group of tiles (:data:`_GROUP_BYTES`), so every std is accurate to fp32 rounding.
     The result of a tile depends only on the tile and on whether a tile of its group needed the two-pass
     fallback; it is bit for bit the same at every thread count.
@@ -313,8 +316,6 @@ def _vml() -> tuple[int, int, int, int] | None:
     if "fns" not in _VML:
         _VML["fns"] = None
         try:
-            import os
-
             lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
             fns = [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in ("VMSEXP_", "VMSLN_",
                                                                                      "VMSSQRT_")]
@@ -494,13 +495,15 @@ def _varn_chunk(x: torch.Tensor, n_iter: int, group: int,
 
 def _c_iterations(lib: ctypes.CDLL, x: torch.Tensor, xt: torch.Tensor, n_iter: int, cs: torch.Tensor, *,
                   e_row: torch.Tensor, log_col: torch.Tensor, log_row: torch.Tensor,
-                  best: tuple[torch.Tensor, ...], fallback) -> None:
-    """The iterations of :func:`_varn_chunk` with the compiled half-steps of ``varn_sums.c``: per iteration
-    torch takes the two logs, the two exps and the two square roots (its own vectorized functions, whose bits
-    a C library does not reproduce) and three calls do the rest — row sums and variances, column sums and
-    variances, imbalance and
-    best-so-far — in one pass over the tiles each, with the same IEEE operations in the same order as the
-    torch loop (bit for bit, tested). ``cs``: the initial column stds (clamped here, in place); the state tensors are updated in place. The two-pass fallback (``fallback``) runs in torch on the groups a half-step flags."""
+                  best: tuple[torch.Tensor, ...], fallback: Callable[..., torch.Tensor]) -> None:
+    """The iterations of :func:`_varn_chunk`, compiled (``varn_sums.c``), with the same IEEE operations in
+    the same order as the torch loop (bit for bit, tested). Where torch's fp32 exp, log and sqrt are MKL's
+    vector math (:func:`_vml`), one call runs every iteration, calling those same functions, and returns
+    only when a half-step flags tiles for the two-pass fallback (run here in torch, then the call resumes).
+    Elsewhere, per iteration, torch takes the two logs, exps and square roots and three calls do the rest —
+    row sums and variances, column sums and variances, imbalance and best-so-far — in one pass over the
+    tiles each. ``cs``: the initial column stds (clamped here, in place); the state tensors are updated in
+    place."""
     n, r, c = x.shape
     lo_clip, hi_clip = LOG_SCALE_CLIP
     lo_std, hi_std = STD_CLAMP
