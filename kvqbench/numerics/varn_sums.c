@@ -226,36 +226,3 @@ long varn_iterate(const float *restrict x, const float *restrict xt, long n, lon
   }
   return -1;
 }
-
-/* ---- balance by column and row scales, then asymmetric RTN per row, in one pass per row (KVarN steps 2-3) -------
- * b = tiles / s_col / s_row (two divisions, in that order; written back to tiles); per row lo = min b,
- * hi = max b, scale = max((hi - lo) / levels, floor); q = clamp(round_half_even((b - lo) / scale), 0, levels)
- * as uint8. The operations and their order are torch's (the caller checks the bits once per process). */
-void balanced_rtn_rows(float *restrict tiles, const float *restrict s_col, const float *restrict s_row, long n,
-                       long R, long C, float levels, float floor_, unsigned char *restrict q, float *restrict lo,
-                       float *restrict scale) {
-  for (long t = 0; t < n; t++) {
-    const float *sc = s_col + t * C;
-    for (long r = 0; r < R; r++) {
-      const long row = t * R + r;
-      float *b = tiles + row * C;
-      unsigned char *qr = q + row * C;
-      const float sr = s_row[row];
-      float mn = INFINITY, mx = -INFINITY;
-      for (long c = 0; c < C; c++) {
-        const float v = (b[c] / sc[c]) / sr;
-        b[c] = v;
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
-      }
-      float s = (mx - mn) / levels;
-      s = s < floor_ ? floor_ : s;
-      for (long c = 0; c < C; c++) {
-        const float v = nearbyintf((b[c] - mn) / s);
-        qr[c] = (unsigned char)clampf(v, 0.f, levels);
-      }
-      lo[row] = mn;
-      scale[row] = s;
-    }
-  }
-}
