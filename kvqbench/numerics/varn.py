@@ -32,8 +32,8 @@ import torch
 
 from kvqbench.numerics import cbuild
 
-__all__ = ["VarNResult", "varn", "imbalance", "transposed", "STD_CLAMP", "LOG_SCALE_CLIP", "MIN_FLOOR",
-           "DEFAULT_ITERS"]
+__all__ = ["VarNResult", "varn", "imbalance", "transposed", "balanced_rtn_rows", "STD_CLAMP", "LOG_SCALE_CLIP",
+           "MIN_FLOOR", "DEFAULT_ITERS"]
 
 STD_CLAMP = (1e-3, 1e3)
 LOG_SCALE_CLIP = (-0.3, 10.0)
@@ -243,6 +243,34 @@ def transposed(tiles: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     return out
 
 
+def balanced_rtn_rows(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, bits: int,
+                      floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Compiled: ``b = tiles / s_col / s_row``, then asymmetric RTN of ``b`` per row — ``lo``/``hi`` the row's
+    min/max, ``scale = max((hi − lo)/(2^bits − 1), floor)``, codes ``clamp(round_half_even((b − lo)/scale), 0,
+    2^bits − 1)`` — in one pass per row (``tiles`` is not modified). ``tiles`` ``[..., R, C]``, ``s_col``
+    ``[..., 1, C]``, ``s_row`` ``[..., R, 1]``, all contiguous fp32 on the CPU; ``bits`` 1..8.
+    Returns ``(codes uint8 [..., R, C], lo [..., R, 1], scale [..., R, 1])``, or ``None`` where the compiled
+    kernels are not available, the inputs are not as above, or some ``b`` is exactly zero (the sign of a zero
+    minimum depends on the order of the comparisons: the caller's torch code decides) or not finite. The caller checks its
+    bits against its torch code (the same IEEE operations in the same order)."""
+    r, c = tiles.shape[-2:]
+    ok = (tiles.device.type == "cpu" and 1 <= bits <= 8 and c >= 1 and all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" for t in (tiles, s_col, s_row))
+        and s_col.numel() * r == tiles.numel() and s_row.numel() * c == tiles.numel())
+    lib = _c_kernels() if ok else None
+    if lib is None:
+        return None
+    lead = tiles.shape[:-2]
+    q = torch.empty(tiles.shape, dtype=torch.uint8)
+    lo, scale = tiles.new_empty(*lead, r, 1), tiles.new_empty(*lead, r, 1)
+    work = tiles.new_empty(c)  # held here while the kernel writes to it
+    if lib.balanced_rtn_rows(tiles.data_ptr(), s_col.data_ptr(), s_row.data_ptr(), tiles.numel() // max(1, r * c),
+                             r, c, ctypes.c_float(2**bits - 1), ctypes.c_float(floor), q.data_ptr(), lo.data_ptr(),
+                             scale.data_ptr(), work.data_ptr()):
+        return None
+    return q, lo, scale
+
+
 #: per tile shape ``(R, C)``: whether the compiled sums (:func:`_c_kernels`) give the torch products' bits
 _C_MATCHES: dict[tuple[int, int], bool] = {}
 
@@ -264,6 +292,8 @@ def _c_kernels() -> ctypes.CDLL | None:
         lib.varn_iterate.restype = ctypes.c_long
         lib.varn_iterate.argtypes = [vp, vp, lg, lg, lg, lg, lg, lg, fl, fl, fl, fl, fl, fl, vp, vp, vp,
                                      ctypes.c_longlong] + [vp] * 16
+        lib.balanced_rtn_rows.restype = ctypes.c_int
+        lib.balanced_rtn_rows.argtypes = [vp, vp, vp, lg, lg, lg, fl, fl, vp, vp, vp, vp]
         lib.varn_track.restype = None
         lib.varn_track.argtypes = [lg, lg, lg, fl, fl, fl, lg, vp, vp, vp, vp, vp, vp, vp, vp, vp]
         lib._kvq_typed = True

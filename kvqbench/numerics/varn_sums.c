@@ -226,3 +226,53 @@ long varn_iterate(const float *restrict x, const float *restrict xt, long n, lon
   }
   return -1;
 }
+
+/* ---- balance by column and row scales, then asymmetric RTN per row, in one pass per row (KVarN steps 2-3) -------
+ * b = tiles / s_col / s_row (two divisions, in that order; into work, tiles untouched); per row lo = min b,
+ * hi = max b, scale = max((hi - lo) / levels, floor); q = clamp(round_half_even((b - lo) / scale), 0, levels)
+ * as uint8. The operations and their order are torch's (the caller checks the bits once per process). The
+ * min and max are taken in any order (vectorized), which gives the same value unless the row holds a zero
+ * (the sign of a zero minimum would depend on the order) or a non-finite value: then the function returns 1
+ * at once (the caller runs its torch code on the untouched tiles); else 0. work: C floats. */
+__attribute__((optimize("no-signed-zeros", "finite-math-only")))
+static void row_minmax(const float *restrict b, long C, float *mn_out, float *mx_out) {
+  float mn = b[0], mx = b[0];
+  for (long c = 1; c < C; c++) {
+    mn = b[c] < mn ? b[c] : mn;
+    mx = b[c] > mx ? b[c] : mx;
+  }
+  *mn_out = mn;
+  *mx_out = mx;
+}
+
+int balanced_rtn_rows(const float *restrict tiles, const float *restrict s_col, const float *restrict s_row,
+                      long n, long R, long C, float levels, float floor_, unsigned char *restrict q,
+                      float *restrict lo, float *restrict scale, float *restrict work) {
+  for (long t = 0; t < n; t++) {
+    const float *sc = s_col + t * C;
+    for (long r = 0; r < R; r++) {
+      const long row = t * R + r;
+      const float *x = tiles + row * C;
+      unsigned char *qr = q + row * C;
+      const float sr = s_row[row];
+      int odd = 0;
+      for (long c = 0; c < C; c++) {
+        const float v = (x[c] / sc[c]) / sr;
+        work[c] = v;
+        odd |= (v == 0.f) | !(v - v == 0.f); /* a zero, an infinity or a NaN */
+      }
+      if (odd) return 1;
+      float mn, mx;
+      row_minmax(work, C, &mn, &mx);
+      float s = (mx - mn) / levels;
+      s = s < floor_ ? floor_ : s;
+      for (long c = 0; c < C; c++) {
+        const float v = nearbyintf((work[c] - mn) / s);
+        qr[c] = (unsigned char)clampf(v, 0.f, levels);
+      }
+      lo[row] = mn;
+      scale[row] = s;
+    }
+  }
+  return 0;
+}

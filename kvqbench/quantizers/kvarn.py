@@ -34,7 +34,7 @@ import torch
 from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform
 from kvqbench.numerics.scale import pow2_floor, pow2_window
-from kvqbench.numerics.varn import DEFAULT_ITERS, transposed, varn
+from kvqbench.numerics.varn import DEFAULT_ITERS, balanced_rtn_rows, transposed, varn
 from kvqbench.quantizers.base import (
     Kind,
     QuantizedTensor,
@@ -95,10 +95,42 @@ def _tile_blocks(n_tiles: int, rows: int, cols: int, device: torch.device) -> li
     return blocks.row_blocks(n_tiles, rows * cols)
 
 
+#: whether the compiled balance + RTN (:func:`kvqbench.numerics.varn.balanced_rtn_rows`) gave this torch code's
+#: bits on random tiles (checked once per process, every bit width 1..8)
+_C_BALANCE: dict[str, bool] = {}
+
+
+def _c_balance_ok() -> bool:
+    if "ok" not in _C_BALANCE:
+        _C_BALANCE["ok"] = False
+        g = torch.Generator().manual_seed(2606)
+        for bits in range(1, 9):
+            x = torch.randn(3, 16, 40, generator=g) * torch.exp(torch.randn(3, 16, 1, generator=g))
+            x[0, 0] = 1.5  # a constant row (scale floor)
+            sc, sr = torch.rand(3, 1, 40, generator=g) + 0.5, torch.rand(3, 16, 1, generator=g) + 0.5
+            got = balanced_rtn_rows(x.clone(), sc, sr, bits, SCALE_FLOOR)
+            want = _balance_rtn_torch(x.clone(), sc, sr, bits)
+            if got is None or not all(torch.equal(a, b) for a, b in zip(got, want)):
+                return False
+        _C_BALANCE["ok"] = True
+    return _C_BALANCE["ok"]
+
+
 def _balance_rtn(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor,
                  bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_rtn_rows_inplace` of the balanced tiles ``tiles / s_col / s_row`` (``tiles`` ``[..., R, C]``
-    contiguous, overwritten), block by block of tiles (:func:`_tile_blocks`): the same arithmetic."""
+    contiguous, overwritten): compiled in one pass per row where that gives this torch code's bits
+    (:func:`_c_balance_ok`), else block by block of tiles (:func:`_tile_blocks`); the same arithmetic."""
+    if tiles.device.type == "cpu" and bits <= 8 and _c_balance_ok():
+        res = balanced_rtn_rows(tiles, s_col.contiguous(), s_row.contiguous(), bits, SCALE_FLOOR)
+        if res is not None:
+            return res
+    return _balance_rtn_torch(tiles, s_col, s_row, bits)
+
+
+def _balance_rtn_torch(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor,
+                       bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_balance_rtn` in torch, block by block of tiles."""
     rows, cols = tiles.shape[-2:]
     t3 = tiles.view(-1, rows, cols)
     sc3, sr3 = s_col.reshape(-1, 1, cols), s_row.reshape(-1, rows, 1)

@@ -299,3 +299,36 @@ def test_blocked_decode_matches_the_plain_decode(seed, b, h, tiles, tail, d, g, 
         torch.set_num_threads(nt)
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_compiled_balance_and_rtn_is_bit_identical_to_torch(bits: int) -> None:
+    """The compiled balance + per-row RTN equals the torch blocks bit for bit: random tiles, a constant row
+    (scale floor) and values exactly halfway between two codes (round half to even); a tile set holding an
+    exact zero is left to the torch blocks (the sign of a zero minimum is theirs to decide)."""
+    from kvqbench.numerics import varn as varn_num
+    from kvqbench.quantizers import kvarn as kv
+
+    if varn_num._c_kernels() is None or not kv._c_balance_ok():
+        pytest.skip("no compiled balance + RTN here (no C compiler, or other bits): the torch blocks run")
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 5, 64, 96, generator=g) * torch.exp(torch.randn(2, 5, 64, 1, generator=g))
+    levels = 2**bits - 1
+    x[0, 0, 0] = 2.0  # constant row
+    x[0, 0, 1] = torch.arange(96).float() % levels + 1.5  # lo 1, hi 1 + levels (scale 1): every value a tie
+    x[0, 0, 1, :2] = torch.tensor([1.0, 1.0 + levels])
+    sc = torch.rand(2, 5, 1, 96, generator=g) + 0.5
+    sr = torch.rand(2, 5, 64, 1, generator=g) + 0.5
+    sc[0, 0] = 1.0
+    sr[0, 0] = 1.0
+    got = varn_num.balanced_rtn_rows(x.clone(), sc, sr, bits, kv.SCALE_FLOOR)
+    assert got is not None  # the compiled pass ran
+    want = kv._balance_rtn_torch(x.clone(), sc, sr, bits)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    ties = torch.arange(2, 96) % levels  # k + 0.5 rounds to the even one of k, k + 1
+    assert torch.equal(got[0][0, 0, 1, 2:].long(), ties + ties % 2)
+    x[1, 2, 3, 4] = 0.0
+    assert varn_num.balanced_rtn_rows(x.clone(), sc, sr, bits, kv.SCALE_FLOOR) is None
+    for a, b in zip(kv._balance_rtn(x.clone(), sc, sr, bits), kv._balance_rtn_torch(x.clone(), sc, sr, bits)):
+        assert torch.equal(a, b)
