@@ -30,6 +30,7 @@ import torch
 
 from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
+from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
@@ -120,11 +121,24 @@ def quarot_quantize(
     return q.to(dtype) if out is None else out.copy_(q)
 
 
-def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """``scale · (q − z)`` in ``scale``'s dtype (one output buffer, shifted and scaled in place)."""
+def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale · (q − z)`` in ``scale``'s dtype (one output buffer, shifted and scaled in place); ``out``
+    (``codes``' shape, ``scale``'s dtype) is that buffer instead of a new one (same arithmetic: the codes
+    are cast exactly, then ``z`` subtracted and ``scale`` multiplied, each rounded once)."""
     if tuple(codes.shape) != tuple(broadcast_shape(codes.shape, scale.shape, zero.shape)):
-        return scale * (codes.to(scale.dtype) - zero)
-    return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
+        res = scale * (codes.to(scale.dtype) - zero)
+        return res if out is None else out.copy_(res)
+    if out is None:
+        return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
+    return torch.sub(codes, zero, out=out).mul_(scale)
+
+
+def _byte_span(rows: slice, d: int, bits: int) -> slice:
+    """The bytes of the packed codes (:func:`~kvqbench.numerics.packing.pack_bits`) of ``rows`` of ``d``
+    codes: whole bytes, as every block of :func:`_spans` but the last ends at a multiple of
+    :data:`_ROW_MULTIPLE` rows (8 codes of any width fill whole bytes)."""
+    return slice(rows.start * d * bits // 8, packed_nbytes(rows.stop * d, bits))
 
 
 @register
@@ -217,45 +231,54 @@ class QuaRot(Quantizer):
 
     def _quantize_blocked(self, x: torch.Tensor, kind: Kind, bits: int, g: int) -> QuantizedTensor:
         """:meth:`_quantize` in blocks of rows (one row = one token of one head) of about
-        :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements, on one CPU thread (:func:`_blocked`).
+        :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` · :data:`_BLOCK_FACTOR` elements, on one CPU thread
+        (:func:`_blocked`).
 
         Why: written as whole-tensor operations the round trip makes a pass over memory per operation
-        (rotation, minima, maxima, divide, round, shift, clamp, cast), each with a full-size temporary.
-        Here each block is rotated into one cache-sized buffer and quantized there (group minima and maxima,
-        parameters, codes) before the next block is read: the input is read once and the codes written once.
+        (rotation, minima, maxima, divide, round, shift, clamp, cast, bit packing), each with a full-size
+        temporary. Here each block is rotated into one cache-sized buffer and quantized there (group minima
+        and maxima, parameters, codes), and its codes are packed straight into their bytes of the packed
+        output (:func:`~kvqbench.numerics.packing.pack_bits` of a block starting at a row multiple of
+        :data:`_ROW_MULTIPLE`: a whole number of bytes) before the next block is read: the input is read
+        once and only the packed codes and the per-group parameters are written.
 
         Guarantee: the stored fields are those of the whole-tensor path, bit for bit. The rotation of a
         block is the rotation of its rows (:func:`_blocked` takes this path only where the product's row
-        blocks give the whole product's bits), and every later step is per group (exact minima and maxima,
-        elementwise arithmetic; a partial last group is padded per block as on the whole tensor). NaN/Inf
-        raise the same ``ValueError``: the group minima and maxima of every block are kept and checked
-        after the loop, as in the whole-tensor path (a NaN spoils only its own codes, never returned).
+        blocks give the whole product's bits), every later step is per group (exact minima and maxima,
+        elementwise arithmetic; a partial last group is padded per block as on the whole tensor) and the
+        packing of a block is its slice of the whole packing. NaN/Inf raise the same ``ValueError``: the
+        group minima and maxima of every block are kept and checked after the loop, as in the whole-tensor
+        path (a NaN spoils only its own codes, never returned).
         """
         cd, dev, d = compute_dtype(x.dtype), x.device, int(x.shape[-1])
         n, ng = x.numel() // d, -(-d // g)
         rows = x.reshape(n, d)
         q = hadamard_matrix(d, dtype=cd, device=dev)
         spans = _spans(n, d)
-        buf = torch.empty(max(sl.stop - sl.start for sl in spans), d, dtype=cd, device=dev)
-        codes = torch.empty(n, d, dtype=torch.uint8, device=dev)
+        most = max(sl.stop - sl.start for sl in spans)
+        buf = torch.empty(most, d, dtype=cd, device=dev)
+        cbuf = torch.empty(most * d, dtype=torch.uint8, device=dev)
+        packed = torch.empty(packed_nbytes(n * d, bits), dtype=torch.uint8, device=dev)
         lo, hi, scale, zero = (torch.empty(n, ng, 1, dtype=cd, device=dev) for _ in range(4))
         with blocks.one_cpu_thread(dev):
             for sl in spans:
-                xr = torch.mm(rows[sl].to(cd), q, out=buf[: sl.stop - sl.start])  # hadamard_transform
+                r = sl.stop - sl.start
+                xr = torch.mm(rows[sl].to(cd), q, out=buf[:r])  # hadamard_transform
                 xg, restore = to_groups(xr, -1, g)  # a view (a padded copy for a partial last group)
                 torch.amin(xg, -1, keepdim=True, out=lo[sl])
                 torch.amax(xg, -1, keepdim=True, out=hi[sl])
                 scale[sl], zero[sl] = quarot_qparams(xg, bits, include_zero=(kind == "k"),
                                                      clip_ratio=self.clip_ratio, lo_hi=(lo[sl], hi[sl]))
+                cb = cbuf[: r * d].view(r, d)
                 if xg.data_ptr() == xr.data_ptr():  # groups tile head_dim: the codes go straight to their place
-                    quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True,
-                                    out=codes[sl].view(xg.shape))
+                    quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True, out=cb.view(xg.shape))
                 else:
-                    codes[sl] = restore(quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True))
+                    cb.copy_(restore(quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True)))
+                pack_bits(cb, bits, out=packed[_byte_span(sl, d, bits)], check=False)  # clamped: in range
         check_finite(x, lo, hi, name=kind.upper())
         lead = tuple(x.shape[:-1])
         qt = self._new_qt(x, kind, bits, group_size=g)
-        qt.add_codes("codes", codes.view(x.shape), bits)
+        qt.add_packed("codes", packed, tuple(x.shape), bits)
         qt.fields["scale"] = Stored(scale.view(*lead, ng, 1), 16)
         qt.fields["zero"] = Stored(zero.view(*lead, ng, 1), 16)
         return qt
@@ -264,6 +287,7 @@ class QuaRot(Quantizer):
         g, scale, zero, d = qt.meta["group_size"], qt["scale"], qt["zero"], int(qt.shape[-1])
         per_group = (*qt.shape[:-1], -(-d // g), 1)
         if (tuple(scale.shape) == per_group and tuple(zero.shape) == per_group
+                and qt.meta.get("codes.shape") == tuple(qt.shape)
                 and _blocked(scale.device, math.prod(qt.shape), d, scale.dtype)):
             return self._dequantize_blocked(qt, g)
         cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, g)
@@ -272,18 +296,29 @@ class QuaRot(Quantizer):
 
     def _dequantize_blocked(self, qt: QuantizedTensor, g: int) -> torch.Tensor:
         """:meth:`_dequantize` in the row blocks of :meth:`_quantize_blocked` (same reasons, same
-        guarantee): each block's codes are decoded (``scale · (q − z)``) into a cache-sized buffer and
-        rotated back straight into the output."""
+        guarantee): each block's codes are unpacked from their bytes of the packed field (a cache-sized
+        temporary), decoded (``scale · (q − z)``) into a block buffer and rotated back straight into the
+        output."""
         scale, d = qt["scale"], int(qt.shape[-1])
-        n, ng = math.prod(qt.shape) // d, -(-d // g)
-        codes = qt.codes("codes", torch.uint8).view(n, d)
+        n, ng, bits = math.prod(qt.shape) // d, -(-d // g), qt.meta["codes.bits"]
+        packed = qt.fields["codes"].tensor
         sc, ze = scale.reshape(n, ng, 1), qt["zero"].reshape(n, ng, 1)
         q = hadamard_matrix(d, dtype=scale.dtype, device=scale.device)
         out = torch.empty(n, d, dtype=scale.dtype, device=scale.device)
+        spans = _spans(n, d)
+        most = max(sl.stop - sl.start for sl in spans)
+        buf = torch.empty(most, d, dtype=scale.dtype, device=scale.device)
         with blocks.one_cpu_thread(scale.device):
-            for sl in _spans(n, d):
-                cg, restore = to_groups(codes[sl], -1, g)
-                torch.mm(restore(quarot_dequantize(cg, sc[sl], ze[sl])), q, out=out[sl])  # hadamard_transform
+            for sl in spans:
+                r = sl.stop - sl.start
+                cb = unpack_bits(packed[_byte_span(sl, d, bits)], bits, r * d, torch.uint8).view(r, d)
+                cg, restore = to_groups(cb, -1, g)
+                if cg.data_ptr() == cb.data_ptr():  # groups tile head_dim: decoded in the block buffer
+                    xr = buf[:r]
+                    xr.view(cg.shape).copy_(cg).sub_(ze[sl]).mul_(sc[sl])  # quarot_dequantize
+                else:
+                    xr = restore(quarot_dequantize(cg, sc[sl], ze[sl]))
+                torch.mm(xr, q, out=out[sl])  # hadamard_transform
         return out.view(qt.shape)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
