@@ -12,12 +12,13 @@ within a code, bit ``j`` (value ``2**j``) is stream bit ``i*b + j``; stream bit 
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
 import torch
 
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes"]
+__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_float_codes"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -134,6 +135,55 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     return res if out is None else out.copy_(res)
 
 
+@functools.lru_cache(maxsize=32)
+def _byte_weights(row: int, bits: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``(row, row·b/8)``: column ``k`` holds ``2^(b·i)`` at row ``k·(8/b) + i`` (``i < 8/b``), zeros elsewhere."""
+    per_byte = 8 // bits
+    w = torch.zeros(row, row // per_byte, dtype=torch.float64)
+    for i in range(per_byte):
+        w[i::per_byte, :] += torch.eye(row // per_byte, dtype=torch.float64) * float(1 << (bits * i))
+    return w.to(dtype=dtype, device=torch.device(device))
+
+
+@torch.no_grad()
+def pack_float_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_bits` of integer-valued floating codes (``0 ≤ c < 2^b``, e.g. clamped rounded values),
+    into ``out``, without casting every code to ``uint8`` first.
+
+    For ``b`` in {1, 2, 4} and a count divisible by 8, the codes are read as rows of ``L`` (128, 64, 32, 16
+    or 8) and multiplied by the fixed ``(L, L·b/8)`` matrix with ``2^(b·i)`` at row ``k·(8/b) + i`` of
+    column ``k``: column ``k`` of the product is ``Σ_i c_i·2^(b·i)``, packed byte ``k`` of the row (module
+    doc). Exact in any order of additions (every product and partial sum is an integer below 256,
+    exactly representable), so the bytes are :func:`pack_bits`' bit for bit; then one cast of
+    ``numel·b/8`` values. Other widths and counts: a cast to ``uint8``, then :func:`pack_bits`.
+
+    Args:
+        codes: floating tensor of any shape holding integers in ``[0, 2**bits)`` (not checked: other
+            values pack to unspecified bytes).
+        bits: code width, 1..8.
+        out: contiguous 1-D ``uint8`` tensor of ``ceil(codes.numel() * bits / 8)`` bytes (returned).
+
+    Raises:
+        ValueError: ``bits`` outside 1..8, or ``out`` not a contiguous 1-D ``uint8`` tensor of that size.
+    """
+    _check_bits(bits)
+    n = codes.numel()
+    _check_out(out, packed_nbytes(n, bits))
+    if not codes.is_floating_point() or bits not in _WORD or n % 8:
+        return pack_bits(codes, bits, out=out, check=False)
+    row = next(r for r in (128, 64, 32, 16, 8) if n % r == 0)
+    w = _byte_weights(row, bits, codes.dtype, str(codes.device))
+    return out.copy_(torch.mm(codes.reshape(-1, row), w).view(-1))
+
+
+@functools.lru_cache(maxsize=32)
+def _code_table(bits: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """``(256, 8/b)``: the codes of every byte value, in stream order, as ``dtype``."""
+    per_byte = 8 // bits
+    table = [[(v >> (bits * i)) & ((1 << bits) - 1) for i in range(per_byte)] for v in range(256)]
+    return torch.tensor(table, dtype=dtype, device=torch.device(device))
+
+
 @torch.no_grad()
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype = torch.int64, *,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,7 +193,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype 
     word of ``8/b`` bytes, ``log2(8/b)`` doubling shift-ors put a copy of it at bit ``i·(8 − b)`` for every
     ``i`` (code ``i``'s stream bits ``i·b …`` then start at bit ``8i``, byte ``i`` of the word), and one
     mask keeps each byte's low ``b`` bits: the word's bytes are the codes, in order. Otherwise one
-    shift-and per code slot.
+    shift-and per code slot. Into a floating ``out`` (1, 2, 4 bits, whole bytes): one look-up per byte in
+    a 256-row table of its codes.
 
     Args:
         packed: the ``uint8`` buffer.
@@ -163,6 +214,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype 
         raise ValueError(f"{packed.numel()} bytes cannot hold {numel} codes of {bits} bits")
     if out is not None and out.numel() != numel:
         raise ValueError(f"out holds {out.numel()} elements, not the {numel} codes")
+    if (out is not None and out.is_floating_point() and out.is_contiguous() and bits in _WORD and numel
+            and numel % (8 // bits) == 0):  # floating codes: one table look-up per byte
+        p = packed.reshape(-1)[: packed_nbytes(numel, bits)]
+        table = _code_table(bits, out.dtype, str(out.device))
+        torch.index_select(table, 0, p.to(torch.int32), out=out.view(-1, 8 // bits))
+        return out.view(-1)
     codes = _unpack(packed.reshape(-1), bits, numel)
     if out is None:
         return codes.to(dtype)

@@ -45,6 +45,7 @@ __all__ = [
     "validate_kv",
     "check_finite",
     "all_finite",
+    "saturate_",
     "UnknownMethodError",
 ]
 
@@ -224,6 +225,17 @@ def _saturate(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if all_finite(out):  # one reduction, no full-size mask
             return out
     return out.clamp(-big, big)
+
+
+def saturate_(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_saturate` in place (``out`` itself returned, same values): for a caller that saturates a
+    reconstruction block by block while each block is in cache."""
+    if not (out.is_floating_point() and dtype.is_floating_point):
+        return out
+    big = torch.finfo(dtype).max
+    if (out.dtype == dtype or torch.finfo(out.dtype).max <= big) and all_finite(out):
+        return out
+    return out.clamp_(-big, big)
 
 
 class Quantizer(ABC):

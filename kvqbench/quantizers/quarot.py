@@ -30,9 +30,17 @@ import torch
 
 from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
-from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
+from kvqbench.numerics.packing import pack_float_codes, packed_nbytes, unpack_bits
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    check_finite,
+    register,
+    saturate_,
+)
 
 __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "CLIP_RATIO"]
 
@@ -132,6 +140,17 @@ def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     if out is None:
         return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
     return torch.sub(codes, zero, out=out).mul_(scale)
+
+
+def _within(scale: torch.Tensor, zero: torch.Tensor, bits: int, d: int, dtype: torch.dtype) -> bool:
+    """Whether every output of the decode ``(scale · (q − z)) @ Q`` (codes ``0 ≤ q < 2^b``, ``Q`` the
+    normalized rotation of order ``d``, ``|Q_ij| ≤ 1``) lies strictly inside ``dtype``'s finite range, so
+    that saturating it changes nothing: each decoded value is at most ``m = max scale·max(|z|, |2^b − 1 − z|)``
+    in magnitude (times ``1 + ε``), each output a sum of ``d`` such values times entries of ``Q``, and every
+    partial sum of a rounded fp32/fp64 accumulation of ``d ≤ 2^20`` terms stays below ``2·d·m``; the test
+    is ``d·m < max/4``. ``False`` (then the caller checks the output) for non-finite parameters."""
+    m = (scale.abs() * torch.maximum(zero.abs(), (zero - (2**bits - 1)).abs())).amax()
+    return d <= 1 << 20 and bool(m * d < torch.finfo(dtype).max / 4)
 
 
 def _byte_span(rows: slice, d: int, bits: int) -> slice:
@@ -257,7 +276,6 @@ class QuaRot(Quantizer):
         spans = _spans(n, d)
         most = max(sl.stop - sl.start for sl in spans)
         buf = torch.empty(most, d, dtype=cd, device=dev)
-        cbuf = torch.empty(most * d, dtype=torch.uint8, device=dev)
         packed = torch.empty(packed_nbytes(n * d, bits), dtype=torch.uint8, device=dev)
         lo, hi, scale, zero = (torch.empty(n, ng, 1, dtype=cd, device=dev) for _ in range(4))
         with blocks.one_cpu_thread(dev):
@@ -269,12 +287,8 @@ class QuaRot(Quantizer):
                 torch.amax(xg, -1, keepdim=True, out=hi[sl])
                 scale[sl], zero[sl] = quarot_qparams(xg, bits, include_zero=(kind == "k"),
                                                      clip_ratio=self.clip_ratio, lo_hi=(lo[sl], hi[sl]))
-                cb = cbuf[: r * d].view(r, d)
-                if xg.data_ptr() == xr.data_ptr():  # groups tile head_dim: the codes go straight to their place
-                    quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True, out=cb.view(xg.shape))
-                else:
-                    cb.copy_(restore(quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True)))
-                pack_bits(cb, bits, out=packed[_byte_span(sl, d, bits)], check=False)  # clamped: in range
+                codes = restore(quarot_quantize(xg, scale[sl], zero[sl], bits, cd, inplace=True))  # as floats
+                pack_float_codes(codes, bits, out=packed[_byte_span(sl, d, bits)])
         check_finite(x, lo, hi, name=kind.upper())
         lead = tuple(x.shape[:-1])
         qt = self._new_qt(x, kind, bits, group_size=g)
@@ -283,22 +297,39 @@ class QuaRot(Quantizer):
         qt.fields["zero"] = Stored(zero.view(*lead, ng, 1), 16)
         return qt
 
-    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+    def _decodes_blocked(self, qt: QuantizedTensor) -> bool:
+        """Whether ``qt`` (of this method) decodes in row blocks (:func:`_blocked`; per-group parameters)."""
         g, scale, zero, d = qt.meta["group_size"], qt["scale"], qt["zero"], int(qt.shape[-1])
         per_group = (*qt.shape[:-1], -(-d // g), 1)
-        if (tuple(scale.shape) == per_group and tuple(zero.shape) == per_group
+        return (tuple(scale.shape) == per_group and tuple(zero.shape) == per_group
                 and qt.meta.get("codes.shape") == tuple(qt.shape)
-                and _blocked(scale.device, math.prod(qt.shape), d, scale.dtype)):
+                and _blocked(scale.device, math.prod(qt.shape), d, scale.dtype))
+
+    @torch.no_grad()
+    def dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        """:meth:`Quantizer.dequantize <kvqbench.quantizers.base.Quantizer.dequantize>`; the blocked decode
+        saturates each block while it is in cache instead of a pass over the whole output after it (the
+        same values)."""
+        if "passthrough" in qt.fields or not self._decodes_blocked(qt):
+            return super().dequantize(qt)
+        out = self._dequantize_blocked(qt, qt.meta["group_size"], saturate=qt.dtype)
+        return out.to(dtype=qt.dtype, device=qt.device).reshape(qt.shape)
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        g, scale, zero = qt.meta["group_size"], qt["scale"], qt["zero"]
+        if self._decodes_blocked(qt):
             return self._dequantize_blocked(qt, g)
         cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, g)
         xr = restore(quarot_dequantize(cg, scale, zero))
         return hadamard_transform(xr)
 
-    def _dequantize_blocked(self, qt: QuantizedTensor, g: int) -> torch.Tensor:
+    def _dequantize_blocked(self, qt: QuantizedTensor, g: int, saturate: torch.dtype | None = None) -> torch.Tensor:
         """:meth:`_dequantize` in the row blocks of :meth:`_quantize_blocked` (same reasons, same
         guarantee): each block's codes are unpacked from their bytes of the packed field (a cache-sized
         temporary), decoded (``scale · (q − z)``) into a block buffer and rotated back straight into the
-        output."""
+        output; with ``saturate`` (a dtype) each block is then saturated to its finite range while in cache
+        (:func:`~kvqbench.quantizers.base.saturate_`, what :meth:`dequantize` does to the whole output),
+        unless the parameters bound every output well inside that range (:func:`_within`)."""
         scale, d = qt["scale"], int(qt.shape[-1])
         n, ng, bits = math.prod(qt.shape) // d, -(-d // g), qt.meta["codes.bits"]
         packed = qt.fields["codes"].tensor
@@ -308,17 +339,21 @@ class QuaRot(Quantizer):
         spans = _spans(n, d)
         most = max(sl.stop - sl.start for sl in spans)
         buf = torch.empty(most, d, dtype=scale.dtype, device=scale.device)
+        if saturate is not None and _within(sc, ze, qt.meta["codes.bits"], d, saturate):
+            saturate = None  # every output is provably finite and within the dtype's range: nothing to clamp
         with blocks.one_cpu_thread(scale.device):
             for sl in spans:
                 r = sl.stop - sl.start
-                cb = unpack_bits(packed[_byte_span(sl, d, bits)], bits, r * d, torch.uint8).view(r, d)
+                cb = unpack_bits(packed[_byte_span(sl, d, bits)], bits, r * d, out=buf[:r]).view(r, d)  # as floats
                 cg, restore = to_groups(cb, -1, g)
                 if cg.data_ptr() == cb.data_ptr():  # groups tile head_dim: decoded in the block buffer
-                    xr = buf[:r]
-                    xr.view(cg.shape).copy_(cg).sub_(ze[sl]).mul_(sc[sl])  # quarot_dequantize
+                    xr = cb
+                    cg.sub_(ze[sl]).mul_(sc[sl])  # quarot_dequantize (the codes are exact as floats)
                 else:
                     xr = restore(quarot_dequantize(cg, sc[sl], ze[sl]))
                 torch.mm(xr, q, out=out[sl])  # hadamard_transform
+                if saturate is not None:
+                    saturate_(out[sl], saturate)
         return out.view(qt.shape)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
