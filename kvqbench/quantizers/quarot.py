@@ -107,6 +107,8 @@ def quarot_qparams(
     lo_c, hi_c = lo * clip_ratio, hi * clip_ratio
     scale = (hi_c - lo_c) / (2**bits - 1)
     degenerate = scale <= 0
+    if not bool(degenerate.any()):  # no constant group (the usual case): the guard below changes nothing
+        return scale, torch.round(-lo_c / scale)
     safe = torch.where(degenerate, torch.ones_like(scale), scale)
     zero = torch.round(-lo_c / safe)
     # constant group: lo == hi == c (raw, unclipped value)
@@ -117,13 +119,14 @@ def quarot_qparams(
 
 def quarot_quantize(
     xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64,
-    *, inplace: bool = False, out: torch.Tensor | None = None,
+    *, inplace: bool = False, out: torch.Tensor | None = None, positive: bool = False,
 ) -> torch.Tensor:
     """Codes ``clamp(round(x/scale) + z, 0, 2^b − 1)`` as ``dtype`` (default int64); a zero scale gives
     code ``z``. ``inplace=True`` reuses ``xg``'s buffer (the caller no longer needs it); ``out`` (``xg``'s
     shape, of ``dtype``) receives the codes instead of a new tensor (the same cast). A zero scale
-    divides by ``+inf`` (``x/inf = 0`` for finite ``x``), so no full-size mask is built."""
-    safe = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
+    divides by ``+inf`` (``x/inf = 0`` for finite ``x``), so no full-size mask is built; ``positive=True``
+    declares every scale ``> 0`` (or NaN) and skips that guard."""
+    safe = scale if positive else torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
     q = xg.div_(safe) if inplace else torch.div(xg, safe)
     q.round_().add_(zero).clamp_(0, 2**bits - 1)
     return q.to(dtype) if out is None else out.copy_(q)
@@ -285,9 +288,11 @@ class QuaRot(Quantizer):
                 xg, restore = to_groups(xr, -1, g)  # a view (a padded copy for a partial last group)
                 torch.amin(xg, -1, keepdim=True, out=lo[sl])
                 torch.amax(xg, -1, keepdim=True, out=hi[sl])
-                scale[sl], zero[sl] = quarot_qparams(xg, bits, include_zero=(kind == "k"),
-                                                     clip_ratio=self.clip_ratio, lo_hi=(lo[sl], hi[sl]))
-                codes = restore(quarot_quantize(xg, scale[sl], zero[sl], bits, cd, inplace=True))  # as floats
+                sc, ze = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
+                                        lo_hi=(lo[sl], hi[sl]))
+                scale[sl], zero[sl] = sc, ze
+                codes = restore(quarot_quantize(xg, sc, ze, bits, cd, inplace=True,
+                                                positive=not bool((sc <= 0).any())))  # as floats
                 pack_float_codes(codes, bits, out=packed[_byte_span(sl, d, bits)])
         check_finite(x, lo, hi, name=kind.upper())
         lead = tuple(x.shape[:-1])
