@@ -47,18 +47,20 @@ __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "
 CLIP_RATIO = 0.95
 
 
-#: QuaRot's round trip runs in row blocks (:meth:`QuaRot._quantize_blocked`) for CPU tensors of more than
-#: this many elements (and more than one block); smaller ones take the whole-tensor ops. Measured on the
-#: shared 2-core host, 1 thread, (1, 8, T, 128) fp32, round trip as a multiple of the eager RTN, paired in
-#: one process (interleaved medians, three sessions): T = 16384 blocks 1.35–1.57, whole 1.59–1.77; T = 4096
-#: blocks 1.43–1.87, whole 1.60–1.74, no difference beyond the noise (the two 128×128 products alone take
-#: about one eager RTN, blocked or not), so 4096 tokens × 8 heads × 128 (2^22) keep the whole-tensor ops.
-_WHOLE_MAX_ELEMS = 1 << 22
+#: QuaRot's round trip runs in row blocks (:meth:`QuaRot._quantize_blocked`, fused: rotation, parameters,
+#: codes and bit packing per block) for CPU tensors of more than this many elements; smaller ones (fewer
+#: than 512 tokens·heads at head_dim 128) take the whole-tensor ops. Measured on the shared 2-core host,
+#: 1 thread, steady allocator, cold inputs, (1, 8, T, 128) fp32, 2 bits, round trip as a multiple of the
+#: eager RTN, paired in one process (interleaved medians, CPU time): T = 16384 blocked 1.03–1.04, whole
+#: 1.44; T = 4096 blocked 1.14–1.27, whole 1.48–1.57; T = 1024 blocked 1.58–1.68, whole 1.74–1.76;
+#: T = 256 blocked 2.35, whole 2.52 (the two 128×128 products alone take 0.65–0.8 of the eager RTN).
+_WHOLE_MAX_ELEMS = 1 << 16
 
-#: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (4 MiB of
-#: fp32, the size of a core's L2 here): the rotation's matrix product is cheaper per row on taller blocks
-#: (same host, T = 16384: 1.56× the eager RTN at factor 1, 1.47 at 2, 1.41 at 4)
-_BLOCK_FACTOR = 4
+#: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (2 MiB of
+#: fp32, 4096 rows at head_dim 128): taller blocks make fewer small per-block operations, shorter ones keep
+#: the block's passes in a core's L2 (same host: 2048 rows 1.30–1.43 at T = 4096, 4096 rows 1.14–1.35,
+#: 8192 rows 1.17–1.36)
+_BLOCK_FACTOR = 2
 
 #: block starts are multiples of this many rows: 64-byte aligned for any head_dim (the alignment
 #: :func:`~kvqbench.quantizers.base._canonical_layout` gives the whole tensor), and no block of a
@@ -79,10 +81,10 @@ def _spans(n: int, d: int) -> list[slice]:
 
 def _blocked(device: torch.device, numel: int, d: int, dtype: torch.dtype) -> bool:
     """Whether QuaRot's round trip of a tensor of ``numel`` elements, head_dim ``d``, runs in row blocks
-    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements in more
-    than one block (:func:`_spans`), where the rotation's row blocks give the whole product's bits
+    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements (one
+    block or more, :func:`_spans`), where the rotation's row blocks give the whole product's bits
     (:func:`~kvqbench.numerics.hadamard.rotation_rows_independent` in the compute ``dtype``)."""
-    return (device.type == "cpu" and numel > _WHOLE_MAX_ELEMS and len(_spans(numel // d, d)) > 1
+    return (device.type == "cpu" and numel > _WHOLE_MAX_ELEMS
             and rotation_rows_independent(d, dtype, min_rows=_ROW_MULTIPLE // 2, block_rows=_block_rows(d)))
 
 
