@@ -233,7 +233,7 @@ def _unpack(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     p = p[: packed_nbytes(numel, bits)]
     if bits in _WORD and sys.byteorder == "little" and numel % (8 // bits) == 0:
         step = 8 - bits
-        acc = p.to(_WORD[bits])
+        acc = p.to(_WORD[bits], memory_format=torch.contiguous_format)  # a strided p gives a strided copy
         span = 8 // bits // 2
         while span >= 1:  # copies of the byte at bit i·(8 − b) for every i < 8/b
             acc |= acc << (span * step)

@@ -60,6 +60,7 @@ def test_pack_matches_the_bit_stream_and_packs_slices_into_slices(bits, n, offse
     assert packed.tolist() == want
     assert torch.equal(pack_bits(codes, bits, check=False), packed)
     assert torch.equal(unpack_bits(packed, bits, n), base[offset:])
+    assert torch.equal(unpack_bits(torch.stack([packed, packed], 1)[:, 0], bits, n), base[offset:])  # strided
     into = torch.full((n,), 7.5)
     assert torch.equal(unpack_bits(packed, bits, n, out=into), base[offset:].float())
     assert torch.equal(into, base[offset:].float())
