@@ -134,17 +134,11 @@ def quarot_quantize(
     return q.to(dtype) if out is None else out.copy_(q)
 
 
-def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, *,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """``scale · (q − z)`` in ``scale``'s dtype (one output buffer, shifted and scaled in place); ``out``
-    (``codes``' shape, ``scale``'s dtype) is that buffer instead of a new one (same arithmetic: the codes
-    are cast exactly, then ``z`` subtracted and ``scale`` multiplied, each rounded once)."""
+def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``scale · (q − z)`` in ``scale``'s dtype (one output buffer, shifted and scaled in place)."""
     if tuple(codes.shape) != tuple(broadcast_shape(codes.shape, scale.shape, zero.shape)):
-        res = scale * (codes.to(scale.dtype) - zero)
-        return res if out is None else out.copy_(res)
-    if out is None:
-        return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
-    return torch.sub(codes, zero, out=out).mul_(scale)
+        return scale * (codes.to(scale.dtype) - zero)
+    return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
 
 
 def _within(scale: torch.Tensor, zero: torch.Tensor, bits: int, d: int, dtype: torch.dtype) -> bool:
@@ -261,10 +255,10 @@ class QuaRot(Quantizer):
         Why: written as whole-tensor operations the round trip makes a pass over memory per operation
         (rotation, minima, maxima, divide, round, shift, clamp, cast, bit packing), each with a full-size
         temporary. Here each block is rotated into one cache-sized buffer and quantized there (group minima
-        and maxima, parameters, codes), and its codes are packed straight into their bytes of the packed
-        output (:func:`~kvqbench.numerics.packing.pack_bits` of a block starting at a row multiple of
-        :data:`_ROW_MULTIPLE`: a whole number of bytes) before the next block is read: the input is read
-        once and only the packed codes and the per-group parameters are written.
+        and maxima, parameters, codes, kept as floats), and its codes are packed straight into their bytes
+        of the packed output (:func:`~kvqbench.numerics.packing.pack_float_codes`; a block starts at a row
+        multiple of :data:`_ROW_MULTIPLE`: a whole number of bytes) before the next block is read: the
+        input is read once and only the packed codes and the per-group parameters are written.
 
         Guarantee: the stored fields are those of the whole-tensor path, bit for bit. The rotation of a
         block is the rotation of its rows (:func:`_blocked` takes this path only where the product's row
