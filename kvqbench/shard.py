@@ -15,6 +15,9 @@ collected cell:
    size, as the progress ETA groups them), so other seeds, bits or models are still balanced;
 3. else the median of the whole file (1 s when the file is empty).
 
+Cells that share one computation are scheduled as one unit (``split``'s ``unit``): the plugin keeps every
+real-data seed group together (see ``kvqbench.plugin.shard_unit``), so no two shards compute the same group.
+
 Only collection order, node ids and the file enter the split, so every machine (and every
 ``PYTHONHASHSEED``) computes the same shards; the N shards partition the matrix (each cell in exactly
 one). Everything here works on plain node ids, so it is testable without pytest items.
@@ -107,8 +110,15 @@ class _Node:
         return self.nodeid
 
 
-def split(nodeids: Sequence[str], count: int, durations: dict[str, float]) -> list[list[str]]:
+def split(nodeids: Sequence[str], count: int, durations: dict[str, float],
+          unit: Callable[[str], str] | None = None) -> list[list[str]]:
     """Partition ``nodeids`` (in collection order) into ``count`` duration-balanced shards.
+
+    ``unit`` maps a node id to the unit it is scheduled with (default: itself). The node ids of one unit
+    always land in the same shard, scheduled as one item whose duration is the sum of theirs — for cells
+    that share one computation (a real-data seed group: the first cell of the group computes every seed,
+    the others read it), so no shard repeats a computation another shard does and the unit's cost is
+    charged once, where it is paid.
 
     Returns one list per shard (shard ``i`` at index ``i - 1``), each in collection order; together
     they hold every node id exactly once. ``durations`` should cover every node id (see
@@ -123,9 +133,16 @@ def split(nodeids: Sequence[str], count: int, durations: dict[str, float]) -> li
         raise ValueError(f"shard count must be >= 1, got {count}")
     if len(set(nodeids)) != len(nodeids):
         raise ValueError("repeated node ids in the matrix")
-    nodes = [_Node(n) for n in nodeids]
-    groups = LeastDurationAlgorithm()(count, nodes, dict(durations))  # type: ignore[arg-type]
-    return [[n.nodeid for n in g.selected] for g in groups]
+    unit = unit or (lambda n: n)
+    members: dict[str, list[str]] = {}
+    for n in nodeids:  # a unit is named by its first node id (in collection order): unique, stable
+        members.setdefault(unit(n), []).append(n)
+    first = {u: ids[0] for u, ids in members.items()}
+    load = {first[u]: sum(float(durations.get(n, 0.0)) for n in ids) for u, ids in members.items()}
+    nodes = [_Node(first[u]) for u in members]
+    groups = LeastDurationAlgorithm()(count, nodes, load)  # type: ignore[arg-type]
+    shard_of = {n: i for i, g in enumerate(groups) for node in g.selected for n in members[unit(node.nodeid)]}
+    return [[n for n in nodeids if shard_of[n] == i] for i in range(count)]
 
 
 def matrix_digest(nodeids: Sequence[str]) -> str:

@@ -4,17 +4,24 @@ One set of PNGs per data source, written next to the JSON (real and synthetic ne
 
 ==========================================  ====================================================
 ``pareto_{source}.png``                     rel. MSE vs effective bits/element, one marker per
-                                            method, the non-dominated front drawn as a black step
-``mse_vs_bits_{source}.png``                K and V relative MSE vs bit-width, one line per method
+                                            method, the non-dominated front drawn as a black step;
+                                            front points labelled in words near their own marker,
+                                            or by a number explained in a key in a crowded cluster
+``mse_vs_bits_{source}.png``                K and V relative MSE vs bit-width, one line per method;
+                                            a 95 % CI reaching 0 (no end on the log axis) stops at
+                                            mean / 3 in a ▼, explained under the figure
 ``attn_error_vs_context_{source}.png``      exp2: attention-output error vs context length,
                                             panels *static* and *pseudo-decode*; under the latter,
                                             for methods whose fp16 share changes with the length,
                                             the newest tokens held fp16 and the billed bits, and a
-                                            note that says from the data why their curves jump
+                                            note that says from the data (source named) whether the
+                                            fp16 share explains their curves' jumps
 ``attn_kl_vs_context_{source}.png``         exp2: attention KL(p‖p̂) vs context length, same panels
 ``norm_diff_density_{source}.png``          exp3: density of ‖k̂‖−‖k‖ per method (small multiples),
-                                            x-range from the data, any share off scale named
+                                            x-range from quantiles of the data, any share off scale
+                                            named, zig-zagging fine bins merged (and said so)
 ``cost_{source}.png``                       exp4: latency bars and bits/element bars per method
+                                            (bits axis fitted to the compressed methods, fp16 cut)
 ``predictivity_{source}.png``               exp5: the best-predicting tensor metrics against the
                                             end-to-end KL, one point per method × bits, log axes
 ==========================================  ====================================================
@@ -465,6 +472,12 @@ _LEADER_FROM = 6.0
 _CORE_RADIUS = 3.6
 #: white space kept between a label and anything else (pixels)
 _LABEL_GAP = 1.5
+#: a label (words or number, not the last-resort number) is at least this much (points) nearer its own
+#: marker than any other marker, and a word label's leader passes no other marker closer than this
+_LABEL_CLEAR = 5.0
+#: the farthest (points from the marker's edge) a label in words may sit from its point; a point
+#: whose words fit nowhere that near becomes a number explained in the key
+_WORD_REACH = 16.0
 
 
 def log_debug(msg: str) -> None:
@@ -589,6 +602,8 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     core = np.minimum(radii, _CORE_RADIUS * pt)
     full_boxes = np.column_stack([centres - radii[:, None] - gap, centres + radii[:, None] + gap])
     core_boxes = np.column_stack([centres - core[:, None] - gap, centres + core[:, None] + gap])
+    clear = radii + _LABEL_CLEAR * pt  # a word label's leader keeps this far from other markers
+    clear_boxes = np.column_stack([centres - clear[:, None], centres + clear[:, None]])
     notes = []
     for t in ax.texts:  # notes already on the axes
         b = t.get_window_extent(renderer)
@@ -645,8 +660,18 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
             # a number's leader (the last resort, inside a dense cluster) may cross a neighbour's front
             # ring, not a method's marker — unless the markers themselves overlap so that no line gets
             # out of the cluster without crossing one (the third try)
-            obstacles = full_boxes[~own] if k == 0 else core_boxes[~own] if k == 1 else full_boxes[:0]
+            obstacles = clear_boxes[~own] if k == 0 else core_boxes[~own] if k == 1 else full_boxes[:0]
             ok &= ~(lead & (crossed(segs, obstacles) | crossed(segs, notes_a)))
+            if k < 2 and (~own).any():  # unambiguous: the label is nearer its own marker than any other
+                ddx = np.maximum(np.maximum(boxes[:, None, 0] - centres[None, :, 0], 0.0),
+                                 centres[None, :, 0] - boxes[:, None, 2])
+                ddy = np.maximum(np.maximum(boxes[:, None, 1] - centres[None, :, 1], 0.0),
+                                 centres[None, :, 1] - boxes[:, None, 3])
+                dist = np.hypot(ddx, ddy) - radii[None, :]
+                own_d = dist[:, own].min(1) if own.any() else np.hypot(mid[:, 0] - cx, mid[:, 1] - cy)
+                ok &= dist[:, ~own].min(1) >= np.maximum(own_d + _LABEL_CLEAR * pt, _LABEL_CLEAR * pt)
+            if k == 0:  # words sit near their point: a long leader into a cluster reads as someone else's
+                ok &= np.hypot(dxy[:, 0], dxy[:, 1]) <= _WORD_REACH
             sx = {"left": gap, "right": -gap, "center": 0.0}  # the anchor sits ``gap`` inside the box
             sy = {"bottom": gap, "top": -gap, "center": 0.0}
             per_alt.append([(tuple(boxes[j]), tuple(segs[j]) if lead[j] else None,
@@ -738,7 +763,7 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
     bits = sorted({b for kv, _ in panels for pts in data[kv].values() for b, y, _ in pts if y > 0})
-    zero_note = False
+    zero_note = open_note = False
     for ax, (kv, KV) in zip(axes, panels, strict=False):
         for m in sorted(data[kv], key=lambda m: style.idx.get(m, 99)):
             pts = sorted(p for p in data[kv][m] if p[1] > 0)
@@ -746,9 +771,19 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
             if not pts:
                 continue
             st = style(m)
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[min(p[2], p[1] * 0.999) for p in pts],
+            # a 95 % CI reaching 0 or below (mean − CI ≤ 0: seeds that differ by orders of magnitude) has no
+            # lower end on a log axis: its whisker stops at mean / _CI_CUT and ends in a ▾, not in a cap
+            # several decades down that would read as a huge error
+            open_lo = [p[1] - p[2] <= 0 for p in pts]
+            lower = [p[1] * (1 - 1 / _CI_CUT) if o else p[2] for p, o in zip(pts, open_lo, strict=True)]
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[lower, [p[2] for p in pts]],
                         label=m, color=st["color"], marker=st["marker"], linestyle=st["linestyle"],
                         markersize=5, capsize=2, linewidth=1.2)
+            cut = [(p[0], p[1] / _CI_CUT) for p, o in zip(pts, open_lo, strict=True) if o]
+            if cut:
+                open_note = True
+                ax.plot([c[0] for c in cut], [c[1] for c in cut], linestyle="none", marker="v", markersize=5,
+                        color=st["color"], label=f"_CI reaches 0: {m}", zorder=4)
         ax.set_yscale("log")
         _bits_axis(ax, [float(b) for b in bits])
         ax.set_xlabel("bits per element (nominal bit-width of the setting)")
@@ -758,7 +793,15 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
     _legend_outside(axes[1])
     fig.suptitle(f"Reconstruction error vs bit-width ({src}; mean ± 95% CI over seeds"
                  + ("; exact 0 not drawn" if zero_note else "") + ")", fontsize=11)
+    if open_note:
+        fig.text(0.5, -0.01, f"▼ at a whisker's end: that 95% CI reaches 0 or below (mean − CI ≤ 0: the seeds spread "
+                 f"wider than their mean), which a log axis cannot draw;\nits whisker stops at mean / {_CI_CUT:g} "
+                 f"and the ▼ says the CI goes on down", ha="center", va="top", fontsize=8, color="dimgrey")
     return _finish(fig, out / f"mse_vs_bits_{src}.png")
+
+
+#: where the lower whisker of a CI that reaches 0 stops on the log axis of ``mse_vs_bits`` (mean / this)
+_CI_CUT = 3.0
 
 
 def _exp2_curves(sd: dict[str, Any], exp2: dict[str, Any] | None, quantity: str
@@ -820,6 +863,7 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
     handles: dict[str, Any] = {}
     zeros: dict[str, list[tuple[str, list[float]]]] = {}  # regime → (method, lengths where exactly 0)
     n_lines = 0  # the most lines of notes at the foot of a panel
+    n_zero_rows = 0  # whether a panel has a row of ▽ (exact 0) under its notes
     for ax, reg in zip(axes[0], regimes, strict=False):
         zero_methods: list[str] = []
         for (m, r), (xs, ys) in sorted(curves.items(), key=lambda kv: style.idx.get(kv[0][0], 99)):
@@ -841,7 +885,8 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
         for m, xs0 in zeros.get(reg, []):  # a point at exactly 0 has no place on a log axis: ▽ on its x axis
             st = style(m)
             for x in xs0:
-                shift = offset_copy(foot, fig=fig, x=7.0 * at_x[x], units="points")
+                # inside the axes: the marker's tip (and its edge) stays above the x axis, never cut by it
+                shift = offset_copy(foot, fig=fig, x=7.0 * at_x[x], y=_ZERO_MARK_Y, units="points")
                 at_x[x] += 1
                 ax.plot([x], [0.0], transform=shift, linestyle="none", marker="v", markersize=7,
                         markerfacecolor="white", markeredgewidth=1.3, color=st["color"], clip_on=False, zorder=5,
@@ -853,10 +898,12 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
             notes.append("exactly 0 at every length (not drawn): " + ", ".join(zero_methods))
         if log:
             ax.set_yscale("log")
-        if notes:
-            ax.text(0.01, 0.02, "\n".join(notes), transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom",
-                    zorder=6)
+        if notes:  # above the row of ▽ where there is one
+            lift = 2 * _ZERO_MARK_Y if zeros.get(reg) else 0.0
+            ax.text(0.01, 0.02, "\n".join(notes), fontsize=7, color="dimgrey", va="bottom", zorder=6,
+                    transform=offset_copy(ax.transAxes, fig=fig, y=lift, units="points"))
             n_lines = max(n_lines, len(notes))
+            n_zero_rows = max(n_zero_rows, 1 if zeros.get(reg) else 0)
         xs_all = sorted({x for (m, r), (xs, _) in curves.items() if r == reg for x in xs})
         if xs_all and xs_all[0] > 0 and xs_all[-1] / xs_all[0] >= 8:
             ax.set_xscale("log", base=2)
@@ -865,7 +912,8 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                                   " (quantized block by block as it arrives)"), fontsize=10)
         ax.grid(True, alpha=0.3)
     if n_lines:  # an empty band at the foot of the (shared) y axis for the notes: they cover no curve
-        _foot_room(axes[0][0], 0.045 * n_lines + 0.03)
+        height_pt = axes[0][0].get_position().height * fig.get_size_inches()[1] * 72.0
+        _foot_room(axes[0][0], 0.045 * n_lines + 0.03 + n_zero_rows * 2 * _ZERO_MARK_Y / height_pt)
     axes[0][0].set_ylabel(_ERR_LABEL.get(kind, kind) + (" (log scale)" if log else ""))
     order = sorted(handles, key=lambda m: style.idx.get(m, 99))  # every method drawn in any panel
     if order:
@@ -873,11 +921,16 @@ def _fig_vs_context(plt: Any, src: str, sd: dict[str, Any], exp2: dict[str, Any]
                            fontsize=8, frameon=False)
     if fp16:
         _draw_fp16_panel(grid, regimes, fp16, style, axes, {m: xy for (m, r), xy in curves.items()
-                                                             if r == "pseudo-decode"}, kind)
+                                                             if r == "pseudo-decode"}, kind, src)
     what = "Attention KL" if quantity == "kl" else "Attention error"
     fig.suptitle(f"{what} vs context length at {setting} ({src}; mean over seeds)", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"
     return _finish(fig, out / f"{name}_{src}.png")
+
+
+#: height (points) above the x axis of the centre of a ▽ that marks an exact 0 on a log axis: the whole
+#: marker (7 points, edge 1.3) stays inside the axes
+_ZERO_MARK_Y = 6.0
 
 
 def _foot_room(ax: Any, frac: float) -> None:
@@ -942,7 +995,8 @@ def _all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
 
 
 def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: _Style,
-                     top_axes: Any, decode_curves: dict[str, tuple[list[float], list[float]]], kind: str) -> None:
+                     top_axes: Any, decode_curves: dict[str, tuple[list[float], list[float]]], kind: str,
+                     src: str = "") -> None:
     """Under the pseudo-decode panel: per method whose fp16 share changes with the length, the newest
     tokens still in fp16 (solid, left axis) and the billed bits/element (dashed, right axis); beside it,
     a note that says, from the data, why those curves jump between neighbouring lengths."""
@@ -983,7 +1037,7 @@ def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, An
                      fontsize=8)
         ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
-    note = _fp16_note(fp16, methods, decode_curves, kind)
+    note = _fp16_note(fp16, methods, decode_curves, kind, src)
     for i, reg in enumerate(regimes):
         if reg != "pseudo-decode":
             a = grid[1][i]
@@ -995,17 +1049,18 @@ def _draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, An
 
 
 def _fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
-               decode_curves: dict[str, tuple[list[float], list[float]]], kind: str) -> list[str]:
-    """The note beside the fp16 panel, as paragraphs: the general reason, then, for each method whose
-    newest tokens are all fp16 at some lengths and all quantized at others (its curve jumps), the
-    lengths of each case with its error there — from the data."""
+               decode_curves: dict[str, tuple[list[float], list[float]]], kind: str, src: str = "") -> list[str]:
+    """The note beside the fp16 panel, as paragraphs, every claim from the data: what changes with the
+    length (which tokens stay fp16), then, for each method whose newest tokens are all fp16 at some
+    lengths and all quantized at others, the lengths of each case with its error there and what the
+    data say about it: lower wherever the newest tokens are fp16 (the fp16 share explains the jumps),
+    or ranges that overlap (it does not). ``src`` (``synthetic``/``real``) names the data."""
     what = "KL" if kind in ("kl", "kl_rev") else "error"
+    data = f"this {src} data" if src else "this data"
     paras = [f"Pseudo-decode, {', '.join(methods)}: which tokens stay fp16 (attention sinks, a recent window, "
-             "a partly filled last tile) changes with the length. The queries, the last positions of each "
-             "prefix, attend most to the newest tokens in a real model: while those are fp16 the error is "
-             "low; where the length fills the last tile, they are quantized too and it jumps. The panel to the right of "
-             "this note (below the pseudo-decode curves) shows the newest tokens in fp16 and the bits billed at "
-             "each length."]
+             "a partly filled last tile) changes with the length, and so do the bits billed. The panel to the "
+             "right of this note (below the pseudo-decode curves) shows, at each length, the newest tokens "
+             "still fp16 and the bits billed."]
 
     def rng(vals: list[float]) -> str:
         if not vals:
@@ -1038,7 +1093,20 @@ def _fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
                          f"({rng([ys[x] for x in xs if x in ys])})")
         parts.append(f"none at {', '.join(f'{x:g}' for x in none)}, where the length fills its last tile "
                      f"({rng([ys[x] for x in none if x in ys])})")
-        paras.append(f"{m}: " + "; ".join(parts) + ".")
+        with_fp16 = [ys[x] for xs in some.values() for x in xs if x in ys]
+        without = [ys[x] for x in none if x in ys]
+        if with_fp16 and without and max(with_fp16) < min(without):
+            verdict = (f"on {data} the {what} is {min(without) / max(with_fp16):.2g}–"
+                       f"{max(without) / min(with_fp16):.2g}× higher wherever none of the newest tokens are "
+                       f"fp16: the fp16 share explains the jumps")
+        elif with_fp16 and without and max(without) <= min(with_fp16):
+            verdict = (f"on {data} the {what} is no higher where none of the newest tokens are fp16: the fp16 "
+                       f"share does not explain the curve's shape")
+        elif with_fp16 and without:
+            verdict = (f"on {data} the two ranges overlap: the fp16 share does not explain the curve's shape")
+        else:
+            verdict = ""
+        paras.append(f"{m}: " + "; ".join(parts) + (f". So {verdict}." if verdict else "."))
     return paras
 
 
@@ -1076,8 +1144,9 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         ax = axes[i // ncol][i % ncol]
         st = style(m)
         drawn = {kv: curves[(m, kv)] for kv in kvs if (m, kv) in curves}
-        lo, hi = _mass_range([d for d in drawn.values()], tails=[tails.get((m, kv), (0.0, 0.0)) for kv in drawn])
+        lo, hi = _mass_range([d for d in drawn.values()])
         outside = []
+        merged = set()
         for kv, (edges, dens) in drawn.items():
             # the drawn density integrates to the share inside the bins: the rest is under/overflow
             share_out = 1.0 - _mass_within(edges, dens, lo, hi)
@@ -1087,14 +1156,24 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
                           for v, sign, edge in ((under, "<", edges[0]), (over, ">", edges[-1])) if v > 0.005]
                 outside.append((f"{kv} {share_out:.0%}" if share_out >= 0.01 else f"{kv} <1%")
                                + (f" ({', '.join(beyond)}, past the last bin)" if beyond else ""))
+            k = _merge_factor(edges, dens, lo, hi)
+            if k > 1:
+                merged.add(k)
+                edges, dens = _merge_bins(edges, dens, k)
             ax.stairs(dens, edges, fill=True, alpha=0.35 if kv == "K" else 0.15, color=st["color"])
             ax.stairs(dens, edges, color=st["color"], linewidth=1.0, linestyle="-" if kv == "K" else "--", label=kv)
         ax.set_xlim(lo, hi)
         ax.xaxis.set_major_locator(plt.MaxNLocator(5))
         ax.axvline(0, color="grey", linewidth=0.6)
-        if outside:  # in the upper corner where the drawn densities are lower
+        lines = []
+        if outside:
             line = ", ".join(outside)
-            text = "off scale: " + (line if len(line) <= 28 else "\n".join(outside))
+            lines += ["off scale: " + line] if len(line) <= 28 else ["off scale: " + outside[0], *outside[1:]]
+        if merged:
+            lines.append(f"bins merged ×{max(merged)} (fine bins zig-zag)")
+        if lines:  # in the upper corner where the drawn densities are lower, above the highest bin
+            text = "\n".join(lines)
+            ax.set_ylim(0, ax.get_ylim()[1] * (1 + 0.12 * len(lines)))
             third = (hi - lo) / 3
             left = max((d for e, ds in drawn.values() for a, d in zip(e, ds, strict=False) if a < lo + third),
                        default=0.0)
@@ -1118,8 +1197,8 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
     fig.suptitle(f"Per-token norm-difference density at {setting} ({src}; K solid, V dashed; 0 = norm preserved)\n"
-                 "x-range per method holds ≥ 98 % of its tokens, or reaches the histogram's last bin where more "
-                 "lie beyond it; a panel names any share off scale", fontsize=11)
+                 "x-range per method: the central 98 % of its tokens inside the histogram's bins (quantiles "
+                 "from the data); a panel names any share off scale, bins included", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"norm_diff_density_{src}.png")
 
@@ -1133,31 +1212,32 @@ def _mass_within(edges: list[float], dens: list[float], lo: float, hi: float) ->
     return tot
 
 
-def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1,
-                tails: list[tuple[float, float]] | None = None) -> tuple[float, float]:
-    """An x-range chosen from the data: it holds at least ``keep`` of every histogram's tokens (equal
-    tails cut on each side), always includes 0, spans at least ``min_span``, padded by 5 %; falls back
-    to the edges' span. ``tails``: each histogram's ``(under, over)`` shares beyond its first and last
-    edge (not drawn; the drawn mass is ``1 − under − over``): where one holds more than its side's
-    share of ``1 − keep``, the range reaches that edge (the rest cannot be drawn)."""
+def _quantile(edges: list[float], mass: list[float], q: float) -> float:
+    """The ``q`` quantile of a histogram (``mass`` per bin on ``edges``; uniform inside each bin)."""
+    total = math.fsum(mass)
+    target, acc = q * total, 0.0
+    for a, b, w in zip(edges, edges[1:], mass, strict=False):
+        if w > 0 and acc + w >= target:
+            return a + (b - a) * max(0.0, target - acc) / w
+        acc += w
+    return edges[-1]
+
+
+def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98, min_span: float = 0.1
+                ) -> tuple[float, float]:
+    """An x-range chosen from the data: from the ``(1 − keep) / 2`` to the ``(1 + keep) / 2`` quantile of
+    the tokens inside each histogram's bins (the widest over the histograms; quantiles interpolated
+    inside a bin, so one wide tail bin does not stretch the axis to its far edge), always including 0,
+    at least ``min_span`` wide, padded by 5 %. Tokens past the first or last edge (under/overflow) are
+    not in the bins and do not stretch it either: the figure names their share. Falls back to the
+    edges' span."""
     los, his = [], []
-    for n, (edges, dens) in enumerate(hists):
+    for edges, dens in hists:
         mass = [d * (b - a) for a, b, d in zip(edges, edges[1:], dens, strict=False)]
-        under, over = tails[n] if tails else (0.0, 0.0)
-        total = math.fsum(mass) + under + over
-        if total <= 0 or math.fsum(mass) <= 0:
+        if math.fsum(mass) <= 0:
             continue
-        cut = (1.0 - keep) / 2 * total
-        acc, i = under, 0
-        while i < len(mass) - 1 and acc + mass[i] <= cut:
-            acc += mass[i]
-            i += 1
-        acc, j = over, len(mass) - 1
-        while j > i and acc + mass[j] <= cut:
-            acc += mass[j]
-            j -= 1
-        los.append(edges[i])
-        his.append(edges[j + 1])
+        los.append(_quantile(edges, mass, (1.0 - keep) / 2))
+        his.append(_quantile(edges, mass, (1.0 + keep) / 2))
     if not los:
         e = hists[0][0] if hists else [-1.0, 1.0]
         return e[0], e[-1]
@@ -1167,6 +1247,52 @@ def _mass_range(hists: list[tuple[list[float], list[float]]], keep: float = 0.98
         lo, hi = min(lo, mid - min_span / 2), max(hi, mid + min_span / 2)
     pad = 0.05 * (hi - lo)
     return lo - pad, hi + pad
+
+
+def _merge_factor(edges: list[float], dens: list[float], lo: float, hi: float, most: int = 4) -> int:
+    """How many neighbouring bins to merge (1 = none) so that the density inside ``[lo, hi]`` reads as a
+    curve. A turn is a rise then a fall, or a fall then a rise, each step over 10 % of the peak; a
+    smooth curve with up to three modes has at most 3. Where the fine bins make more (sampling noise,
+    or bins finer than the values' own grain), the smallest factor up to ``most`` that brings them to 3
+    or fewer, else the one with the fewest turns — but only a factor that removes turns: where they
+    come from bins that cannot merge (a wider tail), none."""
+    def turns(k: int) -> int:
+        e, d = _merge_bins(edges, dens, k) if k > 1 else (edges, dens)
+        seen = [v for a, b, v in zip(e, e[1:], d, strict=False) if b > lo and a < hi]
+        if len(seen) < 4:
+            return 0
+        peak = max(seen)
+        steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if abs(b - a) > 0.1 * peak]
+        return sum((a > 0) != (b > 0) for a, b in zip(steps, steps[1:], strict=False))
+
+    counts = {k: turns(k) for k in range(1, most + 1)}
+    if counts[1] <= 3:
+        return 1
+    enough = [k for k in counts if counts[k] <= 3]
+    best = enough[0] if enough else min(counts, key=lambda k: (counts[k], k))
+    return best if counts[best] < counts[1] else 1
+
+
+def _merge_bins(edges: list[float], dens: list[float], k: int) -> tuple[list[float], list[float]]:
+    """Merge runs of ``k`` neighbouring bins of equal width into one (density = their mass over their
+    width, so the mass is kept); runs are aligned on the edge nearest 0 so that 0 stays an edge; bins
+    of another width (a wider tail) are kept as they are."""
+    z = min(range(len(edges)), key=lambda i: abs(edges[i]))
+    ne, nd = [edges[0]], []
+    i, n = 0, len(dens)
+    while i < n:
+        w = edges[i + 1] - edges[i]
+        run = i + k <= n and (i - z) % k == 0 and all(
+            abs((edges[j + 1] - edges[j]) - w) <= 1e-9 * max(abs(w), 1.0) for j in range(i, i + k))
+        if run:
+            ne.append(edges[i + k])
+            nd.append(math.fsum(dens[j] * (edges[j + 1] - edges[j]) for j in range(i, i + k)) / (edges[i + k] - edges[i]))
+            i += k
+        else:
+            ne.append(edges[i + 1])
+            nd.append(dens[i])
+            i += 1
+    return ne, nd
 
 
 def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], style: _Style,
@@ -1193,7 +1319,7 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
     panels = [p for p in (("latency", lat), ("bits", bit_names)) if p[1]]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels) + 1, 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels) + 1, 4.8), squeeze=False)
     unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in (exp4_doc or {}).get("cells", []))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
@@ -1230,16 +1356,19 @@ def _fig_cost(plt: Any, src: str, sd: dict[str, Any], catalog: dict[str, Any], s
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
         if kind == "bits" and drawn_bits:  # after the legend, whose swatches stay plain
-            _clip_tall_bars(ax, drawn_bits)
+            _clip_tall_bars(ax, drawn_bits, methods)
     fig.suptitle(f"Cost at {setting} ({src}; mean ± 95% CI over seeds)", fontsize=11)
     fig.tight_layout()
     return _finish(fig, out / f"cost_{src}.png")
 
 
-def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) -> None:
+def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]],
+                    methods: list[str] | None = None) -> None:
     """Bits bars on a linear scale fitted to the compressed methods: a bar taller than 2.5× the
     median (fp16's 16 bits beside ~2-bit methods) is cut at the top of the axis, hatched, and keeps
-    its value as a label; every bar carries its value, so 2.0 vs 2.7 bits reads at a glance."""
+    its value as a label; every bar carries its value (8 points, upright along the bar), so 2.0 vs 2.7
+    bits reads at a glance. The line under the title says what is cut and where the axis ends.
+    ``methods``: the x tick names (bar ``i`` of a series is at tick ``round(x)``), to name the cut bars."""
     vals = [y for _, ys, _ in drawn for y in ys]
     if not vals:
         return
@@ -1247,26 +1376,30 @@ def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]]) 
     tall = [y > 2.5 * med for y in vals]
     rest = [y + e for _, ys, es in drawn for y, e in zip(ys, es, strict=False) if not y > 2.5 * med]
     top = 1.4 * max(rest) if any(tall) and rest else None  # headroom: values above the bars, the legend
+    cut: dict[str, float] = {}
     for bars, ys, _ in drawn:
         for bar, y in zip(bars, ys, strict=False):
             x = bar.get_x() + bar.get_width() / 2
             if top is not None and y > 2.5 * med:
                 bar.set_height(top * 0.93)
                 bar.set_hatch("//")
+                i = int(round(x))
+                cut[methods[i] if methods and 0 <= i < len(methods) else f"{y:.3g}"] = y
                 ax.annotate(f"{y:.3g} ↑", (x, top * 0.93), textcoords="offset points", xytext=(0, -3),
-                            ha="center", va="top", fontsize=7, fontweight="bold", rotation=90,
+                            ha="center", va="top", fontsize=8, fontweight="bold", rotation=90,
                             bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",
                                   "alpha": 0.85})
             else:
                 ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 2), ha="center",
-                            va="bottom", fontsize=5.5, rotation=90)
+                            va="bottom", fontsize=8, rotation=90)
     if top is not None:
         ax.set_ylim(0, top)
         # between the title and the axes, where no bar, value or legend can be
         ax.set_title(ax.get_title(), fontsize=ax.title.get_fontsize(), pad=16)
-        ax.annotate(f"hatched bars are cut at the top (value written on them); axis fitted to the bars under "
-                    f"{2.5 * med:.3g} bits", (0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
-                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="dimgrey")
+        names = ", ".join(f"{m} {v:.3g}" for m, v in cut.items())
+        ax.annotate(f"hatched bars ({names} bits) are cut at the top of this 0–{top:.2g}-bit axis, their value "
+                    f"written on them", (0.5, 1.0), xycoords="axes fraction", xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8, color="dimgrey")
 
 
 def _fig_predictivity(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path, top: int = 4

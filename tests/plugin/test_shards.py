@@ -135,6 +135,40 @@ def test_split_is_a_balanced_partition(durations, count):
     assert split(ids, count, d) == shards  # a pure function of its inputs
 
 
+@given(durations=st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=0, max_size=40),
+       labels=st.lists(st.integers(0, 9), min_size=40, max_size=40), count=st.integers(1, 7))
+def test_split_keeps_each_unit_in_one_shard_and_balances_the_units(durations, labels, count):
+    ids = [f"tests/bench/t.py::test_x[c{i}]" for i in range(len(durations))]
+    d = dict(zip(ids, durations))
+    unit = {n: f"u{labels[i]}" for i, n in enumerate(ids)}
+    shards = split(ids, count, d, unit=unit.__getitem__)
+    flat = [n for s in shards for n in s]
+    assert sorted(flat) == sorted(ids) and len(flat) == len(set(flat))
+    for s in shards:
+        assert s == [n for n in ids if n in set(s)]
+    where = {unit[n]: i for i, s in enumerate(shards) for n in s}
+    assert all(where[unit[n]] == i for i, s in enumerate(shards) for n in s)  # a unit never straddles shards
+    unit_load: dict[str, float] = {}
+    for n in ids:
+        unit_load[unit[n]] = unit_load.get(unit[n], 0.0) + d[n]
+    loads = [sum(d[n] for n in s) for s in shards]  # Graham's bound, over the units
+    assert max(loads, default=0.0) <= sum(durations) / count + max(unit_load.values(), default=0.0) + 1e-9
+    assert split(ids, count, d, unit=unit.__getitem__) == shards
+
+
+def test_real_seed_groups_are_one_shard_unit():
+    from kvqbench.plugin import seed_group, shard_unit
+
+    seeds = [0, 1, 2, 3, 4]
+    real = "tests/bench/test_exp5_endtoend.py::test_endtoend[kivi-k2v2-seed{}-real-full]"
+    units = {s: shard_unit(real.format(s), seeds) for s in seeds}
+    for a in seeds:  # same unit exactly when the seeds are computed together
+        for b in seeds:
+            assert (units[a] == units[b]) == (b in seed_group(a, seeds))
+    synthetic = real.replace("-real-", "-synthetic-")
+    assert len({shard_unit(synthetic.format(s), seeds) for s in seeds}) == len(seeds)  # independent cells
+
+
 def test_shards_are_the_same_under_any_hash_seed_and_cover_the_matrix(runs):
     # the three shard sessions ran in separate processes, each with a random hash seed
     shards = [_load(runs / f"shard{i}" / "shard.json")["selected"] for i in (1, 2, 3)]
@@ -142,9 +176,16 @@ def test_shards_are_the_same_under_any_hash_seed_and_cover_the_matrix(runs):
     assert len(flat) == len(set(flat)) == N_CELLS and all(shards)
     assert sorted(flat) == sorted(_load(runs / "shard1" / "shard.json")["cells"])
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    before = _tree(ROOT / "results")
     r = _pytest(*SELECT, "--collect-only", "--kvq-shard", "2/3", env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert [ln for ln in r.stdout.splitlines() if "::" in ln] == shards[1]
+    assert _tree(ROOT / "results") == before and "kvqbench: wrote" not in r.stdout  # listing writes nothing
+
+
+def _tree(folder: Path) -> dict[str, int]:
+    """Every file under ``folder`` with its modification time (ns)."""
+    return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else {}
 
 
 def test_three_shards_merge_to_the_single_session(runs, tmp_path):
@@ -225,6 +266,8 @@ def test_ray_run_on_a_local_cluster_merges_to_the_single_session(runs, tmp_path)
         assert f"shard {i}/2 finished" in r.stdout
         assert (out / "shards" / f"shard-{i}-of-2" / "shard.json").is_file()
     _assert_same_run(out, runs / "single")
+    # smoke, as in one session: no pytest-benchmark table from the shards, no figures from the merge
+    assert "Name (time in" not in r.stdout + r.stderr and not list(out.glob("*.png"))
 
 
 SBATCH_STANDIN = r'''#!/usr/bin/env bash

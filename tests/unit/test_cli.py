@@ -190,6 +190,23 @@ def test_run_smoke_hides_the_benchmark_table_but_keeps_its_json(pytest_calls):
     assert "--benchmark-quiet" not in verbose and "--benchmark-quiet" not in full
 
 
+def test_run_ray_passes_smoke_settings_to_every_shard_and_the_merge(pytest_calls, monkeypatch):
+    """``--ray --smoke`` shards get ``--benchmark-quiet`` like a one-session smoke run, and the merge
+    draws figures only as one session would (``--kvq-figures``; auto: not for smoke cells)."""
+    import kvqbench.dist as dist
+
+    seen: list[tuple[list[str], bool]] = []
+    monkeypatch.setattr(dist, "run_on_ray", lambda args, **kw: seen.append((list(args), kw["figures"])) or 0)
+    assert main(["run", "--ray", "--smoke"]) == 0
+    assert main(["run", "--ray", "--smoke", "--kvq-figures", "on"]) == 0
+    assert main(["run", "--ray"]) == 0
+    assert main(["run", "--ray", "--kvq-figures=off"]) == 0
+    (smoke, smoke_fig, full, full_off) = seen
+    assert smoke[0].count("--benchmark-quiet") == 1 and "--benchmark-quiet" not in full[0]
+    assert [smoke[1], smoke_fig[1], full[1], full_off[1]] == [False, True, True, False]
+    assert not pytest_calls  # nothing ran in this process
+
+
 @pytest.mark.parametrize("argv,message", [
     (["run", "--shard", "4/3"], "--shard expects I/N with 1 <= I <= N"),
     (["run", "--shard", "two"], "--shard expects I/N"),

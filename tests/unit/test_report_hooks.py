@@ -181,3 +181,19 @@ def test_serial_progress_lines_reach_the_terminal_in_order_each_on_its_own_line(
     assert len(order) >= 4 and {d for d, _ in order} == {0, 1}, res.stdout.str()
     assert order == sorted(order), res.stdout.str()  # done counts and elapsed seconds never go back
     assert "" not in res.outlines[:res.outlines.index(lines[-1])], res.stdout.str()  # no blank lines between
+
+
+def test_every_hook_implementation_of_the_plugin_is_registered(pytestconfig):
+    """pytest registers a plugin's function as a hook only when its name starts with ``pytest_`` — also
+    one marked with ``specname=`` — so a misnamed wrapper is silently dropped (the progress lock's report
+    wrappers once were: lines then raced pytest's dots). Every function the plugin marks as a hook must be
+    among the registered implementations of the hook it names."""
+    import kvqbench.plugin as plugin
+
+    marked = {name: fn.pytest_impl for name, fn in vars(plugin).items()
+              if callable(fn) and hasattr(fn, "pytest_impl")}
+    assert len(marked) >= 8  # the phase and report wrappers, configure, sessionfinish, …
+    pm = pytestconfig.pluginmanager
+    for name, opts in marked.items():
+        hook = getattr(pm.hook, opts.get("specname") or name)
+        assert any(impl.function is getattr(plugin, name) for impl in hook.get_hookimpls()), name
