@@ -51,9 +51,11 @@ CLIP_RATIO = 0.95
 #: codes and bit packing per block) for CPU tensors of more than this many elements; smaller ones (fewer
 #: than 512 tokens·heads at head_dim 128) take the whole-tensor ops. Measured on the shared 2-core host,
 #: 1 thread, steady allocator, cold inputs, (1, 8, T, 128) fp32, 2 bits, round trip as a multiple of the
-#: eager RTN, paired in one process (interleaved medians, CPU time): T = 16384 blocked 1.03–1.04, whole
-#: 1.44; T = 4096 blocked 1.14–1.27, whole 1.48–1.57; T = 1024 blocked 1.58–1.68, whole 1.74–1.76;
-#: T = 256 blocked 2.35, whole 2.52 (the two 128×128 products alone take 0.65–0.8 of the eager RTN).
+#: eager RTN, paired in one process (interleaved medians, CPU time, load 2.2–2.7): T = 16384 blocked
+#: 1.03–1.04, whole 1.44; T = 4096 blocked 1.14–1.27, whole 1.48–1.57; T = 1024 blocked 1.58–1.68, whole
+#: 1.74–1.76; T = 256 blocked 2.35, whole 2.52 (the two 128×128 products alone take 0.65–0.8 of the eager
+#: RTN). ``kvqbench perf --threads 1`` at load 3–4, K/V: 1.30–1.44 (1k), 1.49–1.64 (4k), 1.10–1.15 (16k),
+#: against 1.60–1.81, 1.61–1.87, 1.26–1.35 for the previous code in the same conditions.
 _WHOLE_MAX_ELEMS = 1 << 16
 
 #: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (2 MiB of
