@@ -58,6 +58,13 @@ CLIP_RATIO = 0.95
 #: against 1.60–1.81, 1.61–1.87, 1.26–1.35 for the previous code in the same conditions.
 _WHOLE_MAX_ELEMS = 1 << 16
 
+#: :data:`_WHOLE_MAX_ELEMS` at more than one torch thread: the blocked path runs on one thread (a block's
+#: operations are cache-sized), the whole-tensor products use them all, so up to 2^22 elements the whole
+#: path is faster in wall time (``kvqbench perf --threads default``, 2 threads, load 1.4–1.8: T = 1024
+#: whole 4.9–5.1 ms, blocked 7.1–7.3; T = 4096 whole 17–18, blocked 24–27; T = 16384 whole 110, blocked
+#: 97–100), though it costs more CPU time
+_WHOLE_MAX_ELEMS_THREADED = 1 << 22
+
 #: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (2 MiB of
 #: fp32, 4096 rows at head_dim 128): taller blocks make fewer small per-block operations, shorter ones keep
 #: the block's passes in a core's L2 (same host: 2048 rows 1.30–1.43 at T = 4096, 4096 rows 1.14–1.35,
@@ -83,10 +90,11 @@ def _spans(n: int, d: int) -> list[slice]:
 
 def _blocked(device: torch.device, numel: int, d: int, dtype: torch.dtype) -> bool:
     """Whether QuaRot's round trip of a tensor of ``numel`` elements, head_dim ``d``, runs in row blocks
-    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements (one
-    block or more, :func:`_spans`), where the rotation's row blocks give the whole product's bits
+    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements at one
+    torch thread (:data:`_WHOLE_MAX_ELEMS_THREADED` at more; one block or more, :func:`_spans`), where the rotation's row blocks give the whole product's bits
     (:func:`~kvqbench.numerics.hadamard.rotation_rows_independent` in the compute ``dtype``)."""
-    return (device.type == "cpu" and numel > _WHOLE_MAX_ELEMS
+    limit = _WHOLE_MAX_ELEMS if torch.get_num_threads() == 1 else max(_WHOLE_MAX_ELEMS, _WHOLE_MAX_ELEMS_THREADED)
+    return (device.type == "cpu" and numel > limit
             and rotation_rows_independent(d, dtype, min_rows=_ROW_MULTIPLE // 2, block_rows=_block_rows(d)))
 
 

@@ -60,6 +60,7 @@ def _quarot(x: torch.Tensor, kind: str, bits: int, group: int | None, *, whole: 
         return real(self, *a, **kw)
 
     with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", 1 << 62 if whole else 0), \
+            mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS_THREADED", 1 << 62 if whole else 0), \
             mock.patch.object(blocks, "BLOCK_ELEMS", block_elems), \
             mock.patch.object(quarot_mod.QuaRot, "_quantize_blocked", spy):
         qt = q.quantize(x, kind)
