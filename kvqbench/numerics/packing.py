@@ -150,8 +150,8 @@ def pack_float_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch
     """:func:`pack_bits` of integer-valued floating codes (``0 ≤ c < 2^b``, e.g. clamped rounded values),
     into ``out``, without casting every code to ``uint8`` first.
 
-    For ``b`` in {1, 2, 4} and a count divisible by 8, the codes are read as rows of ``L`` (128, 64, 32, 16
-    or 8) and multiplied by the fixed ``(L, L·b/8)`` matrix with ``2^(b·i)`` at row ``k·(8/b) + i`` of
+    For ``b`` in {1, 2, 4} and a count divisible by 8, the codes are read as rows of ``L`` (32, else 16, 64,
+    128 or 8) and multiplied by the fixed ``(L, L·b/8)`` matrix with ``2^(b·i)`` at row ``k·(8/b) + i`` of
     column ``k``: column ``k`` of the product is ``Σ_i c_i·2^(b·i)``, packed byte ``k`` of the row (module
     doc). Exact in any order of additions (every product and partial sum is an integer below 256,
     exactly representable), so the bytes are :func:`pack_bits`' bit for bit; then one cast of
@@ -171,7 +171,7 @@ def pack_float_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch
     _check_out(out, packed_nbytes(n, bits))
     if not codes.is_floating_point() or bits not in _WORD or n % 8:
         return pack_bits(codes, bits, out=out, check=False)
-    row = next(r for r in (128, 64, 32, 16, 8) if n % r == 0)
+    row = next(r for r in (32, 16, 64, 128, 8) if n % r == 0)  # 32: the fastest product here (16–128 within 25 %)
     w = _byte_weights(row, bits, codes.dtype, str(codes.device))
     return out.copy_(torch.mm(codes.reshape(-1, row), w).view(-1))
 
