@@ -45,6 +45,7 @@ __all__ = [
     "validate_kv",
     "check_finite",
     "all_finite",
+    "saturate_",
     "UnknownMethodError",
 ]
 
@@ -106,10 +107,15 @@ class QuantizedTensor:
 
     def add_codes(self, name: str, codes: torch.Tensor, bits: int) -> None:
         """Pack integer ``codes`` into ``bits`` bits each and store them under ``name``."""
-        self.meta[f"{name}.numel"] = int(codes.numel())
-        self.meta[f"{name}.shape"] = tuple(codes.shape)
+        self.add_packed(name, pack_bits(codes, bits), tuple(codes.shape), bits)
+
+    def add_packed(self, name: str, packed: torch.Tensor, shape: tuple[int, ...], bits: int) -> None:
+        """Store codes of ``shape`` that the caller packed itself (:func:`~kvqbench.numerics.packing.pack_bits`
+        layout, ``bits`` bits each) under ``name``, as :meth:`add_codes` stores them."""
+        self.meta[f"{name}.numel"] = math.prod(shape)
+        self.meta[f"{name}.shape"] = tuple(int(s) for s in shape)
         self.meta[f"{name}.bits"] = int(bits)
-        self.fields[name] = Stored(pack_bits(codes, bits), 8)
+        self.fields[name] = Stored(packed, 8)
 
     def codes(self, name: str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Unpack the codes stored by :meth:`add_codes` (original shape; int64 by default,
@@ -219,6 +225,17 @@ def _saturate(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if all_finite(out):  # one reduction, no full-size mask
             return out
     return out.clamp(-big, big)
+
+
+def saturate_(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_saturate` in place (``out`` itself returned, same values): for a caller that saturates a
+    reconstruction block by block while each block is in cache."""
+    if not (out.is_floating_point() and dtype.is_floating_point):
+        return out
+    big = torch.finfo(dtype).max
+    if (out.dtype == dtype or torch.finfo(out.dtype).max <= big) and all_finite(out):
+        return out
+    return out.clamp_(-big, big)
 
 
 class Quantizer(ABC):

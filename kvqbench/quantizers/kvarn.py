@@ -27,12 +27,13 @@ such a partly filled tile in fp16 instead (:meth:`KVarN.stream_policy`).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from kvqbench.numerics import blocks
-from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform
+from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
 from kvqbench.numerics.scale import pow2_floor, pow2_window
 from kvqbench.numerics.varn import DEFAULT_ITERS, balanced_rtn_rows, transposed, varn
 from kvqbench.quantizers.base import (
@@ -114,6 +115,20 @@ def _c_balance_ok() -> bool:
                 return False
         _C_BALANCE["ok"] = True
     return _C_BALANCE["ok"]
+
+
+def _fused_rotation_exact(qt: QuantizedTensor) -> bool:
+    """Whether :meth:`KVarN._dequantize_fused` may rotate ``qt``'s single span block by block of tiles: the
+    rotation's row blocks (one tile, ``G`` rows, up to a cache-sized block of tiles, on one thread) give
+    the whole product's bits here (:func:`~kvqbench.numerics.hadamard.rotation_rows_independent`, as
+    QuaRot's blocked path asks); otherwise the whole-tensor rotation is used."""
+    (name, _start, _n), = qt.meta["spans"]
+    shape = qt.meta[f"{name}.codes.shape"]
+    rows, cols, d = shape[-2], shape[-1], int(qt.shape[-1])
+    tile_rows = max(1, rows * cols // d)  # output rows (tokens) per tile
+    most = max(sl.stop - sl.start for sl in _tile_blocks(math.prod(shape[:-2]), rows, cols, qt.device))
+    return rotation_rows_independent(d, qt[f"{name}.row_scale"].dtype, min_rows=tile_rows,
+                                     block_rows=most * tile_rows)
 
 
 def _balance_rtn(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor,
@@ -312,7 +327,7 @@ class KVarN(Quantizer):
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         b_, h, t, d = qt.shape
-        if len(qt.meta["spans"]) == 1 and qt.device.type == "cpu":
+        if len(qt.meta["spans"]) == 1 and qt.device.type == "cpu" and _fused_rotation_exact(qt):
             return self._dequantize_fused(qt)
         parts = []
         for name, _start, n in qt.meta["spans"]:

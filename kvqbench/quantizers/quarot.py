@@ -30,26 +30,46 @@ import torch
 
 from kvqbench.numerics import blocks
 from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
+from kvqbench.numerics.packing import pack_float_codes, packed_nbytes, unpack_bits
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    check_finite,
+    register,
+    saturate_,
+)
 
 __all__ = ["QuaRot", "quarot_qparams", "quarot_quantize", "quarot_dequantize", "CLIP_RATIO"]
 
 CLIP_RATIO = 0.95
 
 
-#: QuaRot's round trip runs in row blocks (:meth:`QuaRot._quantize_blocked`) for CPU tensors of more than
-#: this many elements (and more than one block); smaller ones take the whole-tensor ops. Measured on the
-#: shared 2-core host, 1 thread, (1, 8, T, 128) fp32, round trip as a multiple of the eager RTN, paired in
-#: one process (interleaved medians, three sessions): T = 16384 blocks 1.35–1.57, whole 1.59–1.77; T = 4096
-#: blocks 1.43–1.87, whole 1.60–1.74, no difference beyond the noise (the two 128×128 products alone take
-#: about one eager RTN, blocked or not), so 4096 tokens × 8 heads × 128 (2^22) keep the whole-tensor ops.
-_WHOLE_MAX_ELEMS = 1 << 22
+#: QuaRot's round trip runs in row blocks (:meth:`QuaRot._quantize_blocked`, fused: rotation, parameters,
+#: codes and bit packing per block) for CPU tensors of more than this many elements; smaller ones (fewer
+#: than 512 tokens·heads at head_dim 128) take the whole-tensor ops. Measured on the shared 2-core host,
+#: 1 thread, steady allocator, cold inputs, (1, 8, T, 128) fp32, 2 bits, round trip as a multiple of the
+#: eager RTN, paired in one process (interleaved medians, CPU time, load 2.2–2.7): T = 16384 blocked
+#: 1.03–1.04, whole 1.44; T = 4096 blocked 1.14–1.27, whole 1.48–1.57; T = 1024 blocked 1.58–1.68, whole
+#: 1.74–1.76; T = 256 blocked 2.35, whole 2.52 (the two 128×128 products alone take 0.65–0.8 of the eager
+#: RTN). ``kvqbench perf --threads 1`` at load 3–4, K/V: 1.30–1.44 (1k), 1.49–1.64 (4k), 1.10–1.15 (16k),
+#: against 1.60–1.81, 1.61–1.87, 1.26–1.35 for the previous code in the same conditions.
+_WHOLE_MAX_ELEMS = 1 << 16
 
-#: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (4 MiB of
-#: fp32, the size of a core's L2 here): the rotation's matrix product is cheaper per row on taller blocks
-#: (same host, T = 16384: 1.56× the eager RTN at factor 1, 1.47 at 2, 1.41 at 4)
-_BLOCK_FACTOR = 4
+#: :data:`_WHOLE_MAX_ELEMS` at more than one torch thread: the blocked path runs on one thread (a block's
+#: operations are cache-sized), the whole-tensor products use them all, so up to 2^22 elements the whole
+#: path is faster in wall time (``kvqbench perf --threads default``, 2 threads, load 1.4–1.8: T = 1024
+#: whole 4.9–5.1 ms, blocked 7.1–7.3; T = 4096 whole 17–18, blocked 24–27; T = 16384 whole 110, blocked
+#: 97–100), though it costs more CPU time
+_WHOLE_MAX_ELEMS_THREADED = 1 << 22
+
+#: QuaRot's blocks hold this many times :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements (2 MiB of
+#: fp32, 4096 rows at head_dim 128): taller blocks make fewer small per-block operations, shorter ones keep
+#: the block's passes in a core's L2 (same host: 2048 rows 1.30–1.43 at T = 4096, 4096 rows 1.14–1.35,
+#: 8192 rows 1.17–1.36)
+_BLOCK_FACTOR = 2
 
 #: block starts are multiples of this many rows: 64-byte aligned for any head_dim (the alignment
 #: :func:`~kvqbench.quantizers.base._canonical_layout` gives the whole tensor), and no block of a
@@ -70,10 +90,11 @@ def _spans(n: int, d: int) -> list[slice]:
 
 def _blocked(device: torch.device, numel: int, d: int, dtype: torch.dtype) -> bool:
     """Whether QuaRot's round trip of a tensor of ``numel`` elements, head_dim ``d``, runs in row blocks
-    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements in more
-    than one block (:func:`_spans`), where the rotation's row blocks give the whole product's bits
+    (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements at one
+    torch thread (:data:`_WHOLE_MAX_ELEMS_THREADED` at more; one block or more, :func:`_spans`), where the rotation's row blocks give the whole product's bits
     (:func:`~kvqbench.numerics.hadamard.rotation_rows_independent` in the compute ``dtype``)."""
-    return (device.type == "cpu" and numel > _WHOLE_MAX_ELEMS and len(_spans(numel // d, d)) > 1
+    limit = _WHOLE_MAX_ELEMS if torch.get_num_threads() == 1 else max(_WHOLE_MAX_ELEMS, _WHOLE_MAX_ELEMS_THREADED)
+    return (device.type == "cpu" and numel > limit
             and rotation_rows_independent(d, dtype, min_rows=_ROW_MULTIPLE // 2, block_rows=_block_rows(d)))
 
 
@@ -98,6 +119,8 @@ def quarot_qparams(
     lo_c, hi_c = lo * clip_ratio, hi * clip_ratio
     scale = (hi_c - lo_c) / (2**bits - 1)
     degenerate = scale <= 0
+    if not bool(degenerate.any()):  # no constant group (the usual case): the guard below changes nothing
+        return scale, torch.round(-lo_c / scale)
     safe = torch.where(degenerate, torch.ones_like(scale), scale)
     zero = torch.round(-lo_c / safe)
     # constant group: lo == hi == c (raw, unclipped value)
@@ -108,13 +131,14 @@ def quarot_qparams(
 
 def quarot_quantize(
     xg: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype = torch.int64,
-    *, inplace: bool = False, out: torch.Tensor | None = None,
+    *, inplace: bool = False, out: torch.Tensor | None = None, positive: bool = False,
 ) -> torch.Tensor:
     """Codes ``clamp(round(x/scale) + z, 0, 2^b − 1)`` as ``dtype`` (default int64); a zero scale gives
     code ``z``. ``inplace=True`` reuses ``xg``'s buffer (the caller no longer needs it); ``out`` (``xg``'s
     shape, of ``dtype``) receives the codes instead of a new tensor (the same cast). A zero scale
-    divides by ``+inf`` (``x/inf = 0`` for finite ``x``), so no full-size mask is built."""
-    safe = torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
+    divides by ``+inf`` (``x/inf = 0`` for finite ``x``), so no full-size mask is built; ``positive=True``
+    declares every scale ``> 0`` (or NaN) and skips that guard."""
+    safe = scale if positive else torch.where(scale > 0, scale, torch.full_like(scale, math.inf))
     q = xg.div_(safe) if inplace else torch.div(xg, safe)
     q.round_().add_(zero).clamp_(0, 2**bits - 1)
     return q.to(dtype) if out is None else out.copy_(q)
@@ -125,6 +149,24 @@ def quarot_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     if tuple(codes.shape) != tuple(broadcast_shape(codes.shape, scale.shape, zero.shape)):
         return scale * (codes.to(scale.dtype) - zero)
     return codes.to(scale.dtype, copy=True).sub_(zero).mul_(scale)
+
+
+def _within(scale: torch.Tensor, zero: torch.Tensor, bits: int, d: int, dtype: torch.dtype) -> bool:
+    """Whether every output of the decode ``(scale · (q − z)) @ Q`` (codes ``0 ≤ q < 2^b``, ``Q`` the
+    normalized rotation of order ``d``, ``|Q_ij| ≤ 1``) lies strictly inside ``dtype``'s finite range, so
+    that saturating it changes nothing: each decoded value is at most ``m = max scale·max(|z|, |2^b − 1 − z|)``
+    in magnitude (times ``1 + ε``), each output a sum of ``d`` such values times entries of ``Q``, and every
+    partial sum of a rounded fp32/fp64 accumulation of ``d ≤ 2^20`` terms stays below ``2·d·m``; the test
+    is ``d·m < max/4``. ``False`` (then the caller checks the output) for non-finite parameters."""
+    m = (scale.abs() * torch.maximum(zero.abs(), (zero - (2**bits - 1)).abs())).amax()
+    return d <= 1 << 20 and bool(m * d < torch.finfo(dtype).max / 4)
+
+
+def _byte_span(rows: slice, d: int, bits: int) -> slice:
+    """The bytes of the packed codes (:func:`~kvqbench.numerics.packing.pack_bits`) of ``rows`` of ``d``
+    codes: whole bytes, as every block of :func:`_spans` but the last ends at a multiple of
+    :data:`_ROW_MULTIPLE` rows (8 codes of any width fill whole bytes)."""
+    return slice(rows.start * d * bits // 8, packed_nbytes(rows.stop * d, bits))
 
 
 @register
@@ -217,73 +259,112 @@ class QuaRot(Quantizer):
 
     def _quantize_blocked(self, x: torch.Tensor, kind: Kind, bits: int, g: int) -> QuantizedTensor:
         """:meth:`_quantize` in blocks of rows (one row = one token of one head) of about
-        :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` elements, on one CPU thread (:func:`_blocked`).
+        :data:`~kvqbench.numerics.blocks.BLOCK_ELEMS` · :data:`_BLOCK_FACTOR` elements, on one CPU thread
+        (:func:`_blocked`).
 
         Why: written as whole-tensor operations the round trip makes a pass over memory per operation
-        (rotation, minima, maxima, divide, round, shift, clamp, cast), each with a full-size temporary.
-        Here each block is rotated into one cache-sized buffer and quantized there (group minima and maxima,
-        parameters, codes) before the next block is read: the input is read once and the codes written once.
+        (rotation, minima, maxima, divide, round, shift, clamp, cast, bit packing), each with a full-size
+        temporary. Here each block is rotated into one cache-sized buffer and quantized there (group minima
+        and maxima, parameters, codes, kept as floats), and its codes are packed straight into their bytes
+        of the packed output (:func:`~kvqbench.numerics.packing.pack_float_codes`; a block starts at a row
+        multiple of :data:`_ROW_MULTIPLE`: a whole number of bytes) before the next block is read: the
+        input is read once and only the packed codes and the per-group parameters are written.
 
         Guarantee: the stored fields are those of the whole-tensor path, bit for bit. The rotation of a
         block is the rotation of its rows (:func:`_blocked` takes this path only where the product's row
-        blocks give the whole product's bits), and every later step is per group (exact minima and maxima,
-        elementwise arithmetic; a partial last group is padded per block as on the whole tensor). NaN/Inf
-        raise the same ``ValueError``: the group minima and maxima of every block are kept and checked
-        after the loop, as in the whole-tensor path (a NaN spoils only its own codes, never returned).
+        blocks give the whole product's bits), every later step is per group (exact minima and maxima,
+        elementwise arithmetic; a partial last group is padded per block as on the whole tensor) and the
+        packing of a block is its slice of the whole packing. NaN/Inf raise the same ``ValueError``: the
+        group minima and maxima of every block are kept and checked after the loop, as in the whole-tensor
+        path (a NaN spoils only its own codes, never returned).
         """
         cd, dev, d = compute_dtype(x.dtype), x.device, int(x.shape[-1])
         n, ng = x.numel() // d, -(-d // g)
         rows = x.reshape(n, d)
         q = hadamard_matrix(d, dtype=cd, device=dev)
         spans = _spans(n, d)
-        buf = torch.empty(max(sl.stop - sl.start for sl in spans), d, dtype=cd, device=dev)
-        codes = torch.empty(n, d, dtype=torch.uint8, device=dev)
+        most = max(sl.stop - sl.start for sl in spans)
+        buf = torch.empty(most, d, dtype=cd, device=dev)
+        packed = torch.empty(packed_nbytes(n * d, bits), dtype=torch.uint8, device=dev)
         lo, hi, scale, zero = (torch.empty(n, ng, 1, dtype=cd, device=dev) for _ in range(4))
         with blocks.one_cpu_thread(dev):
             for sl in spans:
-                xr = torch.mm(rows[sl].to(cd), q, out=buf[: sl.stop - sl.start])  # hadamard_transform
+                r = sl.stop - sl.start
+                xr = torch.mm(rows[sl].to(cd), q, out=buf[:r])  # hadamard_transform
                 xg, restore = to_groups(xr, -1, g)  # a view (a padded copy for a partial last group)
                 torch.amin(xg, -1, keepdim=True, out=lo[sl])
                 torch.amax(xg, -1, keepdim=True, out=hi[sl])
-                scale[sl], zero[sl] = quarot_qparams(xg, bits, include_zero=(kind == "k"),
-                                                     clip_ratio=self.clip_ratio, lo_hi=(lo[sl], hi[sl]))
-                if xg.data_ptr() == xr.data_ptr():  # groups tile head_dim: the codes go straight to their place
-                    quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True,
-                                    out=codes[sl].view(xg.shape))
-                else:
-                    codes[sl] = restore(quarot_quantize(xg, scale[sl], zero[sl], bits, torch.uint8, inplace=True))
+                sc, ze = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
+                                        lo_hi=(lo[sl], hi[sl]))
+                scale[sl], zero[sl] = sc, ze
+                codes = restore(quarot_quantize(xg, sc, ze, bits, cd, inplace=True,
+                                                positive=not bool((sc <= 0).any())))  # as floats
+                pack_float_codes(codes, bits, out=packed[_byte_span(sl, d, bits)])
         check_finite(x, lo, hi, name=kind.upper())
         lead = tuple(x.shape[:-1])
         qt = self._new_qt(x, kind, bits, group_size=g)
-        qt.add_codes("codes", codes.view(x.shape), bits)
+        qt.add_packed("codes", packed, tuple(x.shape), bits)
         qt.fields["scale"] = Stored(scale.view(*lead, ng, 1), 16)
         qt.fields["zero"] = Stored(zero.view(*lead, ng, 1), 16)
         return qt
 
-    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+    def _decodes_blocked(self, qt: QuantizedTensor) -> bool:
+        """Whether ``qt`` (of this method) decodes in row blocks (:func:`_blocked`; per-group parameters)."""
         g, scale, zero, d = qt.meta["group_size"], qt["scale"], qt["zero"], int(qt.shape[-1])
         per_group = (*qt.shape[:-1], -(-d // g), 1)
-        if (tuple(scale.shape) == per_group and tuple(zero.shape) == per_group
-                and _blocked(scale.device, math.prod(qt.shape), d, scale.dtype)):
+        return (tuple(scale.shape) == per_group and tuple(zero.shape) == per_group
+                and qt.meta.get("codes.shape") == tuple(qt.shape)
+                and _blocked(scale.device, math.prod(qt.shape), d, scale.dtype))
+
+    @torch.no_grad()
+    def dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        """:meth:`Quantizer.dequantize <kvqbench.quantizers.base.Quantizer.dequantize>`; the blocked decode
+        saturates each block while it is in cache instead of a pass over the whole output after it (the
+        same values)."""
+        if "passthrough" in qt.fields or not self._decodes_blocked(qt):
+            return super().dequantize(qt)
+        out = self._dequantize_blocked(qt, qt.meta["group_size"], saturate=qt.dtype)
+        return out.to(dtype=qt.dtype, device=qt.device).reshape(qt.shape)
+
+    def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        g, scale, zero = qt.meta["group_size"], qt["scale"], qt["zero"]
+        if self._decodes_blocked(qt):
             return self._dequantize_blocked(qt, g)
         cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, g)
         xr = restore(quarot_dequantize(cg, scale, zero))
         return hadamard_transform(xr)
 
-    def _dequantize_blocked(self, qt: QuantizedTensor, g: int) -> torch.Tensor:
+    def _dequantize_blocked(self, qt: QuantizedTensor, g: int, saturate: torch.dtype | None = None) -> torch.Tensor:
         """:meth:`_dequantize` in the row blocks of :meth:`_quantize_blocked` (same reasons, same
-        guarantee): each block's codes are decoded (``scale · (q − z)``) into a cache-sized buffer and
-        rotated back straight into the output."""
+        guarantee): each block's codes are unpacked from their bytes of the packed field (a cache-sized
+        temporary), decoded (``scale · (q − z)``) into a block buffer and rotated back straight into the
+        output; with ``saturate`` (a dtype) each block is then saturated to its finite range while in cache
+        (:func:`~kvqbench.quantizers.base.saturate_`, what :meth:`dequantize` does to the whole output),
+        unless the parameters bound every output well inside that range (:func:`_within`)."""
         scale, d = qt["scale"], int(qt.shape[-1])
-        n, ng = math.prod(qt.shape) // d, -(-d // g)
-        codes = qt.codes("codes", torch.uint8).view(n, d)
+        n, ng, bits = math.prod(qt.shape) // d, -(-d // g), qt.meta["codes.bits"]
+        packed = qt.fields["codes"].tensor
         sc, ze = scale.reshape(n, ng, 1), qt["zero"].reshape(n, ng, 1)
         q = hadamard_matrix(d, dtype=scale.dtype, device=scale.device)
         out = torch.empty(n, d, dtype=scale.dtype, device=scale.device)
+        spans = _spans(n, d)
+        most = max(sl.stop - sl.start for sl in spans)
+        buf = torch.empty(most, d, dtype=scale.dtype, device=scale.device)
+        if saturate is not None and _within(sc, ze, qt.meta["codes.bits"], d, saturate):
+            saturate = None  # every output is provably finite and within the dtype's range: nothing to clamp
         with blocks.one_cpu_thread(scale.device):
-            for sl in _spans(n, d):
-                cg, restore = to_groups(codes[sl], -1, g)
-                torch.mm(restore(quarot_dequantize(cg, sc[sl], ze[sl])), q, out=out[sl])  # hadamard_transform
+            for sl in spans:
+                r = sl.stop - sl.start
+                cb = unpack_bits(packed[_byte_span(sl, d, bits)], bits, r * d, out=buf[:r]).view(r, d)  # as floats
+                cg, restore = to_groups(cb, -1, g)
+                if cg.data_ptr() == cb.data_ptr():  # groups tile head_dim: decoded in the block buffer
+                    xr = cb
+                    cg.sub_(ze[sl]).mul_(sc[sl])  # quarot_dequantize (the codes are exact as floats)
+                else:
+                    xr = restore(quarot_dequantize(cg, sc[sl], ze[sl]))
+                torch.mm(xr, q, out=out[sl])  # hadamard_transform
+                if saturate is not None:
+                    saturate_(out[sl], saturate)
         return out.view(qt.shape)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:

@@ -60,6 +60,7 @@ def _quarot(x: torch.Tensor, kind: str, bits: int, group: int | None, *, whole: 
         return real(self, *a, **kw)
 
     with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", 1 << 62 if whole else 0), \
+            mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS_THREADED", 1 << 62 if whole else 0), \
             mock.patch.object(blocks, "BLOCK_ELEMS", block_elems), \
             mock.patch.object(quarot_mod.QuaRot, "_quantize_blocked", spy):
         qt = q.quantize(x, kind)
@@ -82,15 +83,52 @@ def test_quarot_blocks_give_the_same_bytes_as_the_whole_tensor(x, kind, bits, sm
     qt2, rec2, took2 = _quarot(x, kind, bits, group, whole=False, block_elems=small)
     d = int(x.shape[-1])
     with mock.patch.object(blocks, "BLOCK_ELEMS", small):
-        several = len(quarot_mod._spans(x.numel() // d, d)) > 1
         probe = rotation_rows_independent(d, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2,
                                           block_rows=quarot_mod._block_rows(d))
-    assert not took1 and took2 == (several and probe)
+    assert not took1 and took2 == probe
     assert set(qt1.fields) == set(qt2.fields)
     for name, f in qt1.fields.items():
         a, b = f.tensor, qt2.fields[name].tensor
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), name
     assert rec1.dtype == rec2.dtype and torch.equal(_bits(rec1), _bits(rec2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 64), st.sampled_from([16, 64, 128])),
+       dtype=st.sampled_from([torch.float32, torch.float16]), kind=st.sampled_from(["k", "v"]),
+       bits=st.integers(1, 4), small=st.sampled_from([200, 3000]), frac=st.sampled_from([1e-3, 0.05, 0.4, 0.999]),
+       seed=st.integers(0, 2**31 - 1))
+def test_quarot_blocked_decode_saturates_as_the_whole_tensor(shape, dtype, kind, bits, small, frac, seed) -> None:
+    """Near the top of the dtype's range the decode ``(scale·(q − z)) @ Q`` leaves the input dtype's range
+    (fp16: the fp32 reconstruction beyond 65504; fp32: the product overflows to ±Inf) or the rotation on
+    quantize already overflows (``ValueError``). The blocked decode saturates block by block, or skips it
+    where the parameters bound the output (:func:`~kvqbench.quantizers.quarot._within`); the whole-tensor
+    one saturates after it: the same bytes (±finfo.max where saturated), or the same error."""
+    big = float(torch.finfo(dtype).max)
+    g = torch.Generator().manual_seed(seed)
+    x = ((torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1) * (big * frac)).to(dtype)
+    out = []
+    for whole in (True, False):
+        try:
+            out.append(_quarot(x, kind, bits, None, whole=whole, block_elems=small))
+        except ValueError as e:
+            out.append(str(e))
+    if isinstance(out[0], str) or isinstance(out[1], str):
+        assert out[1] == out[0]  # the same ValueError from both paths
+    else:
+        _same_quarot(x, small, *out[0], *out[1])
+
+
+def _same_quarot(x, small, qt1, rec1, took1, qt2, rec2, took2) -> None:
+    d = int(x.shape[-1])
+    with mock.patch.object(blocks, "BLOCK_ELEMS", small):
+        probe = rotation_rows_independent(d, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2,
+                                          block_rows=quarot_mod._block_rows(d))
+    assert not took1 and took2 == probe
+    for name, f in qt1.fields.items():
+        assert torch.equal(_bits(f.tensor), _bits(qt2.fields[name].tensor)), name
+    assert rec1.dtype == rec2.dtype and torch.equal(_bits(rec1), _bits(rec2))
+    assert not torch.isinf(rec2).any()  # saturated, never ±Inf
 
 
 RTN_BLOCKED = ("rtn_tensor", "rtn_token", "rtn_channel", "kivi", "polarquant")

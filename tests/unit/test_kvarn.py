@@ -332,3 +332,29 @@ def test_compiled_balance_and_rtn_is_bit_identical_to_torch(bits: int) -> None:
     assert varn_num.balanced_rtn_rows(x.clone(), sc, sr, bits, kv.SCALE_FLOOR) is None
     for a, b in zip(kv._balance_rtn(x.clone(), sc, sr, bits), kv._balance_rtn_torch(x.clone(), sc, sr, bits)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("independent", [True, False])
+def test_blocked_decode_only_where_row_blocks_round_like_the_whole_product(independent: bool) -> None:
+    """The blocked decode rotates row blocks only where the rotation's row blocks give the whole product's
+    bits (``rotation_rows_independent``, as QuaRot asks); where that probe says no, the decode takes the
+    whole-tensor rotation, with the plain decode's bits either way."""
+    from unittest import mock
+
+    from kvqbench.quantizers import kvarn as kvarn_mod
+
+    x = torch.randn(1, 2, 4 * 64, 64, generator=torch.Generator().manual_seed(5))
+    q = KVarN(2, group_size=64, varn_iters=1)
+    qt = q.quantize(x, "k")
+    real = kvarn_mod.KVarN._dequantize_fused
+    calls = []
+
+    def spy(self, qt):
+        calls.append(1)
+        return real(self, qt)
+
+    with mock.patch.object(kvarn_mod, "rotation_rows_independent", return_value=independent) as probe, \
+            mock.patch.object(kvarn_mod.KVarN, "_dequantize_fused", spy):
+        got = q.dequantize(qt)
+    assert probe.called and bool(calls) == independent
+    assert torch.equal(got, _plain_decode(qt, "k"))

@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -30,3 +32,50 @@ def test_out_of_range_codes_raise():
         pack_bits(torch.tensor([4]), 2)
     with pytest.raises(ValueError, match="1..8 bits"):
         pack_bits(torch.tensor([0]), 9)
+
+
+def _reference_pack(codes: list[int], bits: int) -> list[int]:
+    """The documented bit stream, one bit at a time (second implementation)."""
+    out = [0] * math.ceil(len(codes) * bits / 8)
+    for i, c in enumerate(codes):
+        for j in range(bits):
+            s = i * bits + j
+            out[s // 8] |= ((c >> j) & 1) << (s % 8)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(bits=st.integers(1, 8), n=st.integers(0, 300), offset=st.integers(0, 9), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.uint8, torch.int64, torch.float32]))
+def test_pack_matches_the_bit_stream_and_packs_slices_into_slices(bits, n, offset, seed, dtype):
+    """pack_bits (word path for 1/2/4 bits on contiguous uint8 codes at any storage offset, slot loop
+    otherwise) against the bit-by-bit stream; unpack_bits inverts it (into a new tensor and into ``out``);
+    the packing of codes [i, j) with i·b a multiple of 8, written into ``out``, is bytes [i·b/8, ceil(j·b/8))
+    of the whole packing; ``check=False`` changes nothing for codes in range."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 2**bits, (n + offset,), generator=g, dtype=torch.int64)
+    codes = base.to(dtype)[offset:]
+    want = _reference_pack(base[offset:].tolist(), bits)
+    packed = pack_bits(codes, bits)
+    assert packed.tolist() == want
+    assert torch.equal(pack_bits(codes, bits, check=False), packed)
+    assert torch.equal(unpack_bits(packed, bits, n), base[offset:])
+    assert torch.equal(unpack_bits(torch.stack([packed, packed], 1)[:, 0], bits, n), base[offset:])  # strided
+    into = torch.full((n,), 7.5)
+    assert torch.equal(unpack_bits(packed, bits, n, out=into), base[offset:].float())
+    assert torch.equal(into, base[offset:].float())
+    cut = (n // 2) // 8 * 8  # a multiple of 8 codes: whole bytes at any width
+    whole = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8)
+    pack_bits(codes[:cut], bits, out=whole[: cut * bits // 8])
+    pack_bits(codes[cut:], bits, out=whole[cut * bits // 8:])
+    assert torch.equal(whole, packed)
+    assert torch.equal(unpack_bits(packed[cut * bits // 8:], bits, n - cut), base[offset + cut:])
+
+
+def test_pack_out_and_unpack_out_of_the_wrong_size_raise():
+    with pytest.raises(ValueError, match="out must be"):
+        pack_bits(torch.tensor([1, 2, 3, 0]), 2, out=torch.empty(2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="out must be"):
+        pack_bits(torch.tensor([1, 2, 3, 0]), 2, out=torch.empty(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out holds"):
+        unpack_bits(torch.tensor([0x39], dtype=torch.uint8), 2, 4, out=torch.empty(3))

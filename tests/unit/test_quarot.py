@@ -164,6 +164,7 @@ def _paths(x: torch.Tensor, kind: str, *, threads: int, block_elems: int | None 
     try:
         for whole_max in (1 << 62, 0):
             with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", whole_max), \
+                    mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS_THREADED", whole_max), \
                     mock.patch.object(blocks, "BLOCK_ELEMS", block_elems or blocks.BLOCK_ELEMS):
                 q = QuaRot(2, **params)
                 qt = q.quantize(x, kind)
@@ -182,11 +183,11 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("kind", ["k", "v"])
 def test_row_blocks_at_real_size_give_the_whole_tensor_bytes(threads: int, kind: str) -> None:
-    """At the benchmark's size (8 heads × 4100 tokens × 128: three blocks of 8192 rows and one of 8224) the
+    """At the benchmark's size (8 heads × 4100 tokens × 128: seven blocks of 4096 rows and one of 4128) the
     row-block round trip stores and reconstructs the bytes of the whole-tensor one, at 1 and 2 threads."""
     from kvqbench.quantizers import quarot as quarot_mod
 
-    assert [sl.stop - sl.start for sl in quarot_mod._spans(8 * 4100, 128)] == [8192, 8192, 8192, 8224]
+    assert [sl.stop - sl.start for sl in quarot_mod._spans(8 * 4100, 128)] == [4096] * 7 + [4128]
     x = _x((1, 8, 4100, 128), seed=threads) * torch.rand(1, 8, 4100, 1).add(0.1)
     (qt1, rec1), (qt2, rec2) = _paths(x, kind, threads=threads)
     assert set(qt1.fields) == set(qt2.fields) == {"codes", "scale", "zero"}
@@ -205,7 +206,9 @@ def test_row_blocks_reject_nan_inf_with_the_whole_tensor_error(bad: float) -> No
 
     x = _x((1, 2, 300, 64))
     x[0, 1, 250, 3] = bad  # in the last block
-    with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", 0), mock.patch.object(quarot_mod.blocks, "BLOCK_ELEMS", 4096):
+    with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", 0), \
+            mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS_THREADED", 0), \
+            mock.patch.object(quarot_mod.blocks, "BLOCK_ELEMS", 4096):
         assert quarot_mod._blocked(x.device, x.numel(), 64, torch.float32)
         with pytest.raises(ValueError, match=r"^K contains 1 NaN/Inf values"):
             QuaRot(2).quantize(x, "k")
@@ -238,3 +241,25 @@ def test_whole_tensor_path_where_the_probe_says_row_blocks_round_differently() -
             mock.patch.object(quarot_mod.QuaRot, "_dequantize_blocked", side_effect=AssertionError("blocked")):
         y = QuaRot(2).roundtrip(x, "k")
     assert _same_bytes(y, QuaRot(2).roundtrip(x, "k"))
+
+
+def test_blocked_from_its_threshold_at_one_thread_and_from_2_22_elements_at_more() -> None:
+    """The blocked round trip runs on one thread: at one torch thread it takes tensors above
+    _WHOLE_MAX_ELEMS (2^16), at more threads only above _WHOLE_MAX_ELEMS_THREADED (2^22), where the
+    whole-tensor products' threads no longer win (when the probe allows blocks at all)."""
+    from kvqbench.numerics.hadamard import rotation_rows_independent
+    from kvqbench.quantizers import quarot as quarot_mod
+
+    nt = torch.get_num_threads()
+    cpu = torch.device("cpu")
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            probe = rotation_rows_independent(128, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2,
+                                              block_rows=quarot_mod._block_rows(128))
+            limit = 1 << 16 if threads == 1 else 1 << 22
+            assert not quarot_mod._blocked(cpu, limit, 128, torch.float32)
+            assert quarot_mod._blocked(cpu, limit + 128, 128, torch.float32) == probe
+            assert not quarot_mod._blocked(torch.device("meta"), 1 << 30, 128, torch.float32)
+    finally:
+        torch.set_num_threads(nt)
