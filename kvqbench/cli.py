@@ -55,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 6.7-6.9 s on an idle 2-core machine, more when the host is busy; "
+                      help="tiny synthetic cells only (measured: 5.7-6.0 s on an idle 2-core machine, more when the host is busy; "
                            "no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
                            "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
-                           "real-model smoke cells too (measured: 49-54 s with the real-model capture cached, 81 s without)")
+                           "real-model smoke cells too (measured: 44-45 s with the real-model capture cached, 81 s without)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "One GPU per shard with --device cuda, one CPU otherwise")
     r.add_argument("--shards", type=int, metavar="N", default=None,
                    help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
-    rep = sub.add_parser("report", help="re-render LEADERBOARD.md and the terminal table from saved JSON (no torch)")
+    rep = sub.add_parser("report", help="re-render LEADERBOARD.md and the terminal table from saved JSON (no torch; 3.6 s for the main job)")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
     rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         "perf", help="time every method's K/V round trip as ratios to clone and to a plain eager RTN",
         description="Benchmark (not a test): median round-trip time of every registered method's K and V, "
                     "interleaved with x.clone() and a straightforward eager RTN (and HQQ's plain RTN when hqq "
-                    "is installed), at 1 thread and the default thread count, T = 1k/4k/16k."))
+                    "is installed), at 1 thread and the default thread count, T = 1k/4k/16k (measured: 58 s on an idle "
+                    "2-core machine)."))
     return p
 
 
