@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics import blocks
+from kvqbench.numerics import blocks, zpoint
 from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
 from kvqbench.numerics.packing import pack_float_codes, packed_nbytes, unpack_bits
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
@@ -169,6 +169,93 @@ def _byte_span(rows: slice, d: int, bits: int) -> slice:
     return slice(rows.start * d * bits // 8, packed_nbytes(rows.stop * d, bits))
 
 
+def _quantize_block(xr: torch.Tensor, kind: Kind, bits: int, g: int, clip_ratio: float, lo: torch.Tensor,
+                    hi: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, packed: torch.Tensor) -> None:
+    """One block of :meth:`QuaRot._quantize_blocked` in torch: the rotated rows ``xr`` ``[r, d]`` (overwritten)
+    → their group minima ``lo`` and maxima ``hi``, ``scale``, ``zero`` (``[r, ng, 1]``) and the packed codes
+    (``packed``, the block's bytes)."""
+    xg, restore = to_groups(xr, -1, g)  # a view (a padded copy for a partial last group)
+    torch.amin(xg, -1, keepdim=True, out=lo)
+    torch.amax(xg, -1, keepdim=True, out=hi)
+    sc, ze = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=clip_ratio, lo_hi=(lo, hi))
+    scale.copy_(sc)
+    zero.copy_(ze)
+    codes = restore(quarot_quantize(xg, sc, ze, bits, xr.dtype, inplace=True,
+                                    positive=not bool((sc <= 0).any())))  # as floats
+    pack_float_codes(codes, bits, out=packed)
+
+
+def _decode_block(packed: torch.Tensor, g: int, bits: int, scale: torch.Tensor, zero: torch.Tensor,
+                  buf: torch.Tensor) -> torch.Tensor:
+    """One block of :meth:`QuaRot._dequantize_blocked` in torch: ``scale · (q − z)`` ``[r, d]`` of the codes
+    unpacked from ``packed`` (the block's bytes) into ``buf`` ``[r, d]`` (returned when the groups tile
+    head_dim, else a new tensor)."""
+    r, d = buf.shape
+    cb = unpack_bits(packed, bits, r * d, out=buf).view(r, d)  # as floats
+    cg, restore = to_groups(cb, -1, g)
+    if cg.data_ptr() == cb.data_ptr():  # groups tile head_dim: decoded in the block buffer
+        cg.sub_(zero).mul_(scale)  # quarot_dequantize (the codes are exact as floats)
+        return cb
+    return restore(quarot_dequantize(cg, scale, zero))
+
+
+#: whether the compiled block steps (:mod:`kvqbench.numerics.zpoint`) gave :func:`_quantize_block`'s and
+#: :func:`_decode_block`'s bits (checked once per process: :func:`_compiled_ok`)
+_COMPILED: dict[str, bool] = {}
+
+
+def _probe_rows(gen: torch.Generator, rows: int, d: int, g: int) -> torch.Tensor:
+    """Rows ``[rows, d]`` for :func:`_compiled_ok`: Gaussian groups over six decades of scale, plus groups
+    that are constant, all negative, all positive, of one value and its negation, with ties (half-integer
+    multiples), tiny (subnormal) and huge (``(hi − lo)·clip`` overflows) values."""
+    x = torch.randn(rows, d, generator=gen) * torch.exp(torch.randn(rows, 1, generator=gen) * 3)
+    xg = x.view(rows, d // g, g)
+    xg[0] = 1.5                                   # constant groups
+    xg[1] = -xg[1].abs() - 0.1                    # all negative
+    xg[2] = xg[2].abs() + 0.1                     # all positive
+    xg[3] = torch.tensor([0.75, -0.75]).repeat(g // 2 + 1)[:g]
+    xg[4] = torch.arange(g, dtype=torch.float32).sub(g / 2).mul(0.5).add(0.25)   # ties
+    xg[5] = torch.randn(d // g, g, generator=gen) * 1e-40   # subnormal
+    xg[6] = torch.randn(d // g, g, generator=gen).sign() * 3e38  # huge: an infinite scale
+    xg[7] = -2.5e-45                              # constant subnormal
+    return x
+
+
+def _compiled_ok() -> bool:
+    """Whether :func:`~kvqbench.numerics.zpoint.quantize_pack_rows` and
+    :func:`~kvqbench.numerics.zpoint.decode_rows` reproduce :func:`_quantize_block` and :func:`_decode_block`
+    bit for bit (stored parameters, packed bytes, decoded values) on :func:`_probe_rows`, for K and V, every
+    width 1..8, groups of the whole row and of a part of it, and the default and another clip ratio: checked
+    once per process (then the blocked path uses them for fp32 blocks they support); ``False`` without a
+    compiled kernel."""
+    if "ok" not in _COMPILED:
+        _COMPILED["ok"] = False
+        if not zpoint.available():
+            return False
+        gen = torch.Generator().manual_seed(2404)
+        for d, g in ((128, 128), (64, 16), (40, 8)):
+            for bits in range(1, 9):
+                for kind, clip in (("k", CLIP_RATIO), ("v", CLIP_RATIO), ("v", 1.0), ("k", 0.8)):
+                    x, n, ng = _probe_rows(gen, 24, d, g), 24, d // g
+                    want = [torch.empty(n, ng, 1) for _ in range(4)] + [torch.empty(packed_nbytes(n * d, bits),
+                                                                                   dtype=torch.uint8)]
+                    got = [torch.full_like(t, 7) for t in want]
+                    _quantize_block(x.clone(), kind, bits, g, clip, *want)
+                    if not zpoint.quantize_pack_rows(x, g, bits, include_zero=(kind == "k"), clip=clip, lo=got[0],
+                                                     hi=got[1], scale=got[2], zero=got[3], packed=got[4]):
+                        return False
+                    if not all(a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                               for a, b in zip(got, want)):
+                        return False
+                    dec_want = _decode_block(want[4], g, bits, want[2], want[3], torch.empty(n, d))
+                    dec_got = torch.full((n, d), 7.0)
+                    if not (zpoint.decode_rows(want[4], g, bits, want[2], want[3], dec_got)
+                            and torch.equal(dec_got.view(torch.int32), dec_want.view(torch.int32))):
+                        return False
+        _COMPILED["ok"] = True
+    return _COMPILED["ok"]
+
+
 @register
 class QuaRot(Quantizer):
     """QuaRot (arXiv:2404.00456 §4): Hadamard(head_dim) on K and V → asym groupwise RTN over head_dim.
@@ -288,18 +375,15 @@ class QuaRot(Quantizer):
         packed = torch.empty(packed_nbytes(n * d, bits), dtype=torch.uint8, device=dev)
         lo, hi, scale, zero = (torch.empty(n, ng, 1, dtype=cd, device=dev) for _ in range(4))
         with blocks.one_cpu_thread(dev):
+            compiled = zpoint.supports(d, g, bits, cd, dev) and _compiled_ok()
             for sl in spans:
                 r = sl.stop - sl.start
                 xr = torch.mm(rows[sl].to(cd), q, out=buf[:r])  # hadamard_transform
-                xg, restore = to_groups(xr, -1, g)  # a view (a padded copy for a partial last group)
-                torch.amin(xg, -1, keepdim=True, out=lo[sl])
-                torch.amax(xg, -1, keepdim=True, out=hi[sl])
-                sc, ze = quarot_qparams(xg, bits, include_zero=(kind == "k"), clip_ratio=self.clip_ratio,
-                                        lo_hi=(lo[sl], hi[sl]))
-                scale[sl], zero[sl] = sc, ze
-                codes = restore(quarot_quantize(xg, sc, ze, bits, cd, inplace=True,
-                                                positive=not bool((sc <= 0).any())))  # as floats
-                pack_float_codes(codes, bits, out=packed[_byte_span(sl, d, bits)])
+                outs = (lo[sl], hi[sl], scale[sl], zero[sl], packed[_byte_span(sl, d, bits)])
+                if not (compiled and zpoint.quantize_pack_rows(xr, g, bits, include_zero=(kind == "k"),
+                                                               clip=self.clip_ratio, lo=outs[0], hi=outs[1],
+                                                               scale=outs[2], zero=outs[3], packed=outs[4])):
+                    _quantize_block(xr, kind, bits, g, self.clip_ratio, *outs)
         check_finite(x, lo, hi, name=kind.upper())
         lead = tuple(x.shape[:-1])
         qt = self._new_qt(x, kind, bits, group_size=g)
@@ -352,16 +436,15 @@ class QuaRot(Quantizer):
         buf = torch.empty(most, d, dtype=scale.dtype, device=scale.device)
         if saturate is not None and _within(sc, ze, qt.meta["codes.bits"], d, saturate):
             saturate = None  # every output is provably finite and within the dtype's range: nothing to clamp
+        compiled = zpoint.supports(d, g, bits, scale.dtype, scale.device) and _compiled_ok()
         with blocks.one_cpu_thread(scale.device):
             for sl in spans:
                 r = sl.stop - sl.start
-                cb = unpack_bits(packed[_byte_span(sl, d, bits)], bits, r * d, out=buf[:r]).view(r, d)  # as floats
-                cg, restore = to_groups(cb, -1, g)
-                if cg.data_ptr() == cb.data_ptr():  # groups tile head_dim: decoded in the block buffer
-                    xr = cb
-                    cg.sub_(ze[sl]).mul_(sc[sl])  # quarot_dequantize (the codes are exact as floats)
+                if compiled and zpoint.decode_rows(packed[_byte_span(sl, d, bits)], g, bits, sc[sl], ze[sl],
+                                                   buf[:r]):
+                    xr = buf[:r]
                 else:
-                    xr = restore(quarot_dequantize(cg, sc[sl], ze[sl]))
+                    xr = _decode_block(packed[_byte_span(sl, d, bits)], g, bits, sc[sl], ze[sl], buf[:r])
                 torch.mm(xr, q, out=out[sl])  # hadamard_transform
                 if saturate is not None:
                     saturate_(out[sl], saturate)

@@ -1,0 +1,104 @@
+"""Compiled groupwise asymmetric RTN with an integer zero-point, fused with bit packing, and its decode.
+
+One pass per row of a cache-sized block (``zpoint.c``, built on first use by :mod:`kvqbench.numerics.cbuild`)
+instead of the ~20 whole-block torch operations of the same arithmetic: group minima and maxima, the
+parameters, the codes and their bytes of the packed stream (:func:`kvqbench.numerics.packing.pack_bits`'
+layout); decode: unpack, ``scale · (q − z)``. Per group ``x`` of ``g`` values::
+
+    lo, hi = min x, max x                          (include_zero: lo = min(lo, 0), hi = max(hi, 0))
+    scale = (hi·clip − lo·clip) / (2^b − 1)
+    zero = round(−lo·clip / scale)                 (round half to even)
+    scale ≤ 0 (a constant group): scale = |lo|, zero = 1 if lo < 0 else 0
+    q = clamp(round(x / s) + zero, 0, 2^b − 1)      (s = scale, or +inf where scale ≤ 0)
+
+each step one fp32 IEEE operation, in this order (no fused multiply-add). These are building blocks: the
+caller owns the method's torch code and checks these functions' bits against it before relying on them
+(e.g. :mod:`kvqbench.quantizers.quarot`). Both return ``False`` (nothing usable written) where the kernel
+is unavailable (no C compiler, ``KVQBENCH_CKERNELS=0``: :mod:`kvqbench.numerics.cbuild`) or the inputs are
+outside what it handles; :func:`quantize_pack_rows` also where a group's minimum or maximum is a zero (its
+sign would depend on the order of the comparisons) or a row holds a NaN or an infinity.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvqbench.numerics import cbuild
+from kvqbench.numerics.packing import packed_nbytes
+
+__all__ = ["available", "supports", "quantize_pack_rows", "decode_rows"]
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = cbuild.load("zpoint.c")
+    if lib is not None and not getattr(lib, "_kvq_typed", False):
+        vp, lg = ctypes.c_void_p, ctypes.c_long
+        lib.zp_quantize_pack.restype = ctypes.c_int
+        lib.zp_quantize_pack.argtypes = [vp, lg, lg, lg, ctypes.c_int, ctypes.c_float, ctypes.c_int,
+                                         vp, vp, vp, vp, vp, vp]
+        lib.zp_decode.restype = ctypes.c_int
+        lib.zp_decode.argtypes = [vp, lg, lg, lg, ctypes.c_int, vp, vp, vp]
+        lib._kvq_typed = True
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used in this process (:mod:`kvqbench.numerics.cbuild`)."""
+    return _lib() is not None
+
+
+def supports(d: int, g: int, bits: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether rows of ``d`` fp32 values in groups of ``g`` at ``bits`` bits are within the kernel's scope: CPU,
+    ``torch.float32``, ``d`` a multiple of 8 (every row starts a byte of the packed stream), ``g`` dividing
+    ``d``, ``bits`` 1..8."""
+    return (device.type == "cpu" and dtype == torch.float32 and d > 0 and d % 8 == 0 and 0 < g <= d
+            and d % g == 0 and 1 <= bits <= 8)
+
+
+def _fits(t: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == numel
+
+
+def quantize_pack_rows(x: torch.Tensor, g: int, bits: int, *, include_zero: bool, clip: float,
+                       lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                       packed: torch.Tensor) -> bool:
+    """Quantize the rows ``x`` ``[rows, d]`` (contiguous fp32, CPU) in groups of ``g`` (module doc) and pack
+    the codes. Writes the raw group minima ``lo`` and maxima ``hi``, ``scale`` and ``zero`` (each ``rows·d/g``
+    contiguous fp32 values, row-major) and the ``rows·d·bits/8`` bytes of ``packed`` (contiguous ``uint8``).
+
+    Returns ``True`` when done; ``False`` when the kernel does not apply (module doc: nothing usable written;
+    the outputs may be partly overwritten, the caller recomputes them)."""
+    if x.dim() != 2 or not supports(int(x.shape[1]), g, bits, x.dtype, x.device):
+        return False
+    rows, d = (int(s) for s in x.shape)
+    ng = rows * (d // g)
+    if not (x.is_contiguous() and all(_fits(t, ng, torch.float32) for t in (lo, hi, scale, zero))
+            and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    work = torch.empty(d, dtype=torch.uint8)  # held here while the kernel writes to it
+    return lib.zp_quantize_pack(x.data_ptr(), rows, d, g, int(bool(include_zero)), ctypes.c_float(clip), bits,
+                                lo.data_ptr(), hi.data_ptr(), scale.data_ptr(), zero.data_ptr(), packed.data_ptr(),
+                                work.data_ptr()) == 0
+
+
+def decode_rows(packed: torch.Tensor, g: int, bits: int, scale: torch.Tensor, zero: torch.Tensor,
+                out: torch.Tensor) -> bool:
+    """``out`` ``[rows, d]`` (contiguous fp32, CPU) ``= (q − zero) · scale`` per group of ``g``, the codes ``q``
+    unpacked from the ``rows·d·bits/8`` bytes of ``packed`` (``scale``, ``zero``: ``rows·d/g`` contiguous fp32
+    values). Returns ``False`` (``out`` untouched) where the kernel does not apply."""
+    if out.dim() != 2 or not supports(int(out.shape[1]), g, bits, out.dtype, out.device):
+        return False
+    rows, d = (int(s) for s in out.shape)
+    ng = rows * (d // g)
+    if not (out.is_contiguous() and _fits(scale, ng, torch.float32) and _fits(zero, ng, torch.float32)
+            and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
+        return False
+    lib = _lib()
+    if lib is None:
+        return False
+    return lib.zp_decode(packed.data_ptr(), rows, d, g, bits, scale.data_ptr(), zero.data_ptr(), out.data_ptr()) == 0
