@@ -1,7 +1,7 @@
 /* Groupwise asymmetric RTN with an integer zero-point (x̂ = scale·(q − z)), fused with the bit packing of its
  * codes, and its decode from the packed bytes: the elementwise steps that kvqbench.numerics.zpoint exposes,
- * over a block of contiguous fp32 rows [rows, d] cut into groups of g consecutive values (g divides d, d a
- * multiple of 8, so that every row starts at a byte of the packed stream).
+ * over a block of contiguous fp32 rows [rows, d] cut into groups of g consecutive values (g a multiple of 8 that
+ * divides d: every group starts at a byte of the packed stream).
  *
  * Every step is one IEEE operation on fp32, in the order of the caller's torch code (compiled with
  * -ffp-contract=off: no fused multiply-add): the caller checks the bits against its torch code once per process
@@ -13,14 +13,20 @@
  *
  * The minimum and maximum are taken in any order (vectorized): that gives the same value unless it is a
  * zero (its sign would depend on the order) or the row holds a non-finite value; then the function
- * returns 1 at once, its outputs partly written (the caller runs its torch code on the whole block).
+ * returns 1 (at that group, or at the end of that row), its outputs partly written (the caller runs its torch
+ * code on the whole block).
  *
  * Packing: the LSB-first bit stream of kvqbench.numerics.packing (code i at stream bits [i·b, (i+1)·b), stream
  * bit s = bit s%8 of byte s/8): 8 codes fill b whole bytes (a little-endian word of 8·b bits).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "zpoint.c: a little-endian host"
+#endif
 
 __attribute__((optimize("no-signed-zeros", "finite-math-only")))
 static void group_minmax(const float *restrict x, long g, float *mn_out, float *mx_out) {
@@ -33,15 +39,26 @@ static void group_minmax(const float *restrict x, long g, float *mn_out, float *
   *mx_out = mx;
 }
 
-/* 1 when some value of x[0..n) is an infinity or a NaN (its exponent bits all set) */
-static int any_nonfinite(const float *restrict x, long n) {
-  uint32_t bad = 0;
-  for (long c = 0; c < n; c++) {
-    uint32_t u;
-    memcpy(&u, x + c, 4);
-    bad |= (uint32_t)((u & 0x7f800000u) == 0x7f800000u);
-  }
-  return bad != 0;
+/* lanes of 2^k bytes each holding its low n bits set (k = 1, 2), or the low n bits of the word (k = 3) */
+#define LANES(k, n) ((k) == 1 ? 0x0001000100010001ull * ((1ull << (n)) - 1) \
+                   : (k) == 2 ? 0x0000000100000001ull * ((1ull << (n)) - 1) : ((n) >= 64 ? ~0ull : (1ull << (n)) - 1))
+
+/* 8 codes (one per byte of a little-endian word, each < 2^bits) → their 8·bits-bit stream: codes 2j, 2j+1 merged
+ * in each 16-bit lane, then the pairs in each 32-bit lane, then the two halves (each odd part shifted down by a
+ * multiple of 8 − bits onto the bits just above the even part, both masked) */
+static inline __attribute__((always_inline)) uint64_t pack8(uint64_t w, int bits) {
+  const int s = 8 - bits;
+  w = (w & LANES(1, bits)) | ((w >> s) & (LANES(1, bits) << bits));
+  w = (w & LANES(2, 2 * bits)) | ((w >> (2 * s)) & (LANES(2, 2 * bits) << (2 * bits)));
+  return (w & LANES(3, 4 * bits)) | ((w >> (4 * s)) & (LANES(3, 4 * bits) << (4 * bits)));
+}
+
+/* the inverse of pack8: the 8·bits-bit stream of 8 codes (in the low bits of w) → one code per byte */
+static inline __attribute__((always_inline)) uint64_t unpack8(uint64_t w, int bits) {
+  const int s = 8 - bits;
+  w = (w & LANES(3, 4 * bits)) | ((w << (4 * s)) & (LANES(3, 4 * bits) << 32));
+  w = (w & LANES(2, 2 * bits)) | ((w << (2 * s)) & (LANES(2, 2 * bits) << 16));
+  return (w & LANES(1, bits)) | ((w << s) & (LANES(1, bits) << 8));
 }
 
 static inline __attribute__((always_inline)) void pack_row(const unsigned char *restrict c, long d, int bits,
@@ -51,19 +68,10 @@ static inline __attribute__((always_inline)) void pack_row(const unsigned char *
     return;
   }
   for (long k = 0; k < d / 8; k++) {
-    uint64_t w = 0;
-    for (int i = 0; i < 8; i++) w |= (uint64_t)c[8 * k + i] << (i * bits);
-    for (int j = 0; j < bits; j++) out[k * bits + j] = (unsigned char)(w >> (8 * j));
-  }
-}
-
-static inline __attribute__((always_inline)) void unpack_row(const unsigned char *restrict p, long d, int bits,
-                                                              float *restrict out) {
-  const uint64_t mask = (1u << bits) - 1u;
-  for (long k = 0; k < d / 8; k++) {
-    uint64_t w = 0;
-    for (int j = 0; j < bits; j++) w |= (uint64_t)p[k * bits + j] << (8 * j);
-    for (int i = 0; i < 8; i++) out[8 * k + i] = (float)((w >> (i * bits)) & mask);
+    uint64_t w;
+    memcpy(&w, c + 8 * k, 8);
+    w = pack8(w, bits);
+    memcpy(out + k * bits, &w, (size_t)bits);  /* little-endian: the low bytes of the word */
   }
 }
 
@@ -77,7 +85,7 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
   const long ng = d / g, row_bytes = d * bits / 8;
   for (long r = 0; r < rows; r++) {
     const float *xr = x + r * d;
-    if (any_nonfinite(xr, d)) return 1;
+    int bad = 0;
     for (long k = 0; k < ng; k++) {
       const float *xg = xr + k * g;
       float mn, mx;
@@ -100,6 +108,7 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
       const float s = scale > 0.f ? scale : INFINITY;
       unsigned char *wg = work + k * g;
       for (long c = 0; c < g; c++) {
+        bad |= !(fabsf(xg[c]) <= FLT_MAX);  /* a NaN or an infinity: the row's minima and maxima are meaningless */
         float v = nearbyintf(xg[c] / s) + zero;
         v = v < 0.f ? 0.f : v;
         v = v > levels ? levels : v;
@@ -111,6 +120,7 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
       scale_out[i] = scale;
       zero_out[i] = zero;
     }
+    if (bad) return 1;
     pack_row(work, d, bits, packed + r * row_bytes);
   }
   return 0;
@@ -137,32 +147,43 @@ int zp_quantize_pack(const float *restrict x, long rows, long d, long g, int inc
 static inline __attribute__((always_inline)) void decode_rows(const unsigned char *restrict packed, long rows,
                                                                long d, long g, int bits,
                                                                const float *restrict scale,
-                                                               const float *restrict zero, float *restrict out) {
-  const long ng = d / g, row_bytes = d * bits / 8;
-  for (long r = 0; r < rows; r++) {
-    float *o = out + r * d;
-    unpack_row(packed + r * row_bytes, d, bits, o);
-    for (long k = 0; k < ng; k++) {
-      const float z = zero[r * ng + k], s = scale[r * ng + k];
-      float *og = o + k * g;
-      for (long c = 0; c < g; c++) og[c] = (og[c] - z) * s;
+                                                               const float *restrict zero, float *restrict out,
+                                                               unsigned char *restrict work) {
+  const long ng = d / g;
+  const unsigned char *p = packed;
+  for (long i = 0; i < rows * ng; i++) {  /* group i: g / 8 chunks of 8 codes (bits bytes each) */
+    const float z = zero[i], s = scale[i];
+    float *og = out + i * g;
+    if (bits < 8) {
+      for (long k = 0; k < g / 8; k++) {
+        uint64_t w = 0;
+        memcpy(&w, p + k * bits, (size_t)bits);
+        w = unpack8(w, bits);
+        memcpy(work + 8 * k, &w, 8);
+      }
+    } else {
+      memcpy(work, p, (size_t)g);
     }
+    for (long c = 0; c < g; c++) og[c] = ((float)work[c] - z) * s;
+    p += g / 8 * bits;
   }
 }
 
-/* out [rows, d] = scale · (codes − zero) per group, the codes unpacked from packed (rows·d·bits/8 bytes).
+/* out [rows, d] = scale · (codes − zero) per group, the codes unpacked from packed (rows·d·bits/8 bytes); work: g
+ * bytes.
  * Returns 0, or 2 for a width outside 1..8. */
 int zp_decode(const unsigned char *restrict packed, long rows, long d, long g, int bits,
-              const float *restrict scale, const float *restrict zero, float *restrict out) {
+              const float *restrict scale, const float *restrict zero, float *restrict out,
+              unsigned char *restrict work) {
   switch (bits) {
-    case 1: decode_rows(packed, rows, d, g, 1, scale, zero, out); return 0;
-    case 2: decode_rows(packed, rows, d, g, 2, scale, zero, out); return 0;
-    case 3: decode_rows(packed, rows, d, g, 3, scale, zero, out); return 0;
-    case 4: decode_rows(packed, rows, d, g, 4, scale, zero, out); return 0;
-    case 5: decode_rows(packed, rows, d, g, 5, scale, zero, out); return 0;
-    case 6: decode_rows(packed, rows, d, g, 6, scale, zero, out); return 0;
-    case 7: decode_rows(packed, rows, d, g, 7, scale, zero, out); return 0;
-    case 8: decode_rows(packed, rows, d, g, 8, scale, zero, out); return 0;
+    case 1: decode_rows(packed, rows, d, g, 1, scale, zero, out, work); return 0;
+    case 2: decode_rows(packed, rows, d, g, 2, scale, zero, out, work); return 0;
+    case 3: decode_rows(packed, rows, d, g, 3, scale, zero, out, work); return 0;
+    case 4: decode_rows(packed, rows, d, g, 4, scale, zero, out, work); return 0;
+    case 5: decode_rows(packed, rows, d, g, 5, scale, zero, out, work); return 0;
+    case 6: decode_rows(packed, rows, d, g, 6, scale, zero, out, work); return 0;
+    case 7: decode_rows(packed, rows, d, g, 7, scale, zero, out, work); return 0;
+    case 8: decode_rows(packed, rows, d, g, 8, scale, zero, out, work); return 0;
     default: return 2;
   }
 }

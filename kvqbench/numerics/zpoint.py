@@ -39,7 +39,7 @@ def _lib() -> ctypes.CDLL | None:
         lib.zp_quantize_pack.argtypes = [vp, lg, lg, lg, ctypes.c_int, ctypes.c_float, ctypes.c_int,
                                          vp, vp, vp, vp, vp, vp]
         lib.zp_decode.restype = ctypes.c_int
-        lib.zp_decode.argtypes = [vp, lg, lg, lg, ctypes.c_int, vp, vp, vp]
+        lib.zp_decode.argtypes = [vp, lg, lg, lg, ctypes.c_int, vp, vp, vp, vp]
         lib._kvq_typed = True
     return lib
 
@@ -51,10 +51,10 @@ def available() -> bool:
 
 def supports(d: int, g: int, bits: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether rows of ``d`` fp32 values in groups of ``g`` at ``bits`` bits are within the kernel's scope: CPU,
-    ``torch.float32``, ``d`` a multiple of 8 (every row starts a byte of the packed stream), ``g`` dividing
-    ``d``, ``bits`` 1..8."""
-    return (device.type == "cpu" and dtype == torch.float32 and d > 0 and d % 8 == 0 and 0 < g <= d
-            and d % g == 0 and 1 <= bits <= 8)
+    ``torch.float32``, ``g`` a multiple of 8 (every group starts at a byte of the packed stream) dividing ``d``,
+    ``bits`` 1..8."""
+    return (device.type == "cpu" and dtype == torch.float32 and 0 < g <= d and g % 8 == 0 and d % g == 0
+            and 1 <= bits <= 8)
 
 
 def _fits(t: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
@@ -101,4 +101,6 @@ def decode_rows(packed: torch.Tensor, g: int, bits: int, scale: torch.Tensor, ze
     lib = _lib()
     if lib is None:
         return False
-    return lib.zp_decode(packed.data_ptr(), rows, d, g, bits, scale.data_ptr(), zero.data_ptr(), out.data_ptr()) == 0
+    work = torch.empty(g, dtype=torch.uint8)  # held here while the kernel writes to it
+    return lib.zp_decode(packed.data_ptr(), rows, d, g, bits, scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
+                         work.data_ptr()) == 0

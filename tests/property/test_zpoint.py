@@ -95,6 +95,7 @@ def test_the_once_per_process_check_passes_and_scope() -> None:
     cpu = torch.device("cpu")
     assert zpoint.supports(128, 128, 2, torch.float32, cpu) and zpoint.supports(40, 8, 8, torch.float32, cpu)
     assert not zpoint.supports(96, 64, 2, torch.float32, cpu)  # a partial last group: torch
-    assert not zpoint.supports(36, 36, 2, torch.float32, cpu)  # rows not whole bytes at every width
+    assert not zpoint.supports(36, 36, 2, torch.float32, cpu)  # groups not whole bytes at every width
+    assert not zpoint.supports(64, 4, 2, torch.float32, cpu)
     assert not zpoint.supports(128, 128, 2, torch.float64, cpu)
     assert not zpoint.supports(128, 128, 9, torch.float32, cpu)
