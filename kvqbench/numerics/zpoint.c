@@ -75,6 +75,10 @@ static inline __attribute__((always_inline)) void pack_row(const unsigned char *
   }
 }
 
+/* rows per chunk: the parameters of a chunk's groups are computed first (independent chains that overlap), then
+ * its codes, while the chunk is in L1 */
+#define CHUNK 16
+
 static inline __attribute__((always_inline)) int quant_rows(const float *restrict x, long rows, long d, long g,
                                                              int include_zero, float clip, int bits,
                                                              float *restrict lo_out, float *restrict hi_out,
@@ -83,13 +87,11 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
                                                              unsigned char *restrict work) {
   const float levels = (float)((1 << bits) - 1);
   const long ng = d / g, row_bytes = d * bits / 8;
-  for (long r = 0; r < rows; r++) {
-    const float *xr = x + r * d;
-    int bad = 0;
-    for (long k = 0; k < ng; k++) {
-      const float *xg = xr + k * g;
+  for (long r0 = 0; r0 < rows; r0 += CHUNK) {
+    const long r1 = r0 + CHUNK < rows ? r0 + CHUNK : rows;
+    for (long i = r0 * ng; i < r1 * ng; i++) {  /* the chunk's groups: parameters */
       float mn, mx;
-      group_minmax(xg, g, &mn, &mx);
+      group_minmax(x + i * g, g, &mn, &mx);
       if (mn == 0.f || mx == 0.f) return 1;
       float lo = mn, hi = mx;
       if (include_zero) {
@@ -105,23 +107,29 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
       } else {
         zero = nearbyintf(-lo_c / scale);
       }
-      const float s = scale > 0.f ? scale : INFINITY;
-      unsigned char *wg = work + k * g;
-      for (long c = 0; c < g; c++) {
-        bad |= !(fabsf(xg[c]) <= FLT_MAX);  /* a NaN or an infinity: the row's minima and maxima are meaningless */
-        float v = nearbyintf(xg[c] / s) + zero;
-        v = v < 0.f ? 0.f : v;
-        v = v > levels ? levels : v;
-        wg[c] = (unsigned char)(int)v;
-      }
-      const long i = r * ng + k;
       lo_out[i] = mn;
       hi_out[i] = mx;
       scale_out[i] = scale;
       zero_out[i] = zero;
     }
-    if (bad) return 1;
-    pack_row(work, d, bits, packed + r * row_bytes);
+    for (long r = r0; r < r1; r++) {  /* codes, packed row by row */
+      int bad = 0;
+      for (long k = 0; k < ng; k++) {
+        const long i = r * ng + k;
+        const float *xg = x + i * g;
+        const float zero = zero_out[i], s = scale_out[i] > 0.f ? scale_out[i] : INFINITY;
+        unsigned char *wg = work + k * g;
+        for (long c = 0; c < g; c++) {
+          bad |= !(fabsf(xg[c]) <= FLT_MAX);  /* a NaN or an infinity: the row's minima and maxima are meaningless */
+          float v = nearbyintf(xg[c] / s) + zero;
+          v = v < 0.f ? 0.f : v;
+          v = v > levels ? levels : v;
+          wg[c] = (unsigned char)(int)v;
+        }
+      }
+      if (bad) return 1;
+      pack_row(work, d, bits, packed + r * row_bytes);
+    }
   }
   return 0;
 }
