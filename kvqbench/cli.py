@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: 2 min 55 s - 3 min 01 s, 317-331 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
+                                   "(measured: 2 min 42 s, 289 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
                                    "the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",

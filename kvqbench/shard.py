@@ -8,8 +8,8 @@ shard, ties broken by name and then by collection order), fed with an estimated 
 collected cell:
 
 1. the cell's own duration in the durations file (pytest-split's format: a JSON object node id →
-   seconds; the committed default is ``kvqbench/data/durations.json``, made from the published
-   reference run and a smoke run; refresh it with pytest-split's own
+   seconds; the committed default is ``kvqbench/data/durations.json``, made from a fresh-clone
+   main job and a smoke run; refresh it with pytest-split's own
    ``--store-durations --durations-path kvqbench/data/durations.json``);
 2. else the median duration of the cells of the same *kind* in the file (test function × data source ×
    size, as the progress ETA groups them), so other seeds, bits or models are still balanced;
@@ -165,8 +165,8 @@ __all__.append("shard_doc")
 
 def durations_from_results(*dirs: str | Path) -> dict[str, float]:
     """Node id → seconds from the ``duration_s`` of every cell in the ``exp*_*.json`` files of results
-    folders (how ``kvqbench/data/durations.json`` was made from the published run:
-    ``python -m kvqbench.shard leaderboard/ results/smoke/ > kvqbench/data/durations.json``)."""
+    folders (how ``kvqbench/data/durations.json`` was made from a fresh-clone main job and smoke run:
+    ``python -m kvqbench.shard results/ results/smoke/ > kvqbench/data/durations.json``)."""
     out: dict[str, float] = {}
     for d in dirs:
         for f in sorted(Path(d).glob("exp[0-9]*_*.json")):

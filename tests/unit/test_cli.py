@@ -126,16 +126,10 @@ def _help_of_run(capsys) -> str:
     return " ".join(capsys.readouterr().out.split())  # argparse wraps lines; compare word streams
 
 
-def test_run_help_lists_every_plugin_option_with_its_default(capsys):
-    """The options come from pytest's own parser fed the plugin's ``pytest_addoption`` (a second reader
-    of the same definitions): each flag is in ``kvqbench run --help`` followed by its default."""
-    from _pytest.config.argparsing import Parser
-
-    from kvqbench.plugin import pytest_addoption
-
-    parser = Parser()
-    pytest_addoption(parser)
-    opts = parser.getgroup("kvqbench").options
+def test_run_help_lists_every_plugin_option_with_its_default(capsys, pytestconfig):
+    """The options come from pytest's own parser, as this session loaded the plugin (a second reader of
+    the same definitions): each flag is in ``kvqbench run --help`` followed by its default."""
+    opts = pytestconfig._parser.getgroup("kvqbench").options  # the session's parser (not a new private one)
     assert len(opts) >= 9
     text = _help_of_run(capsys)
     text = text[text.index("kvqbench options"):]
