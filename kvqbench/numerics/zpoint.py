@@ -61,6 +61,14 @@ def _fits(t: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == numel
 
 
+def _geometry(t: torch.Tensor, g: int, bits: int) -> tuple[int, int, int] | None:
+    """``(rows, d, groups)`` of a contiguous ``[rows, d]`` tensor the kernels take, else ``None``."""
+    if t.dim() != 2 or not t.is_contiguous() or not supports(int(t.shape[1]), g, bits, t.dtype, t.device):
+        return None
+    rows, d = (int(n) for n in t.shape)
+    return rows, d, rows * (d // g)
+
+
 def quantize_pack_rows(x: torch.Tensor, g: int, bits: int, *, include_zero: bool, clip: float,
                        lo: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                        packed: torch.Tensor) -> bool:
@@ -70,11 +78,11 @@ def quantize_pack_rows(x: torch.Tensor, g: int, bits: int, *, include_zero: bool
 
     Returns ``True`` when done; ``False`` when the kernel does not apply (module doc: nothing usable written;
     the outputs may be partly overwritten, the caller recomputes them)."""
-    if x.dim() != 2 or not supports(int(x.shape[1]), g, bits, x.dtype, x.device):
+    geo = _geometry(x, g, bits)
+    if geo is None:
         return False
-    rows, d = (int(s) for s in x.shape)
-    ng = rows * (d // g)
-    if not (x.is_contiguous() and all(_fits(t, ng, torch.float32) for t in (lo, hi, scale, zero))
+    rows, d, ng = geo
+    if not (all(_fits(t, ng, torch.float32) for t in (lo, hi, scale, zero))
             and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
         return False
     lib = _lib()
@@ -91,11 +99,11 @@ def decode_rows(packed: torch.Tensor, g: int, bits: int, scale: torch.Tensor, ze
     """``out`` ``[rows, d]`` (contiguous fp32, CPU) ``= (q − zero) · scale`` per group of ``g``, the codes ``q``
     unpacked from the ``rows·d·bits/8`` bytes of ``packed`` (``scale``, ``zero``: ``rows·d/g`` contiguous fp32
     values). Returns ``False`` (``out`` untouched) where the kernel does not apply."""
-    if out.dim() != 2 or not supports(int(out.shape[1]), g, bits, out.dtype, out.device):
+    geo = _geometry(out, g, bits)
+    if geo is None:
         return False
-    rows, d = (int(s) for s in out.shape)
-    ng = rows * (d // g)
-    if not (out.is_contiguous() and _fits(scale, ng, torch.float32) and _fits(zero, ng, torch.float32)
+    rows, d, ng = geo
+    if not (_fits(scale, ng, torch.float32) and _fits(zero, ng, torch.float32)
             and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
         return False
     lib = _lib()
