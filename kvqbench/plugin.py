@@ -1259,11 +1259,27 @@ def _point_benchmark_json(session: pytest.Session, exitstatus: int = 0) -> None:
                     and holds_complete_set(out_dir)):
                 out_dir = out_dir / "incomplete"
             stale = out_dir / BENCHMARK_JSON
-            if stale.is_file():
-                stale.unlink()
-            if not getattr(bs, "json", None) and not getattr(bs, "disabled", True) and getattr(bs, "benchmarks", None):
-                out_dir.mkdir(parents=True, exist_ok=True)
-                bs.json = str(stale)
+            wants = not getattr(bs, "json", None) and not getattr(bs, "disabled", True) and getattr(bs, "benchmarks", None)
+            try:
+                if stale.is_file():
+                    stale.unlink()
+                if wants:
+                    out_dir.mkdir(parents=True, exist_ok=True)
+                    from kvqbench.report.results import check_writable
+
+                    why = check_writable(out_dir)
+                    if why:
+                        raise PermissionError(why)
+                    bs.json = str(stale)
+            except OSError as e:  # the results go to a printed fallback folder (write_result_set); so does this
+                if wants:
+                    import tempfile
+
+                    bs.json = str(Path(tempfile.mkdtemp(prefix="kvqbench-benchmark-")) / BENCHMARK_JSON)
+                    tr = config.pluginmanager.get_plugin("terminalreporter")
+                    if tr is not None:
+                        tr.write_line(f"kvqbench: could not write {stale} ({e}); pytest-benchmark's JSON goes to "
+                                      f"{bs.json} instead", yellow=True)
 
 
 def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:
@@ -1360,7 +1376,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if prog is not None and prog.report_started is not None:
         t_report = min(t_report, prog.report_started)  # the report step counts from the last test's end
     try:
-        write_results(config, session, exitstatus)
+        res = write_results(config, session, exitstatus)
+        if res.note and "could not write results to" in res.note and int(session.exitstatus) == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # saved, but not where asked: CI must notice
     except Exception as e:  # never lose the session to a report bug; say what happened
         tr = config.pluginmanager.get_plugin("terminalreporter")
         if tr is not None:

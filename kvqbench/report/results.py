@@ -129,8 +129,9 @@ def holds_complete_set(folder: str | os.PathLike) -> bool:
 def check_writable(folder: str | os.PathLike) -> str | None:
     """Why results could not be written into ``folder`` (one line), or ``None`` when they can.
 
-    Checks without creating anything: ``folder`` is a folder (or can be created: its nearest existing
-    ancestor is a folder) and that folder is writable."""
+    Checks that ``folder`` is a folder (or can be created: its nearest existing ancestor is a folder) and
+    that a file can be created there: the permission bits, then a temporary file removed at once (root
+    passes every permission check, yet cannot write to a read-only file system or ``/proc``)."""
     p = Path(folder)
     probe = p
     while not probe.exists():
@@ -141,8 +142,14 @@ def check_writable(folder: str | os.PathLike) -> str | None:
         return f"{p} is a file, not a folder"
     if probe != p and not probe.is_dir():
         return f"{p} cannot be created: {probe} is a file, not a folder"
+    why = f"{probe} is not writable" if probe == p else f"{p} cannot be created: {probe} is not writable"
     if not os.access(probe, os.W_OK | os.X_OK):
-        return f"{probe} is not writable" if probe == p else f"{p} cannot be created: {probe} is not writable"
+        return why
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        return f"{why} ({e.strerror or e})"
     return None
 
 

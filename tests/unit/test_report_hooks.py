@@ -197,3 +197,39 @@ def test_every_hook_implementation_of_the_plugin_is_registered(pytestconfig):
     for name, opts in marked.items():
         hook = getattr(pm.hook, opts.get("specname") or name)
         assert any(impl.function is getattr(plugin, name) for impl in hook.get_hookimpls()), name
+
+
+FOLDER_TAKEN = '''
+def pytest_configure(config):
+    config._kvq_out = config.getoption("--kvq-out")
+
+def pytest_runtest_setup(item):
+    # after the up-front check passed, a file comes to stand where the results folder would go
+    with open(item.config._kvq_out, "w") as f:
+        f.write("in the way")
+'''
+
+
+def test_an_unwritable_results_folder_at_the_end_keeps_results_and_timings_and_fails(pytester, monkeypatch):
+    """A serial run with exp4 (pytest-benchmark writes its JSON beside the results) whose folder cannot
+    be written when the run ends: the results and the benchmark JSON go to printed temporary folders —
+    no traceback, nothing lost — and the exit status says the results are not where they were asked."""
+    from pathlib import Path
+
+    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(var, raising=False)  # a serial session of its own, also under an outer -n
+    pytester.makepyfile(folder_taken=FOLDER_TAKEN)
+    out = pytester.path / "out"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "test_exp4_cost.py"
+    res = pytester.runpytest_subprocess(str(bench), "-p", "folder_taken", "-m", "smoke", "--kvq-methods", "fp16",
+                                       "--kvq-bits", "2", "--kvq-seeds", "1", "--kvq-out", str(out),
+                                       "-p", "no:cacheprovider", "--kvq-progress", "0")
+    text = res.stdout.str() + res.stderr.str()
+    assert res.ret == 1, text
+    assert "Traceback" not in text and "INTERNALERROR" not in text, text
+    saved = re.search(r"saved them to (\S+) instead", text)
+    moved = re.search(r"pytest-benchmark's JSON goes to (\S+) instead", text)
+    assert saved and moved, text
+    assert (Path(saved.group(1)) / "leaderboard.json").is_file()
+    assert json.loads(Path(moved.group(1)).read_text())["benchmarks"]  # the timings, not lost
+    assert out.read_text() == "in the way"
