@@ -45,6 +45,8 @@ OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summar
 BENCHMARK_JSON = "benchmark_exp4.json"
 #: where an incomplete set goes when the destination already holds a complete one
 INCOMPLETE_DIR = "incomplete"
+#: where a complete set goes when a complete set of fewer cells (a narrower selection) replaces it
+PREVIOUS_DIR = "previous"
 
 Log = Callable[[str], None]
 UpdateBoard = Callable[[dict[str, Any]], None]
@@ -277,7 +279,8 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     written: list[Path] = []
     try:
         written, board = _write_all(recs, provenance, comp, staging, catalog, update_board, write_extra, figures, log)
-        paths = _move_in(staging, dest, written, keep_figures=not figures)
+        kept = None if in_place else _keep_broader_set(dest, comp)
+        paths = _move_in(staging, dest, written, keep_figures=not figures and kept is None)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
         return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e)
@@ -290,9 +293,34 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     stale = dest / INCOMPLETE_DIR
     if comp["complete"] and not in_place and (stale / "leaderboard.json").exists() and not holds_complete_set(stale):
         shutil.rmtree(stale, ignore_errors=True)  # an earlier partial run, superseded by this complete one
+    note = " ".join(n for n in (note, kept) if n) or None
     if note:
         log(note)
     return ResultSet(paths, board, dest, comp, note)
+
+
+def _keep_broader_set(dest: Path, comp: dict[str, Any]) -> str | None:
+    """Before a complete set replaces the complete set in ``dest``: when the old one holds more cells (a
+    narrower run after a broader one, e.g. ``-k kivi`` after the main job), move its files to
+    ``dest/previous/`` (replacing an older one there) instead of deleting them, and say so."""
+    if not comp.get("complete") or not holds_complete_set(dest):
+        return None
+    try:
+        old = (read_json(dest / "leaderboard.json").get("completeness") or {})
+        old_n, new_n = int(old.get("expected") or 0), int(comp.get("expected") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    if old_n <= new_n:
+        return None
+    prev = dest / PREVIOUS_DIR
+    shutil.rmtree(prev, ignore_errors=True)
+    prev.mkdir()
+    for pattern in (*OUTPUT_PATTERNS, BENCHMARK_JSON):
+        for p in dest.glob(pattern):
+            if p.is_file():
+                os.replace(p, prev / p.name)
+    return (f"kvqbench: {dest} held a complete set of {old_n} cells, more than this run's {new_n}: "
+            f"it is kept in {prev} (a later narrower run replaces it there)")
 
 
 def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest: Path,

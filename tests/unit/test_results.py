@@ -214,3 +214,25 @@ def test_a_write_without_figures_keeps_the_figures_already_drawn(tmp_path):
     _write(out, recs, expected=len(recs), in_place=True)  # figures=False, as `kvqbench report --no-figures`
     assert fig.read_bytes() == b"\x89PNG drawn by an earlier render"
     assert not stale_json.exists()
+
+
+def test_a_narrower_complete_run_keeps_the_broader_set_in_previous(tmp_path):
+    """A complete set of fewer cells (``-k kivi`` after the main job) does not delete the broader complete
+    set it replaces: that one moves to ``previous/`` and the note says so; a run of as many cells (a
+    rerun) replaces the set as before."""
+    from kvqbench.report.results import PREVIOUS_DIR
+
+    out = tmp_path / "out"
+    broad = records(experiments=("exp1", "exp3"))
+    narrow = records(experiments=("exp1",))
+    assert len(broad) > len(narrow)
+    _write(out, broad, expected=len(broad))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    res = _write(out, narrow, expected=len(narrow))
+    assert res.note and f"{len(broad)} cells" in res.note and str(out / PREVIOUS_DIR) in res.note
+    assert {p.name: p.read_bytes() for p in (out / PREVIOUS_DIR).iterdir()} == before  # every file, unchanged
+    assert json.loads((out / "leaderboard.json").read_text())["completeness"]["expected"] == len(narrow)
+    assert not list(out.glob("exp3_*.json"))  # the new set alone in the folder: runs never mix
+    res = _write(out, narrow, expected=len(narrow))  # a rerun of the same cells: replaced, previous/ untouched
+    assert res.note is None
+    assert {p.name: p.read_bytes() for p in (out / PREVIOUS_DIR).iterdir()} == before
