@@ -90,7 +90,10 @@ def parse_bits(text: str) -> list[int]:
         ValueError: on anything else.
     """
     try:
-        bits = [int(b) for b in str(text).split(",") if b.strip()]
+        parts = str(text).split(",")
+        if any(not b.strip() for b in parts):  # "2,,4" or "2,4,": a typo, not a shorter list
+            raise ValueError
+        bits = [int(b) for b in parts]
         if not bits or any(b < 1 or b > 16 or 8 < b < 16 for b in bits):
             raise ValueError
         return sorted(set(bits))

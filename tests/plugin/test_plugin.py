@@ -150,6 +150,7 @@ def test_option_errors_show_our_messages(pytester, plugin_loaded_once):
     pytester.makepyfile(test_cells=CELL_TEST)
     for opt, val, text in (("--kvq-seeds", "0", "*--kvq-seeds expects a count*"),
                            ("--kvq-bits", "12", "*--kvq-bits expects a comma list of ints in 1..8 or 16*"),
+                           ("--kvq-bits", "2,,4", "*--kvq-bits expects a comma list of ints*'2,,4'*"),
                            ("--device", "tpu", "*--device expects auto, cpu, cuda or cuda:N*"),
                            ("--kvq-threads", "0", "*--kvq-threads expects a positive int*"),
                            ("--kvq-methods", ",", "*--kvq-methods got no method id*")):
