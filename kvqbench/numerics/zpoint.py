@@ -61,12 +61,18 @@ def _fits(t: torch.Tensor, numel: int, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and t.numel() == numel
 
 
-def _geometry(t: torch.Tensor, g: int, bits: int) -> tuple[int, int, int] | None:
-    """``(rows, d, groups)`` of a contiguous ``[rows, d]`` tensor the kernels take, else ``None``."""
+def _ready(t: torch.Tensor, g: int, bits: int, params: tuple[torch.Tensor, ...], packed: torch.Tensor):
+    """``(rows, d, lib)`` when the kernels take the contiguous ``[rows, d]`` tensor ``t`` with its per-group
+    fp32 ``params`` and ``packed`` bytes, else ``None``."""
     if t.dim() != 2 or not t.is_contiguous() or not supports(int(t.shape[1]), g, bits, t.dtype, t.device):
         return None
     rows, d = (int(n) for n in t.shape)
-    return rows, d, rows * (d // g)
+    ng = rows * (d // g)
+    if not (all(_fits(p, ng, torch.float32) for p in params)
+            and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
+        return None
+    lib = _lib()
+    return None if lib is None else (rows, d, lib)
 
 
 def quantize_pack_rows(x: torch.Tensor, g: int, bits: int, *, include_zero: bool, clip: float,
@@ -78,16 +84,10 @@ def quantize_pack_rows(x: torch.Tensor, g: int, bits: int, *, include_zero: bool
 
     Returns ``True`` when done; ``False`` when the kernel does not apply (module doc: nothing usable written;
     the outputs may be partly overwritten, the caller recomputes them)."""
-    geo = _geometry(x, g, bits)
-    if geo is None:
+    ready = _ready(x, g, bits, (lo, hi, scale, zero), packed)
+    if ready is None:
         return False
-    rows, d, ng = geo
-    if not (all(_fits(t, ng, torch.float32) for t in (lo, hi, scale, zero))
-            and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
-        return False
-    lib = _lib()
-    if lib is None:
-        return False
+    rows, d, lib = ready
     work = torch.empty(d, dtype=torch.uint8)  # held here while the kernel writes to it
     return lib.zp_quantize_pack(x.data_ptr(), rows, d, g, int(bool(include_zero)), ctypes.c_float(clip), bits,
                                 lo.data_ptr(), hi.data_ptr(), scale.data_ptr(), zero.data_ptr(), packed.data_ptr(),
@@ -99,16 +99,10 @@ def decode_rows(packed: torch.Tensor, g: int, bits: int, scale: torch.Tensor, ze
     """``out`` ``[rows, d]`` (contiguous fp32, CPU) ``= (q − zero) · scale`` per group of ``g``, the codes ``q``
     unpacked from the ``rows·d·bits/8`` bytes of ``packed`` (``scale``, ``zero``: ``rows·d/g`` contiguous fp32
     values). Returns ``False`` (``out`` untouched) where the kernel does not apply."""
-    geo = _geometry(out, g, bits)
-    if geo is None:
+    ready = _ready(out, g, bits, (scale, zero), packed)
+    if ready is None:
         return False
-    rows, d, ng = geo
-    if not (_fits(scale, ng, torch.float32) and _fits(zero, ng, torch.float32)
-            and _fits(packed, packed_nbytes(rows * d, bits), torch.uint8)):
-        return False
-    lib = _lib()
-    if lib is None:
-        return False
+    rows, d, lib = ready
     work = torch.empty(g, dtype=torch.uint8)  # held here while the kernel writes to it
     return lib.zp_decode(packed.data_ptr(), rows, d, g, bits, scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
                          work.data_ptr()) == 0
