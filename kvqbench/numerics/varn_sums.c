@@ -12,6 +12,15 @@
  */
 #include <math.h>
 
+/* one block of 8 rows of the column sum, in the mat-vec's order (see col_sums above) */
+static inline float block8(float a, float w0, float w1, float w2, float w3, float w4, float w5, float w6, float w7,
+                           float y0, float y1, float y2, float y3, float y4, float y5, float y6, float y7) {
+  a = fmaf(w6, y6, a);
+  a = fmaf(w4, y4, a);
+  a = a + fmaf(w5, y5, w7 * y7);
+  return a + (fmaf(w0, y0, w2 * y2) + fmaf(w1, y1, w3 * y3));
+}
+
 #define COL_TERM(k) const float *x##k = xb + (r + k) * C; const float w##k = wt[r + k], v##k = w##k * w##k;
 
 void varn_col_sums(const float *restrict x, const float *restrict w, long n, long R, long C, float *restrict s1, float *restrict s2) {
@@ -23,20 +32,9 @@ void varn_col_sums(const float *restrict x, const float *restrict w, long n, lon
       COL_TERM(0) COL_TERM(1) COL_TERM(2) COL_TERM(3) COL_TERM(4) COL_TERM(5) COL_TERM(6) COL_TERM(7)
       for (long c = 0; c < C; c++) {
         const float y0 = x0[c], y1 = x1[c], y2 = x2[c], y3 = x3[c], y4 = x4[c], y5 = x5[c], y6 = x6[c], y7 = x7[c];
-        float a = a1[c];
-        a = fmaf(w6, y6, a);
-        a = fmaf(w4, y4, a);
-        a = a + fmaf(w5, y5, w7 * y7);
-        a = a + (fmaf(w0, y0, w2 * y2) + fmaf(w1, y1, w3 * y3));
-        a1[c] = a;
-        const float q0 = y0 * y0, q1 = y1 * y1, q2 = y2 * y2, q3 = y3 * y3;
-        const float q4 = y4 * y4, q5 = y5 * y5, q6 = y6 * y6, q7 = y7 * y7;
-        float b = a2[c];
-        b = fmaf(v6, q6, b);
-        b = fmaf(v4, q4, b);
-        b = b + fmaf(v5, q5, v7 * q7);
-        b = b + (fmaf(v0, q0, v2 * q2) + fmaf(v1, q1, v3 * q3));
-        a2[c] = b;
+        a1[c] = block8(a1[c], w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, y4, y5, y6, y7);
+        a2[c] = block8(a2[c], v0, v1, v2, v3, v4, v5, v6, v7,
+                       y0 * y0, y1 * y1, y2 * y2, y3 * y3, y4 * y4, y5 * y5, y6 * y6, y7 * y7);
       }
     }
   }
