@@ -305,11 +305,8 @@ def _keep_broader_set(dest: Path, comp: dict[str, Any]) -> str | None:
     ``dest/previous/`` (replacing an older one there) instead of deleting them, and say so."""
     if not comp.get("complete") or not holds_complete_set(dest):
         return None
-    try:
-        old = (read_json(dest / "leaderboard.json").get("completeness") or {})
-        old_n, new_n = int(old.get("expected") or 0), int(comp.get("expected") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
+    old = read_json(dest / "leaderboard.json").get("completeness") or {}  # readable: holds_complete_set
+    old_n, new_n = int(old.get("expected") or 0), int(comp.get("expected") or 0)
     if old_n <= new_n:
         return None
     prev = dest / PREVIOUS_DIR
