@@ -1377,7 +1377,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         t_report = min(t_report, prog.report_started)  # the report step counts from the last test's end
     try:
         res = write_results(config, session, exitstatus)
-        if res.note and "could not write results to" in res.note and int(session.exitstatus) == 0:
+        if res.fallback and int(session.exitstatus) == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED  # saved, but not where asked: CI must notice
     except Exception as e:  # never lose the session to a report bug; say what happened
         tr = config.pluginmanager.get_plugin("terminalreporter")

@@ -63,6 +63,8 @@ class ResultSet:
     out_dir: Path | None = None
     completeness: dict[str, Any] = field(default_factory=dict)
     note: str | None = None
+    #: the destination could not be written: the set is in a temporary folder (``out_dir``; ``note`` says so)
+    fallback: bool = False
 
 
 def record_sort_key(r: dict[str, Any]) -> tuple:
@@ -327,7 +329,7 @@ def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figure
     note = (f"kvqbench: could not write results to {dest} ({type(err).__name__}: {err.strerror or err}); "
             f"saved them to {fb} instead")
     log(note)
-    return ResultSet([str(p) for p in written], board, fb, comp, note)
+    return ResultSet([str(p) for p in written], board, fb, comp, note, fallback=True)
 
 
 def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None,
