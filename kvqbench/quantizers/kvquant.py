@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics import dense_sparse
 from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, kmeans_sorted, sorted_samples
 from kvqbench.quantizers.base import (
@@ -94,6 +95,108 @@ def distinct_levels(cb: torch.Tensor) -> torch.Tensor:
 
 def _index_bits(n: int) -> int:
     return 16 if n <= 1 << 16 else 32
+
+
+def _split_and_snap(q: "KVQuant", vec: torch.Tensor, cb: torch.Tensor, codes: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+    """The torch steps of one block of :meth:`KVQuant._quantize`: split the vectors ``vec`` ``[B, rows, n]``
+    (fp32), normalize them and write the codes of the layer codebooks ``cb`` ``[B, 2^b]`` into ``codes``
+    ``[B, rows, n]`` (uint8). Returns ``(out_idx, lo, mid, half, outlier values)`` (:meth:`KVQuant._split`)."""
+    b_ = vec.shape[0]
+    out_idx, lo, mid, half = q._split(vec)
+    y = q._normalize(vec, mid, half)
+    assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8, out=codes.view(b_, -1))
+    return out_idx, lo, mid, half, torch.gather(vec, -1, out_idx)
+
+
+def _redo(q: "KVQuant", vec: torch.Tensor, cb: torch.Tensor, codes: torch.Tensor, done: tuple[torch.Tensor, ...],
+          declined: torch.Tensor) -> None:
+    """:func:`_split_and_snap` on the vectors of ``vec`` ``[B, rows, n]`` that the compiled kernel declined
+    (``declined`` ``[B, rows]`` bool), each as a layer of its own with its layer's codebook; writes their
+    codes into ``codes`` and their ``(out_idx, lo, mid, half, values)`` into ``done`` (every step is per
+    vector, so a vector's results do not depend on the other vectors of its call)."""
+    b, r = declined.nonzero(as_tuple=True)
+    sub_codes = torch.empty(b.numel(), 1, vec.shape[-1], dtype=torch.uint8, device=vec.device)
+    redone = _split_and_snap(q, vec[b, r].unsqueeze(1), cb[b], sub_codes)
+    codes[b, r] = sub_codes[:, 0]
+    for into, got in zip(done, redone):
+        into[b, r] = got[:, 0].to(into.dtype)
+
+
+#: whether :func:`kvqbench.numerics.dense_sparse.quantize_rows` gave :func:`_split_and_snap`'s bits (checked
+#: once per process: :func:`_compiled_ok`)
+_COMPILED: dict[str, bool] = {}
+
+
+def _probe_vectors(gen: torch.Generator, layers: int, rows: int, n: int) -> torch.Tensor:
+    """Vectors ``[layers, rows, n]`` for :func:`_compiled_ok` without ties at a tail's boundary: Gaussian over six
+    decades of scale, heavy-tailed (Cauchy), all negative, all positive, a constant dense part with distinct
+    outliers (half-range 0), subnormal values, huge values (``hi − lo`` overflows), sorted ascending and
+    descending (every value a new candidate)."""
+    x = torch.randn(layers, rows, n, generator=gen) * torch.exp(torch.randn(layers, rows, 1, generator=gen) * 3)
+    r = x[0]
+    r[1] = torch.distributions.Cauchy(0.0, 1.0).sample((n,))
+    r[2] = -r[2].abs() - 0.1
+    r[3] = r[3].abs() + 0.1
+    r[4] = 1.5
+    r[4, : n // 2 : 7] = torch.arange(len(range(0, n // 2, 7)), dtype=torch.float32) + 10
+    r[4, n // 2 :: 7] = -torch.arange(len(range(n // 2, n, 7)), dtype=torch.float32) - 10
+    r[5] = torch.randn(n, generator=gen) * 1e-40
+    r[6] = torch.randn(n, generator=gen).sign() * torch.linspace(1e38, 3e38, n)
+    r[7] = torch.linspace(-3, 5, n)
+    r[8] = torch.linspace(4, -2, n)
+    return x
+
+
+def _same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
+    return all(a.dtype == b.dtype and a.shape == b.shape
+               and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+               for a, b in zip(got, want, strict=True))
+
+
+def _compiled_ok() -> bool:
+    """Whether :func:`~kvqbench.numerics.dense_sparse.quantize_rows` reproduces :func:`_split_and_snap` bit for
+    bit (codes, outlier indices and values, dense minimum, midpoint, half-range) on :func:`_probe_vectors`
+    at 1..8 bits with per-layer and shared codebooks, and declines exactly the vectors with tied tails, a NaN or
+    an infinity (which :func:`_redo` then gives the torch steps' bits): checked once per process (then :meth:`KVQuant._quantize` uses it for the fp32 blocks it takes);
+    ``False`` without a compiled kernel."""
+    if "ok" not in _COMPILED:
+        _COMPILED["ok"] = False
+        if not dense_sparse.available():
+            return False
+        gen = torch.Generator().manual_seed(2401)
+        for n, frac in ((300, 0.05), (129, 0.02), (64, 0.04), (5, 0.4)):
+            q = KVQuant(outlier_frac=frac)
+            k = outlier_count_per_tail(n, frac)
+            for bits in range(1, 9):
+                x = _probe_vectors(gen, 2, 10, n) if n >= 16 else torch.randn(2, 10, n, generator=gen)
+                cb, _ = torch.sort(torch.randn(2, 2**bits, generator=gen), -1)
+                if bits == 2:
+                    cb = cb[:1].expand(2, -1)
+                want_codes = torch.full(x.shape, 7, dtype=torch.uint8)
+                want = _split_and_snap(q, x, cb, want_codes)
+                got_codes = torch.full(x.shape, 9, dtype=torch.uint8)
+                mids = (cb[:, 1:] + cb[:, :-1]).div_(2).contiguous()
+                got = dense_sparse.quantize_rows(x, k, mids, got_codes)
+                if got is None or got[1] is not None or not _same_bits((got_codes, *got[0]), (want_codes, *want)):
+                    return False
+            # a NaN, an infinity, tied tails: declined (then redone with the torch steps, as :meth:`_quantize`)
+            x = torch.randn(1, 4, n, generator=gen)
+            x[0, 1, n // 2], x[0, 2, n // 3] = float("nan"), float("-inf")
+            x[0, 3] = x[0, 3].round()  # few distinct values: the tails tie
+            x[0, 3, 0] = x[0, 3, 1] = x[0, 3].max()
+            cb, _ = torch.sort(torch.randn(1, 4, generator=gen), -1)
+            want_codes = torch.full(x.shape, 7, dtype=torch.uint8)
+            want = _split_and_snap(q, x, cb, want_codes)
+            got_codes = torch.full(x.shape, 9, dtype=torch.uint8)
+            got = dense_sparse.quantize_rows(x, k, (cb[:, 1:] + cb[:, :-1]).div_(2).contiguous(), got_codes)
+            if got is None or got[1] is None or got[1].tolist() != [[False, True, True, True]]:
+                return False
+            _redo(q, x, cb, got_codes, got[0], got[1])
+            if not _same_bits((got_codes, *got[0]), (want_codes, *want)):
+                return False
+        _COMPILED["ok"] = True
+    return _COMPILED["ok"]
 
 
 @register
@@ -428,13 +531,19 @@ class KVQuant(Quantizer):
         # per-vector results are full size
         vecs = self._vectors(body, kind)  # [B, n_vec, n]: K's one transposed copy, V's view
         codes = torch.empty(b_, n_vec, n, dtype=torch.uint8, device=x.device)
+        n_tail = outlier_count_per_tail(n, self.outlier_frac)
+        mids = (cb[:, 1:] + cb[:, :-1]).div_(2).contiguous() if n_tail and _compiled_ok() else None
         parts = []
         for rows in self._blocks(n_vec, n, b_):
             vec = vecs[:, rows]
-            out_idx, lo, mid, half = self._split(vec)
-            y = self._normalize(vec, mid, half)
-            assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8, out=codes[:, rows].view(b_, -1))
-            parts.append((out_idx, lo, mid, half, torch.gather(vec, -1, out_idx)))
+            fused = None if mids is None else dense_sparse.quantize_rows(vec, n_tail, mids, codes[:, rows])
+            if fused is None:
+                parts.append(_split_and_snap(self, vec, cb, codes[:, rows]))
+                continue
+            done, declined = fused
+            if declined is not None:  # tied tails, zero lo/hi, NaN/Inf: those vectors take the torch steps
+                _redo(self, vec, cb, codes[:, rows], done, declined)
+            parts.append(done)
         out_idx, lo, mid, half, outlier_value = (torch.cat(p, 1) for p in zip(*parts))
         # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
         check_finite(x, *sink, lo, mid, outlier_value, name=kind.upper())
