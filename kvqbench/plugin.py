@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, SIZES, Cell, parse_bits, parse_seeds
-from kvqbench.progress import Progress, coarse_kind_of, hms, load_prior
+from kvqbench.progress import HISTORY_VERSION, Progress, coarse_kind_of, hms, load_prior
 from kvqbench.report.results import BENCHMARK_JSON
 
 RECORD_KEY = "kvqbench"
@@ -432,7 +432,7 @@ def _load_history(config: pytest.Config) -> dict:
         h = cache.get(DURATIONS_CACHE_KEY, {})
     except Exception:  # a corrupt cache never breaks a run
         return {}
-    return h if isinstance(h, dict) and h.get("version") == 1 else {}
+    return h if isinstance(h, dict) and h.get("version") == HISTORY_VERSION else {}
 
 
 def _save_history(config: pytest.Config, prog: Progress) -> None:

@@ -57,7 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
-           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR"]
+           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR",
+           "HISTORY_VERSION", "HISTORY_NEW"]
 
 _TAGS = ("real", "synthetic", "full", "smoke")
 
@@ -72,6 +73,11 @@ SPEED_MEMORY_S = 20.0
 #: median of the later ones as ``kind + AGAIN``
 PER_WORKER_STEPS: tuple[str, ...] = ("capture|", "model|")
 AGAIN = "|again"
+#: the format of :meth:`Progress.updated_history` (2: every run's seconds on the tables' scale, blended);
+#: a history of another version is not read
+HISTORY_VERSION = 2
+#: the weight of a run's (rescaled) seconds against the value already kept, in the log
+HISTORY_NEW = 0.5
 #: one finished test moves a group's recent speed by at most this much (log): an outlier is not a new speed
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
@@ -562,21 +568,54 @@ class Progress:
                 f"ETA {hms(eta) if eta is not None else '?'}{note}")
 
     # ---------------------------------------------------------------- history
+    def run_scale(self) -> float:
+        """This run's seconds per table second: the median of measured/base over its finished tests that
+        the tables know, weighted by their base seconds (so a slow phase of short tests does not decide it);
+        1 with none. Clamped to [0.05, 20]."""
+        obs = [(d / b, b) for _, b, d in self.observed if b > 0 and d > 0]
+        if not obs:
+            return 1.0
+        return min(max(weighted_median([r for r, _ in obs], [w for _, w in obs]), 0.05), 20.0)
+
     def updated_history(self, base: dict | None = None, max_tests: int = 50_000) -> dict:
-        """The history to keep for the next run: this run's per-test seconds merged over ``base`` (the
-        cache as it is now, which another session may have updated meanwhile; default the history this
-        run started with), per-kind medians, and per-step medians."""
+        """The history to keep for the next run, on the tables' scale: this run's seconds divided by
+        :meth:`run_scale` (a run on a busy or slower machine keeps its tests' *relative* durations, the
+        next run measures its own speed), each blended with the value already kept for it —
+        ``exp(HISTORY_NEW·log new + (1 − HISTORY_NEW)·log old)``, so one run's odd phase (a load that came
+        and went) moves an entry only part of the way — and merged over ``base`` (the cache as it is now,
+        which another session may have updated meanwhile; default the history this run started with); the
+        same for the per-kind medians and the per-step medians. A run that did not finish every test
+        (interrupted, ``-x``) keeps no report step: its results and figures cover only part of the cells."""
         old = (self.history if base is None else base) or {}
-        tests = {**(old.get("tests") or {}), **{k: round(v, 4) for k, v in self.measured.items()}}
+        scale = self.run_scale()
+
+        def merged(table: dict, new: dict[str, float]) -> dict:
+            out = dict(table or {})
+            for k, v in new.items():
+                v = max(v, 0.0) / scale
+                prev = out.get(k)
+                if isinstance(prev, (int, float)) and prev > 0 and v > 0:
+                    v = math.exp(HISTORY_NEW * math.log(v) + (1 - HISTORY_NEW) * math.log(float(prev)))
+                out.pop(k, None)  # re-inserted: the newest entries last (kept when trimming)
+                out[k] = round(v, 4)
+            return out
+
+        tests = merged(old.get("tests"), self.measured)
         if len(tests) > max_tests:  # keep the newest entries
             tests = dict(list(tests.items())[-max_tests:])
-        kinds = {**(old.get("kinds") or {}), **{k: round(_median(v), 4) for k, v in self.durations.items() if v}}
-        steps = {**(old.get("steps") or {}), **{k: round(_median(v), 4) for k, v in self.steps.items() if v}}
-        for k, v in self.steps.items():  # a once-per-worker step: the run's first (the work) and the others
-            if k.startswith(PER_WORKER_STEPS) and v:
-                steps[k] = round(v[0], 4)
+        kinds = merged(old.get("kinds"), {k: _median(v) for k, v in self.durations.items() if v})
+        complete = self.done >= self.total
+        new_steps: dict[str, float] = {}
+        for k, v in self.steps.items():
+            if not v or (k.startswith("report|") and not complete):
+                continue
+            if k.startswith(PER_WORKER_STEPS):  # a once-per-worker step: the run's first (the work), the others
+                new_steps[k] = v[0]
                 if len(v) > 1:
-                    steps[k + AGAIN] = round(_median(v[1:]), 4)
+                    new_steps[k + AGAIN] = _median(v[1:])
+            else:
+                new_steps[k] = _median(v)
+        steps = merged(old.get("steps"), new_steps)
         cells = {**(old.get("step_cells") or {}),
-                 **{k: self.cells for k, v in self.steps.items() if v and k.startswith("report|") and self.cells}}
-        return {"version": 1, "tests": tests, "kinds": kinds, "steps": steps, "step_cells": cells}
+                 **{k: self.cells for k in new_steps if k.startswith("report|") and self.cells}}
+        return {"version": HISTORY_VERSION, "tests": tests, "kinds": kinds, "steps": steps, "step_cells": cells}

@@ -26,7 +26,9 @@ the ETA have been on a first run / a second run" without running it again. ``--s
 (repeatable) multiplies every prior/history entry (test, kind, step) whose key contains TEXT by FACTOR —
 a prior that is off for one kind, e.g. ``--scale-prior test_exp5 2`` — and reports, besides the summary,
 the share of lines within ±30 % from the 10th finished test matching TEXT on (does the ETA converge once
-that kind runs?).
+that kind runs?). ``--after TRACE`` (repeatable) replays other traced sessions first, in order, each keeping
+its history as the plugin does at a session's end, and scores LOG from the history they left: "how good is
+the ETA of a run that follows a loaded run and an interrupted one?".
 """
 
 from __future__ import annotations
@@ -124,6 +126,23 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
     Raises:
         ValueError: no ``collected`` event in the trace.
     """
+    rows, end, _ = _feed(events, history, prior, every)
+    return rows, end
+
+
+def history_after(traces: list[list[list]], history: dict | None = None, prior: dict | None = None) -> dict:
+    """The history the plugin would keep after the traced sessions ``traces`` ran one after the other
+    (each starting from the history the previous one kept, the first from ``history``, default none):
+    :meth:`kvqbench.progress.Progress.updated_history` at the end of each."""
+    h = history or {}
+    for events in traces:
+        _, _, p = _feed(events, h, prior, 1e9)
+        h = p.updated_history(base=h)
+    return h
+
+
+def _feed(events: list[list], history: dict | None, prior: dict | None, every: float):
+    """:func:`replay`'s rows and end, and the :class:`~kvqbench.progress.Progress` fed with the session."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvqbench.progress import Progress, load_prior
 
@@ -168,7 +187,7 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
             p.set_queues(e[1], e[2])
         elif e[0] == "step":
             p.step(e[1], e[2], e[3], e[4] if len(e) > 4 else None)
-    return rows, end - t0
+    return rows, end - t0, p
 
 
 def scaled(table: dict, text: str, factor: float) -> dict:
@@ -201,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --replay: the history to start from (pytest cache file, or 'none'; default: the recorded one)")
     ap.add_argument("--prior", default=None, metavar="FILE",
                     help="with --replay: the prior table (default: the committed kvqbench/data/eta_prior.json; 'none')")
+    ap.add_argument("--after", action="append", default=[], metavar="TRACE",
+                    help="with --replay: first replay this traced session (repeatable, in order), each keeping its "
+                         "history as the plugin would, starting from --history (default: none); LOG then starts "
+                         "from the history they kept — how good is the ETA after such runs?")
     ap.add_argument("--every", type=float, default=10.0, help="with --replay: seconds between ETA lines (10)")
     ap.add_argument("--scale-prior", nargs=2, action="append", default=[], metavar=("TEXT", "FACTOR"),
                     help="with --replay: multiply the prior/history entries whose key contains TEXT by FACTOR "
@@ -218,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                 for text, factor in a.scale_prior:
                     prior = scaled(prior, text, float(factor))
                     history = None if history is None else scaled(history, text, float(factor))
+            if a.after:
+                history = history_after([[json.loads(ln) for ln in Path(t).read_text().splitlines() if ln.strip()]
+                                         for t in a.after], history, prior)
             rows, end = replay(events, history, prior, a.every)
         else:
             rows, end = parse(a.log.read_text(errors="replace"))

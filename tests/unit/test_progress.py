@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import random
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench.progress import Progress, coarse_kind_of, hms, kind_of
+from kvqbench.progress import HISTORY_NEW, HISTORY_VERSION, Progress, coarse_kind_of, hms, kind_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -197,6 +198,9 @@ def test_report_step_scales_with_the_cells_and_the_runs_speed():
         assert p.eta(2.0) == pytest.approx(49 * 2.0 + expected)
     assert p.updated_history()["step_cells"] == {}  # no report measured yet
     p.step("report|real-full", 12.0)
+    assert p.updated_history()["step_cells"] == {}  # a run that did not finish its tests keeps no report
+    for n in ids[1:]:
+        p.finished(n, 2.0)
     assert p.updated_history()["step_cells"]["report|real-full"] == 50
 
 
@@ -322,8 +326,41 @@ def test_report_step_is_added_once_and_counts_down_after_the_last_test():
     assert p.eta(14.0) == pytest.approx(0.25 * (10.0 - 6.0))  # overran by 4 s: a quarter of that again
     p.step("report|synthetic-smoke", 7.0)
     h = p.updated_history()
-    assert h["tests"] == {ids[0]: 4.0} and h["steps"] == {"report|synthetic-smoke": 7.0}
+    # the run ran at the history's speed (4 s for 4 s): the new report seconds blended with the kept ones
+    w = HISTORY_NEW
+    assert h["tests"] == {ids[0]: 4.0}
+    assert h["steps"] == {"report|synthetic-smoke": pytest.approx(math.exp(w * math.log(7.0) + (1 - w) * math.log(6.0)),
+                                                                  abs=1e-4)}
     assert h["kinds"] == {"t.py::test_a|m|synthetic-smoke": 4.0}
+
+
+def test_history_keeps_a_slower_runs_seconds_on_the_tables_scale_blended_with_what_it_had():
+    """A run 2× slower than the tables (a busy machine) keeps its tests' relative durations at the tables'
+    speed: the next run, quiet, is not charged the busy run's seconds for some tests and the prior's for others.
+    An entry the history already had moves towards the new value by HISTORY_NEW in the log."""
+    a, b, c = "t.py::test_a[1]", "t.py::test_a[2]", "t.py::test_b"
+    prior = {"version": 1, "tests": {a: 1.0, b: 3.0, c: 10.0}, "kinds": {}, "steps": {"capture|real-full": 5.0}}
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, prior=prior, trace_path=None)
+    p.collected([a, b, c])
+    p.step("capture|real-full", 10.0, 0.0, a)
+    p.finished(a, 2.0, 12.0)
+    p.finished(b, 6.0, 18.0)  # interrupted before c
+    assert p.run_scale() == pytest.approx(2.0)
+    h = p.updated_history()
+    assert h["version"] == HISTORY_VERSION
+    assert h["tests"] == {a: pytest.approx(1.0), b: pytest.approx(3.0)}
+    assert h["steps"] == {"capture|real-full": pytest.approx(5.0)}
+    # the next run reads a history where a took 4 s; a has become 2× faster, b and c run as the tables say:
+    # the run's scale is 1 (the median of measured/base weighted by base seconds), a's entry moves half-way
+    q = Progress(interval_s=0, t0=0.0, t_run=0.0, prior=prior, history={**h, "tests": {a: 4.0, b: 3.0}},
+                 trace_path=None)
+    q.collected([a, b, c])
+    for n, d in ((a, 2.0), (b, 3.0), (c, 10.0)):
+        q.finished(n, d)
+    assert q.run_scale() == pytest.approx(1.0)
+    w = HISTORY_NEW
+    assert q.updated_history()["tests"] == {a: pytest.approx(math.exp(w * math.log(2.0) + (1 - w) * math.log(4.0)),
+                                                             abs=1e-4), b: 3.0, c: 10.0}
 
 
 def test_a_suites_report_is_a_step_of_its_own_and_falls_back_to_the_cells_alone():
@@ -514,6 +551,43 @@ def test_a_kind_whose_prior_is_off_by_a_large_factor_converges_once_it_runs(tmp_
                 if e[1] == "finished" and "test_y" in e[2])
     errs = [abs(eta - (end - t)) / (end - t) for t, eta in samples if ys[9] <= t <= 0.85 * end]
     assert len(errs) >= 10 and sum(e <= 0.3 for e in errs) >= 0.9 * len(errs), [round(e, 2) for e in errs]
+
+
+def test_eta_after_a_busy_interrupted_run_stays_within_30_percent():
+    """A run on a machine 3× busier than the prior's, interrupted after its first 30 % of tests, keeps those
+    tests' durations on the prior's scale: the next (quiet) run is not charged 3× for them and 1× for the
+    others — with the raw seconds kept, its speed learned on the first tests (measured 1, history 3) would
+    make every later, prior-based test 3× too cheap."""
+    _, _, reference = _simulate(None, speed=1.0, seed=11)
+    prior = reference.updated_history()
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, workers=2, prior=prior, trace_path=None)
+    p.collected(list(prior["tests"]))
+    t = 0.0
+    for n in list(prior["tests"])[: int(0.3 * len(prior["tests"]))]:
+        t += 3.0 * prior["tests"][n]
+        p.finished(n, 3.0 * prior["tests"][n], now=t)
+    assert p.run_scale() == pytest.approx(3.0, rel=1e-3)
+    history = p.updated_history()
+    samples, end, _ = _simulate(history, speed=1.0, seed=12, prior=prior)
+    errs = [abs(eta - (end - t)) / (end - t) for t, eta in samples if t >= 0.2 * end and end - t >= 5.0]
+    assert errs and max(errs) <= 0.30, [round(e, 2) for e in errs]
+
+
+def test_history_after_chains_traced_sessions_as_the_plugin_does(tmp_path):
+    """scripts/eta_error.py --after: replaying sessions one after the other keeps the history the plugin
+    would have kept (each Progress.updated_history over the previous one)."""
+    _, _, reference = _simulate(None, speed=1.0, seed=5)
+    prior = reference.updated_history()
+    traces = []
+    for i, speed in enumerate((2.0, 1.3)):
+        trace = tmp_path / f"run{i}.trace"
+        _simulate(None if i == 0 else traces[-1][1], speed=speed, seed=20 + i, prior=prior, trace=str(trace))
+        events = [json.loads(ln) for ln in trace.read_text().splitlines()]
+        live = _eta_script().history_after([events], traces[-1][1] if traces else {}, prior)
+        traces.append((events, live))
+    chained = _eta_script().history_after([e for e, _ in traces], {}, prior)
+    assert chained == traces[-1][1]
+    assert chained["tests"] and all(v > 0 for v in chained["tests"].values())
 
 
 def test_replaying_a_trace_gives_the_live_etas(tmp_path):
