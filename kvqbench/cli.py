@@ -171,8 +171,6 @@ def plugin_options_help() -> str:
 
 
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
-    import pytest
-
     tests = Path(args.tests)
     if not tests.exists():
         print(f"kvqbench run: {tests}/ not found — run from the kvqbench repository root, or pass --tests DIR",
@@ -209,6 +207,22 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     cmd += extra
     steady_allocator_for_workers(os.environ)
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
+    return _pytest_main(cmd)
+
+
+def _pytest_main(cmd: list[str]) -> int:
+    """``pytest.main(cmd)``, with usage errors headed ``kvqbench run`` rather than ``pytest.main()`` (pytest's
+    internal ``_main`` takes the program name; ``pytest.main`` where that entry point is missing)."""
+    import inspect
+
+    import pytest
+
+    try:
+        from _pytest.config import _main
+    except ImportError:
+        _main = None
+    if _main is not None and {"args", "prog"} <= set(inspect.signature(_main).parameters):
+        return int(_main(args=cmd, prog="kvqbench run"))
     return int(pytest.main(cmd))
 
 

@@ -151,11 +151,11 @@ def test_run_help_lists_every_plugin_option_with_its_default(capsys, pytestconfi
 
 @pytest.fixture
 def pytest_calls(monkeypatch, tmp_path) -> list[list[str]]:
-    """The argument lists ``kvqbench run`` passes to ``pytest.main`` (stubbed), from an empty checkout."""
-    import pytest as pytest_mod
+    """The argument lists ``kvqbench run`` passes to pytest (stubbed), from an empty checkout."""
+    import kvqbench.cli as cli_mod
 
     calls: list[list[str]] = []
-    monkeypatch.setattr(pytest_mod, "main", lambda args: calls.append(list(args)) or 0)
+    monkeypatch.setattr(cli_mod, "_pytest_main", lambda args: calls.append(list(args)) or 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
     return calls
@@ -215,6 +215,21 @@ def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, mon
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_run_usage_errors_name_kvqbench_run():
+    """A bad option is reported by pytest's own parser, under the command the user typed (not
+    ``pytest.main()``), with exit status 4 (pytest's usage error)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--kvq-bits", "2,,4"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert out.returncode == 4, text
+    assert "usage: kvqbench run [options]" in text and "kvqbench run: error: argument --kvq-bits" in text
+    assert "pytest.main()" not in text
+
+
 def test_merge_of_no_shard_folder_exits_2(tmp_path, capsys):
     assert main(["merge", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no shard.json" in capsys.readouterr().err
@@ -225,12 +240,11 @@ def test_run_starts_its_workers_with_the_steady_allocator(monkeypatch, tmp_path)
     steady-allocator tunables; a tunable the user already set is kept and wins."""
     import os
 
-    import pytest as pytest_mod
-
+    import kvqbench.cli as cli_mod
     from kvqbench.perf import STEADY_TUNABLES
 
     seen = []
-    monkeypatch.setattr(pytest_mod, "main", lambda args: seen.append(os.environ.get("GLIBC_TUNABLES")) or 0)
+    monkeypatch.setattr(cli_mod, "_pytest_main", lambda args: seen.append(os.environ.get("GLIBC_TUNABLES")) or 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
