@@ -746,6 +746,11 @@ def _place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     ax.text(1.01, top, f"{key_title}:\n" + key, transform=ax.transAxes, fontsize=fontsize, va="top", ha="left")
 
 
+#: two curves of ``mse_vs_bits`` whose points all differ by less than this share lie on top of each other
+#: (a 2 % step is about a line width on its log axis spanning 7 decades)
+COINCIDE_REL = 0.02
+
+
 def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out: Path) -> Path | None:
     exp1 = (sd.get("stats") or {}).get("exp1") or {}
     panels = [("k", "K"), ("v", "V")]
@@ -785,6 +790,11 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
                 ax.plot([c[0] for c in cut], [c[1] for c in cut], linestyle="none", marker="v", markersize=5,
                         color=st["color"], label=f"_CI reaches 0: {m}", zorder=4)
         ax.set_yscale("log")
+        for i, group in enumerate(coinciding({m: [(b, y) for b, y, _ in pts if y > 0]
+                                              for m, pts in data[kv].items()})):
+            # curves drawn over one another: only the last one drawn shows, so the others are named
+            ax.text(0.02, 0.02 + 0.06 * i, "on top of each other: " + ", ".join(group), transform=ax.transAxes,
+                    ha="left", va="bottom", fontsize=8, color="dimgrey")
         _bits_axis(ax, [float(b) for b in bits])
         ax.set_xlabel("bits per element (nominal bit-width of the setting)")
         ax.set_title(f"{KV} reconstruction")
@@ -798,6 +808,24 @@ def _fig_mse_vs_bits(plt: Any, src: str, sd: dict[str, Any], style: _Style, out:
                  f"wider than their mean), which a log axis cannot draw;\nits whisker stops at mean / {_CI_CUT:g} "
                  f"and the ▼ says the CI goes on down", ha="center", va="top", fontsize=8, color="dimgrey")
     return _finish(fig, out / f"mse_vs_bits_{src}.png")
+
+
+def coinciding(curves: dict[str, list[tuple[float, float]]], rel: float = COINCIDE_REL) -> list[list[str]]:
+    """Groups (two or more, sorted; groups in order of their first name) of the curves ``{name: [(x, y)]}`` that
+    lie on top of each other: the same x values and every y within ``rel`` of the other's (relative to the
+    larger). Each curve joins the first group whose first curve it matches."""
+    groups: list[list[str]] = []
+    pts = {m: sorted(v) for m, v in curves.items() if v}
+    for m in sorted(pts):
+        for g in groups:
+            a, b = pts[g[0]], pts[m]
+            if [x for x, _ in a] == [x for x, _ in b] and all(
+                    abs(ya - yb) <= rel * max(abs(ya), abs(yb)) for (_, ya), (_, yb) in zip(a, b, strict=True)):
+                g.append(m)
+                break
+        else:
+            groups.append([m])
+    return [g for g in groups if len(g) > 1]
 
 
 #: where the lower whisker of a CI that reaches 0 stops on the log axis of ``mse_vs_bits`` (mean / this)
@@ -1147,7 +1175,12 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         lo, hi = _mass_range([d for d in drawn.values()])
         outside = []
         merged = set()
+        one_bin: dict[tuple[float, float], list[str]] = {}  # a density all in one bin: below the resolution
         for kv, (edges, dens) in drawn.items():
+            shares = [d * (b - a) for a, b, d in zip(edges, edges[1:], dens, strict=False)]
+            top = max(range(len(shares)), key=shares.__getitem__, default=None)
+            if top is not None and shares[top] >= 0.995:
+                one_bin.setdefault((edges[top], edges[top + 1]), []).append(kv)
             # the drawn density integrates to the share inside the bins: the rest is under/overflow
             share_out = 1.0 - _mass_within(edges, dens, lo, hi)
             if share_out > 0.005:
@@ -1165,7 +1198,7 @@ def _fig_norm_density(plt: Any, src: str, sd: dict[str, Any], exp3: dict[str, An
         ax.set_xlim(lo, hi)
         ax.xaxis.set_major_locator(plt.MaxNLocator(5))
         ax.axvline(0, color="grey", linewidth=0.6)
-        lines = []
+        lines = [f"{', '.join(kvs_)}: all tokens in [{a:g}, {b:g})" for (a, b), kvs_ in one_bin.items()]
         if outside:
             line = ", ".join(outside)
             lines += ["off scale: " + line] if len(line) <= 28 else ["off scale: " + outside[0], *outside[1:]]

@@ -619,3 +619,40 @@ def test_density_panel_merges_zig_zagging_bins_and_says_so(tmp_path, monkeypatch
     total = sum(zig)
     for i, v in enumerate(vals):  # each merged bin: the two record bins' share over their joint width
         assert v == pytest.approx((zig[2 * i] + zig[2 * i + 1]) / total / 0.25)
+
+
+def test_coinciding_names_curves_drawn_over_one_another():
+    """Curves with the same x values and every y within 2 % (of the larger) are one group; a curve 2.4 % off at
+    one point, or with another x, is not (each compared with its group's first curve); groups are sorted, in order of their first name."""
+    from kvqbench.report.plots import coinciding
+
+    base = [(2, 1.0), (3, 0.1), (4, 0.01)]
+    curves = {"b": base, "a": [(x, y * 1.015) for x, y in base], "c": [(2, 1.0), (3, 0.104), (4, 0.01)],
+              "d": base[:2], "e": [(2, 5.0)], "f": [(2, 5.05)]}
+    assert coinciding(curves) == [["a", "b"], ["e", "f"]]
+    assert coinciding(curves, rel=0.05) == [["a", "b", "c"], ["e", "f"]]
+    assert coinciding({"x": base}) == []
+
+
+def test_figures_name_what_they_cannot_show(rendered):
+    """mse_vs_bits names the methods whose curves lie on top of each other in a panel (only the last one drawn
+    shows); the density panel of a method whose tokens all fall in one bin says which bin (the bar beside 0
+    is the bin [0, w), not a difference of w/2)."""
+    from kvqbench.report.plots import coinciding
+
+    _, figs, _ = rendered
+    for ax in figs["mse_vs_bits_synthetic.png"].axes[:2]:
+        curves = {c.get_label(): list(zip(c.lines[0].get_xdata(), c.lines[0].get_ydata(), strict=True))
+                  for c in ax.containers}
+        notes = sorted(t.get_text() for t in ax.texts if t.get_text().startswith("on top of each other: "))
+        assert notes == sorted("on top of each other: " + ", ".join(g) for g in coinciding(curves))
+    dens = {ax.get_title(): ax for ax in figs["norm_diff_density_synthetic.png"].axes if ax.get_title()}
+    assert "fp16" in dens
+    for m, ax in dens.items():
+        one = [t.get_text() for t in ax.texts if "all tokens in [" in t.get_text()]
+        stairs = [p.get_data() for p in ax.patches if hasattr(p, "get_data")]
+        in_one = {(float(d.edges[i]), float(d.edges[i + 1])) for d in stairs for i in range(len(d.values))
+                  if d.values[i] * (d.edges[i + 1] - d.edges[i]) >= 0.995}
+        assert bool(one) == bool(in_one), (m, one, in_one)
+        for a, b in in_one:
+            assert any(f"all tokens in [{a:g}, {b:g})" in t for t in one)
