@@ -31,7 +31,7 @@ from kvqbench.report.results import (
 )
 
 __all__ = ["MergeError", "Shard", "read_shard", "check_compatible", "merged_provenance", "merge_shards",
-           "MergeResult", "CHECKED", "merge_benchmark_json"]
+           "MergeResult", "CHECKED", "merge_benchmark_json", "missing_cells_note"]
 
 #: provenance fields every shard must agree on, with the words the error uses
 CHECKED: tuple[tuple[str, str], ...] = (
@@ -304,6 +304,20 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
         if bench is not None:
             res.paths.append(str(bench))
     if missing:
-        log(f"kvqbench merge: {len(missing)} of {len(cells)} cells missing: " + ", ".join(missing[:10])
-            + (" …" if len(missing) > 10 else ""))
+        log(missing_cells_note(missing, len(cells)))
     return MergeResult(res, missing, missing_shards)
+
+
+def missing_cells_note(missing: list[str], total: int, show: int = 10) -> str:
+    """The lines that name a merge's missing cells: how many, per test function, then the first ``show`` node
+    ids one per line (the full list is the result's ``completeness.not_run_ids``)."""
+    per_test: dict[str, int] = {}
+    for n in missing:
+        fn = n.split("::", 1)[-1].split("[", 1)[0]
+        per_test[fn] = per_test.get(fn, 0) + 1
+    lines = [f"kvqbench merge: {len(missing)} of {total} cells missing ("
+             + ", ".join(f"{fn} ×{k}" for fn, k in per_test.items()) + "):"]
+    lines += [f"  {n}" for n in missing[:show]]
+    if len(missing) > show:
+        lines.append(f"  … and {len(missing) - show} more (all in leaderboard.json: completeness.not_run_ids)")
+    return "\n".join(lines)

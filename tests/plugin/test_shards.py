@@ -317,3 +317,15 @@ def test_slurm_array_script_runs_the_shards_and_a_dependent_merge(tmp_path):
     board = _load(out / "leaderboard.json")
     assert board["completeness"]["complete"] is True and board["completeness"]["expected"] == 2
     assert sorted(board["sources"]["synthetic"]["stats"]["exp1"]["fp16"]) == ["k2v2", "k4v4"]
+
+
+def test_missing_cells_note_counts_per_test_and_lists_one_per_line():
+    from kvqbench.report.merge import missing_cells_note
+
+    ids = [f"tests/bench/test_exp{e}.py::test_exp{e}[m-k2v2-seed{s}-synthetic-smoke]" for e in (1, 5) for s in range(7)]
+    text = missing_cells_note(ids, 50)
+    lines = text.splitlines()
+    assert lines[0] == "kvqbench merge: 14 of 50 cells missing (test_exp1 ×7, test_exp5 ×7):"
+    assert lines[1:11] == [f"  {n}" for n in ids[:10]]
+    assert lines[11] == "  … and 4 more (all in leaderboard.json: completeness.not_run_ids)" and len(lines) == 12
+    assert missing_cells_note(ids[:2], 50).splitlines()[1:] == [f"  {n}" for n in ids[:2]]
