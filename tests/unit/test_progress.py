@@ -410,8 +410,10 @@ def test_the_first_capture_does_the_work_and_the_later_ones_read_its_cache():
     charged = p._per_worker_steps("capture|real-full", 1, 1.0)
     assert charged == [2.0]
     p.step("capture|real-full", 3.0, 31.0, ids[1])
-    hist = p.updated_history()
-    assert hist["steps"]["capture|real-full"] == 30.0 and hist["steps"]["capture|real-full|again"] == 3.0
+    hist = p.updated_history()  # the run's seconds (at the prior's speed) blended with the prior's
+    w = HISTORY_NEW
+    assert hist["steps"]["capture|real-full"] == 30.0
+    assert hist["steps"]["capture|real-full|again"] == pytest.approx(3.0**w * 2.0 ** (1 - w), abs=1e-4)
     # an old table without the later value: every capture charged as the first, as before
     old = Progress(interval_s=0, workers=2, prior={**prior, "steps": {"capture|real-full": 30.0}}, trace_path=None)
     old.collected(ids)
@@ -551,6 +553,20 @@ def test_a_kind_whose_prior_is_off_by_a_large_factor_converges_once_it_runs(tmp_
                 if e[1] == "finished" and "test_y" in e[2])
     errs = [abs(eta - (end - t)) / (end - t) for t, eta in samples if ys[9] <= t <= 0.85 * end]
     assert len(errs) >= 10 and sum(e <= 0.3 for e in errs) >= 0.9 * len(errs), [round(e, 2) for e in errs]
+
+
+def test_an_entry_new_to_the_history_starts_from_the_prior():
+    """One run where a test took 4× the prior's seconds (the rest as the prior says) does not make the
+    history say 4×: the entry moves from the prior's value by HISTORY_NEW in the log."""
+    a, b = "t.py::test_a[1]", "t.py::test_a[2]"
+    prior = {"version": 1, "tests": {a: 2.0, b: 2.0}, "kinds": {}, "steps": {}}
+    p = Progress(interval_s=0, t0=0.0, t_run=0.0, prior=prior, trace_path=None)
+    p.collected([a, b])
+    p.finished(a, 2.0)
+    p.finished(b, 8.0)
+    assert p.run_scale() == 1.0  # the base-weighted median of 1 and 4: the lower one
+    w = HISTORY_NEW
+    assert p.updated_history()["tests"] == {a: 2.0, b: pytest.approx(8.0**w * 2.0 ** (1 - w), abs=1e-4)}
 
 
 def test_eta_after_a_busy_interrupted_run_stays_within_30_percent():
