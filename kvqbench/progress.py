@@ -9,8 +9,9 @@ of the session. It prints one line every ``interval_s`` seconds::
 
 How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and the clock):
 
-1. **A base duration per test**, in the seconds of the run it was measured in: the test's own seconds in
-   ``history`` (this machine's previous runs, kept in pytest's cache by the plugin), else in ``prior``
+1. **A base duration per test**, on the tables' scale: the test's own seconds in ``history`` (this
+   machine's previous runs, kept in pytest's cache by the plugin, each run's seconds divided by its
+   measured speed and blended with what was kept: :meth:`Progress.updated_history`), else in ``prior``
    (the committed table ``kvqbench/data/eta_prior.json``, measured on a fresh clone — so a user's first
    run has one too), else the median of its *kind* there, else of the kinds of its test function and data
    source/size there (a method the tables lack), else the median of its file there. A kind is
