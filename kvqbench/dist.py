@@ -3,11 +3,14 @@
 The driver starts a local Ray instance (no ADDRESS) or joins a cluster (``auto``, ``HOST:6379`` or
 ``ray://HOST:10001``), submits the N shards of the run as Ray tasks — one GPU each with ``--device
 cuda`` (Ray sets ``CUDA_VISIBLE_DEVICES`` for the task, so the shard's ``cuda`` is its own GPU), one CPU
-otherwise — and streams their output (Ray forwards each task's stdout to the driver, prefixed with the
-task and process; kvqbench's own progress lines are among it) plus one line per finished shard. Each
-task runs ``python -m pytest … --kvq-shard I/N`` in a fresh interpreter, writes its results into a
-temporary folder on its node and returns the files; the driver stores them under
-``OUT/shards/shard-I-of-N/`` and merges them into ``OUT`` with :func:`kvqbench.report.merge.merge_shards`.
+otherwise — and prints, per shard, kvqbench's own lines (progress with ETA, the closing line, what was
+written) and pytest's summary line, each headed ``shard I/N:``, plus one line per finished shard (Ray
+forwards each task's stdout to the driver, prefixed with the task and process, without colours when the
+driver's output is not a terminal). Each task runs ``python -m pytest … --kvq-shard I/N`` in a fresh
+interpreter, its whole output kept in the shard's ``pytest.log`` (the last :data:`TAIL_LINES` lines of it
+are printed too when the shard fails), writes its results into a temporary folder on its node and returns
+the files; the driver stores them under ``OUT/shards/shard-I-of-N/`` and merges them into ``OUT`` with
+:func:`kvqbench.report.merge.merge_shards`.
 
 Shards on one node share a content-addressed capture cache (``--kvq-capture-cache``; default
 ``$TMPDIR/kvqbench-capture`` on that node), so the real model is run once per node and not per shard.
@@ -20,7 +23,10 @@ in the workers' Python environment (the same ``pip install -e '.[real,dist]'``).
 
 from __future__ import annotations
 
+import collections
+import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -35,6 +41,16 @@ __all__ = ["run_on_ray", "shard_task", "strip_option", "SHIP_EXCLUDES"]
 #: never shipped to a remote cluster with the checkout
 SHIP_EXCLUDES = [".git", ".venv", "venv", "results", "leaderboard", "*.png", ".pytest_cache", "__pycache__",
                  ".hypothesis", "*.egg-info"]
+
+
+#: lines of a shard's output that the driver prints (the rest is in the shard's ``pytest.log``): kvqbench's own
+#: progress, closing, incomplete-result and written-files lines, and pytest's summary line
+FORWARD = re.compile(r"kvqbench: (?:\d+/\d+ tests|finished|incomplete|wrote|writing results failed|results went)"
+                     r"|(?:=+ )?(?:\d+ (?:passed|failed|errors?|skipped|deselected)|no tests ran)\b.* in [0-9.]+s")
+#: lines of a failed shard's output printed at its end
+TAIL_LINES = 40
+#: the shard's whole pytest output, next to its results
+SHARD_LOG = "pytest.log"
 
 
 def strip_option(args: list[str], name: str, *, has_value: bool = True) -> tuple[list[str], str | None]:
@@ -72,7 +88,22 @@ def shard_task(index: int, count: int, pytest_args: list[str], cwd: str | None) 
         args += ["--kvq-capture-cache", os.path.join(tempfile.gettempdir(), "kvqbench-capture")]
     cmd = [sys.executable, "-m", "pytest", *args, "--kvq-shard", f"{index}/{count}", "--kvq-out", out]
     print(f"kvqbench ray: shard {index}/{count} on {socket.gethostname()}: {' '.join(cmd[1:])}", flush=True)
-    rc = subprocess.call(cmd, cwd=cwd or None)
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    with open(os.path.join(out, SHARD_LOG), "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, cwd=cwd or None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", bufsize=1)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            fh.write(line)
+            fh.flush()
+            tail.append(line.rstrip("\n"))
+            m = FORWARD.search(line)
+            if m:  # from the match on: pytest's progress dots may precede it on the line
+                print(f"shard {index}/{count}: {line[m.start():].rstrip()}", flush=True)
+        rc = proc.wait()
+    if rc not in (0, 5):  # a failure: its last lines (the whole output is in the shard's pytest.log)
+        for line in tail:
+            print(f"shard {index}/{count} | {line}", flush=True)
     files = {}
     for p in sorted(Path(out).iterdir()) if os.path.isdir(out) else []:
         if p.is_file():
@@ -98,6 +129,11 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
     the shards' pytest exit codes and the merge's (0 complete, 1 incomplete).
     """
     log = log or (lambda m: print(m, flush=True))
+    # read when Ray is imported / prints: every shard's lines (not "[repeated 2x …]"), and no colour codes
+    # in a log file or a pipe
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     try:
         import ray
     except ImportError:
@@ -106,12 +142,12 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
     from kvqbench.report.merge import MergeError, merge_shards
     from kvqbench.shard import shard_dir_name
 
-    init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    # ERROR: Ray's own start-up notes (token set-up, "started a local instance") are replaced by ours
+    init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.ERROR}
     if address:
         init["address"] = address
         init["runtime_env"] = {"working_dir": str(rootdir), "excludes": SHIP_EXCLUDES}
     t0 = time.time()
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every shard's progress lines, not "[repeated 2x …]"
     ray.init(**init)
     try:
         res = ray.cluster_resources()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -268,6 +269,16 @@ def test_ray_run_on_a_local_cluster_merges_to_the_single_session(runs, tmp_path)
     _assert_same_run(out, runs / "single")
     # smoke, as in one session: no pytest-benchmark table from the shards, no figures from the merge
     assert "Name (time in" not in r.stdout + r.stderr and not list(out.glob("*.png"))
+    # what the user reads: each shard's own kvqbench lines and pytest summary, headed by the shard, no colour
+    # codes in a pipe, no Ray start-up notes; the shards' whole output is in their pytest.log
+    text = r.stdout + r.stderr
+    assert "\x1b[" not in text and "Token authentication" not in text and "repeated" not in text
+    assert "test session starts" not in text
+    for i in (1, 2):
+        assert f"shard {i}/2: kvqbench: wrote" in r.stdout
+        assert re.search(rf"shard {i}/2: \d+ passed, \d+ deselected in [0-9.]+s", r.stdout), r.stdout
+        log = (out / "shards" / f"shard-{i}-of-2" / "pytest.log").read_text()
+        assert "kvqbench: wrote" in log and "passed" in log and len(log.splitlines()) > 5
 
 
 SBATCH_STANDIN = r'''#!/usr/bin/env bash
@@ -329,3 +340,17 @@ def test_missing_cells_note_counts_per_test_and_lists_one_per_line():
     assert lines[1:11] == [f"  {n}" for n in ids[:10]]
     assert lines[11] == "  … and 4 more (all in leaderboard.json: completeness.not_run_ids)" and len(lines) == 12
     assert missing_cells_note(ids[:2], 50).splitlines()[1:] == [f"  {n}" for n in ids[:2]]
+
+
+def test_a_failing_shard_prints_the_end_of_its_output_and_keeps_all_of_it(capsys):
+    """shard_task (what a Ray task runs; plain Python) forwards kvqbench's and pytest's summary lines only;
+    when the shard fails it also prints the last lines of its output, and returns the whole of it as the
+    shard's pytest.log."""
+    from kvqbench.dist import SHARD_LOG, shard_task
+
+    r = shard_task(1, 2, ["tests/bench", "-m", "smoke", "--kvq-bits", "2,,4", "-p", "no:cacheprovider"], str(ROOT))
+    out = capsys.readouterr().out
+    assert r["rc"] == 4  # pytest's usage error
+    log = r["files"][SHARD_LOG].decode()
+    assert "--kvq-bits expects a comma list" in log
+    assert "shard 1/2 | " in out and "--kvq-bits expects a comma list" in out
