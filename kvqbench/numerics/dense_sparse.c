@@ -22,9 +22,8 @@
 /* elements per step of the code pass: their normalized values and codes stay in registers/L1 */
 #define CHUNK 64
 
-/* the root of a min-heap h[0..m) replaced by v, then moved down to its place */
-static inline void replace_root(float *h, long m, float v) {
-  long p = 0;
+/* v placed at p of the min-heap h[0..m) (whose subtrees below p are heaps), moved down to its place */
+static inline void sift_down(float *h, long m, long p, float v) {
   for (;;) {
     long c = 2 * p + 1;
     if (c >= m) break;
@@ -36,20 +35,10 @@ static inline void replace_root(float *h, long m, float v) {
   h[p] = v;
 }
 
+static inline void replace_root(float *h, long m, float v) { sift_down(h, m, 0, v); }
+
 static void heapify(float *h, long m) {
-  for (long p = m / 2 - 1; p >= 0; p--) {
-    const float v = h[p];
-    long q = p;
-    for (;;) {
-      long c = 2 * q + 1;
-      if (c >= m) break;
-      if (c + 1 < m && h[c + 1] < h[c]) c++;
-      if (!(h[c] < v)) break;
-      h[q] = h[c];
-      q = c;
-    }
-    h[q] = v;
-  }
+  for (long p = m / 2 - 1; p >= 0; p--) sift_down(h, m, p, h[p]);
 }
 
 /* the minimum and maximum of 16 values, in any order (vectorized); meaningless with a NaN, which the code pass
