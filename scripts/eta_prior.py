@@ -12,7 +12,9 @@ tests or cells change a lot, on a fresh clone so that caches are cold as on a us
     python scripts/eta_prior.py .pytest_cache/v/kvqbench/durations -o kvqbench/data/eta_prior.json
 
 Each argument is a history file that kvqbench keeps in pytest's cache (``{"tests": {nodeid: s},
-"kinds": …, "steps": …, "step_cells": {report step: cells}}``); later files override earlier ones test by
+"kinds": …, "steps": …, "step_cells": {report step: cells}}``) or the trace of a session
+(``KVQBENCH_PROGRESS_TRACE=FILE``: that session's own seconds — a history blends every run with the
+earlier ones, so traces of fresh-clone runs are the better source); later files override earlier ones test by
 test (and step by step). With ``--median`` the files are instead several runs of the same tests under
 different conditions (a quiet host, a loaded one, a slow phase): each run is first rescaled to the others'
 speed (by the median ratio over the tests it shares with them) and every test and step gets the median
@@ -100,21 +102,52 @@ def merge_median(histories: list[dict]) -> dict:
                    "steps": merged_steps, "step_cells": cells}])
 
 
+def load_run(path: Path) -> dict:
+    """A history file (``{"version": 1 or 2, "tests": …}``), or a trace of one session (JSON lines,
+    ``KVQBENCH_PROGRESS_TRACE``) turned into the history of that session alone: its tests' and steps' own
+    seconds (replayed without tables, so nothing is rescaled or blended). A history keeps every run's seconds
+    on its tables' scale, blended with earlier runs (:meth:`kvqbench.progress.Progress.updated_history`): a
+    trace gives a prior the raw seconds of a fresh-clone run.
+
+    Raises:
+        ValueError: neither a history nor a trace.
+    """
+    text = path.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if isinstance(doc, dict):
+        if doc.get("version") not in (1, 2):
+            raise ValueError(f"{path}: not a kvqbench durations history (version 1 or 2)")
+        return doc
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eta_error", Path(__file__).resolve().parent / "eta_error.py")
+    eta_error = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eta_error)
+    try:
+        events = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+    except ValueError as e:
+        raise ValueError(f"{path}: neither a durations history nor a progress trace ({e})") from None
+    _, _, prog = eta_error._feed(events, {}, {}, 1e9)
+    return {**prog.updated_history(base={}), "version": 1}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("history", nargs="+", type=Path, help="pytest-cache history files (.pytest_cache/v/kvqbench/durations)")
+    ap.add_argument("history", nargs="+", type=Path,
+                    help="pytest-cache history files (.pytest_cache/v/kvqbench/durations), or traces of runs "
+                         "(KVQBENCH_PROGRESS_TRACE files: their own measured seconds)")
     ap.add_argument("-o", "--out", type=Path, default=None, help="write here (default: stdout)")
     ap.add_argument("--median", action="store_true",
                     help="the files are several runs: rescale each to a common speed and take per test and "
                          "step the median (default: later files override earlier ones)")
     a = ap.parse_args(argv)
     try:
-        docs = [json.loads(p.read_text(encoding="utf-8")) for p in a.history]
+        docs = [load_run(p) for p in a.history]
     except (OSError, ValueError) as e:
         print(f"eta_prior: {e}", file=sys.stderr)
-        return 2
-    if not all(isinstance(d, dict) and d.get("version") == 1 for d in docs):
-        print("eta_prior: not a kvqbench durations history (version 1)", file=sys.stderr)
         return 2
     text = json.dumps((merge_median if a.median else merge)(docs), indent=0) + "\n"
     if a.out is None:

@@ -699,3 +699,23 @@ def test_eta_script_scores_a_logged_run(tmp_path):
     assert res["within_30_or_floor"] == pytest.approx(2 / 3)  # |30 − 20| = 10 s ≤ the 10 s floor
     assert mod.main([str(log), "-q"]) == 0
     assert mod.main([str(tmp_path / "missing.log")]) == 2
+
+
+def test_eta_prior_reads_a_trace_as_that_sessions_own_seconds(tmp_path):
+    """scripts/eta_prior.py takes a session's trace: its tests' and steps' own seconds, not rescaled or
+    blended with any table (a history would be: Progress.updated_history)."""
+    spec = importlib.util.spec_from_file_location("eta_prior", ROOT / "scripts" / "eta_prior.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _, _, reference = _simulate(None, speed=1.0, seed=5)
+    trace = tmp_path / "run.trace"
+    _, _, live = _simulate(None, speed=1.7, seed=6, prior=reference.updated_history(), trace=str(trace))
+    run = mod.load_run(trace)
+    assert run["tests"] == {k: pytest.approx(v, abs=1e-4) for k, v in live.measured.items()}
+    assert run["steps"]["capture|real-full"] == pytest.approx(live.steps["capture|real-full"][0], abs=1e-4)
+    (tmp_path / "bad").write_text("not json\n")
+    with pytest.raises(ValueError, match="neither a durations history nor a progress trace"):
+        mod.load_run(tmp_path / "bad")
+    assert mod.main([str(trace), "-o", str(tmp_path / "prior.json")]) == 0
+    assert json.loads((tmp_path / "prior.json").read_text())["tests"] == {
+        k: pytest.approx(v, abs=1e-3) for k, v in live.measured.items()}
