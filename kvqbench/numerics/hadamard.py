@@ -8,18 +8,20 @@ the block-diagonal of normalized Sylvester blocks given by the binary decomposit
 (``Q Qᵀ = I``), it only mixes channels within each block. A larger Hadamard is never sliced
 (``H[:d, :d]`` is not orthogonal).
 
-Used by QuaRot (arXiv:2404.00456, §3–4: online Hadamard on K and V along head_dim) and KVarN
-(arXiv:2606.03458, step 1: Sylvester Hadamard scaled 1/√D, no random signs).
+Used by QuaRot (arXiv:2404.00456, §3–4: online Hadamard on K and V along head_dim, applied by a fast
+Walsh–Hadamard kernel: here :func:`fwht`) and KVarN (arXiv:2606.03458, step 1: Sylvester Hadamard scaled
+1/√D, no random signs, as a matrix product: :func:`hadamard_transform`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 
 import torch
 
-from kvqbench.numerics import blocks
+from kvqbench.numerics import blocks, cbuild
 
 __all__ = [
     "is_power_of_two",
@@ -27,6 +29,8 @@ __all__ = [
     "hadamard_blocks",
     "hadamard_matrix",
     "hadamard_transform",
+    "fwht",
+    "fwht_compiled_ok",
     "rotation_rows_independent",
 ]
 
@@ -169,3 +173,127 @@ def rotation_rows_independent(d: int, dtype: torch.dtype = torch.float32, *, min
             parts = torch.cat([torch.mm(xb, q) for xb in x.split(sizes)])
         _ROWS_INDEPENDENT[key] = torch.equal(parts, whole)
     return _ROWS_INDEPENDENT[key]
+
+
+def _fwht_torch(y: torch.Tensor) -> torch.Tensor:
+    """:func:`fwht`'s operations in torch on ``y`` ``[rows, d]`` (the compute dtype; overwritten)."""
+    rows, d = y.shape
+    start = 0
+    for n in hadamard_blocks(d):
+        blk = y[:, start : start + n]
+        h = 1
+        while h < n:
+            v = blk.reshape(rows, n // (2 * h), 2, h)
+            a, b = v[:, :, 0, :], v[:, :, 1, :]
+            blk = torch.stack((a + b, a - b), dim=2).reshape(rows, n)
+            h *= 2
+        y[:, start : start + n] = blk * torch.tensor(1 / math.sqrt(n), dtype=y.dtype, device=y.device)
+        start += n
+    if not bool(torch.isfinite(y).all()):  # NaNs canonical: which NaN operand an addition returns is the loop's
+        y.masked_fill_(torch.isnan(y), float("nan"))
+    return y
+
+
+def _fwht_lib() -> ctypes.CDLL | None:
+    lib = cbuild.load("fwht.c")
+    if lib is not None and not getattr(lib, "_kvq_typed", False):
+        vp, lg = ctypes.c_void_p, ctypes.c_long
+        lib.fwht_rows.restype = None
+        lib.fwht_rows.argtypes = [vp, lg, vp, lg, lg, vp, vp, ctypes.c_int]
+        lib._kvq_typed = True
+    return lib
+
+
+def _fwht_compiled(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """The compiled :func:`fwht` of the fp32 CPU rows ``x`` ``[rows, d]`` (unit column stride) into the
+    contiguous ``out``; ``False`` (nothing written) where it does not apply."""
+    lib = _fwht_lib()
+    if (lib is None or x.dtype != torch.float32 or out.dtype != torch.float32 or x.device.type != "cpu"
+            or out.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or not out.is_contiguous()
+            or out.shape != x.shape):
+        return False
+    rows, d = (int(v) for v in x.shape)
+    if rows == 0:
+        return True
+    sizes = hadamard_blocks(d)
+    sz = (ctypes.c_long * len(sizes))(*sizes)
+    sc = (ctypes.c_float * len(sizes))(*(1 / math.sqrt(n) for n in sizes))
+    lib.fwht_rows(x.data_ptr(), x.stride(0), out.data_ptr(), rows, d, sz, sc, len(sizes))
+    return True
+
+
+_FWHT_OK: dict[str, bool] = {}
+
+
+def fwht_compiled_ok() -> bool:
+    """Whether the compiled butterflies (``fwht.c``, :mod:`kvqbench.numerics.cbuild`) give the torch
+    butterflies' bits on a probe (head_dims 128, 96, 64, 80, 1, 2; Gaussian rows over six decades of scale,
+    subnormal, huge, NaN and infinite values; strided and in-place rows): checked once per process; ``False``
+    without a compiled kernel (``KVQBENCH_CKERNELS=0``, no C compiler)."""
+    if "ok" not in _FWHT_OK:
+        _FWHT_OK["ok"] = False
+        if _fwht_lib() is None:
+            return False
+        g = torch.Generator().manual_seed(2404)
+        for d in (128, 96, 64, 80, 1, 2):
+            x = torch.randn(40, d + 3, generator=g) * torch.exp(torch.randn(40, 1, generator=g) * 3)
+            x[1] *= 1e-40
+            x[2] *= 1e37
+            x[3, 0], x[4, -1], x[5, d // 2] = float("nan"), float("inf"), -float("inf")
+            x[6, : d // 2 + 1] = 3e38  # overflows: inf − inf
+            x[7, 0], x[7, -1] = float("nan"), -float("nan")  # NaNs of both signs meet
+            xs = x[:, 1 : d + 1]  # rows with a stride of d + 3
+            want = _fwht_torch(xs.contiguous())
+            got = torch.full((40, d), 7.0)
+            same = _fwht_compiled(xs, got) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+            inplace = xs.contiguous()
+            same = same and _fwht_compiled(inplace, inplace) and torch.equal(inplace.view(torch.int32),
+                                                                              want.view(torch.int32))
+            if not same:
+                return False
+        _FWHT_OK["ok"] = True
+    return _FWHT_OK["ok"]
+
+
+def fwht(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate ``x`` by :func:`hadamard_matrix` along its last dim with butterflies: the fast Walsh–Hadamard
+    transform, ``d·log₂d`` additions per row instead of the ``d²`` multiply-adds of ``x @ Q``.
+
+    Per block of :func:`hadamard_blocks` ``(d)`` (``n`` a power of two): the stages ``h = 1, 2, 4, …, n/2``
+    in that order, each replacing every pair ``(y_j, y_{j+h})`` of a run of ``2h`` values by
+    ``(y_j + y_{j+h}, y_j − y_{j+h})`` (Sylvester's ``H_n``, natural order), then × ``1/√n`` rounded to the
+    compute dtype; a NaN in the result is the canonical quiet NaN (``float("nan")``: which of two NaN
+    operands an addition returns depends on the compiled loop). Equal to :func:`hadamard_transform` up to rounding (another order of additions), and its
+    bits are fixed by these operations alone — the same on every device, thread count and block of rows
+    (each row on its own), compiled (fp32 on the CPU, ``fwht.c``, where :func:`fwht_compiled_ok`) or in
+    torch. Applying it twice returns ``x`` up to rounding.
+
+    Args:
+        x: floating tensor ``(..., d)``, e.g. ``(batch, kv_heads, seq_len, head_dim)``; computed in fp32
+            (fp64 stays fp64).
+        out: optional contiguous tensor of ``x``'s shape in the compute dtype, written and returned (may be
+            ``x`` itself when ``x`` is contiguous in the compute dtype).
+    Returns:
+        Tensor of ``x``'s shape in the compute dtype.
+    Raises:
+        TypeError: ``x`` is not a floating tensor.
+        ValueError: ``out`` has another shape or dtype, or is not contiguous.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError("fwht expects a floating torch.Tensor")
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    d = int(x.shape[-1])
+    if out is None:
+        out = torch.empty(x.shape, dtype=cdt, device=x.device)
+    elif out.shape != x.shape or out.dtype != cdt or not out.is_contiguous():
+        raise ValueError(f"fwht: out must be a contiguous {cdt} tensor of shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        return out
+    rows = x.reshape(-1, d) if x.dtype == cdt else x.to(cdt).reshape(-1, d)
+    out2 = out.view(-1, d)
+    if cdt == torch.float32 and x.device.type == "cpu" and fwht_compiled_ok() and _fwht_compiled(rows, out2):
+        return out
+    if out2.data_ptr() != rows.data_ptr():
+        out2.copy_(rows)
+    _fwht_torch(out2)
+    return out

@@ -14,7 +14,11 @@ Per group ``x`` of the rotated head (one group = one token of one head by defaul
     q = clamp(round(x / scale) + z, 0, 2^b − 1)
     x̂ = scale · (q − z)
 
-then the inverse rotation (the normalized Hadamard is its own inverse).
+then the inverse rotation (the normalized Hadamard is its own inverse). Both rotations are applied by
+butterflies (:func:`kvqbench.numerics.hadamard.fwht`, the fast Walsh–Hadamard transform, as the reference
+applies its online Hadamard with a fast kernel): ``d·log₂d`` additions per token instead of a ``d × d``
+matrix product. Until this change they were matrix products (``x @ Q``); the two round differently, so
+stored codes and metric values move within float noise (main job: see the README's performance notes).
 
 Stored per group: one scale and one integer zero-point, both billed fp16 (16 + 16 bits); codes packed.
 Effective bits = ``b + 32/G`` (``b + 0.25`` at G = head_dim = 128); nominal (FP8 scale, FP16 zero)
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics import blocks, zpoint
-from kvqbench.numerics.hadamard import hadamard_matrix, hadamard_transform, rotation_rows_independent
+from kvqbench.numerics.hadamard import fwht
 from kvqbench.numerics.packing import pack_float_codes, packed_nbytes, unpack_bits
 from kvqbench.numerics.rtn import broadcast_shape, compute_dtype, to_groups
 from kvqbench.quantizers.base import (
@@ -91,11 +95,11 @@ def _spans(n: int, d: int) -> list[slice]:
 def _blocked(device: torch.device, numel: int, d: int, dtype: torch.dtype) -> bool:
     """Whether QuaRot's round trip of a tensor of ``numel`` elements, head_dim ``d``, runs in row blocks
     (:meth:`QuaRot._quantize_blocked`): on the CPU, for more than :data:`_WHOLE_MAX_ELEMS` elements at one
-    torch thread (:data:`_WHOLE_MAX_ELEMS_THREADED` at more; one block or more, :func:`_spans`), where the rotation's row blocks give the whole product's bits
-    (:func:`~kvqbench.numerics.hadamard.rotation_rows_independent` in the compute ``dtype``)."""
+    torch thread (:data:`_WHOLE_MAX_ELEMS_THREADED` at more; one block or more, :func:`_spans`). The
+    rotation (:func:`~kvqbench.numerics.hadamard.fwht`) works on each row on its own, so its row blocks give
+    the whole tensor's bits."""
     limit = _WHOLE_MAX_ELEMS if torch.get_num_threads() == 1 else max(_WHOLE_MAX_ELEMS, _WHOLE_MAX_ELEMS_THREADED)
-    return (device.type == "cpu" and numel > limit
-            and rotation_rows_independent(d, dtype, min_rows=_ROW_MULTIPLE // 2, block_rows=_block_rows(d)))
+    return device.type == "cpu" and numel > limit
 
 
 def quarot_qparams(
@@ -330,7 +334,7 @@ class QuaRot(Quantizer):
         g = self._group(d)
         if _blocked(x.device, x.numel(), d, compute_dtype(x.dtype)):
             return self._quantize_blocked(x, kind, bits, g)
-        xr = hadamard_transform(x.to(compute_dtype(x.dtype)))  # a fresh buffer, quantized in place
+        xr = fwht(x)  # a fresh buffer in the compute dtype, quantized in place
         xg, restore = to_groups(xr, -1, g)
         lo = xg.amin(-1, keepdim=True)
         hi = xg.amax(-1, keepdim=True)
@@ -377,7 +381,6 @@ class QuaRot(Quantizer):
         cd, dev, d = compute_dtype(x.dtype), x.device, int(x.shape[-1])
         n, ng = x.numel() // d, -(-d // g)
         rows = x.reshape(n, d)
-        q = hadamard_matrix(d, dtype=cd, device=dev)
         spans = _spans(n, d)
         most = max(sl.stop - sl.start for sl in spans)
         buf = torch.empty(most, d, dtype=cd, device=dev)
@@ -387,7 +390,7 @@ class QuaRot(Quantizer):
             compiled = zpoint.supports(d, g, bits, cd, dev) and _compiled_ok()
             for sl in spans:
                 r = sl.stop - sl.start
-                xr = torch.mm(rows[sl].to(cd), q, out=buf[:r])  # hadamard_transform
+                xr = fwht(rows[sl], out=buf[:r])
                 outs = (lo[sl], hi[sl], scale[sl], zero[sl], packed[_byte_span(sl, d, bits)])
                 if not (compiled and zpoint.quantize_pack_rows(xr, g, bits, include_zero=(kind == "k"),
                                                                clip=self.clip_ratio, lo=outs[0], hi=outs[1],
@@ -425,7 +428,7 @@ class QuaRot(Quantizer):
             return self._dequantize_blocked(qt, g)
         cg, restore = to_groups(qt.codes("codes", torch.uint8), -1, g)
         xr = restore(quarot_dequantize(cg, scale, zero))
-        return hadamard_transform(xr)
+        return fwht(xr, out=xr) if xr.is_contiguous() and xr.dtype in (torch.float32, torch.float64) else fwht(xr)
 
     def _dequantize_blocked(self, qt: QuantizedTensor, g: int, saturate: torch.dtype | None = None) -> torch.Tensor:
         """:meth:`_dequantize` in the row blocks of :meth:`_quantize_blocked` (same reasons, same
@@ -439,7 +442,6 @@ class QuaRot(Quantizer):
         n, ng, bits = math.prod(qt.shape) // d, -(-d // g), qt.meta["codes.bits"]
         packed = qt.fields["codes"].tensor
         sc, ze = scale.reshape(n, ng, 1), qt["zero"].reshape(n, ng, 1)
-        q = hadamard_matrix(d, dtype=scale.dtype, device=scale.device)
         out = torch.empty(n, d, dtype=scale.dtype, device=scale.device)
         spans = _spans(n, d)
         most = max(sl.stop - sl.start for sl in spans)
@@ -455,7 +457,7 @@ class QuaRot(Quantizer):
                     xr = buf[:r]
                 else:
                     xr = _decode_block(packed[_byte_span(sl, d, bits)], g, bits, sc[sl], ze[sl], buf[:r])
-                torch.mm(xr, q, out=out[sl])  # hadamard_transform
+                fwht(xr, out=out[sl])
                 if saturate is not None:
                     saturate_(out[sl], saturate)
         return out.view(qt.shape)

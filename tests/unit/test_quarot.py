@@ -227,27 +227,28 @@ def test_row_blocks_accept_finite_data_whose_rotated_range_overflows() -> None:
     assert _same_bytes(rec1, rec2)
 
 
-def test_whole_tensor_path_where_the_probe_says_row_blocks_round_differently() -> None:
-    """Where rotation_rows_independent says False, neither blocked method runs."""
+def test_row_blocks_need_no_probe_the_butterflies_rotate_row_by_row() -> None:
+    """QuaRot rotates with fwht, each row on its own: its row-block path runs above its threshold whatever
+    the matrix product's row-block probe would say, and stores and decodes the whole-tensor path's bytes."""
     from unittest import mock
 
+    from kvqbench.numerics import hadamard
     from kvqbench.quantizers import quarot as quarot_mod
 
+    with mock.patch.object(hadamard, "rotation_rows_independent", return_value=False):
+        assert quarot_mod._blocked(torch.device("cpu"), (1 << 22) + 128, 128, torch.float32)
     x = _x((1, 2, 300, 64))
-    with mock.patch.object(quarot_mod, "_WHOLE_MAX_ELEMS", 0), \
-            mock.patch.object(quarot_mod.blocks, "BLOCK_ELEMS", 4096), \
-            mock.patch.object(quarot_mod, "rotation_rows_independent", return_value=False), \
-            mock.patch.object(quarot_mod.QuaRot, "_quantize_blocked", side_effect=AssertionError("blocked")), \
-            mock.patch.object(quarot_mod.QuaRot, "_dequantize_blocked", side_effect=AssertionError("blocked")):
-        y = QuaRot(2).roundtrip(x, "k")
-    assert _same_bytes(y, QuaRot(2).roundtrip(x, "k"))
+    for threads in (1, 2):
+        (qt1, rec1), (qt2, rec2) = _paths(x, "k", threads=threads, block_elems=4096)
+        for name in qt1.fields:
+            assert _same_bytes(qt1[name], qt2[name]), name
+        assert _same_bytes(rec1, rec2)
 
 
 def test_blocked_from_its_threshold_at_one_thread_and_from_2_22_elements_at_more() -> None:
     """The blocked round trip runs on one thread: at one torch thread it takes tensors above
     _WHOLE_MAX_ELEMS (2^16), at more threads only above _WHOLE_MAX_ELEMS_THREADED (2^22), where the
-    whole-tensor products' threads no longer win (when the probe allows blocks at all)."""
-    from kvqbench.numerics.hadamard import rotation_rows_independent
+    whole-tensor path's threads no longer win."""
     from kvqbench.quantizers import quarot as quarot_mod
 
     nt = torch.get_num_threads()
@@ -255,11 +256,9 @@ def test_blocked_from_its_threshold_at_one_thread_and_from_2_22_elements_at_more
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            probe = rotation_rows_independent(128, torch.float32, min_rows=quarot_mod._ROW_MULTIPLE // 2,
-                                              block_rows=quarot_mod._block_rows(128))
             limit = 1 << 16 if threads == 1 else 1 << 22
             assert not quarot_mod._blocked(cpu, limit, 128, torch.float32)
-            assert quarot_mod._blocked(cpu, limit + 128, 128, torch.float32) == probe
+            assert quarot_mod._blocked(cpu, limit + 128, 128, torch.float32)
             assert not quarot_mod._blocked(torch.device("meta"), 1 << 30, 128, torch.float32)
     finally:
         torch.set_num_threads(nt)
