@@ -70,6 +70,8 @@ class SessionState:
 
 SETTINGS_KEY = pytest.StashKey[Settings]()
 STATE_KEY = pytest.StashKey[SessionState]()
+#: where pytest-benchmark writes this session's JSON before it joins the result set (:func:`_point_benchmark_json`)
+BENCH_JSON_KEY = pytest.StashKey[Path]()
 
 
 PROGRESS_KEY = pytest.StashKey[Progress]()
@@ -1243,43 +1245,21 @@ class _BenchmarkJson:
 
 
 def _point_benchmark_json(session: pytest.Session, exitstatus: int = 0) -> None:
-    """pytest-benchmark's JSON goes beside the results when the user gave no ``--benchmark-json`` and it
-    timed something; a stale one from an earlier run is removed. An incomplete run whose folder holds a
-    complete set writes into ``incomplete/`` like its other files, so the complete set keeps its own."""
-    from kvqbench.report.results import completeness, holds_complete_set
-
+    """pytest-benchmark's JSON, when the user gave no ``--benchmark-json`` and it timed something, is
+    written to a temporary folder (``BENCH_JSON_KEY`` in the stash) and joins the result set when it is
+    written (:func:`write_results`: ``files`` of :func:`~kvqbench.report.results.write_result_set`), so it
+    goes wherever the set goes — the results folder, ``incomplete/``, a fallback folder — and a broader
+    set kept in ``previous/`` keeps its own."""
     config = session.config
     bs = getattr(config, "_benchmarksession", None)
-    if bs is not None and not _is_worker(config) and STATE_KEY in config.stash and SETTINGS_KEY in config.stash:
-        records = [r for r in config.stash[STATE_KEY].records if r.get("experiment") != "adhoc"]
-        if records:
-            expected = getattr(config.stash[STATE_KEY], "expected", None)
-            out_dir = _out_dir(config, config.stash[SETTINGS_KEY], records, expected)
-            if (not completeness(records, expected, _end_reason(session, exitstatus))["complete"]
-                    and holds_complete_set(out_dir)):
-                out_dir = out_dir / "incomplete"
-            stale = out_dir / BENCHMARK_JSON
-            wants = not getattr(bs, "json", None) and not getattr(bs, "disabled", True) and getattr(bs, "benchmarks", None)
-            try:
-                if stale.is_file():
-                    stale.unlink()
-                if wants:
-                    out_dir.mkdir(parents=True, exist_ok=True)
-                    from kvqbench.report.results import check_writable
+    if bs is None or _is_worker(config) or STATE_KEY not in config.stash or SETTINGS_KEY not in config.stash:
+        return
+    if not getattr(bs, "json", None) and not getattr(bs, "disabled", True) and getattr(bs, "benchmarks", None):
+        import tempfile
 
-                    why = check_writable(out_dir)
-                    if why:
-                        raise PermissionError(why)
-                    bs.json = str(stale)
-            except OSError as e:  # the results go to a printed fallback folder (write_result_set); so does this
-                if wants:
-                    import tempfile
-
-                    bs.json = str(Path(tempfile.mkdtemp(prefix="kvqbench-benchmark-")) / BENCHMARK_JSON)
-                    tr = config.pluginmanager.get_plugin("terminalreporter")
-                    if tr is not None:
-                        tr.write_line(f"kvqbench: could not write {stale} ({e}); pytest-benchmark's JSON goes to "
-                                      f"{bs.json} instead", yellow=True)
+        path = Path(tempfile.mkdtemp(prefix="kvqbench-benchmark-")) / BENCHMARK_JSON
+        bs.json = str(path)
+        config.stash[BENCH_JSON_KEY] = path
 
 
 def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:
@@ -1328,10 +1308,13 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
     if not figures and records and s.figures == "auto":
         log(f"kvqbench: figures skipped for a smoke run (`kvqbench report {out_dir}` draws them; "
             "or pass --kvq-figures on)")
+    bench = config.stash.get(BENCH_JSON_KEY, None)  # this session's pytest-benchmark JSON (temporary folder)
     res = write_result_set(
         records, prov if records else {}, out_dir, expected=expected, reason=reason,
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
-        write_extra=extra, figures=figures, log=log)
+        write_extra=extra, figures=figures, log=log, files=[bench] if bench is not None else [])
+    if bench is not None and bench.parent.is_dir() and not any(bench.parent.iterdir()):
+        bench.parent.rmdir()
     if not figures and res.out_dir is not None and Path(res.out_dir) == out_dir:
         _remove_stale_figures(out_dir)
     if state.shard is not None:  # the shard's own description, also for a shard that got no cell

@@ -157,12 +157,12 @@ def check_writable(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def _remove_stale_outputs(out_dir: Path, *, keep_figures: bool = False) -> None:
-    """Remove the previous result set's files; ``keep_figures`` leaves its PNGs (a write without figures
-    must not delete the ones already drawn)."""
+def _remove_stale_outputs(out_dir: Path, *, keep_figures: bool = False, also: tuple[str, ...] = ()) -> None:
+    """Remove the previous result set's files (and those named ``also``); ``keep_figures`` leaves its PNGs
+    (a write without figures must not delete the ones already drawn)."""
     if not out_dir.is_dir():
         return
-    for pattern in OUTPUT_PATTERNS:
+    for pattern in (*OUTPUT_PATTERNS, *also):
         if keep_figures and pattern.endswith(".png"):
             continue
         for p in out_dir.glob(pattern):
@@ -209,9 +209,11 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     return written, board
 
 
-def _move_in(staging: Path, dest: Path, written: list[Path], *, keep_figures: bool = False) -> list[str]:
-    """Replace ``dest``'s result files by the staged ones; the leaderboard moves last."""
-    _remove_stale_outputs(dest, keep_figures=keep_figures)
+def _move_in(staging: Path, dest: Path, written: list[Path], *, keep_figures: bool = False,
+             also: tuple[str, ...] = ()) -> list[str]:
+    """Replace ``dest``'s result files (and those named ``also``) by the staged ones; the leaderboard moves
+    last."""
+    _remove_stale_outputs(dest, keep_figures=keep_figures, also=also)
     entries = sorted(staging.iterdir(), key=lambda p: (p.name == "leaderboard.json", p.name))
     for e in entries:
         target = dest / e.name
@@ -234,7 +236,8 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
                      expected: int | Iterable[str] | None = None, reason: str | None = None,
                      comp: dict[str, Any] | None = None, catalog: dict[str, Any] | None = None,
                      update_board: UpdateBoard | None = None, write_extra: WriteExtra | None = None,
-                     figures: bool = True, in_place: bool = False, log: Log | None = None) -> ResultSet:
+                     figures: bool = True, in_place: bool = False, log: Log | None = None,
+                     files: Iterable[str | os.PathLike] | None = None) -> ResultSet:
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
@@ -254,6 +257,11 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
         in_place: write into ``out_dir`` even when it holds a complete set and this one is incomplete
             (``kvqbench report`` rebuilding a folder from its own files).
         log: one-line messages (default stderr).
+        files: a session's own files written elsewhere that belong to its set (pytest-benchmark's JSON,
+            :data:`BENCHMARK_JSON`, written to a temporary folder): moved into the set and wherever it
+            goes — ``incomplete/``, a fallback folder — and a kept broader set keeps its own. Given (even
+            empty), the destination's files of those names from an earlier set are replaced or removed with
+            it; ``None`` (a re-render, a merge) leaves them.
 
     Returns a :class:`ResultSet`; ``paths`` is empty when there are no records. Exceptions raised by the
     hooks propagate (the files written so far stay in the staging folder, whose path is logged); an ``OSError`` writing the
@@ -273,19 +281,26 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
         note = (f"kvqbench: {comp['summary']} — the complete results in {dest} are kept; "
                 f"this run's results are in {dest / INCOMPLETE_DIR}")
         dest = dest / INCOMPLETE_DIR
+    own = [Path(f) for f in files] if files is not None else None
+    also = (BENCHMARK_JSON,) if own is not None else ()
     try:
         dest.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".kvqbench-staging-", dir=dest))
     except OSError as e:
-        return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e)
+        return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e, own)
     written: list[Path] = []
     try:
         written, board = _write_all(recs, provenance, comp, staging, catalog, update_board, write_extra, figures, log)
+        written += _take_files(own, staging)
         kept = None if in_place else _keep_broader_set(dest, comp)
-        paths = _move_in(staging, dest, written, keep_figures=not figures and kept is None)
+        paths = _move_in(staging, dest, written, keep_figures=not figures and kept is None, also=also)
     except OSError as e:
+        if own:  # the session's own files out of the staging folder before it goes (or where they still are)
+            staged = [staging / f.name for f in own if (staging / f.name).is_file()]
+            rescued = _take_files(staged, Path(tempfile.mkdtemp(prefix="kvqbench-own-"))) if staged else []
+            own = rescued + [f for f in own if f.is_file()]
         shutil.rmtree(staging, ignore_errors=True)
-        return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e)
+        return _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest, e, own)
     except BaseException:  # a hook failed or the write was interrupted: keep what was written, say where
         if staging.exists() and any(staging.iterdir()):
             log(f"kvqbench: results written so far are kept in {staging}")
@@ -322,10 +337,21 @@ def _keep_broader_set(dest: Path, comp: dict[str, Any]) -> str | None:
             f"it is kept in {prev} (a later narrower run replaces it there)")
 
 
+def _take_files(files: list[Path] | None, folder: Path) -> list[Path]:
+    """Move the existing ``files`` into ``folder``; their new paths."""
+    out = []
+    for f in files or ():
+        if f.is_file():
+            shutil.move(str(f), folder / f.name)
+            out.append(folder / f.name)
+    return out
+
+
 def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figures, log, dest: Path,
-              err: OSError) -> ResultSet:
+              err: OSError, own: list[Path] | None = None) -> ResultSet:
     fb = Path(tempfile.mkdtemp(prefix="kvqbench-results-"))
     written, board = _write_all(recs, provenance, comp, fb, catalog, update_board, write_extra, figures, log)
+    written += _take_files(own, fb)
     note = (f"kvqbench: could not write results to {dest} ({type(err).__name__}: {err.strerror or err}); "
             f"saved them to {fb} instead")
     log(note)

@@ -69,6 +69,21 @@ def _files(folder):
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
+def test_a_narrower_run_keeps_the_broader_sets_own_timings_in_previous(pytester, run):
+    """A complete run of fewer cells moves the broader complete set to previous/ with pytest-benchmark's JSON
+    of that set (it used to be overwritten by the narrower run's, then moved there in its place); the folder
+    then holds the narrower set with its own timings."""
+    out = pytester.path / "out"
+    run("--kvq-out", str(out)).assert_outcomes(passed=8)
+    complete = _files(out)
+    res = run("--kvq-out", str(out), "-k", "kivi")
+    assert res.ret == 0
+    assert _files(out / "previous") == complete  # every file of the broader set, its timings included
+    narrow = json.loads((out / "benchmark_exp4.json").read_text())["benchmarks"]
+    assert narrow and len(narrow) < 8 and all("kivi" in b["fullname"] for b in narrow)
+    assert json.loads((out / "leaderboard.json").read_text())["completeness"]["expected"] == len(narrow)
+
+
 def test_interrupt_and_x_keep_the_complete_set_and_stamp_the_partial_one(pytester, run):
     out = pytester.path / "out"
     run("--kvq-out", str(out)).assert_outcomes(passed=8)

@@ -212,7 +212,7 @@ def pytest_runtest_setup(item):
 
 def test_an_unwritable_results_folder_at_the_end_keeps_results_and_timings_and_fails(pytester, monkeypatch):
     """A serial run with exp4 (pytest-benchmark writes its JSON beside the results) whose folder cannot
-    be written when the run ends: the results and the benchmark JSON go to printed temporary folders —
+    be written when the run ends: the results and the benchmark JSON go to a printed temporary folder —
     no traceback, nothing lost — and the exit status says the results are not where they were asked."""
     from pathlib import Path
 
@@ -228,8 +228,8 @@ def test_an_unwritable_results_folder_at_the_end_keeps_results_and_timings_and_f
     assert res.ret == 1, text
     assert "Traceback" not in text and "INTERNALERROR" not in text, text
     saved = re.search(r"saved them to (\S+) instead", text)
-    moved = re.search(r"pytest-benchmark's JSON goes to (\S+) instead", text)
-    assert saved and moved, text
+    assert saved, text
     assert (Path(saved.group(1)) / "leaderboard.json").is_file()
-    assert json.loads(Path(moved.group(1)).read_text())["benchmarks"]  # the timings, not lost
+    # the timings, not lost: pytest-benchmark's JSON went with the results
+    assert json.loads((Path(saved.group(1)) / "benchmark_exp4.json").read_text())["benchmarks"]
     assert out.read_text() == "in the way"
