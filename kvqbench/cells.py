@@ -79,7 +79,8 @@ def parse_seeds(text: str) -> list[int]:
         return list(range(n))
     except ValueError:
         raise ValueError(
-            f"--kvq-seeds expects a count (e.g. 3) or a comma list of distinct seeds (e.g. 0,5,7); got {text!r}"
+            f"--kvq-seeds expects a count of at least 1 (e.g. 3: seeds 0, 1, 2) or a comma list of distinct "
+            f"non-negative seeds (e.g. 0,5,7, or 0, for seed 0 alone); got {text!r}"
         ) from None
 
 

@@ -72,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "One GPU per shard with --device cuda, one CPU otherwise")
     r.add_argument("--shards", type=int, metavar="N", default=None,
                    help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
-    rep = sub.add_parser("report", help="re-render LEADERBOARD.md and the terminal table from saved JSON (no torch; 3.6 s for the main job)")
+    rep = sub.add_parser("report", help="re-render LEADERBOARD.md, the figures and the terminal table from saved JSON "
+                                        "(no torch; 3.6 s for the main job)",
+                         description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures "
+                                     "and the terminal table (no torch, no cell runs again); --rebuild also rebuilds "
+                                     "leaderboard.json from the per-experiment files.")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
     rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
@@ -99,14 +103,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="list changes of at least PERCENT %% (default 1)")
     cmp_.add_argument("--max-rows", type=int, default=40, help="rows per table (default 40)")
     pub = sub.add_parser("publish", help="publish a run as the committed, provenance-clean leaderboard/ "
-                                         "and regenerate the README digest")
+                                         "and regenerate the README digest",
+                         description="Copy a run's result set into the committed reference folder (default "
+                                     "leaderboard/) with machine-specific provenance removed, redraw its figures "
+                                     "and regenerate the results digest between the markers in the README.")
     pub.add_argument("results", type=Path, help="a results folder written by a run")
     pub.add_argument("dest", type=Path, nargs="?", default=Path("leaderboard"), help="destination (default leaderboard/)")
     pub.add_argument("--readme", type=Path, default=Path("README.md"),
                      help="README whose digest block is regenerated (default README.md)")
     pub.add_argument("--no-readme", action="store_true", help="leave the README alone")
     pub.add_argument("--no-figures", action="store_true", help="skip the figures")
-    me = sub.add_parser("methods", help="list registered method ids, or those that changed files define")
+    me = sub.add_parser("methods", help="list registered method ids, or those that changed files define",
+                        description="Print the registered method ids (entry points included), one per line, and a "
+                                    "pytest -k expression selecting them; with --changed FILE…, only the methods "
+                                    "those files affect (for CI on a method PR).")
     me.add_argument("--changed", nargs="*", default=None, metavar="FILE",
                     help="changed paths (e.g. from git diff --name-only); prints the method ids they affect "
                          "(every method when the shared base/registry changes)")
@@ -170,7 +180,28 @@ def plugin_options_help() -> str:
             "-k reconstruction (an experiment's test name); a selection that matches no cell lists both.")
 
 
+def check_plugin_options(extra: list[str]) -> str | None:
+    """The first error in the kvqbench plugin options among ``extra`` (``kvqbench run``'s pytest arguments),
+    as one line, or ``None``: each option parsed with the plugin's own definition (its type and choices), so
+    a bad value stops the run before pytest starts, with one line and exit status 2 like the other usage
+    errors of ``kvqbench run`` (pytest's parser would print its usage and ini lines and exit 4). Other
+    arguments are left to pytest."""
+    parser = argparse.ArgumentParser(prog="kvqbench run", add_help=False, exit_on_error=False, allow_abbrev=False)
+    for names, kw in plugin_options():
+        parser.add_argument(*names, **{k: v for k, v in kw.items()
+                                       if k in ("action", "default", "metavar", "choices", "nargs", "type")})
+    try:
+        parser.parse_known_args(extra)
+    except argparse.ArgumentError as e:
+        return str(e)
+    return None
+
+
 def _run(args: argparse.Namespace, extra: list[str]) -> int:
+    bad = check_plugin_options(extra)
+    if bad:
+        print(f"kvqbench run: {bad}", file=sys.stderr)
+        return 2
     tests = Path(args.tests)
     if not tests.exists():
         print(f"kvqbench run: {tests}/ not found — run from the kvqbench repository root, or pass --tests DIR",

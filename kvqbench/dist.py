@@ -45,7 +45,8 @@ SHIP_EXCLUDES = [".git", ".venv", "venv", "results", "leaderboard", "*.png", ".p
 
 #: lines of a shard's output that the driver prints (the rest is in the shard's ``pytest.log``): kvqbench's own
 #: progress, closing, incomplete-result and written-files lines, and pytest's summary line
-FORWARD = re.compile(r"kvqbench: (?:\d+/\d+ tests|finished|incomplete|wrote|writing results failed|results went)"
+FORWARD = re.compile(r"kvqbench: (?:\d+/\d+ tests|finished|incomplete|shard \d+/\d+:|wrote|writing results failed"
+                     r"|results went)"
                      r"|(?:=+ )?(?:\d+ (?:passed|failed|errors?|skipped|deselected)|no tests ran)\b.* in [0-9.]+s")
 #: lines of a failed shard's output printed at its end
 TAIL_LINES = 40

@@ -109,8 +109,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_threads, default=["1", "default"], metavar="N,…",
                    help="torch CPU thread counts, ints or 'default' (default: 1,default)")
     p.add_argument("--bits", type=int, default=2, help="k_bits = v_bits of every method (default 2)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
+    p.add_argument("--kv-heads", type=int, default=8,
+                   help="KV heads of the timed tensor (1, H, T, head_dim) (default 8, as Llama-3-8B)")
+    p.add_argument("--head-dim", type=int, default=128,
+                   help="head_dim of the timed tensor, the last dim every method groups or rotates (default 128)")
     p.add_argument("--repeats", type=int, default=7, help="interleaved rounds; medians are reported (default 7)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
@@ -538,6 +540,11 @@ def format_report(result: dict[str, Any]) -> str:
     has_hqq = any(r.get("x_hqq_rtn") is not None for r in rows)
     out: list[str] = []
     cuda = str(result["environment"]["device"]).startswith("cuda")
+    out.append("K ms / V ms: median wall time of a method's K and V round trip (quantize + dequantize); ×clone, "
+               "×eager_rtn" + (", ×hqq_rtn" if has_hqq else "") + ": that time as a multiple of the baseline's median "
+               "in the same rounds" + ("" if cuda else "; ×eager_rtn cpu: the same ratio of CPU times "
+                                       "(time.process_time)") + ". The baselines (clone, eager_rtn"
+               + (", hqq_rtn" if has_hqq else "") + ") time one tensor (K), so their V columns are empty.\n")
     for nt in result["config"]["threads"]:
         for t in result["config"]["tokens"]:
             sel = [r for r in rows if r["threads"] == nt and r["tokens"] == t]

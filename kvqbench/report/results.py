@@ -116,6 +116,10 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
         if reason:
             why.append(reason)
         out["summary"] = f"incomplete: {finished} of {total} cells finished, " + ", ".join(why)
+        if reason and reason.startswith("shard ") and " (" in reason and "," not in reason and not counts["failed"]:
+            # a shard that ran its share: not alarming, one step of a sharded run
+            label, _, rest = reason.partition(" (")
+            out["summary"] = f"{label}: {finished} of {total} cells, this shard's share of the run ({rest}"
     return out
 
 
@@ -152,8 +156,9 @@ def check_writable(folder: str | os.PathLike) -> str | None:
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
-    except OSError as e:
-        return f"{why} ({e.strerror or e})"
+    except OSError as e:  # e.g. /proc: the permission bits allow it, the file system refuses any new file
+        where = f"{probe} accepts no new file" if probe == p else f"{p} cannot be created: {probe} accepts no new file"
+        return f"{where} (creating a test file there failed: {e.strerror or e})"
     return None
 
 

@@ -215,18 +215,33 @@ def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, mon
     assert message in err and len(err.strip().splitlines()) == 1
 
 
-def test_run_usage_errors_name_kvqbench_run():
-    """A bad option is reported by pytest's own parser, under the command the user typed (not
-    ``pytest.main()``), with exit status 4 (pytest's usage error)."""
+@pytest.mark.parametrize("argv,message", [
+    (["--kvq-bits", "2,,4"], "argument --kvq-bits: --kvq-bits expects a comma list of ints in 1..8 or 16"),
+    (["--kvq-seeds", "0"], "argument --kvq-seeds: --kvq-seeds expects a count of at least 1"),
+    (["--kvq-figures", "maybe"], "argument --kvq-figures: invalid choice: 'maybe'"),
+    (["--kvq-progress=-5"], "argument --kvq-progress: --kvq-progress expects seconds >= 0"),
+])
+def test_run_rejects_a_bad_plugin_option_in_one_line_before_pytest(argv, message, capsys, pytest_calls):
+    """A bad value of a kvqbench plugin option is caught with the plugin's own definition before pytest runs:
+    one line naming the option and what it takes, exit status 2 (as --shard's errors)."""
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvqbench run: " + message) and len(err.strip().splitlines()) == 1, err
+    assert not pytest_calls  # pytest never started
+
+
+def test_run_usage_errors_of_pytest_name_kvqbench_run():
+    """An option pytest does not know is reported by pytest's own parser, under the command the user typed
+    (not ``pytest.main()``), with exit status 4 (pytest's usage error)."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--kvq-bits", "2,,4"], cwd=root,
+    out = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--kvq-nonsense"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     assert out.returncode == 4, text
-    assert "usage: kvqbench run [options]" in text and "kvqbench run: error: argument --kvq-bits" in text
+    assert "usage: kvqbench run [options]" in text and "kvqbench run: error: unrecognized arguments: --kvq-nonsense" in text
     assert "pytest.main()" not in text
 
 

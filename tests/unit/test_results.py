@@ -115,6 +115,10 @@ def test_check_writable_names_files_in_the_way(tmp_path):
     assert check_writable(f) == f"{f} is a file, not a folder"
     assert check_writable(f / "sub") == f"{f / 'sub'} cannot be created: {f} is a file, not a folder"
     assert check_writable(tmp_path / "new" / "deeper") is None
+    if Path("/proc").is_dir() and os.access("/proc", os.W_OK):  # root: the bits allow it, the file system not
+        why = check_writable("/proc/kvqbench-nope")
+        assert why.startswith("/proc/kvqbench-nope cannot be created: /proc accepts no new file (creating a test "
+                              "file there failed: "), why
 
 
 def test_hooks_are_plain_callbacks(tmp_path):
@@ -236,3 +240,19 @@ def test_a_narrower_complete_run_keeps_the_broader_set_in_previous(tmp_path):
     res = _write(out, narrow, expected=len(narrow))  # a rerun of the same cells: replaced, previous/ untouched
     assert res.note is None
     assert {p.name: p.read_bytes() for p in (out / PREVIOUS_DIR).iterdir()} == before
+
+
+def test_a_shards_summary_says_it_ran_its_share():
+    """A shard that ran its cells without failure is one step of a sharded run, not an alarming incomplete
+    set (it still is not complete); an interrupted or failing shard keeps the incomplete summary."""
+    from kvqbench.report.results import completeness
+
+    recs = [{"nodeid": f"a{i}", "status": "passed"} for i in range(3)]
+    ids = [f"a{i}" for i in range(6)]
+    why = "shard 1/2 (join the shards with kvqbench merge)"
+    comp = completeness(recs, ids, why)
+    assert comp["complete"] is False
+    assert comp["summary"] == "shard 1/2: 3 of 6 cells, this shard's share of the run (join the shards with kvqbench merge)"
+    assert completeness(recs, ids, why + ", interrupted")["summary"].startswith("incomplete: 3 of 6 cells finished")
+    failed = [*recs[:2], {"nodeid": "a2", "status": "failed"}]
+    assert completeness(failed, ids, why)["summary"].startswith("incomplete: 3 of 6 cells finished, 1 failed")
