@@ -188,7 +188,7 @@ class Kitty(Quantizer):
             raise ValueError(f"kitty supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
         xf = x.to(compute_dtype(x.dtype))
         if kind == "v":
-            lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+            lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # (aminmax over a dim: 5x slower)
             check_finite(x, lo, hi, name="V")  # every element is inside its token's [lo, hi]
             levels = (1 << bits) - 1
             scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
@@ -242,7 +242,8 @@ class Kitty(Quantizer):
             else:
                 score = pf[sl].abs().sum(-1) / g
             top[sl] = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
-            torch.aminmax(pf[sl], dim=-1, keepdim=True, out=(lo[sl], hi[sl]))
+            torch.amin(pf[sl], dim=-1, keepdim=True, out=lo[sl])  # (aminmax over a dim: 5x slower)
+            torch.amax(pf[sl], dim=-1, keepdim=True, out=hi[sl])
         check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
         cmap = torch.full((n_all, d), n_boost, dtype=torch.int64, device=x.device)
         cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))

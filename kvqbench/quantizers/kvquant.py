@@ -360,7 +360,7 @@ class KVQuant(Quantizer):
             hi = rest.scatter_(-1, out_idx, float("-inf")).amax(-1, keepdim=True)
         else:
             out_idx = torch.zeros(*vec.shape[:-1], 0, dtype=torch.int64, device=vec.device)
-            lo, hi = torch.aminmax(vec, dim=-1, keepdim=True)
+            lo, hi = vec.amin(-1, keepdim=True), vec.amax(-1, keepdim=True)  # (aminmax over a dim: 5x slower)
         return out_idx, lo, (hi + lo) / 2, (hi - lo) / 2
 
     @staticmethod

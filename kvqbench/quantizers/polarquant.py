@@ -188,7 +188,8 @@ class PolarQuant(Quantizer):
             rho, phi = to_polar(xg[sl])  # (n, G, P)
             for name, v in (("rho", rho), ("phi", phi)):
                 mn, mx = mins[name][sl], maxs[name][sl]
-                torch.aminmax(v, dim=-2, keepdim=True, out=(mn, mx))
+                torch.amin(v, dim=-2, keepdim=True, out=mn)  # (aminmax over a dim: ~8x slower on the CPU)
+                torch.amax(v, dim=-2, keepdim=True, out=mx)
                 codes[name][sl] = _floor_quantize(v, mn, mx, bits, torch.uint8)
         for name in ("rho", "phi"):
             qt.add_codes(f"{name}_codes", codes[name].view(b, h, t, p), bits)

@@ -201,7 +201,7 @@ class TurboQuant(Quantizer):
         # inputs gave Inf norms and NaN output) nor underflows (tiny inputs decoded to all zeros); at
         # normal scales both equal the direct formulas bit for bit. max|x| = max(−min, max) (no |x| buffer)
         # holds any NaN/Inf of the token, so it is also the finiteness check.
-        mn, mx = torch.aminmax(xf, dim=-1, keepdim=True)
+        mn, mx = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # (aminmax over a dim: 5x slower on the CPU)
         amax = torch.maximum(mn.neg_(), mx)
         check_finite(x, amax, name=kind.upper())
         p = pow2_floor(amax).reshape(-1, 1)
