@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: 2 min 42 s, 289 CPU-s, on an idle 2-core CPU; more when the host is slow or shared; "
+                                   "(measured: 2 min 39 s - 3 min 19 s on an idle 2-core CPU; more when the host is slow or shared; "
                                    "the progress line's ETA says how long "
                                    "yours takes). Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
@@ -55,10 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 5.7-6.0 s on an idle 2-core machine, more when the host is busy; "
+                      help="tiny synthetic cells only (measured: 6.4-7.3 s on an idle 2-core machine, more when the host is busy; "
                            "no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
                            "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
-                           "real-model smoke cells too (measured: 44-45 s with the real-model capture cached, 81 s without)")
+                           "real-model smoke cells too (measured: 51-57 s with the real-model capture cached, 71 s without)")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shards", type=int, metavar="N", default=None,
                    help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
     rep = sub.add_parser("report", help="re-render LEADERBOARD.md, the figures and the terminal table from saved JSON "
-                                        "(no torch; 3.6 s for the main job)",
+                                        "(no torch; 3.9-4.4 s for the main job)",
                          description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures "
                                      "and the terminal table (no torch, no cell runs again); --rebuild also rebuilds "
                                      "leaderboard.json from the per-experiment files.")
