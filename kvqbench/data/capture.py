@@ -225,12 +225,47 @@ def check_model(model: str = DEFAULT_MODEL) -> None:
     from transformers import AutoConfig
 
     try:
+        if not ref.local:  # in the local Hugging Face cache: no network; else the hub must answer
+            try:
+                AutoConfig.from_pretrained(ref.source, local_files_only=True)
+                return
+            except Exception:
+                offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE")
+                if not offline:
+                    _hub_reachable_or_raise(model)
         AutoConfig.from_pretrained(ref.source, local_files_only=ref.local)
+    except _HubUnreachable:
+        raise
     except Exception as e:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE")
         hint = " (offline: the model must already be in the local Hugging Face cache)" if offline else ""
         raise ValueError(f"model {model!r} cannot be loaded: {first}{hint}") from None
+
+
+#: seconds to wait for the Hugging Face hub's TCP handshake before a model id not in the local cache is
+#: reported as unreachable (instead of the hub client's retries: ~25 s and a dozen lines offline)
+HUB_PROBE_S = 3.0
+
+
+class _HubUnreachable(ValueError):
+    """The model is not in the local cache and the hub does not answer (:func:`_hub_reachable_or_raise`)."""
+
+
+def _hub_reachable_or_raise(model: str) -> None:
+    """Raise a one-line ``ValueError`` when the Hugging Face hub (``$HF_ENDPOINT``, default huggingface.co) does
+    not accept a TCP connection within :data:`HUB_PROBE_S` seconds (no network, no DNS)."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_S).close()
+    except OSError as e:
+        raise _HubUnreachable(f"model {model!r} is not in the local Hugging Face cache and {host} cannot be reached "
+                         f"({e.strerror or type(e).__name__}); download it on a connected machine, or pass a local "
+                         "folder or GGUF file") from None
 
 
 #: models loaded in this process: (ref, device, dtype) → (model, tokenizer); at most 4 kept

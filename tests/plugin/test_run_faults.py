@@ -155,3 +155,21 @@ def test_an_unloadable_model_stops_the_run_once_before_any_cell(pytester, run, m
     assert len(errors) == 1 and "--kvq-model kvqbench-test/no-such-model" in errors[0]
     assert "cannot be loaded" in errors[0] and "offline" in errors[0]
     assert len(res.stderr.lines) < 10, res.stderr.str()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (kvqbench[real])")
+def test_a_model_id_with_no_cache_and_no_hub_stops_at_once_in_one_line(pytester, run, monkeypatch):
+    """Offline without HF_HUB_OFFLINE (here: a hub endpoint that refuses connections): the model check probes
+    the hub once instead of letting the hub client retry (~25 s and a dozen lines), and says what to do."""
+    import time
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    t0 = time.monotonic()
+    res = run("--kvq-real", "--kvq-model", "kvqbench-test/no-such-model", "--kvq-out", str(pytester.path / "o"))
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert not run.marker.exists(), "a cell ran before the model check"
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert len(errors) == 1 and "is not in the local Hugging Face cache and 127.0.0.1 cannot be reached" in errors[0]
+    assert len(res.stderr.lines) < 10 and time.monotonic() - t0 < 60, res.stderr.str()
