@@ -1299,9 +1299,8 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
         return paths
 
     expected, reason = state.expected, _end_reason(session, exitstatus)
-    if state.shard is not None:  # a shard's tables cover only its part of the matrix: say so
+    if state.shard is not None:  # a shard's tables cover only its part of the matrix
         expected = state.shard["cells"]
-        reason = f"shard {state.shard['shard']} (join the shards with kvqbench merge)" + (f", {reason}" if reason else "")
     out_dir = _out_dir(config, s, records, state.expected)
     prov = provenance(config, s, records)
     figures = _figures(s, records)
@@ -1312,7 +1311,8 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
     res = write_result_set(
         records, prov if records else {}, out_dir, expected=expected, reason=reason,
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
-        write_extra=extra, figures=figures, log=log, files=[bench] if bench is not None else [])
+        write_extra=extra, figures=figures, log=log, files=[bench] if bench is not None else [],
+        shard=None if state.shard is None else state.shard["shard"])
     if bench is not None and bench.parent.is_dir() and not any(bench.parent.iterdir()):
         bench.parent.rmdir()
     if not figures and res.out_dir is not None and Path(res.out_dir) == out_dir:

@@ -43,6 +43,8 @@ OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summar
                    "norm_diff_density_*.png", "cost_*.png", "predictivity_*.png")
 #: pytest-benchmark's JSON of exp4's timed round trips, beside the results (serial sessions; a merge joins the shards')
 BENCHMARK_JSON = "benchmark_exp4.json"
+#: what a shard's result set says about itself
+SHARD_HINT = "join the shards with kvqbench merge"
 #: where an incomplete set goes when the destination already holds a complete one
 INCOMPLETE_DIR = "incomplete"
 #: where a complete set goes when a complete set of fewer cells (a narrower selection) replaces it
@@ -74,7 +76,7 @@ def record_sort_key(r: dict[str, Any]) -> tuple:
 
 
 def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | None = None,
-                 reason: str | None = None) -> dict[str, Any]:
+                 reason: str | None = None, *, shard: str | None = None) -> dict[str, Any]:
     """How complete a result set is.
 
     Args:
@@ -83,12 +85,18 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
             record are listed as ``not_run_ids``); ``None`` when unknown (only failures then make it
             incomplete).
         reason: why the run ended early (``"interrupted"``, ``"stopped after 1 failure (-x)"``…), or ``None``.
+        shard: ``"I/N"`` for the set of one shard of a sharded run (``expected`` = the whole run's cells):
+            never complete; a shard that ran its share without failure or ``reason`` says so instead of
+            looking like an alarming incomplete set.
 
     Returns ``{"complete", "summary", "expected", "finished", "passed", "failed", "skipped", "not_run",
     "reason", ["not_run_ids"]}``; ``complete`` is true when no cell failed, none is missing and no reason
     is given (skipped cells are deliberate and do not make a set incomplete). ``summary`` is one line,
     e.g. ``"incomplete: 78 of 435 cells finished, interrupted"`` or ``"complete: 435 cells"``.
     """
+    own_reason = reason
+    if shard is not None:  # a shard's tables cover only its part of the matrix: say so
+        reason = f"shard {shard} ({SHARD_HINT})" + (f", {reason}" if reason else "")
     counts = {s: sum(1 for r in records if r.get("status") == s) for s in ("passed", "failed", "skipped")}
     finished = len(records)
     ids: list[str] | None = None
@@ -116,10 +124,8 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
         if reason:
             why.append(reason)
         out["summary"] = f"incomplete: {finished} of {total} cells finished, " + ", ".join(why)
-        if reason and reason.startswith("shard ") and " (" in reason and "," not in reason and not counts["failed"]:
-            # a shard that ran its share: not alarming, one step of a sharded run
-            label, _, rest = reason.partition(" (")
-            out["summary"] = f"{label}: {finished} of {total} cells, this shard's share of the run ({rest}"
+        if shard is not None and own_reason is None and not counts["failed"]:  # one step of a sharded run
+            out["summary"] = f"shard {shard}: {finished} of {total} cells, this shard's share of the run ({SHARD_HINT})"
     return out
 
 
@@ -242,7 +248,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
                      comp: dict[str, Any] | None = None, catalog: dict[str, Any] | None = None,
                      update_board: UpdateBoard | None = None, write_extra: WriteExtra | None = None,
                      figures: bool = True, in_place: bool = False, log: Log | None = None,
-                     files: Iterable[str | os.PathLike] | None = None) -> ResultSet:
+                     files: Iterable[str | os.PathLike] | None = None, shard: str | None = None) -> ResultSet:
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
@@ -252,6 +258,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
         out_dir: the destination folder (created when missing).
         expected: the cells asked for (a count or node ids; see :func:`completeness`).
         reason: why the run ended early, or ``None``.
+        shard: ``"I/N"`` when the set is one shard's (see :func:`completeness`).
         comp: a ready completeness dict (e.g. read back from the files) instead of ``expected``/``reason``.
         catalog: the metrics catalog (default :func:`kvqbench.metrics.catalog_dict`).
         update_board: called with the leaderboard document before any derived file is written (the
@@ -278,7 +285,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     recs = sorted((r for r in records if r.get("experiment") != "adhoc"), key=record_sort_key)
     if not recs:
         return ResultSet()
-    comp = dict(comp) if comp is not None else completeness(recs, expected, reason)
+    comp = dict(comp) if comp is not None else completeness(recs, expected, reason, shard=shard)
     catalog = catalog if catalog is not None else catalog_dict()
     dest = Path(out_dir)
     note = None

@@ -249,10 +249,10 @@ def test_a_shards_summary_says_it_ran_its_share():
 
     recs = [{"nodeid": f"a{i}", "status": "passed"} for i in range(3)]
     ids = [f"a{i}" for i in range(6)]
-    why = "shard 1/2 (join the shards with kvqbench merge)"
-    comp = completeness(recs, ids, why)
-    assert comp["complete"] is False
+    comp = completeness(recs, ids, shard="1/2")
+    assert comp["complete"] is False and comp["reason"] == "shard 1/2 (join the shards with kvqbench merge)"
     assert comp["summary"] == "shard 1/2: 3 of 6 cells, this shard's share of the run (join the shards with kvqbench merge)"
-    assert completeness(recs, ids, why + ", interrupted")["summary"].startswith("incomplete: 3 of 6 cells finished")
+    assert completeness(recs, ids, "interrupted", shard="1/2")["summary"] == (
+        "incomplete: 3 of 6 cells finished, 3 not run, shard 1/2 (join the shards with kvqbench merge), interrupted")
     failed = [*recs[:2], {"nodeid": "a2", "status": "failed"}]
-    assert completeness(failed, ids, why)["summary"].startswith("incomplete: 3 of 6 cells finished, 1 failed")
+    assert completeness(failed, ids, shard="1/2")["summary"].startswith("incomplete: 3 of 6 cells finished, 1 failed")
