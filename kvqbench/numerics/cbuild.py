@@ -7,7 +7,8 @@ torch code) when no compiler is found, the compilation or loading fails, or ``$K
 using it (see :mod:`kvqbench.numerics.varn`).
 
 The shared object is cached under ``$KVQBENCH_CBUILD_DIR`` (default ``~/.cache/kvqbench/cbuild``, else the
-temporary directory), named by a hash of the source, the compiler, its flags and the CPU (the code is built
+temporary directory), named by a hash of the source, the local headers it includes (``#include "x.h"``, next to
+it), the compiler, its flags and the CPU (the code is built
 for the host CPU, ``-march=native``, or with :data:`PORTABLE_FLAGS` where the compiler rejects that); it is written to a temporary name and renamed, so concurrent
 processes (pytest-xdist workers) never load a partial file. A compilation takes well under a second.
 """
@@ -19,6 +20,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -79,7 +81,8 @@ def _load_cached(source: str) -> ctypes.CDLL | None:
     src = _HERE / source
     try:
         text = src.read_bytes()
-        key = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(FLAGS).encode(),
+        headers = [(_HERE / h.decode()).read_bytes() for h in re.findall(rb'^#include "([^"]+)"', text, re.M)]
+        key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(FLAGS).encode(),
                                          _cpu_id().encode()])).hexdigest()[:16]
         folder = _cache_dir()
         folder.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvq_minmax.h"
+
 /* elements per step of the code pass: their normalized values and codes stay in registers/L1 */
 #define CHUNK 64
 
@@ -41,19 +43,6 @@ static void heapify(float *h, long m) {
   for (long p = m / 2 - 1; p >= 0; p--) sift_down(h, m, p, h[p]);
 }
 
-/* the minimum and maximum of 16 values, in any order (vectorized); meaningless with a NaN, which the code pass
- * rejects */
-__attribute__((optimize("no-signed-zeros", "finite-math-only")))
-static inline void minmax16(const float *restrict x, float *mn_out, float *mx_out) {
-  float mn = x[0], mx = x[0];
-  for (int c = 1; c < 16; c++) {
-    mn = x[c] < mn ? x[c] : mn;
-    mx = x[c] > mx ? x[c] : mx;
-  }
-  *mn_out = mn;
-  *mx_out = mx;
-}
-
 /* the (k+1) largest values of x in the min-heap top, the (k+1) smallest negated in the min-heap bot */
 static void tails(const float *restrict x, long n, long m, float *restrict top, float *restrict bot) {
   for (long i = 0; i < m; i++) {
@@ -65,7 +54,7 @@ static void tails(const float *restrict x, long n, long m, float *restrict top, 
   long i = m;
   for (; i + 16 <= n; i += 16) {
     float mn, mx;
-    minmax16(x + i, &mn, &mx);
+    kvq_minmax(x + i, 16, &mn, &mx);
     if (mx > top[0] || -mn > bot[0]) {  /* rare once the heaps hold the tails: a block with a candidate */
       for (long j = i; j < i + 16; j++) {
         if (x[j] > top[0]) replace_root(top, m, x[j]);

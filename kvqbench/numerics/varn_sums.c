@@ -12,6 +12,8 @@
  */
 #include <math.h>
 
+#include "kvq_minmax.h"
+
 /* one block of 8 rows of the column sum, in the mat-vec's order (see col_sums above) */
 static inline float block8(float a, float w0, float w1, float w2, float w3, float w4, float w5, float w6, float w7,
                            float y0, float y1, float y2, float y3, float y4, float y5, float y6, float y7) {
@@ -232,16 +234,6 @@ long varn_iterate(const float *restrict x, const float *restrict xt, long n, lon
  * min and max are taken in any order (vectorized), which gives the same value unless the row holds a zero
  * (the sign of a zero minimum would depend on the order) or a non-finite value: then the function returns 1
  * at once (the caller runs its torch code on the untouched tiles); else 0. work: C floats. */
-__attribute__((optimize("no-signed-zeros", "finite-math-only")))
-static void row_minmax(const float *restrict b, long C, float *mn_out, float *mx_out) {
-  float mn = b[0], mx = b[0];
-  for (long c = 1; c < C; c++) {
-    mn = b[c] < mn ? b[c] : mn;
-    mx = b[c] > mx ? b[c] : mx;
-  }
-  *mn_out = mn;
-  *mx_out = mx;
-}
 
 int balanced_rtn_rows(const float *restrict tiles, const float *restrict s_col, const float *restrict s_row,
                       long n, long R, long C, float levels, float floor_, unsigned char *restrict q,
@@ -261,7 +253,7 @@ int balanced_rtn_rows(const float *restrict tiles, const float *restrict s_col, 
       }
       if (odd) return 1;
       float mn, mx;
-      row_minmax(work, C, &mn, &mx);
+      kvq_minmax(work, C, &mn, &mx);
       float s = (mx - mn) / levels;
       s = s < floor_ ? floor_ : s;
       for (long c = 0; c < C; c++) {

@@ -24,20 +24,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kvq_minmax.h"
+
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "zpoint.c: a little-endian host"
 #endif
-
-__attribute__((optimize("no-signed-zeros", "finite-math-only")))
-static void group_minmax(const float *restrict x, long g, float *mn_out, float *mx_out) {
-  float mn = x[0], mx = x[0];
-  for (long c = 1; c < g; c++) {
-    mn = x[c] < mn ? x[c] : mn;
-    mx = x[c] > mx ? x[c] : mx;
-  }
-  *mn_out = mn;
-  *mx_out = mx;
-}
 
 /* lanes of 2^k bytes each holding its low n bits set (k = 1, 2), or the low n bits of the word (k = 3) */
 #define LANES(k, n) ((k) == 1 ? 0x0001000100010001ull * ((1ull << (n)) - 1) \
@@ -91,7 +82,7 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
     const long r1 = r0 + CHUNK < rows ? r0 + CHUNK : rows;
     for (long i = r0 * ng; i < r1 * ng; i++) {  /* the chunk's groups: parameters */
       float mn, mx;
-      group_minmax(x + i * g, g, &mn, &mx);
+      kvq_minmax(x + i * g, g, &mn, &mx);
       if (mn == 0.f || mx == 0.f) return 1;
       float lo = mn, hi = mx;
       if (include_zero) {

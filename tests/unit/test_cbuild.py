@@ -48,3 +48,26 @@ def test_builds_once_into_the_cache_folder(monkeypatch, tmp_path) -> None:
         assert built[0].stat().st_mtime_ns == mtime  # reused, not rebuilt
     finally:
         cbuild._load_cached.cache_clear()
+
+
+def test_a_change_to_an_included_header_rebuilds(monkeypatch, tmp_path) -> None:
+    """The cache key covers the local headers a source includes: editing the header gives a new shared object
+    (the kernels share kvq_minmax.h)."""
+    if cbuild._compiler() is None:
+        pytest.skip("no C compiler on PATH")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "k.h").write_text("static inline int kvq_value(void) { return 1; }\n")
+    (src / "k.c").write_text('#include "k.h"\nint value(void) { return kvq_value(); }\n')
+    monkeypatch.setattr(cbuild, "_HERE", src)
+    monkeypatch.setenv("KVQBENCH_CBUILD_DIR", str(tmp_path / "build"))
+    monkeypatch.delenv(cbuild.ENV, raising=False)
+    cbuild._load_cached.cache_clear()
+    try:
+        assert cbuild.load("k.c").value() == 1
+        (src / "k.h").write_text("static inline int kvq_value(void) { return 2; }\n")
+        cbuild._load_cached.cache_clear()
+        assert cbuild.load("k.c").value() == 2
+        assert len(list((tmp_path / "build").glob("k-*.so"))) == 2
+    finally:
+        cbuild._load_cached.cache_clear()
