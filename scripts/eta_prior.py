@@ -28,6 +28,7 @@ Standard library only (plus kvqbench.progress for the kinds).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -102,6 +103,17 @@ def merge_median(histories: list[dict]) -> dict:
                    "steps": merged_steps, "step_cells": cells}])
 
 
+@functools.lru_cache(maxsize=1)
+def _eta_error():
+    """scripts/eta_error.py as a module (its session replay), loaded once."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eta_error", Path(__file__).resolve().parent / "eta_error.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def load_run(path: Path) -> dict:
     """A history file (``{"version": 1 or 2, "tests": …}``), or a trace of one session (JSON lines,
     ``KVQBENCH_PROGRESS_TRACE``) turned into the history of that session alone: its tests' and steps' own
@@ -121,11 +133,7 @@ def load_run(path: Path) -> dict:
         if doc.get("version") not in (1, 2):
             raise ValueError(f"{path}: not a kvqbench durations history (version 1 or 2)")
         return doc
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("eta_error", Path(__file__).resolve().parent / "eta_error.py")
-    eta_error = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(eta_error)
+    eta_error = _eta_error()
     try:
         events = [json.loads(ln) for ln in text.splitlines() if ln.strip()]
     except ValueError as e:

@@ -215,11 +215,17 @@ def _fwht_compiled(x: torch.Tensor, out: torch.Tensor) -> bool:
     rows, d = (int(v) for v in x.shape)
     if rows == 0:
         return True
-    sizes = hadamard_blocks(d)
-    sz = (ctypes.c_long * len(sizes))(*sizes)
-    sc = (ctypes.c_float * len(sizes))(*(1 / math.sqrt(n) for n in sizes))
-    lib.fwht_rows(x.data_ptr(), x.stride(0), out.data_ptr(), rows, d, sz, sc, len(sizes))
+    sz, sc, nb = _fwht_blocks(d)
+    lib.fwht_rows(x.data_ptr(), x.stride(0), out.data_ptr(), rows, d, sz, sc, nb)
     return True
+
+
+@functools.lru_cache(maxsize=32)
+def _fwht_blocks(d: int) -> tuple[ctypes.Array, ctypes.Array, int]:
+    """The kernel's block sizes and scales for head_dim ``d`` (built once per ``d``)."""
+    sizes = hadamard_blocks(d)
+    return ((ctypes.c_long * len(sizes))(*sizes), (ctypes.c_float * len(sizes))(*(1 / math.sqrt(n) for n in sizes)),
+            len(sizes))
 
 
 _FWHT_OK: dict[str, bool] = {}
