@@ -1236,15 +1236,15 @@ def _out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] |
 
 class _BenchmarkJson:
     """Registered in ``pytest_configure``: its session-finish wrapper runs before pytest-benchmark's own
-    (which saves the JSON) and points it at the results folder."""
+    (which saves the JSON) and points it at a temporary file that joins the result set."""
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int):
-        _point_benchmark_json(session, exitstatus)
+        _point_benchmark_json(session)
         return (yield)
 
 
-def _point_benchmark_json(session: pytest.Session, exitstatus: int = 0) -> None:
+def _point_benchmark_json(session: pytest.Session) -> None:
     """pytest-benchmark's JSON, when the user gave no ``--benchmark-json`` and it timed something, is
     written to a temporary folder (``BENCH_JSON_KEY`` in the stash) and joins the result set when it is
     written (:func:`write_results`: ``files`` of :func:`~kvqbench.report.results.write_result_set`), so it
