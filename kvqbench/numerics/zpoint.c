@@ -25,46 +25,7 @@
 #include <string.h>
 
 #include "kvq_minmax.h"
-
-#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
-#error "zpoint.c: a little-endian host"
-#endif
-
-/* lanes of 2^k bytes each holding its low n bits set (k = 1, 2), or the low n bits of the word (k = 3) */
-#define LANES(k, n) ((k) == 1 ? 0x0001000100010001ull * ((1ull << (n)) - 1) \
-                   : (k) == 2 ? 0x0000000100000001ull * ((1ull << (n)) - 1) : ((n) >= 64 ? ~0ull : (1ull << (n)) - 1))
-
-/* 8 codes (one per byte of a little-endian word, each < 2^bits) → their 8·bits-bit stream: codes 2j, 2j+1 merged
- * in each 16-bit lane, then the pairs in each 32-bit lane, then the two halves (each odd part shifted down by a
- * multiple of 8 − bits onto the bits just above the even part, both masked) */
-static inline __attribute__((always_inline)) uint64_t pack8(uint64_t w, int bits) {
-  const int s = 8 - bits;
-  w = (w & LANES(1, bits)) | ((w >> s) & (LANES(1, bits) << bits));
-  w = (w & LANES(2, 2 * bits)) | ((w >> (2 * s)) & (LANES(2, 2 * bits) << (2 * bits)));
-  return (w & LANES(3, 4 * bits)) | ((w >> (4 * s)) & (LANES(3, 4 * bits) << (4 * bits)));
-}
-
-/* the inverse of pack8: the 8·bits-bit stream of 8 codes (in the low bits of w) → one code per byte */
-static inline __attribute__((always_inline)) uint64_t unpack8(uint64_t w, int bits) {
-  const int s = 8 - bits;
-  w = (w & LANES(3, 4 * bits)) | ((w << (4 * s)) & (LANES(3, 4 * bits) << 32));
-  w = (w & LANES(2, 2 * bits)) | ((w << (2 * s)) & (LANES(2, 2 * bits) << 16));
-  return (w & LANES(1, bits)) | ((w << s) & (LANES(1, bits) << 8));
-}
-
-static inline __attribute__((always_inline)) void pack_row(const unsigned char *restrict c, long d, int bits,
-                                                            unsigned char *restrict out) {
-  if (bits == 8) {
-    memcpy(out, c, (size_t)d);
-    return;
-  }
-  for (long k = 0; k < d / 8; k++) {
-    uint64_t w;
-    memcpy(&w, c + 8 * k, 8);
-    w = pack8(w, bits);
-    memcpy(out + k * bits, &w, (size_t)bits);  /* little-endian: the low bytes of the word */
-  }
-}
+#include "kvq_pack.h"
 
 /* rows per chunk: the parameters of a chunk's groups are computed first (independent chains that overlap), then
  * its codes, while the chunk is in L1 */
@@ -119,7 +80,7 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
         }
       }
       if (bad) return 1;
-      pack_row(work, d, bits, packed + r * row_bytes);
+      kvq_pack_row(work, d, bits, packed + r * row_bytes);
     }
   }
   return 0;
@@ -153,16 +114,7 @@ static inline __attribute__((always_inline)) void decode_rows(const unsigned cha
   for (long i = 0; i < rows * ng; i++) {  /* group i: g / 8 chunks of 8 codes (bits bytes each) */
     const float z = zero[i], s = scale[i];
     float *og = out + i * g;
-    if (bits < 8) {
-      for (long k = 0; k < g / 8; k++) {
-        uint64_t w = 0;
-        memcpy(&w, p + k * bits, (size_t)bits);
-        w = unpack8(w, bits);
-        memcpy(work + 8 * k, &w, 8);
-      }
-    } else {
-      memcpy(work, p, (size_t)g);
-    }
+    kvq_unpack_row(p, g, bits, work);
     for (long c = 0; c < g; c++) og[c] = ((float)work[c] - z) * s;
     p += g / 8 * bits;
   }

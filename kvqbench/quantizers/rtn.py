@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvqbench.numerics import rtnpack
 from kvqbench.numerics.rtn import (
     Granularity,
     PerChannel,
@@ -45,6 +46,10 @@ class GroupedRTNQuantizer(Quantizer):
 
     Stores packed ``b``-bit codes, one fp16-billed scale and one fp16-billed zero-point (the float
     group minimum, as KIVI) per group. Nominal bits = ``b + 24 / group_elements``.
+
+    On the CPU the round trip runs compiled where it can (:mod:`kvqbench.numerics.rtnpack`: statistics, codes
+    and packing in one pass, decode straight from the packed bytes), with the same bits as
+    :func:`~kvqbench.numerics.rtn.rtn_quantize` + packing, which runs otherwise.
     """
     seeded = False  # no randomness
 
@@ -59,17 +64,30 @@ class GroupedRTNQuantizer(Quantizer):
 
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         gran = self.granularity(kind)
-        codes, lo, scale = rtn_quantize(self._view(x), bits, gran, codes_dtype=torch.uint8)
+        xv = self._view(x)
+        fast = rtnpack.quantize_pack(xv, bits, gran)  # compiled, the same bits (None: outside its scope)
+        if fast is None:
+            codes, lo, scale = rtn_quantize(xv, bits, gran, codes_dtype=torch.uint8)
+        else:
+            packed, lo, scale = fast
         check_finite(x, lo, scale, name=kind.upper())
         # the granularity (with its group size) travels in meta: any instance of the method decodes it
         qt = self._new_qt(x, kind, bits, granularity=gran)
-        qt.add_codes("codes", codes, bits)
+        if fast is None:
+            qt.add_codes("codes", codes, bits)
+        else:
+            qt.add_packed("codes", packed, tuple(xv.shape), bits)
         qt.fields["scale"] = Stored(scale, 16)
         qt.fields["zero"] = Stored(lo, 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], qt.meta["granularity"])
+        gran = qt.meta["granularity"]
+        out = rtnpack.decode(qt.fields["codes"].tensor, qt.meta["codes.shape"], qt.meta["codes.bits"], qt["zero"],
+                             qt["scale"], gran)  # compiled, the same bits (None: outside its scope)
+        if out is not None:
+            return out
+        return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], gran)
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         return bits + AUX_BITS_NOMINAL / _group_elems(self.granularity(kind), shape)
