@@ -12,11 +12,14 @@ within a code, bit ``j`` (value ``2**j``) is stream bit ``i*b + j``; stream bit 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import sys
 
 import torch
+
+from kvqbench.numerics import cbuild
 
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_float_codes"]
 
@@ -35,6 +38,31 @@ def _check_bits(bits: int) -> None:
 _WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 #: ``(2^b − 1)`` repeated in every byte of a word: one code per byte, its high bits cleared
 _BYTE_MASK = {1: 0x0101010101010101, 2: 0x03030303, 4: 0x0F0F}
+
+
+#: codes from which ``uint8`` codes on the CPU are packed and unpacked by the compiled pass (``packbits.c``, one pass
+#: over the codes, the same bytes: kvq_pack.h) where a C compiler is present; fewer run the torch passes
+C_MIN_CODES = 4096
+#: the compiled pass may be used (tests turn it off to compare it with the torch passes)
+_USE_C = True
+
+
+def _c_lib() -> ctypes.CDLL | None:
+    """``packbits.c`` compiled (:mod:`kvqbench.numerics.cbuild`), or ``None``."""
+    if not _USE_C:
+        return None
+    lib = cbuild.load("packbits.c")
+    if lib is not None and not getattr(lib, "_kvq_typed", False):
+        lib.kvq_pack.restype = ctypes.c_uint
+        lib.kvq_pack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        lib.kvq_unpack.restype = None
+        lib.kvq_unpack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
+        lib._kvq_typed = True
+    return lib
+
+
+def _c_for(t: torch.Tensor, n: int) -> ctypes.CDLL | None:
+    return _c_lib() if t.device.type == "cpu" and n >= C_MIN_CODES else None
 
 
 def _word_path(flat: torch.Tensor, n: int, bits: int) -> bool:
@@ -75,7 +103,9 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     the low byte packs contiguous words in a few passes (otherwise, and for a ragged tail, one
     ``uint8`` shift-or per code slot). 8 bits is a plain cast; 3, 5, 6, 7 assemble 8 codes of ``b`` bits
     into one int64 word (``8·b ≤ 56`` bits) and split it into ``b`` bytes. ``uint8`` codes (what the
-    quantizers produce) are never widened; the range check is one reduction.
+    quantizers produce) are never widened; the range check is one reduction. On the CPU, from
+    :data:`C_MIN_CODES` integer codes, one compiled pass does the same (``packbits.c``; its range check is the OR
+    of the codes), where a C compiler is present.
 
     Blocks: the packing of codes ``[i, j)`` with ``i·b`` a multiple of 8 is bytes
     ``[i·b/8, ceil(j·b/8))`` of the whole packing, so a caller may pack row blocks into slices of one
@@ -98,9 +128,26 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     """
     _check_bits(bits)
     flat = codes.reshape(-1)
+    n = flat.numel()
+    lib = _c_for(flat, n) if not flat.is_floating_point() and flat.dtype != torch.bool else None
+    if lib is not None:  # one compiled pass (its range check: the OR of the uint8 codes)
+        nbytes = packed_nbytes(n, bits)
+        _check_out(out, nbytes)
+        if flat.dtype != torch.uint8:
+            if check:
+                _check_range(flat, bits)
+            flat = flat.to(torch.uint8)  # in range, so exact
+        flat = flat.contiguous()
+        res = torch.empty(nbytes, dtype=torch.uint8, device=flat.device) if out is None else out
+        n8 = n - n % 8  # whole bytes of the stream at every width; the tail by the torch passes
+        seen = lib.kvq_pack(flat.data_ptr(), n8, bits, res.data_ptr())
+        if check and bits < 8 and seen >> bits:
+            raise ValueError(f"codes must lie in [0, {1 << bits}) to pack into {bits} bits")
+        if n8 < n:
+            pack_bits(flat[n8:], bits, out=res[n8 * bits // 8:], check=check)
+        return res
     if check:
         _check_range(flat, bits)
-    n = flat.numel()
     _check_out(out, packed_nbytes(n, bits))
     if bits == 8:
         return flat.to(torch.uint8) if out is None else out.copy_(flat)
@@ -193,7 +240,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype 
     word of ``8/b`` bytes, ``log2(8/b)`` doubling shift-ors put a copy of it at bit ``i·(8 − b)`` for every
     ``i`` (code ``i``'s stream bits ``i·b …`` then start at bit ``8i``, byte ``i`` of the word), and one
     mask keeps each byte's low ``b`` bits: the word's bytes are the codes, in order. Otherwise one
-    shift-and per code slot. Into a floating ``out`` (1, 2, 4 bits, whole bytes): one look-up per byte in
+    shift-and per code slot. On the CPU, from :data:`C_MIN_CODES` codes, one compiled pass does the same
+    (``packbits.c``) where a C compiler is present. Into a floating ``out`` (1, 2, 4 bits, whole bytes): one look-up per byte in
     a 256-row table of its codes.
 
     Args:
@@ -230,6 +278,20 @@ def _unpack(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """:func:`unpack_bits` of the flat ``p`` as ``uint8`` (or a wider integer dtype), before the cast."""
     if bits == 8 or numel == 0:
         return p[:numel]
+    lib = _c_for(p, numel)
+    if lib is not None:  # one compiled pass; a tail of fewer than 8 codes by the torch passes
+        p = p[: packed_nbytes(numel, bits)].contiguous()
+        codes = torch.empty(numel, dtype=torch.uint8, device=p.device)
+        n8 = numel - numel % 8
+        lib.kvq_unpack(p.data_ptr(), n8, bits, codes.data_ptr())
+        if n8 < numel:
+            codes[n8:] = _unpack_torch(p[n8 * bits // 8:], bits, numel - n8)
+        return codes
+    return _unpack_torch(p, bits, numel)
+
+
+def _unpack_torch(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """:func:`_unpack` by torch passes."""
     p = p[: packed_nbytes(numel, bits)]
     if bits in _WORD and sys.byteorder == "little" and numel % (8 // bits) == 0:
         step = 8 - bits

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
+from kvqbench.numerics import packing
+from kvqbench.numerics.packing import C_MIN_CODES, pack_bits, packed_nbytes, unpack_bits
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -45,11 +46,13 @@ def _reference_pack(codes: list[int], bits: int) -> list[int]:
 
 
 @settings(max_examples=80, deadline=None)
-@given(bits=st.integers(1, 8), n=st.integers(0, 300), offset=st.integers(0, 9), seed=st.integers(0, 2**31 - 1),
+@given(bits=st.integers(1, 8), n=st.one_of(st.integers(0, 300), st.integers(C_MIN_CODES, C_MIN_CODES + 300)),
+       offset=st.integers(0, 9), seed=st.integers(0, 2**31 - 1),
        dtype=st.sampled_from([torch.uint8, torch.int64, torch.float32]))
 def test_pack_matches_the_bit_stream_and_packs_slices_into_slices(bits, n, offset, seed, dtype):
     """pack_bits (word path for 1/2/4 bits on contiguous uint8 codes at any storage offset, slot loop
-    otherwise) against the bit-by-bit stream; unpack_bits inverts it (into a new tensor and into ``out``);
+    otherwise; from C_MIN_CODES integer codes the compiled pass, where present) against the bit-by-bit stream;
+    unpack_bits inverts it (into a new tensor and into ``out``);
     the packing of codes [i, j) with i·b a multiple of 8, written into ``out``, is bytes [i·b/8, ceil(j·b/8))
     of the whole packing; ``check=False`` changes nothing for codes in range."""
     g = torch.Generator().manual_seed(seed)
@@ -59,6 +62,7 @@ def test_pack_matches_the_bit_stream_and_packs_slices_into_slices(bits, n, offse
     packed = pack_bits(codes, bits)
     assert packed.tolist() == want
     assert torch.equal(pack_bits(codes, bits, check=False), packed)
+    assert torch.equal(pack_bits(torch.stack([codes, codes], 1)[:, 0], bits), packed)  # strided codes
     assert torch.equal(unpack_bits(packed, bits, n), base[offset:])
     assert torch.equal(unpack_bits(torch.stack([packed, packed], 1)[:, 0], bits, n), base[offset:])  # strided
     into = torch.full((n,), 7.5)
@@ -79,3 +83,33 @@ def test_pack_out_and_unpack_out_of_the_wrong_size_raise():
         pack_bits(torch.tensor([1, 2, 3, 0]), 2, out=torch.empty(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="out holds"):
         unpack_bits(torch.tensor([0x39], dtype=torch.uint8), 2, 4, out=torch.empty(3))
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 8), n=st.integers(C_MIN_CODES - 9, C_MIN_CODES + 70), seed=st.integers(0, 2**31 - 1),
+       bad_at=st.one_of(st.none(), st.integers(0, C_MIN_CODES - 10)))
+def test_compiled_pass_equals_the_torch_passes(bits, n, seed, bad_at):
+    """From C_MIN_CODES codes on the CPU the compiled pass (where a C compiler is present) gives the torch
+    passes' bytes and codes, tails of 1–7 codes included, and rejects a code out of range as they do."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.uint8)
+    if bad_at is not None and bits < 8:
+        codes[bad_at] = 2**bits
+    results = []
+    try:
+        for use_c in (True, False):
+            packing._USE_C = use_c
+            try:
+                p = pack_bits(codes, bits)
+            except ValueError as e:
+                results.append(str(e))
+                continue
+            results.append((p, unpack_bits(p, bits, n, torch.uint8), unpack_bits(p[:-1], bits, n - 8, torch.uint8)))
+    finally:
+        packing._USE_C = True
+    a, b = results
+    if isinstance(a, str):
+        assert a == b and bad_at is not None
+        return
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert torch.equal(a[1], codes)
