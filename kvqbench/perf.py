@@ -27,6 +27,14 @@ benchmark cells.
 
 Timing protocol (what makes the 4× token steps comparable; ``kvqbench perf`` defaults):
 
+* **several processes** (``--processes``, default 3 on the CPU): the whole measurement runs in that many fresh
+  processes one after another, and every reported time, ratio and scaling is the median over the processes of
+  each process's own (its ratios taken within its own rounds, as in one run). Where a process's memory lands
+  moves the eager RTN's time for the whole process: its seven full-size passes ran 17.4 ms in one process and
+  22.2 ms in the next (1 thread, 4k tokens, each process's calls within 3 % of each other), and 4.0–6.6 ms at 1k
+  over one day's runs, while the methods' times moved by about 5 %, so one process's ratios to it could move by
+  a quarter. ``per_process`` in the JSON keeps each process's medians and ratios.
+
 * **steady allocator** (``--allocator steady``; Linux/glibc): a serving engine allocates its buffers once
   and reuses them. glibc instead hands out every buffer of 32 MiB or more (its dynamic mmap threshold's
   ceiling) as a fresh mapping and returns it on free, so each 16k call (64 MiB tensors) paid first-touch
@@ -62,12 +70,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["add_arguments", "run_perf", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
+__all__ = ["add_arguments", "run_perf", "merge_processes", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
            "STEADY_TUNABLES", "steady_env", "allocator_state", "last_level_cache_bytes", "cold_copies"]
 
 #: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
 BASELINES: tuple[str, ...] = ("clone", "eager_rtn", "hqq_rtn")
 DEFAULT_TOKENS = (1024, 4096, 16384)
+#: interleaved rounds per process, and processes (CPU), by default
+DEFAULT_REPEATS = 5
+DEFAULT_PROCESSES = 3
+#: set in the environment of the processes a multi-process ``kvqbench perf`` starts
+PROCESS_MARK = "KVQBENCH_PERF_PROCESS"
 EAGER_GROUP = 64
 #: glibc tunables of the steady allocator: every buffer up to 1 GiB from the heap (not a fresh mapping per
 #: buffer of 32 MiB or more), freed memory kept up to 4 GiB
@@ -89,6 +102,16 @@ def _positive_ints(text: str) -> list[int]:
         return vals
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+        if v < 1:
+            raise ValueError
+        return v
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
 
 
 def _threads(text: str) -> list[str]:
@@ -113,7 +136,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV heads of the timed tensor (1, H, T, head_dim) (default 8, as Llama-3-8B)")
     p.add_argument("--head-dim", type=int, default=128,
                    help="head_dim of the timed tensor, the last dim every method groups or rotates (default 128)")
-    p.add_argument("--repeats", type=int, default=7, help="interleaved rounds; medians are reported (default 7)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                   help=f"interleaved rounds per process; medians are reported (default {DEFAULT_REPEATS})")
+    p.add_argument("--processes", type=_positive_int, default=DEFAULT_PROCESSES, metavar="N",
+                   help=f"CPU: time in N processes one after another and report the median over them of each "
+                        f"process's medians and ratios (default {DEFAULT_PROCESSES}): a process's memory placement "
+                        f"moves the eager RTN's time by up to ~25 %% for the whole process, more than the methods'; "
+                        f"CUDA: always 1")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-peers", action="store_true", help="leave out optional peer baselines (hqq_rtn)")
@@ -512,6 +541,67 @@ def run_perf(
     return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
 
 
+def _median_of(vals: list[Any]) -> float | None:
+    got = [v for v in vals if v is not None]
+    return statistics.median(got) if got else None
+
+
+def merge_processes(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from the :func:`run_perf` results of several processes (same configuration): per candidate,
+    token count and thread count, the median over the processes of each process's median time, CPU time,
+    ratios to the baselines (each taken within its own process, as in one run) and clone bandwidth; the
+    fastest call of all; every call's time (``all_ms``, ``all_cpu_ms``, process after process); the largest
+    peak; and ``per_process`` with each process's median time and ratio to the eager RTN (wall and CPU). The
+    token scaling: the median of the processes' ratios. ``config["processes"]`` = their number.
+
+    Raises:
+        ValueError: no results, or results of different configurations or rows.
+    """
+    if not results:
+        raise ValueError("no results to merge")
+    cfg0 = {k: v for k, v in results[0]["config"].items() if k != "input_copies"}
+    if any({k: v for k, v in r["config"].items() if k != "input_copies"} != cfg0 for r in results[1:]):
+        raise ValueError("the processes' results differ in configuration")
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r["threads"], r["tokens"], r["candidate"], r["kind"]
+
+    keys = [key(r) for r in results[0]["rows"]]
+    by = [{key(r): r for r in res["rows"]} for res in results]
+    if any(set(b) != set(keys) for b in by):
+        raise ValueError("the processes' results differ in their rows")
+    rows = []
+    for k in keys:
+        rs = [b[k] for b in by]
+        row = dict(rs[0])
+        row["median_ms"] = statistics.median(r["median_ms"] for r in rs)
+        row["min_ms"] = min(r["min_ms"] for r in rs)
+        row["all_ms"] = [v for r in rs for v in r["all_ms"]]
+        row["median_cpu_ms"] = _median_of([r.get("median_cpu_ms") for r in rs])
+        row["all_cpu_ms"] = [v for r in rs for v in (r.get("all_cpu_ms") or [])] or None
+        row["peak_bytes"] = max(r.get("peak_bytes", 0) for r in rs)
+        for f in [f for f in rs[0] if f.startswith("x_")] + (["bandwidth_gbps"] if "bandwidth_gbps" in rs[0] else []):
+            row[f] = _median_of([r.get(f) for r in rs])
+        row["per_process"] = {"median_ms": [r["median_ms"] for r in rs],
+                              "x_eager_rtn": [r.get("x_eager_rtn") for r in rs],
+                              "x_eager_rtn_cpu": [r.get("x_eager_rtn_cpu") for r in rs]}
+        rows.append(row)
+
+    def skey(s: dict[str, Any]) -> tuple:
+        return s["threads"], s["candidate"], s["kind"], s["from_tokens"], s["to_tokens"]
+
+    sby = [{skey(s): s for s in res.get("scaling") or []} for res in results]
+    scaling = []
+    for k in [skey(s) for s in results[0].get("scaling") or []]:
+        ss = [b[k] for b in sby if k in b]
+        sc = dict(ss[0])
+        for f in ("time_ratio", "min_time_ratio", "cpu_time_ratio"):
+            sc[f] = _median_of([x.get(f) for x in ss])
+        scaling.append(sc)
+    cfg = dict(results[0]["config"], processes=len(results))
+    return {"config": cfg, "environment": results[0]["environment"], "rows": rows, "scaling": scaling}
+
+
 def _cpu_count() -> int | None:
     import os
 
@@ -579,8 +669,11 @@ def format_report(result: dict[str, Any]) -> str:
                 headers += ["K ×hqq_rtn", "V ×hqq_rtn"]
             headers += ["peak MiB"] if cuda else ["K ×eager_rtn cpu", "V ×eager_rtn cpu"]
             shape = result["config"]["shape"]
+            nproc = result["config"].get("processes", 1)
+            rounds = (f"median over {nproc} processes of medians of {result['config']['repeats']} interleaved rounds"
+                      if nproc > 1 else f"median of {result['config']['repeats']} interleaved rounds")
             out.append(f"threads={nt}  T={t}  x=({shape[0]}, {shape[1]}, {t}, {shape[3]}) fp32  "
-                       f"{result['config']['bits']} bits  median of {result['config']['repeats']} interleaved rounds")
+                       f"{result['config']['bits']} bits  {rounds}")
             out.append(tabulate(table, headers=headers, disable_numparse=True))
             bw = by.get(("clone", None), {}).get("bandwidth_gbps")
             if bw:
@@ -634,9 +727,52 @@ def rerun_command(args: argparse.Namespace, argv: list[str] | None,
     return [sys.executable, "-c", _RERUN, *argv], env
 
 
+def _in_processes(args: argparse.Namespace, argv: list[str]) -> int:
+    """Run ``kvqbench perf`` (``argv``, from ``perf`` on) in ``args.processes`` processes one after another,
+    each with ``--processes 1`` and the steady allocator's environment where asked (:func:`steady_env`), and
+    print (and write) :func:`merge_processes` of their results. A failing process (its error printed) stops it
+    with its status."""
+    import tempfile
+
+    n = args.processes
+    env = dict(os.environ)
+    if args.allocator == "steady" and is_glibc_linux():
+        env = steady_env(env) or env
+    env[PROCESS_MARK] = "1"
+    results = []
+    with tempfile.TemporaryDirectory(prefix="kvqbench-perf-") as tmp:
+        for i in range(n):
+            print(f"kvqbench perf: process {i + 1}/{n}", file=sys.stderr, flush=True)
+            path = Path(tmp) / f"process{i}.json"
+            cmd = [sys.executable, "-c", _RERUN, *argv, "--processes", "1", "--json", str(path)]
+            try:
+                rc = subprocess.call(cmd, env=env, stdout=subprocess.DEVNULL)
+            except KeyboardInterrupt:
+                return 130
+            if rc != 0:  # its own error line is the last one printed
+                return rc
+            results.append(json.loads(path.read_text()))
+    result = merge_processes(results)
+    _emit(result, args.json)
+    return 0
+
+
+def _emit(result: dict[str, Any], path: Path | None) -> None:
+    if path is not None:  # first, so that nothing measured is lost
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    print(format_report(result))
+    if path is not None:
+        print(f"wrote {path}")
+
+
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`; ``argv``: the command line, from
-    ``perf`` on, to re-run it with the steady allocator — see :func:`rerun_command`)."""
+    ``perf`` on, to re-run it in several processes (``--processes``, CPU) and with the steady allocator —
+    see :func:`rerun_command`)."""
+    if (args.processes > 1 and not args.device.startswith("cuda") and argv is not None
+            and not os.environ.get(PROCESS_MARK)):
+        return _in_processes(args, argv)
     rerun = rerun_command(args, argv)
     if rerun is not None:
         cmd, env = rerun
@@ -662,10 +798,5 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"kvqbench perf: {e}", file=sys.stderr)
         return 2
-    if args.json is not None:  # first, so that nothing measured is lost
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    print(format_report(result))
-    if args.json is not None:
-        print(f"wrote {args.json}")
+    _emit(result, args.json)
     return 0

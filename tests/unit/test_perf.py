@@ -23,6 +23,7 @@ from kvqbench.perf import (
     eager_rtn_roundtrip,
     format_report,
     is_glibc_linux,
+    merge_processes,
     last_level_cache_bytes,
     rerun_command,
     run_perf,
@@ -75,7 +76,7 @@ def test_cli_writes_json(tmp_path: Path, capfd: pytest.CaptureFixture[str], monk
     monkeypatch.delenv(CHILD_MARK, raising=False)
     out = tmp_path / "perf.json"
     rc = main(["perf", "--methods", "kivi", "--tokens", "32", "--threads", "1", "--repeats", "1", "--no-peers",
-               "--json", str(out)])
+               "--processes", "1", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert doc["config"]["methods"] == ["kivi"] and doc["config"]["tokens"] == [32]
@@ -91,7 +92,7 @@ def test_allocator_default_runs_in_process(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv(CHILD_MARK, raising=False)
     args = ["perf", "--methods", "fp16", "--tokens", "16", "--threads", "1", "--repeats", "1", "--no-peers",
-            "--allocator", "default", "--cache", "warm"]
+            "--allocator", "default", "--cache", "warm", "--processes", "1"]
     from kvqbench.cli import build_parser
 
     assert rerun_command(build_parser().parse_args(args), args) is None
@@ -197,3 +198,69 @@ def test_gpu_check_fails_clearly_without_cuda() -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("gpu_check: CUDA is not available")
     assert proc.stdout == ""
+
+
+def _fake_result(scale: float, eager: float) -> dict:
+    """A :func:`run_perf`-shaped result of one process: clone 1 ms, eager RTN ``eager`` ms, kivi K/V ``scale``·2
+    and ``scale``·3 ms, at T = 32 and 64 (twice the time)."""
+    rows = []
+    for t, f in ((32, 1.0), (64, 2.0)):
+        base = {"clone": 1.0 * f, "eager_rtn": eager * f}
+        for cand, kind, ms in (("clone", None, 1.0), ("eager_rtn", None, eager), ("kivi", "k", 2 * scale),
+                               ("kivi", "v", 3 * scale)):
+            ms *= f
+            row = {"threads": 1, "tokens": t, "candidate": cand, "kind": kind, "median_ms": ms, "min_ms": ms * 0.9,
+                   "all_ms": [ms * 0.9, ms, ms * 1.1], "peak_bytes": int(ms), "median_cpu_ms": ms,
+                   "all_cpu_ms": [ms], "x_clone": ms / base["clone"], "x_eager_rtn": ms / base["eager_rtn"],
+                   "x_clone_cpu": ms / base["clone"], "x_eager_rtn_cpu": ms / base["eager_rtn"],
+                   "x_hqq_rtn": None, "x_hqq_rtn_cpu": None}
+            if cand == "clone":
+                row["bandwidth_gbps"] = 10.0 / ms
+            rows.append(row)
+    scaling = [{"threads": 1, "candidate": c, "kind": k, "from_tokens": 32, "to_tokens": 64, "time_ratio": 2.0 * scale,
+                "min_time_ratio": 2.0, "cpu_time_ratio": 2.0 * scale, "token_ratio": 2.0}
+               for c, k in (("clone", None), ("eager_rtn", None), ("kivi", "k"), ("kivi", "v"))]
+    cfg = {"methods": ["kivi"], "tokens": [32, 64], "threads": [1], "repeats": 3, "input_copies": {"32": 9},
+           "shape": [1, 8, "T", 128], "bits": 2}
+    return {"config": cfg, "environment": {"device": "cpu"}, "rows": rows, "scaling": scaling}
+
+
+def test_merge_processes_takes_medians_of_each_process() -> None:
+    # three processes: the eager RTN 4, 5 and 8 ms (a process-wide placement effect), kivi 1×, 1.5×, 1.2× slower
+    res = merge_processes([_fake_result(1.0, 4.0), _fake_result(1.5, 5.0), _fake_result(1.2, 8.0)])
+    assert res["config"]["processes"] == 3 and res["config"]["repeats"] == 3
+    by = {(r["tokens"], r["candidate"], r["kind"]): r for r in res["rows"]}
+    k = by[(32, "kivi", "k")]
+    assert k["median_ms"] == statistics.median([2.0, 3.0, 2.4])
+    # the ratio is the median of each process's own ratio (2/4, 3/5, 2.4/8), not a ratio of medians
+    assert k["x_eager_rtn"] == statistics.median([2 / 4, 3 / 5, 2.4 / 8]) == 0.5
+    assert k["x_eager_rtn_cpu"] == 0.5 and k["x_hqq_rtn"] is None
+    assert k["per_process"]["x_eager_rtn"] == [2 / 4, 3 / 5, 2.4 / 8]
+    assert k["min_ms"] == 2.0 * 0.9 and len(k["all_ms"]) == 9 and k["peak_bytes"] == 3
+    assert by[(64, "clone", None)]["bandwidth_gbps"] == 5.0
+    sc = {(s["candidate"], s["kind"]): s for s in res["scaling"]}
+    assert sc[("kivi", "v")]["time_ratio"] == statistics.median([2.0, 3.0, 2.4])
+    assert "median over 3 processes of medians of 3 interleaved rounds" in format_report(
+        {**res, "environment": {"device": "cpu", "torch": "x", "cpu_count": 2, "default_threads": 2, "timer": "t",
+                                "hqq": None}})
+    with pytest.raises(ValueError, match="configuration"):
+        other = _fake_result(1.0, 4.0)
+        other["config"]["repeats"] = 5
+        merge_processes([_fake_result(1.0, 4.0), other])
+    with pytest.raises(ValueError, match="no results"):
+        merge_processes([])
+
+
+def test_cli_in_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv(CHILD_MARK, raising=False)
+    out = tmp_path / "perf.json"
+    assert main(["perf", "--methods", "fp16", "--tokens", "16", "--threads", "1", "--repeats", "2", "--no-peers",
+                 "--processes", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["processes"] == 2 and doc["config"]["repeats"] == 2
+    for r in doc["rows"]:
+        assert len(r["all_ms"]) == 4 and len(r["per_process"]["median_ms"]) == 2
+        assert r["median_ms"] == statistics.median(r["per_process"]["median_ms"])
+    if is_glibc_linux():  # each process ran with the steady allocator
+        assert doc["environment"]["allocator"] == "steady"
