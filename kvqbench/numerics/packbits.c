@@ -5,25 +5,24 @@
 
 #include "kvq_pack.h"
 
-/* codes → stream; returns the OR of all codes (a code ≥ 2^bits shows in its bits above bits − 1) */
-static inline __attribute__((always_inline)) unsigned pack_w(const unsigned char *restrict c, long n, int bits,
-                                                             unsigned char *restrict out) {
+/* the OR of n codes (a code ≥ 2^bits shows in its bits above bits − 1): the range check, before anything is
+ * written */
+unsigned kvq_codes_or(const unsigned char *restrict c, long n) {
   unsigned char any = 0;
   for (long k = 0; k < n; k++) any |= c[k];
-  kvq_pack_row(c, n, bits, out);
   return any;
 }
 
-unsigned kvq_pack(const unsigned char *restrict c, long n, int bits, unsigned char *restrict out) {
+void kvq_pack(const unsigned char *restrict c, long n, int bits, unsigned char *restrict out) {
   switch (bits) {  /* a constant width per instance: the loops unroll and vectorize */
-    case 1: return pack_w(c, n, 1, out);
-    case 2: return pack_w(c, n, 2, out);
-    case 3: return pack_w(c, n, 3, out);
-    case 4: return pack_w(c, n, 4, out);
-    case 5: return pack_w(c, n, 5, out);
-    case 6: return pack_w(c, n, 6, out);
-    case 7: return pack_w(c, n, 7, out);
-    default: return pack_w(c, n, 8, out);
+    case 1: kvq_pack_row(c, n, 1, out); return;
+    case 2: kvq_pack_row(c, n, 2, out); return;
+    case 3: kvq_pack_row(c, n, 3, out); return;
+    case 4: kvq_pack_row(c, n, 4, out); return;
+    case 5: kvq_pack_row(c, n, 5, out); return;
+    case 6: kvq_pack_row(c, n, 6, out); return;
+    case 7: kvq_pack_row(c, n, 7, out); return;
+    default: kvq_pack_row(c, n, 8, out); return;
   }
 }
 

@@ -53,7 +53,9 @@ def _c_lib() -> ctypes.CDLL | None:
         return None
     lib = cbuild.load("packbits.c")
     if lib is not None and not getattr(lib, "_kvq_typed", False):
-        lib.kvq_pack.restype = ctypes.c_uint
+        lib.kvq_codes_or.restype = ctypes.c_uint
+        lib.kvq_codes_or.argtypes = [ctypes.c_void_p, ctypes.c_long]
+        lib.kvq_pack.restype = None
         lib.kvq_pack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
         lib.kvq_unpack.restype = None
         lib.kvq_unpack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
@@ -130,27 +132,27 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     flat = codes.reshape(-1)
     n = flat.numel()
     lib = _c_for(flat, n) if not flat.is_floating_point() and flat.dtype != torch.bool else None
-    if lib is not None:  # one compiled pass (its range check: the OR of the uint8 codes)
-        nbytes = packed_nbytes(n, bits)
-        _check_out(out, nbytes)
+    if lib is not None:  # one compiled pass (after the same checks, in the same order, as the torch passes)
         if flat.dtype != torch.uint8:
             if check:
                 _check_range(flat, bits)
             flat = flat.to(torch.uint8)  # in range, so exact
         flat = flat.contiguous()
+        if check and bits < 8 and lib.kvq_codes_or(flat.data_ptr(), n) >> bits:  # uint8: the OR of the codes
+            raise ValueError(f"codes must lie in [0, {1 << bits}) to pack into {bits} bits")
+        nbytes = packed_nbytes(n, bits)
+        _check_out(out, nbytes)
         res = torch.empty(nbytes, dtype=torch.uint8, device=flat.device) if out is None else out
         n8 = n - n % 8  # whole bytes of the stream at every width; the tail by the torch passes
-        seen = lib.kvq_pack(flat.data_ptr(), n8, bits, res.data_ptr())
-        if check and bits < 8 and seen >> bits:
-            raise ValueError(f"codes must lie in [0, {1 << bits}) to pack into {bits} bits")
+        lib.kvq_pack(flat.data_ptr(), n8, bits, res.data_ptr())
         if n8 < n:
-            pack_bits(flat[n8:], bits, out=res[n8 * bits // 8:], check=check)
+            pack_bits(flat[n8:], bits, out=res[n8 * bits // 8:], check=False)
         return res
     if check:
         _check_range(flat, bits)
     _check_out(out, packed_nbytes(n, bits))
-    if bits == 8:
-        return flat.to(torch.uint8) if out is None else out.copy_(flat)
+    if bits == 8:  # a new tensor, never a view of the codes
+        return torch.empty(n, dtype=torch.uint8, device=flat.device).copy_(flat) if out is None else out.copy_(flat)
     if flat.dtype != torch.uint8:
         flat = flat.to(torch.uint8)  # in range, so exact
     if _word_path(flat, n, bits):
@@ -278,7 +280,7 @@ def _unpack(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """:func:`unpack_bits` of the flat ``p`` as ``uint8`` (or a wider integer dtype), before the cast."""
     if bits == 8 or numel == 0:
         return p[:numel]
-    lib = _c_for(p, numel)
+    lib = _c_for(p, numel) if p.dtype == torch.uint8 else None
     if lib is not None:  # one compiled pass; a tail of fewer than 8 codes by the torch passes
         p = p[: packed_nbytes(numel, bits)].contiguous()
         codes = torch.empty(numel, dtype=torch.uint8, device=p.device)

@@ -113,3 +113,28 @@ def test_compiled_pass_equals_the_torch_passes(bits, n, seed, bad_at):
         return
     assert all(torch.equal(u, v) for u, v in zip(a, b))
     assert torch.equal(a[1], codes)
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+@pytest.mark.parametrize("n", [4095, 8192])
+def test_errors_write_nothing_and_come_in_the_same_order(use_c: bool, n: int) -> None:
+    """Both passes check the codes' range before writing into ``out`` (left untouched) and before ``out``'s size;
+    a ``packed`` of another integer dtype unpacks by value; 8-bit packing returns a new tensor, never a view."""
+    try:
+        packing._USE_C = use_c
+        codes = torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+        bad = codes.clone()
+        bad[n - 5] = 16
+        out = torch.zeros(packed_nbytes(n, 4), dtype=torch.uint8)
+        with pytest.raises(ValueError, match="codes must lie in"):
+            pack_bits(bad, 4, out=out)
+        assert not out.any()
+        with pytest.raises(ValueError, match="codes must lie in"):  # the range before the size of out
+            pack_bits(bad.long(), 4, out=torch.zeros(5, dtype=torch.uint8))
+        p = pack_bits(codes, 4)
+        assert torch.equal(unpack_bits(p.to(torch.int32), 4, n, torch.uint8), codes)
+        p8 = pack_bits(codes, 8)
+        codes[0] += 1
+        assert p8[0] != codes[0]
+    finally:
+        packing._USE_C = True
