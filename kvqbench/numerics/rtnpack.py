@@ -83,12 +83,14 @@ def layout(shape: tuple[int, ...], bits: int, granularity: Granularity) -> tuple
     return None
 
 
-def _usable(device: torch.device) -> bool:
-    return device.type == "cpu" and not fused.enabled(device.type) and compiled_ok()
+def _usable(device: torch.device, checked: bool) -> bool:
+    """On the CPU and, unless unchecked (the check's own probes), not the torch.compile path and the
+    once-per-process check passed."""
+    return device.type == "cpu" and (not checked or (not fused.enabled(device.type) and compiled_ok()))
 
 
 def quantize_pack(
-    x: torch.Tensor, bits: int, granularity: Granularity
+    x: torch.Tensor, bits: int, granularity: Granularity, *, _checked: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`~kvqbench.numerics.rtn.rtn_quantize` of ``x`` ``(batch, kv_heads, seq_len, head_dim)`` (any
     leading dims) with its codes packed as :func:`~kvqbench.numerics.packing.pack_bits` packs them.
@@ -100,7 +102,7 @@ def quantize_pack(
         declines the data (module doc): the caller runs the torch code, which also raises what it raises.
     """
     lay = layout(tuple(x.shape), bits, granularity)
-    if lay is None or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not _usable(x.device):
+    if lay is None or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not _usable(x.device, _checked):
         return None
     mode, rows, d, g = lay
     xf = x.to(torch.float32).contiguous()  # fp16/bf16 widen exactly, as the torch code's .to(fp32)
@@ -130,7 +132,7 @@ def quantize_pack(
 
 def decode(
     packed: torch.Tensor, shape: tuple[int, ...], bits: int, lo: torch.Tensor, scale: torch.Tensor,
-    granularity: Granularity,
+    granularity: Granularity, *, _checked: bool = True,
 ) -> torch.Tensor | None:
     """:func:`~kvqbench.numerics.rtn.rtn_dequantize` of the codes of ``shape`` packed in ``packed`` (the flat
     ``uint8`` stream of :func:`quantize_pack` or ``pack_bits``) with the ``lo``/``scale`` of
@@ -138,7 +140,7 @@ def decode(
     function. ``None`` outside the kernel's scope (module doc) or for parameters of another dtype or shape."""
     lay = layout(tuple(shape), bits, granularity)
     if (lay is None or lo.dtype != torch.float32 or scale.dtype != torch.float32 or packed.dtype != torch.uint8
-            or not _usable(packed.device) or lo.device != packed.device or scale.device != packed.device):
+            or not _usable(packed.device, _checked) or lo.device != packed.device or scale.device != packed.device):
         return None
     mode, rows, d, g = lay
     if packed.dim() != 1 or packed.numel() != packed_nbytes(rows * d, bits) or not packed.is_contiguous():
@@ -197,6 +199,28 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                      b.contiguous().reshape(-1).view(torch.uint8))
 
 
+def _probe() -> bool:
+    """:func:`compiled_ok`'s comparisons (the kernel called without the check)."""
+    if not available():
+        return False
+    gen = torch.Generator().manual_seed(2402)
+    cases = ((PerToken(), (2, 3, 16, 128)), (PerToken(32), (1, 2, 16, 128)), (PerToken(8), (1, 1, 16, 40)),
+             (PerToken(128), (1, 2, 16, 64)), (PerToken(), (2, 1, 1, 5000)), (PerChannel(), (1, 2, 24, 128)),
+             (PerChannel(8), (2, 1, 24, 40)), (PerChannel(10), (2, 2, 24, 16)), (PerChannel(32), (1, 1, 24, 8)))
+    for gran, shape in cases:
+        for bits in range(1, 9):
+            x = probe_tensor(gen, shape)
+            codes, lo, scale = rtn_quantize(x, bits, gran, codes_dtype=torch.uint8)
+            got = quantize_pack(x, bits, gran, _checked=False)
+            if got is None or not all(_same_bits(a, b) for a, b in zip(got, (pack_bits(codes, bits), lo, scale))):
+                return False
+            want = rtn_dequantize(unpack_bits(got[0], bits, codes.numel(), torch.uint8).view(shape), lo, scale, gran)
+            dec = decode(got[0], shape, bits, lo, scale, gran, _checked=False)
+            if dec is None or not _same_bits(dec, want):
+                return False
+    return True
+
+
 def compiled_ok() -> bool:
     """Whether the kernel reproduces :func:`~kvqbench.numerics.rtn.rtn_quantize` + ``pack_bits`` (packed bytes,
     ``lo``, ``scale``) and unpacking + :func:`~kvqbench.numerics.rtn.rtn_dequantize` bit for bit on
@@ -205,31 +229,5 @@ def compiled_ok() -> bool:
     groups of all tokens, of a part of them, with a partial last group and longer than the sequence: checked once
     per process; ``False`` without a compiled kernel."""
     if "ok" not in _COMPILED:
-        _COMPILED["ok"] = False
-        if not available():
-            return False
-        gen = torch.Generator().manual_seed(2402)
-        cases = ((PerToken(), (2, 3, 16, 128)), (PerToken(32), (1, 2, 16, 128)), (PerToken(8), (1, 1, 16, 40)),
-                 (PerToken(128), (1, 2, 16, 64)), (PerToken(), (2, 1, 1, 5000)), (PerChannel(), (1, 2, 24, 128)),
-                 (PerChannel(8), (2, 1, 24, 40)), (PerChannel(10), (2, 2, 24, 16)), (PerChannel(32), (1, 1, 24, 8)))
-        _COMPILED["ok"] = True  # the kernel's own entry points below; reset unless every case holds
-        try:
-            for gran, shape in cases:
-                for bits in range(1, 9):
-                    x = probe_tensor(gen, shape)
-                    codes, lo, scale = rtn_quantize(x, bits, gran, codes_dtype=torch.uint8)
-                    got = quantize_pack(x, bits, gran)
-                    if got is None or not all(_same_bits(a, b) for a, b in
-                                              zip(got, (pack_bits(codes, bits), lo, scale))):
-                        _COMPILED["ok"] = False
-                        return False
-                    want = rtn_dequantize(unpack_bits(got[0], bits, codes.numel(), torch.uint8).view(shape),
-                                          lo, scale, gran)
-                    dec = decode(got[0], shape, bits, lo, scale, gran)
-                    if dec is None or not _same_bits(dec, want):
-                        _COMPILED["ok"] = False
-                        return False
-        except Exception:
-            _COMPILED["ok"] = False
-            raise
+        _COMPILED["ok"] = _probe()  # set once the probes are done (a thread asking meanwhile probes too)
     return _COMPILED["ok"]

@@ -170,3 +170,18 @@ def test_the_once_per_process_check_passes_and_scope() -> None:
     x = torch.randn(1, 2, 16, 128)
     assert rtnpack.quantize_pack(x.double(), 2, PerToken()) is None
     assert rtnpack.quantize_pack(x.half(), 2, PerToken()) is not None
+
+
+def test_the_check_is_answered_only_once_its_probes_are_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the once-per-process check runs, asking it again (another thread) does not see a premature yes: the
+    answer is stored only once every probe has been compared, and the probes call the kernel without it."""
+    seen = []
+    real = rtnpack._probe
+
+    def probe() -> bool:
+        seen.append(dict(rtnpack._COMPILED))
+        return real()
+
+    monkeypatch.setattr(rtnpack, "_probe", probe)
+    monkeypatch.setattr(rtnpack, "_COMPILED", {})
+    assert rtnpack.compiled_ok() and seen == [{}] and rtnpack._COMPILED == {"ok": True}
