@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark (not a test): median round-trip time of every registered method's K and V, "
                     "interleaved with x.clone() and a straightforward eager RTN (and HQQ's plain RTN when hqq "
                     "is installed), at 1 thread and the default thread count, T = 1k/4k/16k, in 3 processes (the "
-                    "median over them; measured: 146 s on a 2-core machine, --threads 1: 82 s)."))
+                    "median over them; measured: 146 s on a 2-core machine, --threads 1: 81-91 s)."))
     return p
 
 

@@ -31,9 +31,10 @@ Timing protocol (what makes the 4× token steps comparable; ``kvqbench perf`` de
   processes one after another, and every reported time, ratio and scaling is the median over the processes of
   each process's own (its ratios taken within its own rounds, as in one run). Where a process's memory lands
   moves the eager RTN's time for the whole process: its seven full-size passes ran 17.4 ms in one process and
-  22.2 ms in the next (1 thread, 4k tokens, each process's calls within 3 % of each other), and 4.0–6.6 ms at 1k
-  over one day's runs, while the methods' times moved by about 5 %, so one process's ratios to it could move by
-  a quarter. ``per_process`` in the JSON keeps each process's medians and ratios.
+  22.2 ms in the next (1 thread, 4k tokens, each process's calls within 3 % of each other), and 6.5–11.5 ms at 1k
+  across six processes of one host's afternoon, while the methods' times moved by about 5 %, so one process's
+  ratios to it could move by a quarter. ``per_process`` in the JSON keeps each process's median time and ratios
+  to the eager RTN (wall and CPU). On CUDA one process.
 
 * **steady allocator** (``--allocator steady``; Linux/glibc): a serving engine allocates its buffers once
   and reuses them. glibc instead hands out every buffer of 32 MiB or more (its dynamic mmap threshold's
@@ -70,7 +71,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["add_arguments", "run_perf", "merge_processes", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
+__all__ = ["add_arguments", "check_config", "run_perf", "merge_processes", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
            "STEADY_TUNABLES", "steady_env", "allocator_state", "last_level_cache_bytes", "cold_copies"]
 
 #: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
@@ -419,6 +420,38 @@ def _measure(groups: dict[int, dict[str, Callable[[], Any]]], timer,
                     "all_cpu_ms": cpu[g][n] or None} for n in names} for g in keys}
 
 
+def check_config(methods: list[str] | None, repeats: int, bits: int, kv_heads: int, head_dim: int, cache: str,
+                 device: str) -> tuple[list[str], Any]:
+    """The method ids and the ``torch.device`` of a :func:`run_perf` configuration, checked before anything is
+    measured.
+
+    Raises:
+        ValueError: unknown method ids, bad sizes, a width the methods do not take (1..8 or ≥ 16 bits), an
+            unknown ``cache``, a device torch does not know, or ``device`` cuda without CUDA.
+    """
+    import torch
+
+    from kvqbench.cells import parse_methods
+    from kvqbench.quantizers import available
+
+    ids = parse_methods(None if methods is None else ",".join(methods), available(), option="--methods")
+    if repeats < 1 or bits < 1 or kv_heads < 1 or head_dim < 2:
+        raise ValueError("repeats, bits and kv_heads must be >= 1 and head_dim >= 2")
+    if 8 < bits < 16:
+        raise ValueError(f"bits={bits}: the methods pack codes of 1..8 bits, and 16 or more is the fp16 pass-through")
+    if cache not in ("cold", "warm"):
+        raise ValueError(f"cache must be 'cold' or 'warm', got {cache!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: kvqbench perf times on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked but CUDA is not available (torch {torch.__version__})")
+    return ids, dev
+
+
 def run_perf(
     methods: list[str] | None = None,
     tokens: list[int] | tuple[int, ...] = DEFAULT_TOKENS,
@@ -426,7 +459,7 @@ def run_perf(
     bits: int = 2,
     kv_heads: int = 8,
     head_dim: int = 128,
-    repeats: int = 7,
+    repeats: int = DEFAULT_REPEATS,
     device: str = "cpu",
     peers: bool = True,
     log: Callable[[str], None] | None = None,
@@ -451,18 +484,9 @@ def run_perf(
     """
     import torch
 
-    from kvqbench.cells import parse_methods
     from kvqbench.data.synthetic import make_synthetic
-    from kvqbench.quantizers import available
 
-    ids = parse_methods(None if methods is None else ",".join(methods), available(), option="--methods")
-    if repeats < 1 or bits < 1 or kv_heads < 1 or head_dim < 2:
-        raise ValueError("repeats, bits and kv_heads must be >= 1 and head_dim >= 2")
-    if cache not in ("cold", "warm"):
-        raise ValueError(f"cache must be 'cold' or 'warm', got {cache!r}")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked but CUDA is not available (torch {torch.__version__})")
+    ids, dev = check_config(methods, repeats, bits, kv_heads, head_dim, cache, device)
     if dev.type == "cuda":
         cache_bytes: int | None = int(torch.cuda.get_device_properties(dev).L2_cache_size)
     else:
@@ -537,7 +561,7 @@ def run_perf(
 
     cfg = {"fused": fused.enabled(dev.type), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
            "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
-           "eager_rtn_group": EAGER_GROUP, "cache": cache, "input_copies": copies}
+           "eager_rtn_group": EAGER_GROUP, "cache": cache, "input_copies": copies, "processes": 1}
     return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
 
 
@@ -559,8 +583,9 @@ def merge_processes(results: list[dict[str, Any]]) -> dict[str, Any]:
     """
     if not results:
         raise ValueError("no results to merge")
-    cfg0 = {k: v for k, v in results[0]["config"].items() if k != "input_copies"}
-    if any({k: v for k, v in r["config"].items() if k != "input_copies"} != cfg0 for r in results[1:]):
+    skip = ("input_copies", "processes")
+    cfg0 = {k: v for k, v in results[0]["config"].items() if k not in skip}
+    if any({k: v for k, v in r["config"].items() if k not in skip} != cfg0 for r in results[1:]):
         raise ValueError("the processes' results differ in configuration")
 
     def key(r: dict[str, Any]) -> tuple:
@@ -630,11 +655,15 @@ def format_report(result: dict[str, Any]) -> str:
     has_hqq = any(r.get("x_hqq_rtn") is not None for r in rows)
     out: list[str] = []
     cuda = str(result["environment"]["device"]).startswith("cuda")
+    nproc_all = result["config"].get("processes", 1)
     out.append("K ms / V ms: median wall time of a method's K and V round trip (quantize + dequantize); ×clone, "
                "×eager_rtn" + (", ×hqq_rtn" if has_hqq else "") + ": that time as a multiple of the baseline's median "
                "in the same rounds" + ("" if cuda else "; ×eager_rtn cpu: the same ratio of CPU times "
                                        "(time.process_time)") + ". The baselines (clone, eager_rtn"
-               + (", hqq_rtn" if has_hqq else "") + ") time one tensor (K), so their V columns are empty.\n")
+               + (", hqq_rtn" if has_hqq else "") + ") time one tensor (K), so their V columns are empty."
+               + (f" Timed in {nproc_all} processes: every median time and ratio is the median over the processes of "
+                  "that process's own (a ratio is taken within its process's rounds, so it need not equal the ratio "
+                  "of the printed medians)." if nproc_all > 1 else "") + "\n")
     for nt in result["config"]["threads"]:
         for t in result["config"]["tokens"]:
             sel = [r for r in rows if r["threads"] == nt and r["tokens"] == t]
@@ -731,7 +760,7 @@ def _in_processes(args: argparse.Namespace, argv: list[str]) -> int:
     """Run ``kvqbench perf`` (``argv``, from ``perf`` on) in ``args.processes`` processes one after another,
     each with ``--processes 1`` and the steady allocator's environment where asked (:func:`steady_env`), and
     print (and write) :func:`merge_processes` of their results. A failing process (its error printed) stops it
-    with its status."""
+    with its status; an interrupt (Ctrl-C) reports the processes that finished, then exits 130."""
     import tempfile
 
     n = args.processes
@@ -739,7 +768,8 @@ def _in_processes(args: argparse.Namespace, argv: list[str]) -> int:
     if args.allocator == "steady" and is_glibc_linux():
         env = steady_env(env) or env
     env[PROCESS_MARK] = "1"
-    results = []
+    results: list[dict[str, Any]] = []
+    status = 0
     with tempfile.TemporaryDirectory(prefix="kvqbench-perf-") as tmp:
         for i in range(n):
             print(f"kvqbench perf: process {i + 1}/{n}", file=sys.stderr, flush=True)
@@ -748,30 +778,72 @@ def _in_processes(args: argparse.Namespace, argv: list[str]) -> int:
             try:
                 rc = subprocess.call(cmd, env=env, stdout=subprocess.DEVNULL)
             except KeyboardInterrupt:
-                return 130
-            if rc != 0:  # its own error line is the last one printed
-                return rc
+                rc = 130
+            if rc != 0:  # a failure's own error line is the last one printed
+                status = rc
+                break
             results.append(json.loads(path.read_text()))
-    result = merge_processes(results)
-    _emit(result, args.json)
-    return 0
+    if status == 130 and results:
+        print(f"kvqbench perf: interrupted; the {len(results)} finished process(es) of {n}:", file=sys.stderr)
+    elif status:
+        return status
+    if results:
+        _emit(merge_processes(results), args.json)
+    return status
+
+
+def _check_json_path(path: Path | None) -> str | None:
+    """Why ``--json`` ``path`` cannot be written (checked before anything is measured), or ``None``."""
+    if path is None:
+        return None
+    if path.is_dir():
+        return f"--json {path}: is a folder"
+    parent = path.parent
+    up = next((a for a in [parent, *parent.parents] if a.exists()), None)
+    if up is not None and not up.is_dir():
+        return f"--json {path}: {up} is not a folder"
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"--json {path}: cannot create its folder ({e.strerror or e})"
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"--json {path}: not writable"
+    return None
 
 
 def _emit(result: dict[str, Any], path: Path | None) -> None:
-    if path is not None:  # first, so that nothing measured is lost
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1) + "\n")
-    print(format_report(result))
+    """Write the JSON (first, so that nothing measured is lost; a write that fails anyway is reported in one
+    line after the table) and print the tables."""
+    err = None
     if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as e:
+            err = f"kvqbench perf: could not write {path}: {e.strerror or e}"
+    print(format_report(result))
+    if path is not None and err is None:
         print(f"wrote {path}")
+    if err:
+        print(err, file=sys.stderr)
 
 
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`; ``argv``: the command line, from
     ``perf`` on, to re-run it in several processes (``--processes``, CPU) and with the steady allocator —
-    see :func:`rerun_command`)."""
+    see :func:`rerun_command`). The configuration and the ``--json`` path are checked first (one line, exit 2)."""
+    bad = _check_json_path(args.json)
+    if bad:
+        print(f"kvqbench perf: {bad}", file=sys.stderr)
+        return 2
     if (args.processes > 1 and not args.device.startswith("cuda") and argv is not None
             and not os.environ.get(PROCESS_MARK)):
+        methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
+        try:
+            check_config(methods, args.repeats, args.bits, args.kv_heads, args.head_dim, args.cache, args.device)
+        except ValueError as e:
+            print(f"kvqbench perf: {e}", file=sys.stderr)
+            return 2
         return _in_processes(args, argv)
     rerun = rerun_command(args, argv)
     if rerun is not None:
@@ -798,5 +870,8 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"kvqbench perf: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvqbench perf: interrupted", file=sys.stderr)
+        return 130
     _emit(result, args.json)
     return 0

@@ -264,3 +264,48 @@ def test_cli_in_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         assert r["median_ms"] == statistics.median(r["per_process"]["median_ms"])
     if is_glibc_linux():  # each process ran with the steady allocator
         assert doc["environment"]["allocator"] == "steady"
+
+
+@pytest.mark.parametrize(("args", "msg"), [
+    (["--methods", "nope"], "unknown method id"),
+    (["--bits", "12"], "1..8 bits"),
+    (["--device", "gpu"], "unknown device 'gpu'"),
+    (["--json", "/dev/null/sub/p.json"], "/dev/null is not a folder"),
+    (["--json", "."], "is a folder"),
+])
+def test_cli_errors_with_several_processes_are_one_line_before_any_process(
+        args: list[str], msg: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvqbench.perf as perf_mod
+
+    monkeypatch.delenv(perf_mod.PROCESS_MARK, raising=False)
+    monkeypatch.setattr(perf_mod.subprocess, "call", lambda *a, **k: pytest.fail("a process was started"))
+    rc = main(["perf", "--tokens", "32", "--threads", "1", "--repeats", "1", "--processes", "3", *args])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and err[0].startswith("kvqbench perf: ") and msg in err[0]
+
+
+def test_an_interrupt_reports_the_processes_that_finished(tmp_path: Path, capfd: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvqbench.perf as perf_mod
+
+    monkeypatch.delenv(perf_mod.PROCESS_MARK, raising=False)
+    calls = []
+
+    def call(cmd, **kw):  # the first process finishes (writes its JSON), Ctrl-C during the second
+        calls.append(cmd)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        res = _fake_result(1.0, 4.0)
+        res["environment"] = {"device": "cpu", "torch": "x", "cpu_count": 2, "default_threads": 2, "timer": "t",
+                              "hqq": None}
+        Path(cmd[len(cmd) - cmd[::-1].index("--json")]).write_text(json.dumps(res))  # the last --json
+        return 0
+
+    monkeypatch.setattr(perf_mod.subprocess, "call", call)
+    out = tmp_path / "p.json"
+    rc = main(["perf", "--methods", "kivi", "--tokens", "32", "--threads", "1", "--repeats", "1", "--processes", "3",
+               "--no-peers", "--json", str(out)])
+    cap = capfd.readouterr()
+    assert rc == 130 and len(calls) == 2
+    assert "interrupted; the 1 finished process(es) of 3" in cap.err
+    assert "kivi" in cap.out and json.loads(out.read_text())["config"]["processes"] == 1
