@@ -95,24 +95,20 @@ FALLBACK_LLC_BYTES = 64 << 20
 MAX_COPY_BYTES = 2 << 30
 
 
-def _positive_ints(text: str) -> list[int]:
+def _positive_ints(text: str, *, one: bool = False) -> list[int]:
+    """A comma list of positive ints (``one``: exactly one), for argparse."""
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
-        if not vals or any(v < 1 for v in vals):
+        if not vals or any(v < 1 for v in vals) or (one and len(vals) != 1):
             raise ValueError
         return vals
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of positive ints, got {text!r}") from None
+        want = "a positive int" if one else "a comma list of positive ints"
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-        if v < 1:
-            raise ValueError
-        return v
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    return _positive_ints(text, one=True)[0]
 
 
 def _threads(text: str) -> list[str]:

@@ -12,6 +12,21 @@
 #error "kvq_pack.h: a little-endian host"
 #endif
 
+/* `body` with the constant B equal to bits (1..8), else `otherwise`: one instance per width, so that the loops of
+ * each unroll and vectorize for its width. `body` and `otherwise` end the function (return). */
+#define KVQ_FOR_WIDTH(bits, body, otherwise) \
+  switch (bits) { \
+    case 1: { enum { B = 1 }; body; } \
+    case 2: { enum { B = 2 }; body; } \
+    case 3: { enum { B = 3 }; body; } \
+    case 4: { enum { B = 4 }; body; } \
+    case 5: { enum { B = 5 }; body; } \
+    case 6: { enum { B = 6 }; body; } \
+    case 7: { enum { B = 7 }; body; } \
+    case 8: { enum { B = 8 }; body; } \
+    default: otherwise; \
+  }
+
 /* lanes of 2^k bytes each holding its low n bits set (k = 1, 2), or the low n bits of the word (k = 3) */
 #define LANES(k, n) ((k) == 1 ? 0x0001000100010001ull * ((1ull << (n)) - 1) \
                    : (k) == 2 ? 0x0000000100000001ull * ((1ull << (n)) - 1) : ((n) >= 64 ? ~0ull : (1ull << (n)) - 1))

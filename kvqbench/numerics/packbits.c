@@ -14,27 +14,9 @@ unsigned kvq_codes_or(const unsigned char *restrict c, long n) {
 }
 
 void kvq_pack(const unsigned char *restrict c, long n, int bits, unsigned char *restrict out) {
-  switch (bits) {  /* a constant width per instance: the loops unroll and vectorize */
-    case 1: kvq_pack_row(c, n, 1, out); return;
-    case 2: kvq_pack_row(c, n, 2, out); return;
-    case 3: kvq_pack_row(c, n, 3, out); return;
-    case 4: kvq_pack_row(c, n, 4, out); return;
-    case 5: kvq_pack_row(c, n, 5, out); return;
-    case 6: kvq_pack_row(c, n, 6, out); return;
-    case 7: kvq_pack_row(c, n, 7, out); return;
-    default: kvq_pack_row(c, n, 8, out); return;
-  }
+  KVQ_FOR_WIDTH(bits, kvq_pack_row(c, n, B, out); return, return)
 }
 
 void kvq_unpack(const unsigned char *restrict p, long n, int bits, unsigned char *restrict c) {
-  switch (bits) {
-    case 1: kvq_unpack_row(p, n, 1, c); return;
-    case 2: kvq_unpack_row(p, n, 2, c); return;
-    case 3: kvq_unpack_row(p, n, 3, c); return;
-    case 4: kvq_unpack_row(p, n, 4, c); return;
-    case 5: kvq_unpack_row(p, n, 5, c); return;
-    case 6: kvq_unpack_row(p, n, 6, c); return;
-    case 7: kvq_unpack_row(p, n, 7, c); return;
-    default: kvq_unpack_row(p, n, 8, c); return;
-  }
+  KVQ_FOR_WIDTH(bits, kvq_unpack_row(p, n, B, c); return, return)
 }

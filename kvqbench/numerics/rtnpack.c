@@ -112,17 +112,7 @@ static inline __attribute__((always_inline)) int pack_token(const float *restric
  * bytes. Returns 0, 1 (declined) or 2 (a width outside 1..8). */
 int rtn_pack_token(const float *restrict x, long rows, long d, long g, int bits, float *restrict lo,
                    float *restrict scale, unsigned char *restrict packed, unsigned char *restrict work) {
-  switch (bits) {  /* a constant width per instance: the packing loops unroll and vectorize */
-    case 1: return pack_token(x, rows, d, g, 1, lo, scale, packed, work);
-    case 2: return pack_token(x, rows, d, g, 2, lo, scale, packed, work);
-    case 3: return pack_token(x, rows, d, g, 3, lo, scale, packed, work);
-    case 4: return pack_token(x, rows, d, g, 4, lo, scale, packed, work);
-    case 5: return pack_token(x, rows, d, g, 5, lo, scale, packed, work);
-    case 6: return pack_token(x, rows, d, g, 6, lo, scale, packed, work);
-    case 7: return pack_token(x, rows, d, g, 7, lo, scale, packed, work);
-    case 8: return pack_token(x, rows, d, g, 8, lo, scale, packed, work);
-    default: return 2;
-  }
+  KVQ_FOR_WIDTH(bits, return pack_token(x, rows, d, g, B, lo, scale, packed, work), return 2)
 }
 
 __attribute__((optimize("no-signed-zeros", "finite-math-only")))
@@ -182,17 +172,9 @@ static inline __attribute__((always_inline)) int pack_channel(const float *restr
 int rtn_pack_channel(const float *restrict x, long lead, long t, long d, long gc, int bits, float *restrict lo,
                      float *restrict scale, unsigned char *restrict packed, unsigned char *restrict work,
                      float *restrict tmp) {
-  switch (bits) {
-    case 1: return pack_channel(x, lead, t, d, gc, 1, lo, scale, packed, work, tmp);
-    case 2: return pack_channel(x, lead, t, d, gc, 2, lo, scale, packed, work, tmp);
-    case 3: return pack_channel(x, lead, t, d, gc, 3, lo, scale, packed, work, tmp);
-    case 4: return pack_channel(x, lead, t, d, gc, 4, lo, scale, packed, work, tmp);
-    case 5: return pack_channel(x, lead, t, d, gc, 5, lo, scale, packed, work, tmp);
-    case 6: return pack_channel(x, lead, t, d, gc, 6, lo, scale, packed, work, tmp);
-    case 7: return pack_channel(x, lead, t, d, gc, 7, lo, scale, packed, work, tmp);
-    case 8: return pack_channel(x, lead, t, d, gc, 8, lo, scale, packed, work, tmp);
-    default: return 2;
-  }
+  KVQ_FOR_WIDTH(bits,
+                return pack_channel(x, lead, t, d, gc, B, lo, scale, packed, work, tmp),
+                return 2)
 }
 
 static inline __attribute__((always_inline)) void decode_token(const unsigned char *restrict packed, long rows,
@@ -216,17 +198,9 @@ static inline __attribute__((always_inline)) void decode_token(const unsigned ch
 int rtn_decode_token(const unsigned char *restrict packed, long rows, long d, long g, int bits,
                      const float *restrict lo, const float *restrict scale, float *restrict out,
                      unsigned char *restrict work) {
-  switch (bits) {
-    case 1: decode_token(packed, rows, d, g, 1, lo, scale, out, work); return 0;
-    case 2: decode_token(packed, rows, d, g, 2, lo, scale, out, work); return 0;
-    case 3: decode_token(packed, rows, d, g, 3, lo, scale, out, work); return 0;
-    case 4: decode_token(packed, rows, d, g, 4, lo, scale, out, work); return 0;
-    case 5: decode_token(packed, rows, d, g, 5, lo, scale, out, work); return 0;
-    case 6: decode_token(packed, rows, d, g, 6, lo, scale, out, work); return 0;
-    case 7: decode_token(packed, rows, d, g, 7, lo, scale, out, work); return 0;
-    case 8: decode_token(packed, rows, d, g, 8, lo, scale, out, work); return 0;
-    default: return 2;
-  }
+  KVQ_FOR_WIDTH(bits,
+                decode_token(packed, rows, d, g, B, lo, scale, out, work); return 0,
+                return 2)
 }
 
 static inline __attribute__((always_inline)) void decode_channel(const unsigned char *restrict packed, long lead,
@@ -249,15 +223,5 @@ static inline __attribute__((always_inline)) void decode_channel(const unsigned 
 int rtn_decode_channel(const unsigned char *restrict packed, long lead, long t, long d, long gc, int bits,
                        const float *restrict lo, const float *restrict scale, float *restrict out,
                        unsigned char *restrict work) {
-  switch (bits) {
-    case 1: decode_channel(packed, lead, t, d, gc, 1, lo, scale, out, work); return 0;
-    case 2: decode_channel(packed, lead, t, d, gc, 2, lo, scale, out, work); return 0;
-    case 3: decode_channel(packed, lead, t, d, gc, 3, lo, scale, out, work); return 0;
-    case 4: decode_channel(packed, lead, t, d, gc, 4, lo, scale, out, work); return 0;
-    case 5: decode_channel(packed, lead, t, d, gc, 5, lo, scale, out, work); return 0;
-    case 6: decode_channel(packed, lead, t, d, gc, 6, lo, scale, out, work); return 0;
-    case 7: decode_channel(packed, lead, t, d, gc, 7, lo, scale, out, work); return 0;
-    case 8: decode_channel(packed, lead, t, d, gc, 8, lo, scale, out, work); return 0;
-    default: return 2;
-  }
+  KVQ_FOR_WIDTH(bits, decode_channel(packed, lead, t, d, gc, B, lo, scale, out, work); return 0, return 2)
 }

@@ -91,17 +91,9 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
 int zp_quantize_pack(const float *restrict x, long rows, long d, long g, int include_zero, float clip, int bits,
                      float *restrict lo, float *restrict hi, float *restrict scale, float *restrict zero,
                      unsigned char *restrict packed, unsigned char *restrict work) {
-  switch (bits) {  /* a constant width per instance: the packing loops unroll and vectorize */
-    case 1: return quant_rows(x, rows, d, g, include_zero, clip, 1, lo, hi, scale, zero, packed, work);
-    case 2: return quant_rows(x, rows, d, g, include_zero, clip, 2, lo, hi, scale, zero, packed, work);
-    case 3: return quant_rows(x, rows, d, g, include_zero, clip, 3, lo, hi, scale, zero, packed, work);
-    case 4: return quant_rows(x, rows, d, g, include_zero, clip, 4, lo, hi, scale, zero, packed, work);
-    case 5: return quant_rows(x, rows, d, g, include_zero, clip, 5, lo, hi, scale, zero, packed, work);
-    case 6: return quant_rows(x, rows, d, g, include_zero, clip, 6, lo, hi, scale, zero, packed, work);
-    case 7: return quant_rows(x, rows, d, g, include_zero, clip, 7, lo, hi, scale, zero, packed, work);
-    case 8: return quant_rows(x, rows, d, g, include_zero, clip, 8, lo, hi, scale, zero, packed, work);
-    default: return 2;
-  }
+  KVQ_FOR_WIDTH(bits,
+                return quant_rows(x, rows, d, g, include_zero, clip, B, lo, hi, scale, zero, packed, work),
+                return 2)
 }
 
 static inline __attribute__((always_inline)) void decode_rows(const unsigned char *restrict packed, long rows,
@@ -126,15 +118,5 @@ static inline __attribute__((always_inline)) void decode_rows(const unsigned cha
 int zp_decode(const unsigned char *restrict packed, long rows, long d, long g, int bits,
               const float *restrict scale, const float *restrict zero, float *restrict out,
               unsigned char *restrict work) {
-  switch (bits) {
-    case 1: decode_rows(packed, rows, d, g, 1, scale, zero, out, work); return 0;
-    case 2: decode_rows(packed, rows, d, g, 2, scale, zero, out, work); return 0;
-    case 3: decode_rows(packed, rows, d, g, 3, scale, zero, out, work); return 0;
-    case 4: decode_rows(packed, rows, d, g, 4, scale, zero, out, work); return 0;
-    case 5: decode_rows(packed, rows, d, g, 5, scale, zero, out, work); return 0;
-    case 6: decode_rows(packed, rows, d, g, 6, scale, zero, out, work); return 0;
-    case 7: decode_rows(packed, rows, d, g, 7, scale, zero, out, work); return 0;
-    case 8: decode_rows(packed, rows, d, g, 8, scale, zero, out, work); return 0;
-    default: return 2;
-  }
+  KVQ_FOR_WIDTH(bits, decode_rows(packed, rows, d, g, B, scale, zero, out, work); return 0, return 2)
 }
