@@ -71,7 +71,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["add_arguments", "check_config", "run_perf", "merge_processes", "format_report", "main", "eager_rtn_roundtrip", "BASELINES",
+__all__ = ["add_arguments", "check_config", "run_perf", "merge_processes", "format_report", "main",
+           "eager_rtn_roundtrip", "BASELINES",
            "STEADY_TUNABLES", "steady_env", "allocator_state", "last_level_cache_bytes", "cold_copies"]
 
 #: the baselines, in table order (``hqq_rtn`` only when hqq is installed)
@@ -624,8 +625,6 @@ def merge_processes(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _cpu_count() -> int | None:
-    import os
-
     return os.cpu_count()
 
 
@@ -694,9 +693,8 @@ def format_report(result: dict[str, Any]) -> str:
                 headers += ["K ×hqq_rtn", "V ×hqq_rtn"]
             headers += ["peak MiB"] if cuda else ["K ×eager_rtn cpu", "V ×eager_rtn cpu"]
             shape = result["config"]["shape"]
-            nproc = result["config"].get("processes", 1)
-            rounds = (f"median over {nproc} processes of medians of {result['config']['repeats']} interleaved rounds"
-                      if nproc > 1 else f"median of {result['config']['repeats']} interleaved rounds")
+            rounds = (f"median over {nproc_all} processes of medians of {result['config']['repeats']} interleaved "
+                      "rounds" if nproc_all > 1 else f"median of {result['config']['repeats']} interleaved rounds")
             out.append(f"threads={nt}  T={t}  x=({shape[0]}, {shape[1]}, {t}, {shape[3]}) fp32  "
                        f"{result['config']['bits']} bits  {rounds}")
             out.append(tabulate(table, headers=headers, disable_numparse=True))
@@ -789,22 +787,16 @@ def _in_processes(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _check_json_path(path: Path | None) -> str | None:
-    """Why ``--json`` ``path`` cannot be written (checked before anything is measured), or ``None``."""
+    """Why ``--json`` ``path`` cannot be written (checked before anything is measured, nothing created), or
+    ``None`` (:func:`kvqbench.report.results.check_writable` on its folder)."""
+    from kvqbench.report.results import check_writable
+
     if path is None:
         return None
     if path.is_dir():
         return f"--json {path}: is a folder"
-    parent = path.parent
-    up = next((a for a in [parent, *parent.parents] if a.exists()), None)
-    if up is not None and not up.is_dir():
-        return f"--json {path}: {up} is not a folder"
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"--json {path}: cannot create its folder ({e.strerror or e})"
-    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return f"--json {path}: not writable"
-    return None
+    why = check_writable(path.parent)
+    return None if why is None else f"--json {path}: {why}"
 
 
 def _emit(result: dict[str, Any], path: Path | None) -> None:
@@ -824,6 +816,11 @@ def _emit(result: dict[str, Any], path: Path | None) -> None:
         print(err, file=sys.stderr)
 
 
+def _methods_arg(args: argparse.Namespace) -> list[str] | None:
+    """``--methods`` as a list of ids, or ``None`` for every registered method."""
+    return None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
+
+
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Entry of ``kvqbench perf`` (parsed by :mod:`kvqbench.cli`; ``argv``: the command line, from
     ``perf`` on, to re-run it in several processes (``--processes``, CPU) and with the steady allocator —
@@ -834,9 +831,8 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         return 2
     if (args.processes > 1 and not args.device.startswith("cuda") and argv is not None
             and not os.environ.get(PROCESS_MARK)):
-        methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
         try:
-            check_config(methods, args.repeats, args.bits, args.kv_heads, args.head_dim, args.cache, args.device)
+            check_config(_methods_arg(args), args.repeats, args.bits, args.kv_heads, args.head_dim, args.cache, args.device)
         except ValueError as e:
             print(f"kvqbench perf: {e}", file=sys.stderr)
             return 2
@@ -851,7 +847,7 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     if args.allocator == "steady" and not args.device.startswith("cuda") and not is_glibc_linux():
         print("kvqbench perf: --allocator steady needs Linux with glibc; timing with the allocator as is",
               file=sys.stderr)
-    methods = None if args.methods.strip() in ("", "all") else [m.strip() for m in args.methods.split(",")]
+    methods = _methods_arg(args)
     if args.fused:
         from kvqbench.numerics import fused
 

@@ -23,8 +23,8 @@ from kvqbench.perf import (
     eager_rtn_roundtrip,
     format_report,
     is_glibc_linux,
-    merge_processes,
     last_level_cache_bytes,
+    merge_processes,
     rerun_command,
     run_perf,
     steady_env,
@@ -270,7 +270,7 @@ def test_cli_in_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     (["--methods", "nope"], "unknown method id"),
     (["--bits", "12"], "1..8 bits"),
     (["--device", "gpu"], "unknown device 'gpu'"),
-    (["--json", "/dev/null/sub/p.json"], "/dev/null is not a folder"),
+    (["--json", "/dev/null/sub/p.json"], "/dev/null is a file, not a folder"),
     (["--json", "."], "is a folder"),
 ])
 def test_cli_errors_with_several_processes_are_one_line_before_any_process(
