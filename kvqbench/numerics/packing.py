@@ -133,12 +133,13 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     n = flat.numel()
     lib = _c_for(flat, n) if not flat.is_floating_point() and flat.dtype != torch.bool else None
     if lib is not None:  # one compiled pass (after the same checks, in the same order, as the torch passes)
-        if flat.dtype != torch.uint8:
+        narrow = flat.dtype != torch.uint8
+        if narrow:
             if check:
                 _check_range(flat, bits)
             flat = flat.to(torch.uint8)  # in range, so exact
         flat = flat.contiguous()
-        if check and bits < 8 and lib.kvq_codes_or(flat.data_ptr(), n) >> bits:  # uint8: the OR of the codes
+        if check and not narrow and bits < 8 and lib.kvq_codes_or(flat.data_ptr(), n) >> bits:  # the OR of the codes
             raise ValueError(f"codes must lie in [0, {1 << bits}) to pack into {bits} bits")
         nbytes = packed_nbytes(n, bits)
         _check_out(out, nbytes)
