@@ -13,7 +13,7 @@ arXiv:2401.18079 §3.4). Per vector ``x`` of ``n`` fp32 values and ``k`` outlier
 each step one fp32 IEEE operation (no fused multiply-add). A building block: the caller owns the method's
 torch code and checks these bits against it before relying on them (:mod:`kvqbench.quantizers.kvquant`).
 :func:`quantize_rows` returns ``None`` (nothing usable written) where the kernel is unavailable (no C compiler,
-``KVQBENCH_CKERNELS=0``) or the inputs are outside its scope, and flags as declined (the caller redoes them)
+``KVQBENCH_KERNELS=0``) or the inputs are outside its scope, and flags as declined (the caller redoes them)
 the vectors with tied values at a tail's boundary (which index is the outlier would then depend on the
 selection algorithm), a zero ``lo`` or ``hi`` (its sign would depend on the order of the comparisons), a NaN or
 an infinity.
@@ -25,7 +25,7 @@ import ctypes
 
 import torch
 
-from kvqbench.numerics import cbuild
+from kvqbench.kernels import build as cbuild
 
 __all__ = ["available", "quantize_rows"]
 

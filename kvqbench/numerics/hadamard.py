@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from kvqbench.numerics import blocks, cbuild
+from kvqbench.kernels import build as cbuild
+from kvqbench.numerics import blocks
 
 __all__ = [
     "is_power_of_two",
@@ -235,7 +236,7 @@ def fwht_compiled_ok() -> bool:
     """Whether the compiled butterflies (``fwht.c``, :mod:`kvqbench.numerics.cbuild`) give the torch
     butterflies' bits on a probe (head_dims 128, 96, 64, 80, 1, 2; Gaussian rows over six decades of scale,
     subnormal, huge, NaN and infinite values; strided and in-place rows): checked once per process; ``False``
-    without a compiled kernel (``KVQBENCH_CKERNELS=0``, no C compiler)."""
+    without a compiled kernel (``KVQBENCH_KERNELS=0``, no C compiler)."""
     if "ok" not in _FWHT_OK:
         _FWHT_OK["ok"] = False
         if _fwht_lib() is None:

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvqbench.numerics import cbuild
+from kvqbench.kernels import build as cbuild
 
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_float_codes"]
 

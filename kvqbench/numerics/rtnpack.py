@@ -14,7 +14,7 @@ as the torch code's (checked once per process on probe tensors, :func:`compiled_
 used; and by the property tests).
 
 Scope (otherwise both functions return ``None`` and the caller runs the torch code): a C compiler
-(``KVQBENCH_CKERNELS`` not ``0``), CPU, fp32 (an fp16/bf16 input is widened first, exactly as the torch code
+(``KVQBENCH_KERNELS`` not ``0``), CPU, fp32 (an fp16/bf16 input is widened first, exactly as the torch code
 does), 1..8 bits, :class:`~kvqbench.numerics.rtn.PerToken` groups that tile ``head_dim`` in whole bytes of the
 packed stream (a group size that is a multiple of 8 and divides ``head_dim``, or is at least ``head_dim``) or
 :class:`~kvqbench.numerics.rtn.PerChannel` groups of any size (``head_dim`` a multiple of 8), not the
@@ -30,7 +30,8 @@ import ctypes
 
 import torch
 
-from kvqbench.numerics import cbuild, fused
+from kvqbench.kernels import build as cbuild
+from kvqbench.numerics import fused
 from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
 from kvqbench.numerics.rtn import Granularity, PerChannel, PerToken, rtn_dequantize, rtn_quantize
 

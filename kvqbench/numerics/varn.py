@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from kvqbench.numerics import cbuild
+from kvqbench.kernels import build as cbuild
 
 __all__ = ["VarNResult", "varn", "imbalance", "transposed", "balanced_rtn_rows", "STD_CLAMP", "LOG_SCALE_CLIP",
            "MIN_FLOOR", "DEFAULT_ITERS"]
@@ -106,7 +106,7 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS, *, tiles_t: torch.Ten
     materialized (see :func:`_varn_chunk`). On the CPU, where a C compiler exists, compiled kernels
     (``varn_sums.c``, :func:`_c_iterations`) run the iterations with one pass over the tiles per half-step,
     with the same bits (checked once per tile shape against the torch products, tested against the torch
-    loop); ``KVQBENCH_CKERNELS=0`` keeps the torch path. Stds that would lose digits to cancellation are
+    loop); ``KVQBENCH_KERNELS=0`` keeps the torch path. Stds that would lose digits to cancellation are
     recomputed
     two-pass, per group of tiles (:data:`_GROUP_BYTES`), so every std is accurate to fp32 rounding.
     The result of a tile depends only on the tile and on whether a tile of its group needed the two-pass

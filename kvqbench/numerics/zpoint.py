@@ -14,7 +14,7 @@ layout); decode: unpack, ``scale · (q − z)``. Per group ``x`` of ``g`` values
 each step one fp32 IEEE operation, in this order (no fused multiply-add). These are building blocks: the
 caller owns the method's torch code and checks these functions' bits against it before relying on them
 (e.g. :mod:`kvqbench.quantizers.quarot`). Both return ``False`` (nothing usable written) where the kernel
-is unavailable (no C compiler, ``KVQBENCH_CKERNELS=0``: :mod:`kvqbench.numerics.cbuild`) or the inputs are
+is unavailable (no C compiler, ``KVQBENCH_KERNELS=0``: :mod:`kvqbench.numerics.cbuild`) or the inputs are
 outside what it handles; :func:`quantize_pack_rows` also where a group's minimum or maximum is a zero (its
 sign would depend on the order of the comparisons) or a row holds a NaN or an infinity.
 """
@@ -25,7 +25,7 @@ import ctypes
 
 import torch
 
-from kvqbench.numerics import cbuild
+from kvqbench.kernels import build as cbuild
 from kvqbench.numerics.packing import packed_nbytes
 
 __all__ = ["available", "supports", "quantize_pack_rows", "decode_rows"]

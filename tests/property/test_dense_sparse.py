@@ -15,7 +15,7 @@ from kvqbench.numerics import dense_sparse
 from kvqbench.quantizers import kvquant as kvquant_mod
 from kvqbench.quantizers.kvquant import KVQuant, outlier_count_per_tail
 
-pytestmark = pytest.mark.skipif(not dense_sparse.available(), reason="no C compiler (or KVQBENCH_CKERNELS=0)")
+pytestmark = pytest.mark.skipif(not dense_sparse.available(), reason="no C compiler (or KVQBENCH_KERNELS=0)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

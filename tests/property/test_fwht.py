@@ -41,7 +41,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.skipif(not hadamard.fwht_compiled_ok(), reason="no C compiler (or KVQBENCH_CKERNELS=0)")
+@pytest.mark.skipif(not hadamard.fwht_compiled_ok(), reason="no C compiler (or KVQBENCH_KERNELS=0)")
 @settings(max_examples=200, deadline=None)
 @given(case=rows_())
 def test_compiled_butterflies_give_the_torch_bits(case) -> None:

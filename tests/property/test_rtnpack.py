@@ -18,7 +18,7 @@ from kvqbench.numerics.packing import pack_bits, unpack_bits
 from kvqbench.numerics.rtn import PerChannel, PerTensor, PerToken, rtn_dequantize, rtn_quantize, to_groups
 from kvqbench.quantizers import create
 
-pytestmark = pytest.mark.skipif(not rtnpack.available(), reason="no C compiler (or KVQBENCH_CKERNELS=0)")
+pytestmark = pytest.mark.skipif(not rtnpack.available(), reason="no C compiler (or KVQBENCH_KERNELS=0)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from kvqbench.numerics import zpoint
 from kvqbench.numerics.packing import packed_nbytes
 from kvqbench.quantizers import quarot as quarot_mod
 
-pytestmark = pytest.mark.skipif(not zpoint.available(), reason="no C compiler (or KVQBENCH_CKERNELS=0)")
+pytestmark = pytest.mark.skipif(not zpoint.available(), reason="no C compiler (or KVQBENCH_KERNELS=0)")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

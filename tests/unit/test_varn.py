@@ -305,7 +305,7 @@ def test_matrix_product_row_sums_are_the_mat_vec_bits(seed, n, r, c, offset) -> 
 def _lib():
     lib = varn_mod._c_kernels()
     if lib is None:
-        pytest.skip("no C compiler (or KVQBENCH_CKERNELS=0): the compiled VarN kernels are not built")
+        pytest.skip("no C compiler (or KVQBENCH_KERNELS=0): the compiled VarN kernels are not built")
     return lib
 
 
@@ -339,7 +339,7 @@ def test_compiled_iterations_are_bit_identical_to_torch(monkeypatch, one_call: b
     """KVarN-sized tiles (K's [128, 128], SmolLM2's [64, 128]), some with a large offset (the two-pass
     fallback fires in both half-steps): the compiled iterations — all in one call with MKL's vector math, or
     half-steps between torch's exp/log/sqrt — run and give exactly the torch loop's scales, imbalances and
-    iterations (``KVQBENCH_CKERNELS=0``)."""
+    iterations (``KVQBENCH_KERNELS=0``)."""
     _lib()
     if one_call and varn_mod._vml() is None:
         pytest.skip("torch's exp/log/sqrt are not MKL's vector math here: the one-call path is not used")
@@ -353,10 +353,10 @@ def test_compiled_iterations_are_bit_identical_to_torch(monkeypatch, one_call: b
         x = torch.randn(*shape, generator=g) * torch.exp(torch.randn(shape[0], shape[1], 1, generator=g))
         x = x + 30.0 * (torch.rand(shape[0], 1, 1, generator=g) < 0.15)
         calls.clear()
-        monkeypatch.setenv("KVQBENCH_CKERNELS", "1")
+        monkeypatch.setenv("KVQBENCH_KERNELS", "1")
         got = varn(x, 16)
         assert calls, "the compiled path was not taken"
-        monkeypatch.setenv("KVQBENCH_CKERNELS", "0")
+        monkeypatch.setenv("KVQBENCH_KERNELS", "0")
         want = varn(x, 16)
         for name, a, b in zip(("s_row", "s_col", "imbalance", "imbalance_init", "best_iter"), got, want):
             assert torch.equal(a, b), (shape, name)
@@ -364,7 +364,7 @@ def test_compiled_iterations_are_bit_identical_to_torch(monkeypatch, one_call: b
 
 @pytest.mark.parametrize("on", ["1", "0"])
 def test_transposed_is_an_exact_transpose(monkeypatch, on: str) -> None:
-    monkeypatch.setenv("KVQBENCH_CKERNELS", on)
+    monkeypatch.setenv("KVQBENCH_KERNELS", on)
     x = torch.randn(2, 3, 40, 24)
     assert torch.equal(varn_mod.transposed(x), x.transpose(-1, -2))
     out = torch.empty(2, 3, 24, 40)

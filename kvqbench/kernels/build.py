@@ -1,10 +1,9 @@
-"""Small C kernels compiled on first use (``cc``/``gcc``/``clang`` found on ``PATH``, or ``$CC``) and loaded
+"""The one loader of the fast versions' C sources (``kvqbench/kernels/c/``): compiled on first use (``cc``/``gcc``/``clang`` found on ``PATH``, or ``$CC``) and loaded
 with :mod:`ctypes` — no build step at install time, no torch headers.
 
-A kernel is only ever an optional fast path: :func:`load` returns ``None`` (and the caller runs its eager
-torch code) when no compiler is found, the compilation or loading fails, or ``$KVQBENCH_CKERNELS`` is ``0``
-(``off``, ``false``, ``no``). Callers check a kernel's results bit for bit against their eager code before
-using it (see :mod:`kvqbench.numerics.varn`).
+A kernel is only ever an optional fast path: :func:`load` returns ``None`` (and the step's fast version
+declines, so its reference runs) when no compiler is found, the compilation or loading fails, or kernels are
+off (:func:`kvqbench.kernels.enabled`).
 
 The shared object is cached under ``$KVQBENCH_CBUILD_DIR`` (default ``~/.cache/kvqbench/cbuild``, else the
 temporary directory), named by a hash of the source, the local headers it includes (``#include "x.h"``, next to
@@ -27,19 +26,13 @@ import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["ENV", "enabled", "load"]
+__all__ = ["load"]
 
-ENV = "KVQBENCH_CKERNELS"
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-math-errno",
          "-shared", "-fPIC")
 #: tried when the compiler rejects :data:`FLAGS` (e.g. no ``-march=native`` on the platform)
 PORTABLE_FLAGS = ("-O2", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
-_HERE = Path(__file__).resolve().parent
-
-
-def enabled() -> bool:
-    """Whether compiled kernels may be used (``$KVQBENCH_CKERNELS`` is not ``0``/``off``/``false``/``no``)."""
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+_HERE = Path(__file__).resolve().parent / "c"
 
 
 def _compiler() -> str | None:
@@ -110,8 +103,10 @@ def _load_cached(source: str) -> ctypes.CDLL | None:
 
 
 def load(source: str) -> ctypes.CDLL | None:
-    """The compiled shared object of ``source`` (a C file next to this module), or ``None`` (see module
+    """The compiled shared object of ``source`` (a C file in ``kvqbench/kernels/c/``), or ``None`` (see module
     docstring). Compiled at most once per process and once per cache folder."""
-    if not enabled():
+    from kvqbench import kernels
+
+    if not kernels.enabled():
         return None
     return _load_cached(source)
