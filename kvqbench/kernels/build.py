@@ -5,8 +5,10 @@ A kernel is only ever an optional fast path: :func:`load` returns ``None`` (and 
 declines, so its reference runs) when no compiler is found, the compilation or loading fails, or kernels are
 off (:func:`kvqbench.kernels.enabled`).
 
-The shared object is cached under ``$KVQBENCH_CBUILD_DIR`` (default ``~/.cache/kvqbench/cbuild``, else the
-temporary directory), named by a hash of the source, the local headers it includes (``#include "x.h"``, next to
+The shared object is cached in a folder only this user can write (:mod:`kvqbench.privdir`):
+``$KVQBENCH_CBUILD_DIR``, else the user's cache folder (``~/.cache/kvqbench/cbuild``), else a folder this
+process creates privately (``tempfile.mkdtemp``). A folder or library another user could write is refused
+with one warning and kernels stay off (nothing is loaded from it). The library is named by a hash of the source, the local headers it includes (``#include "x.h"``, next to
 it), the compiler, its flags and the CPU (the code is built
 for the host CPU, ``-march=native``, or with :data:`PORTABLE_FLAGS` where the compiler rejects that); it is written to a temporary name and renamed, so concurrent
 processes (pytest-xdist workers) never load a partial file. A compilation takes well under a second.
@@ -25,6 +27,8 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
+
+from kvqbench import privdir
 
 __all__ = ["load"]
 
@@ -53,17 +57,17 @@ def _cpu_id() -> str:
 
 
 def _cache_dir() -> Path:
+    """The build folder (see the module docstring). Raises :class:`~kvqbench.privdir.UnsafePathError` for a
+    folder another user could write."""
     env = os.environ.get("KVQBENCH_CBUILD_DIR")
     if env:
-        return Path(env)
-    home = Path.home() / ".cache" / "kvqbench" / "cbuild"
+        return privdir.private_dir(env)
     try:
-        home.mkdir(parents=True, exist_ok=True)
-        if os.access(home, os.W_OK):
-            return home
+        return privdir.user_cache_dir("cbuild")
+    except privdir.UnsafePathError:
+        raise
     except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"kvqbench-cbuild-{os.getuid() if hasattr(os, 'getuid') else 0}"
+        return privdir.fallback_dir("cbuild")
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +82,6 @@ def _load_cached(source: str) -> ctypes.CDLL | None:
         key = hashlib.sha256(b"\0".join([text, *headers, cc.encode(), " ".join(FLAGS).encode(),
                                          _cpu_id().encode()])).hexdigest()[:16]
         folder = _cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
         lib = folder / f"{src.stem}-{key}.so"
         if not lib.exists():
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
@@ -90,15 +93,16 @@ def _load_cached(source: str) -> ctypes.CDLL | None:
                 except subprocess.CalledProcessError:
                     subprocess.run([cc, *PORTABLE_FLAGS, str(src), "-o", tmp, "-lm"], check=True,
                                    capture_output=True, timeout=120)
+                os.chmod(tmp, 0o700)  # whatever the umask: only this user may write it
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        return ctypes.CDLL(str(lib))
+        return ctypes.CDLL(str(privdir.check_private_file(lib)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         warnings.warn(f"kvqbench: C kernel {source} unavailable ({type(e).__name__}: {e} "
-                      f"{detail.decode(errors='replace')[:200]}); using eager torch", RuntimeWarning, stacklevel=3)
+                      f"{detail.decode(errors='replace')[:200]}); every step runs its reference", RuntimeWarning, stacklevel=3)
         return None
 
 
