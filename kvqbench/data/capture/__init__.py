@@ -71,6 +71,7 @@ __all__ = [
 # not API, but imported from here: ``_tokens`` and ``_decoder`` (kvqbench.experiments.endtoend and its tests),
 # ``_require_real_deps`` (tests)
 
+
 def capture_kv(
     *,
     model: str = DEFAULT_MODEL,

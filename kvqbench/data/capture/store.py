@@ -47,7 +47,7 @@ def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, 
         "transformers": transformers.__version__,
         "torch": torch.__version__,
         "device_type": dev.type,
-        **({"capture_dtype": dtype} if dtype != "float32" else {}),  # fp32 keeps its existing keys
+        **({"capture_dtype": dtype} if dtype != "float32" else {}),  # only a non-fp32 capture dtype enters the key
     }
     key = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", ref.name)[:48]
