@@ -267,7 +267,8 @@ __all__.append("NONDETERMINISTIC_METRICS")
 
 # ------------------------------------------------------------------------------------------------
 def markdown_table() -> str:
-    """The README's metric table, generated from the catalog (a test keeps the README in sync)."""
+    """The metric table of docs/METRICS.md (GitHub Markdown), generated from the catalog
+    (``tests/unit/test_metrics_doc.py`` keeps the file in sync)."""
     from tabulate import tabulate
 
     better = {"lower": "lower", "higher": "higher", "zero": "closest to 0"}
