@@ -1,4 +1,4 @@
-"""Experiment 4 — cost: latency, throughput, bits and memory of quantize / dequantize (SPEC §4.4).
+"""Experiment 4 — cost: latency, throughput, bits and memory of quantize / dequantize (docs/DESIGN.md §4).
 
 For K and V of the cell's data (a data-dependent method is fitted first; fitting is calibration and is
 not timed — its one-off time goes to ``extra``):
