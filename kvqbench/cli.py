@@ -47,18 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
                            parser_class=_Parser)
     r = sub.add_parser("run", help="run the benchmark cells through pytest (extra args go to pytest)",
                        description="Run benchmark cells: `pytest tests/bench -m full --kvq-real -n auto` "
-                                   "(measured: 2 min 39 s - 3 min 19 s on an idle 2-core CPU; more when the host is slow or shared; "
-                                   "the progress line's ETA says how long "
-                                   "yours takes). Unknown arguments are passed to "
+                                   "(the progress line's ETA says how long it takes on this machine). "
+                                   "Unknown arguments are passed to "
                                    "pytest (e.g. -k kvarn, -n 2, --kvq-seeds 5, --device cuda, --kvq-out DIR).",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.epilog_fn = plugin_options_help  # built only when the help is shown (imports pytest)
     size = r.add_mutually_exclusive_group()
     size.add_argument("--smoke", action="store_true",
-                      help="tiny synthetic cells only (measured: 6.4-7.3 s on an idle 2-core machine, more when the host is busy; "
-                           "no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
+                      help="tiny synthetic cells only (no figures unless --kvq-figures on; no pytest-benchmark timing table at the end, its JSON is "
                            "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
-                           "real-model smoke cells too (measured: 51-57 s with the real-model capture cached, 71 s without)")
+                           "real-model smoke cells too")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
@@ -73,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--shards", type=int, metavar="N", default=None,
                    help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
     rep = sub.add_parser("report", help="re-render LEADERBOARD.md, the figures and the terminal table from saved JSON "
-                                        "(no torch; 3.9-4.4 s for the main job)",
+                                        "(no torch)",
                          description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures "
                                      "and the terminal table (no torch, no cell runs again); --rebuild also rebuilds "
                                      "leaderboard.json from the per-experiment files.")
@@ -129,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark (not a test): median round-trip time of every registered method's K and V, "
                     "interleaved with x.clone() and a straightforward eager RTN (and HQQ's plain RTN when hqq "
                     "is installed), at 1 thread and the default thread count, T = 1k/4k/16k, in 3 processes (the "
-                    "median over them; measured: 146 s on a 2-core machine, --threads 1: 81-91 s)."))
+                    "median over them; protocol and figures: docs/PERFORMANCE.md)."))
     return p
 
 
@@ -263,9 +261,8 @@ def steady_allocator_for_workers(environ: "os._Environ[str] | dict[str, str]") -
 
     ``kvqbench run`` calls it before pytest starts, so the pytest-xdist workers it spawns (they inherit the
     environment) take every tensor buffer from the heap and keep freed memory instead of mapping each large
-    buffer afresh and faulting its pages in again: the cells' temporaries of a few MiB (exp2's attention
-    rows, exp1/exp3's fp64 copies) were re-faulted on every call (≈ 10 M minor page faults in one main job;
-    about 10 % of a real cell's CPU time, measured on exp1-3 cells). The arithmetic is unchanged (torch
+    buffer afresh and faulting its pages in again on every call (the cells' temporaries of a few MiB: exp2's
+    attention rows, exp1/exp3's fp64 copies). The arithmetic is unchanged (torch
     aligns its buffers either way), so are the metrics. The process that calls it is not affected (glibc
     reads tunables at start), nor is anything off glibc (the variable is ignored there)."""
     from kvqbench.perf import CHILD_MARK, steady_env

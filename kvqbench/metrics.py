@@ -80,7 +80,7 @@ def catalog_dict() -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 1 — reconstruction (SPEC §4.1); emitted for K and V separately.
+# Experiment 1 — reconstruction (docs/DESIGN.md §4); emitted for K and V separately.
 for _kv, _KV in (("k", "K"), ("v", "V")):
     register_metric(Metric(f"{_kv}_mse", "1 (squared units of the input)", "lower",
                            f"{_KV} mean squared error E[(x̂−x)²]", "exp1", scale_free=False))
@@ -106,7 +106,7 @@ register_metric(Metric("bits_nominal", "bits/element", "lower",
 
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 1 additions — codebook generalization and group-size sensitivity (SPEC §4.1);
+# Experiment 1 additions — codebook generalization and group-size sensitivity (docs/DESIGN.md §4);
 # kvqbench/experiments/generalization.py. Separate cells from the reconstruction sweep.
 for _kv, _KV in (("k", "K"), ("v", "V")):
     register_metric(Metric(
@@ -128,7 +128,7 @@ register_metric(Metric("gs_bits_effective", "bits/element", "lower",
 
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 2 — accumulation of the attention error with context length (SPEC §4.2);
+# Experiment 2 — accumulation of the attention error with context length (docs/DESIGN.md §4);
 # kvqbench/experiments/accumulation.py. Every metric exists for both regimes: ``static_*`` (the whole
 # prefix quantized at once) and ``decode_*`` (pseudo-decode: blocks quantized as they arrive under the
 # method's streaming rules). Values are at the full context length unless named a slope.
@@ -180,7 +180,7 @@ for _kv, _KV in (("k_", "K "), ("v_", "V "), ("", "")):
 
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 3 — outliers (SPEC §4.3); kvqbench/experiments/outliers.py. τ = 0.1; the
+# Experiment 3 — outliers (docs/DESIGN.md §4); kvqbench/experiments/outliers.py. τ = 0.1; the
 # norm-difference densities (fixed edges) are series, not metrics.
 for _kv, _KV in (("k", "K"), ("v", "V")):
     register_metric(Metric(f"{_kv}_offdiag_mass", "1", "lower",
@@ -204,7 +204,7 @@ register_metric(Metric("k_incoherence_shift", "1", "zero",
 
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 4 — cost (SPEC §4.4); kvqbench/experiments/cost.py. Latency/throughput (and peak memory
+# Experiment 4 — cost (docs/DESIGN.md §4); kvqbench/experiments/cost.py. Latency/throughput (and peak memory
 # on CUDA) vary run to run: see NONDETERMINISTIC_METRICS.
 register_metric(Metric("quant_latency_ms", "ms", "lower",
                        "quantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
@@ -237,7 +237,8 @@ register_metric(Metric("peak_mem_mib", "MiB", "lower",
                        scale_free=False))
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 5 — end-to-end damage on a small real model (SPEC §4.5); kvqbench/experiments/endtoend.py.
+# Experiment 5 — end-to-end damage on a small real model (docs/DESIGN.md §4);
+# kvqbench/experiments/endtoend.py.
 # ``prefill``: the window in one forward pass, K/V round-tripped as a whole; ``decode``: a prefill then
 # blocks under each method's stream policy. p = the unquantized model's next-token distribution.
 for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
@@ -267,7 +268,8 @@ __all__.append("NONDETERMINISTIC_METRICS")
 
 # ------------------------------------------------------------------------------------------------
 def markdown_table() -> str:
-    """The README's metric table, generated from the catalog (a test keeps the README in sync)."""
+    """The metric table of docs/METRICS.md (GitHub Markdown), generated from the catalog
+    (``tests/unit/test_metrics_doc.py`` keeps the file in sync)."""
     from tabulate import tabulate
 
     better = {"lower": "lower", "higher": "higher", "zero": "closest to 0"}

@@ -1,4 +1,4 @@
-"""Experiment 2 — accumulation of the attention error with context length (SPEC §4.2).
+"""Experiment 2 — accumulation of the attention error with context length (docs/DESIGN.md §4).
 
 Attention output ``O = softmax(q·Kᵀ/√D)·V`` is compared with ``Ô`` computed from a method's K̂, V̂ at every
 context length ``L`` of a grid up to the full length, in two regimes:

@@ -1,8 +1,8 @@
 """Shared plumbing of the experiments: round-tripping K and V of a data source through a method.
 
-Pre- vs post-RoPE (SPEC §2): a method with ``k_pre_rope = True`` receives the pre-RoPE keys where the
-data source has them, and its output is rotated back with the captured RoPE before being compared
-with the cached keys. RoPE is orthogonal per pair, so reconstruction MSE is unaffected.
+Pre- vs post-RoPE (docs/DESIGN.md §2): a method with ``k_pre_rope = True`` receives the pre-RoPE keys
+where the data source has them, and its output is rotated back with the captured RoPE before being
+compared with the cached keys. RoPE is orthogonal per pair, so reconstruction MSE is unaffected.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ def count_nonfinite(x: torch.Tensor) -> int:
 
     Fast path: one sum of ``x`` (in its own dtype; fp32 for 16-bit floats). A NaN or ±inf element makes
     the sum NaN or ±inf, so a finite sum means no non-finite element; a non-finite sum (a non-finite
-    element, or finite ones whose sum overflows) falls back to the exact element count. One vectorized
-    reduction instead of ``isfinite``'s boolean mask (≈ 50× cheaper on the CPU, where the mask cost
-    more than some cells' metrics).
+    element, or finite ones whose sum overflows) falls back to the exact element count: one vectorized
+    reduction instead of building ``isfinite``'s boolean mask.
     """
     if x.numel() == 0 or not (x.is_floating_point() or x.is_complex()):
         return 0

@@ -1,4 +1,4 @@
-"""Experiment 4 — cost: latency, throughput, bits and memory of quantize / dequantize (SPEC §4.4).
+"""Experiment 4 — cost: latency, throughput, bits and memory of quantize / dequantize (docs/DESIGN.md §4).
 
 For K and V of the cell's data (a data-dependent method is fitted first; fitting is calibration and is
 not timed — its one-off time goes to ``extra``):
@@ -81,14 +81,12 @@ class CostConfig:
 #: give pytest-benchmark fixed rounds (its calibration takes about a second per cell, the rest of a smoke
 #: cell milliseconds); full cells are calibrated.
 #:
-#: Full cells take the median of 3 timed calls after 1 warm-up (5 until the main job had to fit in 4
-#: minutes): a median of 3 is still robust to one disturbed call (a preemption by a neighbour process,
-#: the usual outlier on shared cores, moves it by at most the spread of the two other calls), each call of
-#: a full cell lasts 10-1000 ms, far above ``perf_counter``'s resolution, and the warm-up call already
-#: takes the first-touch and allocator costs out. The timing loops made most of an exp4 cell's time
-#: (12 round trips of K and V at 5 repeats, 8 at 3), so this cuts about a third of exp4's CPU time. The
-#: CPU timings are flagged unreliable either way, and the serial run's round trip is timed by
-#: pytest-benchmark's calibrated rounds, which this does not change.
+#: Full cells take the median of 3 timed calls after 1 warm-up: a median of 3 is robust to one disturbed
+#: call (a preemption by a neighbour process, the usual outlier on shared cores, moves it by at most the
+#: spread of the two other calls), a full cell's call is far above ``perf_counter``'s resolution, and the
+#: warm-up call takes the first-touch and allocator costs out. The timing loops are most of an exp4
+#: cell's time (8 round trips of K and V at 3 repeats). CPU timings are flagged unreliable either way, and
+#: a serial run's round trip is timed by pytest-benchmark's calibrated rounds.
 CONFIG_BY_SIZE: dict[str, CostConfig] = {"smoke": CostConfig(warmup=1, repeats=3, benchmark_rounds=5),
                                          "full": CostConfig(warmup=1, repeats=3)}
 

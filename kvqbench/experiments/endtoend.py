@@ -1,4 +1,4 @@
-"""Experiment 5 — end-to-end damage on a small real model (SPEC §4.5): does the tensor error matter?
+"""Experiment 5 — end-to-end damage on a small real model (docs/DESIGN.md §4): does the tensor error matter?
 
 The real model (``--kvq-model``, SmolLM2-135M by default) runs over a window of the shipped corpus with a
 method's quantize → dequantize applied **inside its KV cache**, where the model keeps K and V, and its

@@ -1,4 +1,4 @@
-"""Experiment 1 additions (SPEC §4.1): codebook-generalization gap and group-size sensitivity.
+"""Experiment 1 additions (docs/DESIGN.md §4): codebook-generalization gap and group-size sensitivity.
 
 **Codebook-generalization gap.** A method's data-dependent state (codebooks, calibration statistics) is
 fitted with :meth:`~kvqbench.quantizers.base.Quantizer.fit` on a *fit* batch A and applied to an

@@ -1,5 +1,5 @@
 """Experiment 3 — outliers: where in the distribution of tokens and channels a method's error sits
-(SPEC §4.3). Swept over every method and bit-width, ranked like the others.
+(docs/DESIGN.md §4). Swept over every method and bit-width, ranked like the others.
 
 For K and V separately (a token = one ``head_dim`` vector of one (layer, head, position)):
 

@@ -1,4 +1,4 @@
-"""Experiment 1 — reconstruction (SPEC §4.1).
+"""Experiment 1 — reconstruction (docs/DESIGN.md §4).
 
 For K and V separately: MSE, relative MSE, the per-token split ``E_T = E_M + E_D`` (magnitude vs
 direction) summarized as ``E_M/E_T`` at the p50/p90/p99 of ``E_T``, the signed relative norm bias, and

@@ -1,5 +1,5 @@
 """Pseudo-decode simulator: a KV cache that receives tokens in blocks and quantizes them by a method's
-streaming rules (SPEC §4.2 *pseudo-decode*; METHODS.md runtime policies of KIVI, KVarN, Kitty).
+streaming rules (docs/DESIGN.md §4 *pseudo-decode*, §7 runtime policies of KIVI, KVarN, Kitty).
 
 Tokens ``0 … T−1`` arrive in blocks of ``block`` tokens (the last block may be shorter). After each
 arrival the cache holds some tokens in fp16 (exact) and the rest as quantized *segments*; a segment is

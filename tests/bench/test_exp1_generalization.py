@@ -1,5 +1,5 @@
 """Experiment 1 additions: the codebook-generalization gap (every method) and group-size sensitivity
-(methods with ``grouped = True``, group sizes 32/64/128) — SPEC §4.1."""
+(methods with ``grouped = True``, group sizes 32/64/128) — docs/DESIGN.md §4."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Experiment 1 cells: reconstruction of K and V (SPEC §4.1).
+"""Experiment 1 cells: reconstruction of K and V (docs/DESIGN.md §4).
 
 One case per (method × bits × seed × source × size); the plugin parametrizes ``cell``.
 """

@@ -1,4 +1,4 @@
-"""Experiment 2 cells: accumulation of the attention error with context length (SPEC §4.2).
+"""Experiment 2 cells: accumulation of the attention error with context length (docs/DESIGN.md §4).
 
 One case per (method × bits × seed × source × size); both regimes (static, pseudo-decode) in each cell.
 Bits swept: 2 and 4 (the regime where the error accumulates visibly; exactness at 16 bits is covered by

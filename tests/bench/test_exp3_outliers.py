@@ -1,5 +1,5 @@
 """Experiment 3 cells: outliers — norm-difference density, off-diagonal mass, tail magnitude share,
-per-channel incoherence of the error (SPEC §4.3). Every method joins, so the metrics are ranked."""
+per-channel incoherence of the error (docs/DESIGN.md §4). Every method joins, so the metrics are ranked."""
 
 import math
 

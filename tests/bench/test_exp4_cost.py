@@ -1,4 +1,4 @@
-"""Experiment 4 cells: cost — latency, throughput, bits, peak memory, compression (SPEC §4.4).
+"""Experiment 4 cells: cost — latency, throughput, bits, peak memory, compression (docs/DESIGN.md §4).
 
 One seed (the cost does not depend on the data draw). Latency/throughput vary run to run (CPU timings
 are flagged ``unreliable_timing``); see :data:`kvqbench.metrics.NONDETERMINISTIC_METRICS`. The round trip

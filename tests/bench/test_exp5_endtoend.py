@@ -1,4 +1,4 @@
-"""Experiment 5 cells: end-to-end damage on the real model (SPEC §4.5).
+"""Experiment 5 cells: end-to-end damage on the real model (docs/DESIGN.md §4).
 
 One case per (method × bits × seed) on the real source only (``--kvq-real``); the seed picks the text
 window (and seeds random methods). Bits swept by default: 2 and 4, like experiment 2 (16 bits is exact
