@@ -140,7 +140,7 @@ def test_readme_digest_comes_from_the_same_headline(board) -> None:
 
 def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from kvqbench.report.plots import write_figures
+    from kvqbench.report.figures import write_figures
     from tests.unit.test_report_samples import write_results
 
     out = write_results(tmp_path / "r", _records())
