@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvqbench.report.figures import attn_vs_context, cost, mse_vs_bits, norm_diff_density, pareto, predictivity
+from kvqbench.report.figures import (
+    attn_vs_context,
+    cost,
+    mse_vs_bits,
+    norm_diff_density,
+    pareto,
+    predictivity,
+)
 from kvqbench.report.figures.data import Source, load_sources
 from kvqbench.report.figures.series import X_KEYS, iter_curves, iter_histogram_bins, iter_histograms
 from kvqbench.report.figures.style import DPI, RC, pyplot
