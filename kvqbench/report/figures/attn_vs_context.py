@@ -151,7 +151,7 @@ def _draw(plt: Any, src: Source, out: Path, quantity: str) -> Path | None:
         height_pt = axes[0][0].get_position().height * fig.get_size_inches()[1] * 72.0
         _foot_room(axes[0][0], 0.045 * n_lines + 0.03 + n_zero_rows * 2 * _ZERO_MARK_Y / height_pt)
     axes[0][0].set_ylabel(ERROR_AXIS.get(kind, kind) + (" (log scale)" if log else ""))
-    order = style.sorted(handles)  # every method drawn in any panel
+    order = style.in_order(handles)  # every method drawn in any panel
     legend_outside(axes[0][-1], [handles[m] for m in order], order)
     if fp16:
         draw_fp16_panel(grid, regimes, fp16, style, axes, {m: xy for (m, r), xy in curves.items()

@@ -15,7 +15,7 @@ from kvqbench.report.figures.style import Style, method_order
 from kvqbench.report.io import read_json
 from kvqbench.report.leaderboard import setting_key
 
-__all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed_settings", "mean_curves",
+__all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed_settings", "passed_at", "mean_curves",
            "mean_histograms"]
 
 #: ``(x, y)`` of one curve; a histogram's x are its bin edges (one more than its y)
@@ -98,14 +98,17 @@ def passed_settings(cells: list[dict[str, Any]]) -> set[str]:
     return {setting_key(c) for c in cells if c.get("status") == "passed"}
 
 
+def passed_at(cells: list[dict[str, Any]], setting: str) -> list[dict[str, Any]]:
+    """The cells that passed at ``setting``, in their order."""
+    return [c for c in cells if c.get("status") == "passed" and setting_key(c) == setting]
+
+
 def _first_per_cell(cells: list[dict[str, Any]], setting: str, kind: Callable[[str], Any],
                     walk: Callable[[Any], Iterable[tuple]]) -> dict[tuple[str, Any], list[tuple]]:
     """``{(method, key): [what walk yields after the path, one per passed cell at setting]}``; ``key``
     is ``kind(path joined by "/", lower-cased)``, the first series of each key in a cell counts."""
     acc: dict[tuple[str, Any], list[tuple]] = defaultdict(list)
-    for c in cells:
-        if c.get("status") != "passed" or setting_key(c) != setting:
-            continue
+    for c in passed_at(cells, setting):
         found: dict[Any, tuple] = {}
         for path, *item in walk(c.get("series") or {}):
             key = kind("/".join(path).lower())

@@ -13,11 +13,10 @@ import math
 import textwrap
 from typing import Any
 
-from kvqbench.report.figures.data import XY, mean_curves
+from kvqbench.report.figures.data import XY, mean_curves, passed_at
 from kvqbench.report.figures.labels import CONTEXT_AXIS
 from kvqbench.report.figures.series import regime
 from kvqbench.report.figures.style import Style
-from kvqbench.report.leaderboard import setting_key
 
 __all__ = ["decode_fp16", "all_fp16_at", "draw_fp16_panel", "fp16_note"]
 
@@ -48,9 +47,9 @@ def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, d
         share = mean.get((m, "share"))
         share_y = share[1] if share is not None and share[0] == xs else None
         sinks = None
-        for c in cells:
+        for c in passed_at(cells, setting):
             pol = ((c.get("extra") or {}).get("decode") or {}).get("policy") or {}
-            if c.get("method") == m and c.get("status") == "passed" and setting_key(c) == setting and pol:
+            if c.get("method") == m and pol:
                 sinks = [p.get("sink_tokens", 0) for p in pol.values()]
                 break
         newest = None
@@ -71,15 +70,14 @@ def all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
 
 
 def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: Style,
-                     top_axes: Any, decode_curves: dict[str, XY], kind: str,
-                     src: str = "") -> None:
+                    top_axes: Any, decode_curves: dict[str, XY], kind: str, src: str = "") -> None:
     """Under the pseudo-decode panel: per method whose fp16 share changes with the length, the newest
     tokens still in fp16 (solid, left axis) and the billed bits/element (dashed, right axis); beside it,
     a note that says, from the data, why those curves jump between neighbouring lengths."""
     from matplotlib.lines import Line2D
 
     ax = grid[1][regimes.index("pseudo-decode")]
-    methods = style.sorted(fp16)
+    methods = style.in_order(fp16)
     with_newest = [m for m in methods if fp16[m]["newest"] is not None]
     bits_ax = ax.twinx() if with_newest else ax
     if with_newest:

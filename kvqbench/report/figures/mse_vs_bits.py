@@ -43,7 +43,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     bits = sorted({b for kv, _ in panels for pts in data[kv].values() for b, y, _ in pts if y > 0})
     zero_note = open_note = False
     for ax, (kv, KV) in zip(axes, panels, strict=False):
-        for m in style.sorted(data[kv]):
+        for m in style.in_order(data[kv]):
             pts = sorted(p for p in data[kv][m] if p[1] > 0)
             zero_note |= len(pts) < len(data[kv][m])
             if not pts:

@@ -31,7 +31,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     curves, tails = mean_histograms(cells, setting, _k_or_v)
     if not curves:
         return None
-    methods = style.sorted({m for m, _ in curves})
+    methods = style.in_order({m for m, _ in curves})
     kvs = [kv for kv in ("K", "V") if any(k == kv for _, k in curves)]
     ncol = min(4, len(methods))
     nrow = math.ceil(len(methods) / ncol)

@@ -35,7 +35,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     by_m: dict[str, list[dict]] = defaultdict(list)
     for p in pts:
         by_m[p["method"]].append(p)
-    for m in style.sorted(by_m):
+    for m in style.in_order(by_m):
         ps = sorted(by_m[m], key=lambda p: p["bits_effective"])
         st = style(m)
         xs = [p["bits_effective"] for p in ps]

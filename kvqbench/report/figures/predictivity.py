@@ -34,7 +34,7 @@ def draw(plt: Any, src: Source, out: Path, top: int = 4) -> Path | None:
     fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows) + 1.6, 3.8), squeeze=False)
     for ax, r in zip(axes[0], rows, strict=False):
         negative = False  # a signed metric (a slope, a bias) is drawn as |value| on the log axis: say so
-        for m in style.sorted(e2e):
+        for m in style.in_order(e2e):
             for setting, metrics in sorted(e2e[m].items()):
                 x = (stats.get(r["experiment"], {}).get(m, {}).get(setting, {}).get(r["metric"]) or {}).get("mean")
                 y = (metrics.get(target) or {}).get("mean")

@@ -64,6 +64,6 @@ class Style:
         """Sort key: a method's place in the order (an unlisted one after every listed one)."""
         return self.idx.get(m, 99)
 
-    def sorted(self, methods: Any) -> list[str]:
-        """``methods`` in this order (stable for unlisted ones)."""
+    def in_order(self, methods: Any) -> list[str]:
+        """``methods`` in this order (unlisted ones last, in their given order)."""
         return sorted(methods, key=self.rank)
