@@ -332,7 +332,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     written.append(str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board))))
     written.append(str(write_text_atomic(out / "README.md", _FOLDER_README)))
     if figures:
-        from kvqbench.report.plots import write_figures
+        from kvqbench.report.figures import write_figures
 
         written += [str(p) for p in write_figures(out, jobs=0)]
     if readme is not None:

@@ -1,5 +1,5 @@
 """Re-render a results folder from its saved JSON (torch-free): ``LEADERBOARD.md``, the terminal table
-and the figures (when matplotlib is available; see :mod:`kvqbench.report.plots`).
+and the figures (when matplotlib is available; see :mod:`kvqbench.report.figures`).
 
 Rendering is a pure function of the saved files, so ``kvqbench report DIR`` reproduces the Markdown a
 run wrote byte for byte.
@@ -131,7 +131,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     if echo:
         print(render_terminal(board))
     if figures:
-        from kvqbench.report.plots import write_figures
+        from kvqbench.report.figures import write_figures
 
         def log(msg: str) -> None:
             print(msg, file=sys.stderr)

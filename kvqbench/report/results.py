@@ -209,7 +209,7 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     written.append(write_json_atomic(folder / "leaderboard.json", board))
     if figures:
         try:
-            from kvqbench.report.plots import write_figures
+            from kvqbench.report.figures import write_figures
 
             written += [Path(p) for p in write_figures(folder, log=log, jobs=0)]
         except Exception as e:  # a figure never costs the results

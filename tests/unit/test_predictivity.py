@@ -140,7 +140,7 @@ def test_readme_digest_comes_from_the_same_headline(board) -> None:
 
 def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from kvqbench.report.plots import write_figures
+    from kvqbench.report.figures import write_figures
     from tests.unit.test_report_samples import write_results
 
     out = write_results(tmp_path / "r", _records())
@@ -153,14 +153,14 @@ def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
 
 def test_predictivity_figure_panels_hold_the_best_metrics_and_every_point(tmp_path, monkeypatch) -> None:
     pytest.importorskip("matplotlib")
-    from kvqbench.report import plots
+    from kvqbench.report.figures import save, write_figures
     from tests.unit.test_report_samples import write_results
 
     got = {}
-    orig = plots._finish
-    monkeypatch.setattr(plots, "_finish", lambda fig, path: got.setdefault(path.name, fig) and orig(fig, path))
+    orig = save.finish
+    monkeypatch.setattr(save, "finish", lambda fig, path: got.setdefault(path.name, fig) and orig(fig, path))
     out = write_results(tmp_path / "r", _records())
-    plots.write_figures(out, log=lambda m: None)
+    write_figures(out, log=lambda m: None)
     fig = got["predictivity_real.png"]
     board = assemble(_records(), catalog(), copy.deepcopy(PROVENANCE))
     rows = board["sources"]["real"]["predictivity"]["targets"][PREDICTIVITY_TARGETS[0]]["pooled"][:4]

@@ -1,121 +1,28 @@
-"""Figures: every figure the data supports is a valid PNG of sane size, one set per source, missing
-experiments are skipped, output is deterministic, and a missing matplotlib never fails."""
+"""What each figure holds (axes, series by label, notes), read from the matplotlib figure before it is
+closed, against the records it was drawn from; the helpers behind what a figure says (the fp16 note,
+density bins and range, coinciding curves)."""
 
 from __future__ import annotations
-
-import math
-import struct
-import sys
 
 import pytest
 from test_report_samples import records, write_results
 
-from kvqbench.report.plots import figure_names, iter_curves, iter_histograms, write_figures
+from kvqbench.report.figures import save, write_figures
 
 pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
 
 ALL = ("pareto", "mse_vs_bits", "attn_error_vs_context", "attn_kl_vs_context", "norm_diff_density", "cost")
 
 
-def png_size(path) -> tuple[int, int]:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24])
+def keep_figures(monkeypatch) -> dict:
+    """``{file name: Figure}`` of every figure saved from now on (each still written), read before it
+    is closed."""
+    figs = {}
+    orig = save.finish
+    monkeypatch.setattr(save, "finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    return figs
 
 
-def test_every_figure_for_every_source(tmp_path):
-    out = write_results(tmp_path / "r", records(sources=("synthetic", "real")))
-    logs = []
-    written = write_figures(out, log=logs.append)
-    names = sorted(p.name for p in written)
-    assert names == sorted(f"{n}_{s}.png" for n in ALL for s in ("real", "synthetic")), logs
-    for p in written:
-        w, h = png_size(p)
-        assert 400 <= w <= 2500 and 250 <= h <= 2000, (p.name, w, h)
-        assert 10_000 < p.stat().st_size < 1_500_000, p.name
-    assert not logs
-
-
-def test_missing_experiments_are_skipped_not_failed(tmp_path):
-    out = write_results(tmp_path / "r", records(experiments=("exp1",)))
-    logs = []
-    names = sorted(p.name for p in write_figures(out, log=logs.append))
-    assert names == ["mse_vs_bits_synthetic.png", "pareto_synthetic.png"]
-    assert not logs
-
-
-def test_figures_are_deterministic(tmp_path):
-    out = write_results(tmp_path / "r")
-    first = {p.name: p.read_bytes() for p in write_figures(out)}
-    second = {p.name: p.read_bytes() for p in write_figures(out, tmp_path / "again")}
-    assert first == second
-
-
-def test_no_leaderboard_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="leaderboard.json"):
-        write_figures(tmp_path)
-
-
-def test_missing_matplotlib_logs_one_line_and_skips(tmp_path, monkeypatch):
-    out = write_results(tmp_path / "r", records(experiments=("exp1",)))
-    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
-    logs = []
-    assert write_figures(out, log=logs.append) == []
-    assert len(logs) == 1 and "matplotlib" in logs[0]
-    assert not list(out.glob("*.png"))
-
-
-def test_one_broken_figure_does_not_block_the_rest(tmp_path):
-    recs = records(experiments=("exp1", "exp2"))
-    for r in recs:
-        if r["experiment"] == "exp2":  # x and y disagree in length → that curve is ignored, not a crash
-            r["series"]["static"]["attn_mse"] = [1.0]
-    out = write_results(tmp_path / "r", recs)
-    names = {p.name for p in write_figures(out)}
-    assert {"pareto_synthetic.png", "mse_vs_bits_synthetic.png", "attn_kl_vs_context_synthetic.png"} <= names
-
-
-def test_series_discovery():
-    series = {"context_len": [1, 2, 3], "static": {"attn_mse": [0.1, 0.2, 0.3], "label": "x"},
-              "pseudo_decode": {"attn_kl": [[1, 2, 3], [3, 4, 5]]}, "other": {"x": [1, 2], "y": [5, 6]},
-              "too_short": [1, 2]}
-    got = {"/".join(p): (x, y) for p, x, y in iter_curves(series)}
-    assert got == {"static/attn_mse": ([1, 2, 3], [0.1, 0.2, 0.3]),
-                   "pseudo_decode/attn_kl": ([1, 2, 3], [2.0, 3.0, 4.0]),  # mean over layers
-                   "other": ([1, 2], [5, 6])}
-    hists = list(iter_histograms({"k_norm_diff": {"edges": [0, 1, 2], "counts": [3, 1]}}))
-    assert len(hists) == 1
-    path, centers, dens = hists[0]
-    assert path == ("k_norm_diff",) and centers == [0.5, 1.5] and dens == [0.75, 0.25]
-
-
-def test_figure_names_cover_every_kind():
-    assert figure_names("real") == [f"{n}_real.png" for n in (*ALL, "predictivity")]  # predictivity: exp5 only
-
-
-def test_flat_histogram_layout_with_under_and_overflow():
-    series = {"norm_diff_edges": [0.0, 1.0, 2.0], "k_norm_diff_density": [0.1, 0.3, 0.4, 0.2],
-              "norm_diff_bins": "[underflow, bins, overflow]"}
-    got = list(iter_histograms(series))
-    assert got == [(("k_norm_diff_density",), [0.5, 1.5], [0.3, 0.4])]  # tails not drawn, not renormalised
-
-
-def test_exp2_series_names_are_classified():
-    from kvqbench.report.plots import _error_kind, _regime
-
-    assert _error_kind("static/out_rel_mse") == "rel_mse"
-    assert _error_kind("static/out_mse") == "mse" and _error_kind("decode/cos_drift") == "cos"
-    assert _error_kind("decode/attn_kl_fwd_nats") == "kl" and _error_kind("decode/attn_kl_rev_nats") == "kl_rev"
-    for ignored in ("static/logit_mse", "static/out_norm_gap", "static/attn_k_rel_err", "decode/bits_effective"):
-        assert _error_kind(ignored) is None, ignored
-    assert _regime("decode/out_mse") == "pseudo-decode" and _regime("static/out_mse") == "static"
-
-
-# ------------------------------------------------------------------------------------------------
-# what each figure holds (axes, series by label), read from the matplotlib figure before it is closed
 def _bars(ax) -> list:
     from matplotlib.container import BarContainer
 
@@ -170,18 +77,9 @@ def _rich_records():
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
     """Every figure of the rich sample, rendered once: ``(records, {file name: Figure}, written names)``."""
-    from kvqbench.report import plots
-
     recs = _rich_records()
-    got = {}
-    orig = plots._finish
-
-    def keep(fig, path):
-        got[path.name] = fig
-        return orig(fig, path)
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plots, "_finish", keep)
+        got = keep_figures(mp)
         names = {p.name for p in write_figures(write_results(tmp_path_factory.mktemp("rich"), recs))}
     return recs, got, names
 
@@ -265,16 +163,12 @@ def test_figure_axes_hold_the_expected_series(rendered):
 def test_fp16_panel_without_a_policy_shows_the_billed_bits(tmp_path, monkeypatch):
     """Results that record no fp16 share or streaming policy (an older run, a third-party method): the
     panel under the pseudo-decode curves holds the billed bits alone, on its own axis."""
-    from kvqbench.report import plots
-
     recs = _rich_records()
     for r in recs:
         if r["experiment"] == "exp2":
             r["series"]["pseudo_decode"].pop("fp16_token_share", None)
             r.pop("extra", None)
-    figs = {}
-    orig = plots._finish
-    monkeypatch.setattr(plots, "_finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    figs = keep_figures(monkeypatch)
     write_figures(write_results(tmp_path / "r", [r for r in recs if r["experiment"] in ("exp1", "exp2")]))
     fig = figs["attn_kl_vs_context_synthetic.png"]
     bits_ax = next(ax for ax in fig.axes if ax.get_title().startswith("billed bits in pseudo-decode"))
@@ -372,160 +266,15 @@ def test_cost_bits_scale_separates_2_from_2_7_bits(rendered):
     assert values and not any(legend.overlaps(v) for v in values)
 
 
-@pytest.mark.parametrize("dense", [False, True])
-def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch, dense):
-    """A crowded front (12 points between 2 and 3 bits, each with a neighbour): every label's text box
-    is clear of every other label and of every marker; a leader line passes through no other marker,
-    no label and no other leader. Dense (the 12 points' markers overlap, far from one more point):
-    numbers stand in for names, each explained in the key, still clear of markers and of each other."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    from kvqbench.report import plots
-
-    got = {}
-    monkeypatch.setattr(plots, "_finish", lambda fig, path: got.setdefault("fig", fig))
-    methods = [f"m{i}" for i in range(12)]
-    step, ratio = (0.012, 0.96) if dense else (0.08, 0.85)
-    front = [{"method": m, "setting": "k2v2", "bits_effective": 2.0 + step * i, "rel_mse": 0.1 * ratio ** i}
-             for i, m in enumerate(methods)]
-    others = [{"method": m, "setting": "k3v3", "bits_effective": p["bits_effective"] + step * 0.4,
-               "rel_mse": p["rel_mse"] * (1.03 if dense else 1.3)} for m, p in zip(methods, front)]
-    if dense:  # one more point far away stretches the axes: the 12 markers overlap
-        front.append({"method": "m0", "setting": "k8v8", "bits_effective": 8.0, "rel_mse": 1e-4})
-    plots._fig_pareto(plt, "synthetic", {"pareto": {"points": front + others, "front": front}},
-                      plots._Style(methods), tmp_path)
-    fig = got["fig"]
-    FigureCanvasAgg(fig)
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    ax = fig.axes[0]
-    wanted = {f"{p['method']} {p['setting']}" for p in front} | {str(i + 1) for i in range(len(front))}
-    labels = [t for t in ax.texts if t.get_text() in wanted]
-    assert len(labels) == len(front)
-    assert any(t.get_text().isdigit() for t in labels) == dense
-    boxes = [plots._text_extent(t, renderer) for t in labels]
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            assert not a.overlaps(b), (a, b)
-    pad = 3.0 * fig.dpi / 72.0
-    for p in front + others:
-        x, y = ax.transData.transform((p["bits_effective"], p["rel_mse"]))
-        for b in boxes:
-            assert not (b.x0 < x + pad and b.x1 > x - pad and b.y0 < y + pad and b.y1 > y - pad), (p, b)
-    # leader lines (the drawn arrow paths, in pixels) pass through no other point's marker, no label and
-    # cross no other leader line
-    leaders = []
-    for t in labels:
-        if t.arrow_patch is None:
-            continue
-        v = t.arrow_patch.get_transform().transform(t.arrow_patch.get_path().vertices)
-        seg = (*v[0], *v[-1])
-        leaders.append(seg)
-        own = ax.transData.transform(t.xy)
-        for p in ([] if dense else front + others):  # dense: no line leaves overlapping markers clear of them
-            x, y = ax.transData.transform((p["bits_effective"], p["rel_mse"]))
-            if abs(x - own[0]) < 0.5 and abs(y - own[1]) < 0.5:
-                continue
-            assert not plots._seg_meets_box(seg, (x - pad, y - pad, x + pad, y + pad)), (t.get_text(), p)
-        for other, ob in zip(labels, boxes):
-            if other is not t:
-                assert not plots._seg_meets_box(seg, (ob.x0, ob.y0, ob.x1, ob.y1)), (t.get_text(), other.get_text())
-    for i, a in enumerate(leaders):
-        for b in leaders[i + 1:]:
-            assert not plots._segs_cross(a, b), (a, b)
-    # unambiguous: each label's box is nearer its own marker than any other point's (not in the dense
-    # case, where the markers themselves overlap)
-    if not dense:
-        for t, b in zip(labels, boxes):
-            own = ax.transData.transform(t.xy)
-
-            def dist(x, y, b=b):
-                return math.hypot(max(b.x0 - x, 0.0, x - b.x1), max(b.y0 - y, 0.0, y - b.y1))
-
-            d_own = dist(*own)
-            for p in front + others:
-                x, y = ax.transData.transform((p["bits_effective"], p["rel_mse"]))
-                if abs(x - own[0]) > 0.5 or abs(y - own[1]) > 0.5:
-                    assert dist(x, y) > d_own, (t.get_text(), p)
-    # a label is the point's name, or a number that the key below the legend explains
-    key = " ".join(t.get_text() for t in ax.texts if t.get_text().startswith("Pareto front points"))
-    for t in labels:
-        if t.get_text().isdigit():
-            assert f"{t.get_text()}  " in key, (t.get_text(), key)
-    plt.close(fig)
-
-
-def test_label_geometry_helpers():
-    """The segment/box tests the label placer relies on, against hand-worked cases."""
-    from kvqbench.report import plots
-
-    box = (0.0, 0.0, 1.0, 1.0)
-    assert plots._seg_meets_box((-1.0, 0.5, 2.0, 0.5), box)  # straight through
-    assert not plots._seg_meets_box((-1.0, 2.0, 2.0, 2.0), box)  # above
-    assert not plots._seg_meets_box((2.0, 2.0, 3.0, -1.0), box)  # beside it
-    assert plots._seg_meets_box((0.5, 0.5, 0.6, 0.6), box)  # inside
-    hits = plots._seg_box_hits([(-1.0, 0.5, 2.0, 0.5), (-1.0, 2.0, 2.0, 2.0)], [box, (5.0, 0.0, 6.0, 1.0)])
-    assert hits.tolist() == [[True, False], [False, False]]
-    assert plots._segs_cross((0.0, 0.0, 1.0, 1.0), (0.0, 1.0, 1.0, 0.0))
-    assert not plots._segs_cross((0.0, 0.0, 1.0, 1.0), (2.0, 2.0, 3.0, 0.0))
-
-
-def test_parallel_figures_are_the_same_files_as_serial(tmp_path):
-    """jobs=2 (forked workers) writes the same PNG bytes, and returns the same paths in the same order, as
-    a serial draw."""
-    out = write_results(tmp_path / "r", records(sources=("synthetic", "real")))
-    serial = write_figures(out, tmp_path / "serial", jobs=1)
-    parallel = write_figures(out, tmp_path / "parallel", jobs=2)
-    assert [p.name for p in parallel] == [p.name for p in serial] and len(serial) == 2 * len(ALL)
-    assert {p.name: p.read_bytes() for p in parallel} == {p.name: p.read_bytes() for p in serial}
-
-
-@pytest.mark.parametrize("far", [False, True])
-def test_one_draw_save_crops_like_tight(tmp_path, far):
-    """``_finish`` paints once and crops to the drawing: the same picture as ``bbox_inches="tight"``
-    (sizes within a few pixels: sub-pixel placement), a legend outside the axes kept whole; a text far
-    outside the figure (beyond the painted margin) falls back to ``"tight"`` and is kept too."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    from kvqbench.report import plots
-
-    def draw():
-        fig, ax = plt.subplots(figsize=(5, 3))
-        ax.plot([1, 2, 3], [3, 1, 2], label="a long legend label for the outside legend")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        if far:
-            ax.text(4.0, 0.5, "far away", transform=ax.transAxes)
-        return fig
-
-    ours = plots._finish(draw(), tmp_path / "ours.png")
-    fig = draw()
-    fig.savefig(tmp_path / "tight.png", dpi=plots.DPI, metadata={"Software": None}, bbox_inches="tight")
-    plt.close(fig)
-    (w1, h1), (w2, h2) = png_size(ours), png_size(tmp_path / "tight.png")
-    assert abs(w1 - w2) <= 6 and abs(h1 - h2) <= 6, ((w1, h1), (w2, h2))
-    assert w1 > 5 * plots.DPI  # wider than the figure itself: the outside legend is in the picture
-
-
 def test_mse_vs_bits_ci_reaching_zero_ends_in_a_marker_not_decades_down(tmp_path, monkeypatch):
     """A 95 % CI whose lower end is ≤ 0 (two seeds 100× apart) cannot be drawn on the log axis: its
     whisker stops at mean / 3 and a ▼ marks it, a note under the figure says so; every other whisker
     is the CI itself (mean − CI .. mean + CI, from the leaderboard's stats)."""
-    from kvqbench.report import plots
-
     recs = records(experiments=("exp1",))
     for r in recs:
         if r["method"] == "rtn_token" and r["k_bits"] == 2 and r["seed"] == 1:
             r["metrics"]["k_rel_mse"] *= 100.0
-    figs = {}
-    orig = plots._finish
-    monkeypatch.setattr(plots, "_finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    figs = keep_figures(monkeypatch)
     out = write_results(tmp_path / "r", recs)
     write_figures(out)
     import json
@@ -556,41 +305,41 @@ def test_mse_vs_bits_ci_reaching_zero_ends_in_a_marker_not_decades_down(tmp_path
 def test_fp16_note_says_what_the_data_show():
     """The pseudo-decode note: where the error with the newest tokens fp16 overlaps the error without,
     it says the share does not explain the curve; the source is named; nothing about a real model."""
-    from kvqbench.report.plots import _fp16_note
+    from kvqbench.report.figures.decode_fp16 import fp16_note
 
     info = {"x": [64.0, 128.0, 256.0], "share": [0.75, 32 / 256, 0.6], "newest": [16.0, 0.0, 64.0], "bits": []}
     curves = {"kvarn": ([64.0, 128.0, 256.0], [3.0, 2.0, 10.0])}
-    paras = _fp16_note({"kvarn": info}, ["kvarn"], curves, "kl", "synthetic")
+    paras = fp16_note({"kvarn": info}, ["kvarn"], curves, "kl", "synthetic")
     text = " ".join(paras)
     assert "none at 128" in text and "(KL 2)" in text and "(KL 3)" in text and "(KL 10)" in text
     assert "on this synthetic data the KL is no higher where none of the newest tokens are fp16" in text
     assert "real model" not in text
     curves = {"kvarn": ([64.0, 128.0, 256.0], [3.0, 5.0, 10.0])}  # 5 lies between 3 and 10
-    text = " ".join(_fp16_note({"kvarn": info}, ["kvarn"], curves, "kl", "synthetic"))
+    text = " ".join(fp16_note({"kvarn": info}, ["kvarn"], curves, "kl", "synthetic"))
     assert "on this synthetic data the two ranges overlap: the fp16 share does not explain" in text
     curves = {"kvarn": ([64.0, 128.0, 256.0], [0.1, 0.5, 0.2])}
-    text = " ".join(_fp16_note({"kvarn": info}, ["kvarn"], curves, "rel_mse", "real"))
+    text = " ".join(fp16_note({"kvarn": info}, ["kvarn"], curves, "rel_mse", "real"))
     assert "on this real data the error is 2.5–5× higher wherever none of the newest tokens are fp16" in text
 
 
 def test_density_bins_merged_only_where_they_zig_zag():
     """Merging keeps each bin's mass and the edge at 0, leaves bins of another width alone; a density
     that alternates high/low bin by bin is merged in pairs, a smooth one is not."""
-    from kvqbench.report.plots import _mass_range, _merge_bins, _merge_factor
+    from kvqbench.report.figures.norm_diff_density import mass_range, merge_bins, merge_factor
 
     edges = [-8.0, -0.4, -0.3, -0.2, -0.1, 0.0, 0.1, 0.2, 0.3, 0.4, 8.0]
     zig = [0.01, 1.0, 0.2, 3.0, 0.5, 3.0, 0.5, 1.0, 0.2, 0.01]
-    e2, d2 = _merge_bins(edges, zig, 2)
+    e2, d2 = merge_bins(edges, zig, 2)
     assert e2 == [-8.0, -0.4, -0.2, 0.0, 0.2, 0.4, 8.0]
     mass = sum(d * (b - a) for a, b, d in zip(edges, edges[1:], zig))
     assert sum(d * (b - a) for a, b, d in zip(e2, e2[1:], d2)) == pytest.approx(mass)
     assert d2[1] == pytest.approx((1.0 + 0.2) / 2) and d2[2] == pytest.approx((3.0 + 0.5) / 2)
-    assert _merge_factor(edges, zig, -0.45, 0.45) == 2
+    assert merge_factor(edges, zig, -0.45, 0.45) == 2
     smooth = [0.0005, 0.5, 1.0, 2.0, 3.0, 3.0, 2.0, 1.0, 0.5, 0.0005]
-    assert _merge_factor(edges, smooth, -0.45, 0.45) == 1
+    assert merge_factor(edges, smooth, -0.45, 0.45) == 1
     # the x-range: the central 98 % of the tokens in the bins, interpolated inside a bin — a wide last
     # bin holding 1 % (8 units wide) does not stretch the axis to its far edge
-    lo, hi = _mass_range([(edges, smooth)])
+    lo, hi = mass_range([(edges, smooth)])
     assert -1.0 < lo < 0.0 < hi < 1.0
 
 
@@ -598,17 +347,13 @@ def test_density_panel_merges_zig_zagging_bins_and_says_so(tmp_path, monkeypatch
     """A method whose fine bins alternate high/low (kvarn K here) is drawn with its bins merged in pairs —
     the same mass per merged bin as the record's two bins — and its panel says so; a smooth method's
     panel (rtn_token) is drawn on the record's own bins."""
-    from kvqbench.report import plots
-
     recs = records(experiments=("exp1", "exp3"))
     edges = [-1.0 + 0.125 * i for i in range(17)]
     zig = [1.0, 1.0, 2.0, 1.0, 6.0, 2.0, 9.0, 3.0, 9.0, 3.0, 6.0, 2.0, 2.0, 1.0, 1.0, 1.0]
     for r in recs:
         if r["experiment"] == "exp3" and r["method"] == "kvarn":
             r["series"]["k_norm_diff"] = {"edges": edges, "counts": zig}
-    figs = {}
-    orig = plots._finish
-    monkeypatch.setattr(plots, "_finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    figs = keep_figures(monkeypatch)
     write_figures(write_results(tmp_path / "r", recs))
     panels = {ax.get_title(): ax for ax in figs["norm_diff_density_synthetic.png"].axes if ax.get_title()}
     assert "bins merged ×2" in " ".join(t.get_text() for t in panels["kvarn"].texts)
@@ -624,7 +369,7 @@ def test_density_panel_merges_zig_zagging_bins_and_says_so(tmp_path, monkeypatch
 def test_coinciding_names_curves_drawn_over_one_another():
     """Curves with the same x values and every y within 2 % (of the larger) are one group; a curve 2.4 % off at
     one point, or with another x, is not (each compared with its group's first curve); groups are sorted, in order of their first name."""
-    from kvqbench.report.plots import coinciding
+    from kvqbench.report.figures.mse_vs_bits import coinciding
 
     base = [(2, 1.0), (3, 0.1), (4, 0.01)]
     curves = {"b": base, "a": [(x, y * 1.015) for x, y in base], "c": [(2, 1.0), (3, 0.104), (4, 0.01)],
@@ -638,7 +383,7 @@ def test_figures_name_what_they_cannot_show(rendered):
     """mse_vs_bits names the methods whose curves lie on top of each other in a panel (only the last one drawn
     shows); the density panel of a method whose tokens all fall in one bin says which bin (the bar beside 0
     is the bin [0, w), not a difference of w/2)."""
-    from kvqbench.report.plots import coinciding
+    from kvqbench.report.figures.mse_vs_bits import coinciding
 
     _, figs, _ = rendered
     for ax in figs["mse_vs_bits_synthetic.png"].axes[:2]:

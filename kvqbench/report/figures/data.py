@@ -1,0 +1,145 @@
+"""What the figures draw from: a results folder's saved JSON, one :class:`Source` per data source, the
+headline setting, and series averaged over seeds."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from kvqbench.report.figures.series import histograms_with_tails, iter_curves
+from kvqbench.report.figures.style import Style, method_order
+from kvqbench.report.io import read_json
+from kvqbench.report.leaderboard import setting_key
+
+__all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed_settings", "passed_at", "mean_curves",
+           "mean_histograms"]
+
+#: ``(x, y)`` of one curve; a histogram's x are its bin edges (one more than its y)
+XY = tuple[list[float], list[float]]
+
+_EXP_FILE = re.compile(r"^(exp\d+)_(\w+)\.json$")
+_SETTING = re.compile(r"k(\d+)v(\d+)")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Everything the figures of one data source read.
+
+    Attributes:
+        name: the data source, ``"synthetic"`` or ``"real"`` (part of every file name).
+        summary: ``leaderboard.json``'s ``sources[name]``: ``stats`` (experiment → method → setting →
+            metric → ``{mean, ci95, …}``), ``pareto``, ``predictivity``.
+        style: each method's colour and marker, in the leaderboard's method order.
+        experiments: experiment id (``"exp2"``) → the document of ``exp2_{name}.json`` (its ``cells``).
+        catalog: the leaderboard's metrics catalog (metric → ``unit``, …).
+    """
+
+    name: str
+    summary: dict[str, Any]
+    style: Style
+    experiments: dict[str, dict[str, Any]]
+    catalog: dict[str, Any]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self.summary.get("stats") or {}
+
+    def cells(self, experiment: str) -> list[dict[str, Any]]:
+        """The cell records of ``exp{N}_{name}.json`` (none when the experiment did not run)."""
+        return (self.experiments.get(experiment) or {}).get("cells") or []
+
+
+def load_sources(folder: Path) -> list[Source]:
+    """One :class:`Source` per source of ``folder/leaderboard.json``, sorted by name, with the
+    ``exp*_{source}.json`` files beside it (a file that cannot be read is left out).
+
+    Raises:
+        OSError, ValueError: ``leaderboard.json`` cannot be read or is not JSON.
+    """
+    board = read_json(folder / "leaderboard.json")
+    docs: dict[tuple[str, str], dict[str, Any]] = {}
+    for p in sorted(folder.glob("exp*_*.json")):
+        m = _EXP_FILE.match(p.name)
+        if not m:
+            continue
+        try:
+            docs[(m.group(1), m.group(2))] = read_json(p)
+        except (OSError, ValueError):
+            continue
+    catalog = board.get("metrics_catalog") or {}
+    out = []
+    for src, sd in sorted((board.get("sources") or {}).items()):
+        extra = {m for exp in (sd.get("stats") or {}).values() for m in exp}
+        out.append(Source(src, sd, Style(method_order(board, extra)),
+                          {exp: doc for (exp, s), doc in docs.items() if s == src}, catalog))
+    return out
+
+
+def setting_bits(setting: str) -> tuple[int, int] | None:
+    """``(k_bits, v_bits)`` of a plain setting ``"k2v4"``; ``None`` for a setting with variant axes
+    (``"k2v2-group_size64"``) or anything else. The figures' one parser of a setting name."""
+    m = _SETTING.fullmatch(setting)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def headline_setting(settings: Iterable[str]) -> str | None:
+    """The lowest symmetric bit-width below 16 among ``settings`` (``"k2v2"`` in the default sweep)."""
+    sym = sorted({s for s in settings if (b := setting_bits(s)) and b[0] == b[1] and b[0] < 16},
+                 key=lambda s: setting_bits(s))
+    return sym[0] if sym else None
+
+
+def passed_settings(cells: list[dict[str, Any]]) -> set[str]:
+    """The settings of the cells that passed."""
+    return {setting_key(c) for c in cells if c.get("status") == "passed"}
+
+
+def passed_at(cells: list[dict[str, Any]], setting: str) -> list[dict[str, Any]]:
+    """The cells that passed at ``setting``, in their order."""
+    return [c for c in cells if c.get("status") == "passed" and setting_key(c) == setting]
+
+
+def _first_per_cell(cells: list[dict[str, Any]], setting: str, kind: Callable[[str], Any],
+                    walk: Callable[[Any], Iterable[tuple]]) -> dict[tuple[str, Any], list[tuple]]:
+    """``{(method, key): [what walk yields after the path, one per passed cell at setting]}``; ``key``
+    is ``kind(path joined by "/", lower-cased)``, the first series of each key in a cell counts."""
+    acc: dict[tuple[str, Any], list[tuple]] = defaultdict(list)
+    for c in passed_at(cells, setting):
+        found: dict[Any, tuple] = {}
+        for path, *item in walk(c.get("series") or {}):
+            key = kind("/".join(path).lower())
+            if key is not None and key not in found:
+                found[key] = tuple(item)
+        for key, item in found.items():
+            acc[(c["method"], key)].append(item)
+    return acc
+
+
+def _mean_y(xys: list[tuple]) -> XY:
+    """The first series' x and the mean y over the series with those same x."""
+    xs = xys[0][0]
+    same = [xy[1] for xy in xys if xy[0] == xs]
+    return xs, [math.fsum(col) / len(col) for col in zip(*same, strict=False)]
+
+
+def mean_curves(cells: list[dict[str, Any]], setting: str, kind: Callable[[str], Any]
+                ) -> dict[tuple[str, Any], XY]:
+    """``{(method, key): (x, mean y over seeds)}`` of the curves (:func:`series.iter_curves`) of the
+    passed cells at ``setting``; ``key = kind(path)``, a path whose kind is ``None`` is left out."""
+    return {k: _mean_y(v) for k, v in _first_per_cell(cells, setting, kind, iter_curves).items()}
+
+
+def mean_histograms(cells: list[dict[str, Any]], setting: str, kind: Callable[[str], Any]
+                    ) -> tuple[dict[tuple[str, Any], XY], dict[tuple[str, Any], tuple[float, float]]]:
+    """Like :func:`mean_curves` for histograms: ``({(method, key): (edges, mean density)}, {(method,
+    key): (under, over)})``, the second the mean shares of tokens below the first edge and above the
+    last (:func:`series.histograms_with_tails`)."""
+    acc = _first_per_cell(cells, setting, kind, histograms_with_tails)
+    curves = {k: _mean_y(v) for k, v in acc.items()}
+    tails = {k: (math.fsum(t[0] for *_, t in v) / len(v), math.fsum(t[1] for *_, t in v) / len(v))
+             for k, v in acc.items()}
+    return curves, tails
