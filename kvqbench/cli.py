@@ -152,11 +152,17 @@ class _OptionRecorder:
 
 def plugin_options() -> list[tuple[tuple[str, ...], dict]]:
     """Every command-line option the kvqbench pytest plugin defines, as ``(flags, addoption kwargs)``,
-    read by running the plugin's ``pytest_addoption`` against a recorder (imports pytest, not torch)."""
-    from kvqbench.plugin import pytest_addoption
+    read by running each plugin module's ``pytest_addoption``, in registration order, against a recorder
+    (imports pytest, not torch)."""
+    import importlib
+
+    from kvqbench.plugin import pytest_plugins
 
     rec = _OptionRecorder()
-    pytest_addoption(rec)  # type: ignore[arg-type]
+    for name in pytest_plugins:
+        addoption = getattr(importlib.import_module(name), "pytest_addoption", None)
+        if addoption is not None:
+            addoption(rec)  # type: ignore[arg-type]
     return rec.options
 
 
