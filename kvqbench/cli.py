@@ -154,13 +154,11 @@ def plugin_options() -> list[tuple[tuple[str, ...], dict]]:
     """Every command-line option the kvqbench pytest plugin defines, as ``(flags, addoption kwargs)``,
     read by running each plugin module's ``pytest_addoption``, in registration order, against a recorder
     (imports pytest, not torch)."""
-    import importlib
-
-    from kvqbench.plugin import pytest_plugins
+    from kvqbench.plugin import MODULES
 
     rec = _OptionRecorder()
-    for name in pytest_plugins:
-        addoption = getattr(importlib.import_module(name), "pytest_addoption", None)
+    for mod in MODULES:
+        addoption = getattr(mod, "pytest_addoption", None)
         if addoption is not None:
             addoption(rec)  # type: ignore[arg-type]
     return rec.options

@@ -11,17 +11,29 @@ options and its ``config.stash`` keys, as pytest's own core plugins do:
 - :mod:`~kvqbench.plugin.progress` — the progress line and its ETA.
 
 Loaded through the ``pytest11`` entry point ``kvqbench`` (or by the repository's root ``conftest.py``
-when the package is not installed); pytest registers the modules below with it. Heavy imports (torch,
+when the package is not installed), which registers the modules above (:func:`pytest_addhooks`). Heavy imports (torch,
 the methods) happen lazily, only when cells are collected or run.
 """
 
-pytest_plugins = [
-    "kvqbench.plugin.state",
-    "kvqbench.plugin.options",
-    "kvqbench.plugin.collection",
-    "kvqbench.plugin.fixtures",
-    "kvqbench.plugin.sharing",
-    "kvqbench.plugin.recording",
-    "kvqbench.plugin.results",
-    "kvqbench.plugin.progress",
-]
+from __future__ import annotations
+
+import pytest
+
+from kvqbench.plugin import collection, fixtures, options, progress, recording, results, sharing, state
+
+#: the plugin's modules, in the order they are registered (their options appear in this order)
+MODULES = (state, options, collection, fixtures, sharing, recording, results, progress)
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Add kvqbench's hook specifications (:mod:`kvqbench.hookspecs`, docs/HOOKS.md) and register the
+    modules above under their own names (``-p no:kvqbench.plugin.progress`` leaves one out). They are
+    registered directly rather than through ``pytest_plugins``, which marks them for assertion rewriting:
+    ``kvqbench run`` imports them for its ``--help`` before it starts pytest in the same process, and
+    pytest would then warn that they were imported too early to be rewritten."""
+    from kvqbench import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+    for mod in MODULES:
+        if pluginmanager.get_plugin(mod.__name__) is None and not pluginmanager.is_blocked(mod.__name__):
+            pluginmanager.register(mod, mod.__name__)

@@ -1,7 +1,6 @@
 """The plugin's command-line options (one group, one ``--kvq-`` prefix, argparse ``type=`` validators) and
 the session's :class:`~kvqbench.plugin.state.Settings` resolved from them at ``pytest_configure`` (the device,
-the real model's dependencies and the results folder are checked there, before any cell). Also the hook
-specifications kvqbench adds (:mod:`kvqbench.hookspecs`) and the report header."""
+the real model's dependencies and the results folder are checked there, before any cell), and the report header."""
 
 from __future__ import annotations
 
@@ -15,13 +14,6 @@ import pytest
 
 from kvqbench.cells import DEFAULT_BITS, parse_bits, parse_seeds
 from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, SessionState, Settings, is_worker, xdist_active
-
-
-def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    """Register kvqbench's hook specifications (see :mod:`kvqbench.hookspecs`, docs/HOOKS.md)."""
-    from kvqbench import hookspecs
-
-    pluginmanager.add_hookspecs(hookspecs)
 
 
 def _device_type(text: str) -> str:
