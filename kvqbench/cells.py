@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Cell", "CellId", "NodeId", "Setting", "SIZES", "DEFAULT_BITS", "SOURCES", "parse_bits", "parse_cell_id",
-           "parse_methods", "parse_nodeid", "parse_seeds", "parse_setting", "setting_tag"]
+           "is_exact_setting", "is_plain_setting", "parse_methods", "parse_nodeid", "parse_seeds", "parse_setting",
+           "setting_order", "setting_tag"]
 
 DEFAULT_BITS: tuple[int, ...] = (2, 3, 4, 8, 16)
 SOURCES: tuple[str, ...] = ("synthetic", "real")
@@ -172,6 +173,27 @@ def parse_setting(text: str | None) -> Setting | None:
         return None
     variant = tuple((a.group("axis"), _value(a.group("value"))) for a in _AXIS.finditer(m.group("variant")))
     return Setting(int(m.group("k")), int(m.group("v")), variant)
+
+
+def setting_order(text: str) -> tuple:
+    """Sort key of setting names: by K bits, V bits and the variant values that are numbers, then by
+    name; a name that is not a setting (``"pooled"``) sorts before every setting."""
+    parsed = parse_setting(text)
+    nums = [] if parsed is None else [parsed.k_bits, parsed.v_bits,
+                                      *(v for _, v in parsed.variant if isinstance(v, int))]
+    return (nums, text)
+
+
+def is_exact_setting(text: str | None) -> bool:
+    """Whether ``text`` names an exact setting (K and V at 16 bits or more, any variant)."""
+    parsed = parse_setting(text)
+    return parsed is not None and parsed.exact
+
+
+def is_plain_setting(text: str | None) -> bool:
+    """Whether ``text`` names a setting without variant axes (``k2v2``, not ``k2v2-group_size64``)."""
+    parsed = parse_setting(text)
+    return parsed is not None and not parsed.variant
 
 
 @dataclass(frozen=True)
