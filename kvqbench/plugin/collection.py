@@ -27,10 +27,11 @@ def real_capture_first(items: list[Any]) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
     (``kvq_data``), then every item that needs no real data, then the other real cells by seed (each group
     in collection order; seed 0 of every real cell comes before seed 1, so the cells that share one
-    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done). Within a seed, the cells that
-    compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5) come first: the cheap cells of the other
-    experiments at that seed then separate a group's first cell from its other seeds, so two workers do
-    not draw the two halves of one group side by side (one computing it, the other waiting for it).
+    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done). Within a
+    seed, the cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5)
+    come first: the cheap cells of the other experiments at that seed then separate a group's first cell
+    from its other seeds, so two workers do not draw the two halves of one group side by side (one
+    computing it, the other waiting for it).
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the

@@ -148,10 +148,10 @@ def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestcon
 
     The first cell of a :func:`seed_group` to run computes every seed of the group; the others take their
     own copy from the session's result store (:mod:`kvqbench.memo`, shared by the xdist workers; the real
-    cells run seed 0 first, see :func:`kvqbench.plugin.collection.real_capture_first`); one that starts while another worker computes
-    its group waits for that result instead of computing the group again. ``fn`` may depend on nothing but the cell's
-    method, bits, variant, source and size and the session settings (its results are stored under
-    those). Every result records ``extra["seeds_computed_together"]``. Not for timings."""
+    cells run seed 0 first, see :func:`kvqbench.plugin.collection.real_capture_first`); one that starts
+    while another worker computes its group waits for that result instead of computing the group again.
+    ``fn`` may depend on nothing but the cell's method, bits, variant, source and size and the session
+    settings (its results are stored under those). Every result records ``extra["seeds_computed_together"]``. Not for timings."""
     return lambda fn: seed_rows(cell, kvq_method, kvq_settings, _memo(pytestconfig), fn)
 
 
