@@ -104,7 +104,6 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
         config.hook.pytest_deselected(items=deselected)
 
 
-
 def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
     from kvqbench.quantizers import get, registry
 
@@ -215,7 +214,6 @@ def no_cell_message(config: pytest.Config, sel: dict[str, Any]) -> str | None:
             f"Method ids: {', '.join(available())}. Experiments (test names): {exps}. "
             "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real>-<smoke|full>]; "
             "real cells need --kvq-real, full-size ones -m full.")
-
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

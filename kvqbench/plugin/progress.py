@@ -47,7 +47,6 @@ def pytest_configure(config: pytest.Config) -> None:
             _open_terminal(config)
 
 
-
 def progress_of(config: pytest.Config | None) -> Progress | None:
     if config is None or is_worker(config):
         return None

@@ -98,9 +98,6 @@ def _size(nodeid: str) -> str | None:
     return None if cell is None else cell.size
 
 
-
-
-
 def pytest_configure(config: pytest.Config) -> None:
     if not config.pluginmanager.has_plugin("kvqbench-benchmark-json"):
         config.pluginmanager.register(_BenchmarkJson(), "kvqbench-benchmark-json")
