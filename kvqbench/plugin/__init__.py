@@ -1,5 +1,5 @@
-"""The kvqbench pytest plugin (docs/DESIGN.md §1, §5), one module per responsibility, each owning its
-options and its ``config.stash`` keys, as pytest's own core plugins do:
+"""The kvqbench pytest plugin (docs/DESIGN.md §1, §5): one module per responsibility, each a plugin of
+its own with its hooks and its ``config.stash`` keys, as pytest's own core plugins are:
 
 - :mod:`~kvqbench.plugin.state` — the session's settings and state, the xdist and cell helpers;
 - :mod:`~kvqbench.plugin.options` — the ``--kvq-*`` options, resolved into the settings at configure time;
@@ -11,8 +11,8 @@ options and its ``config.stash`` keys, as pytest's own core plugins do:
 - :mod:`~kvqbench.plugin.progress` — the progress line and its ETA.
 
 Loaded through the ``pytest11`` entry point ``kvqbench`` (or by the repository's root ``conftest.py``
-when the package is not installed), which registers the modules above (:func:`pytest_addhooks`). Heavy imports (torch,
-the methods) happen lazily, only when cells are collected or run.
+when the package is not installed); this package registers the modules above (:func:`pytest_addhooks`).
+Heavy imports (torch, the methods) happen lazily, only when cells are collected or run.
 """
 
 from __future__ import annotations
