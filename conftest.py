@@ -61,7 +61,9 @@ def _suite_results_in_tmp(config: pytest.Config) -> None:
     if _only_cells(config.getoption("markexpr", "") or ""):
         return
     here = Path(config.invocation_params.dir)
-    paths = [(here / str(a).split("::")[0]).resolve() for a in config.args] or [_TESTS]
+    from kvqbench.cells import parse_nodeid
+
+    paths = [(here / parse_nodeid(str(a)).path).resolve() for a in config.args] or [_TESTS]
     if all(p == _BENCH or _BENCH in p.parents for p in paths):
         return
     env = os.environ.get(SUITE_OUT_ENV)
@@ -76,7 +78,7 @@ def _suite_results_in_tmp(config: pytest.Config) -> None:
         else:
             out = factory.getbasetemp() / "kvqbench-results"
     config.option.kvq_out = str(out)  # xdist hands the workers this option namespace
-    from kvqbench.plugin import SETTINGS_KEY
+    from kvqbench.plugin.state import SETTINGS_KEY
 
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is not None:  # already read by the plugin's pytest_configure

@@ -2,14 +2,22 @@
 
 Torch-free. The pytest plugin turns each :class:`Cell` into one parametrized case whose id names the
 method, the bits, the seed, the source and the size, e.g. ``kvarn-k2v2-seed0-synthetic-full``.
+
+This module is the one place that builds and reads back cell ids, node ids and settings:
+:func:`setting_tag` / :func:`parse_setting` for a setting (``k2v2``, ``k2v2-group_size64``),
+:attr:`Cell.id` / :func:`parse_cell_id` for a cell id, :func:`parse_nodeid` for a pytest node id
+(``tests/bench/test_x.py::test_x[<cell id>]``).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Cell", "SIZES", "DEFAULT_BITS", "SOURCES", "parse_seeds", "parse_bits", "parse_methods"]
+__all__ = ["Cell", "CellId", "NodeId", "Setting", "SIZES", "DEFAULT_BITS", "SOURCES", "parse_bits", "parse_cell_id",
+           "is_exact_setting", "is_plain_setting", "parse_methods", "parse_nodeid", "parse_seeds", "parse_setting",
+           "setting_order", "setting_tag"]
 
 DEFAULT_BITS: tuple[int, ...] = (2, 3, 4, 8, 16)
 SOURCES: tuple[str, ...] = ("synthetic", "real")
@@ -43,12 +51,12 @@ class Cell:
 
     @property
     def bits_tag(self) -> str:
-        return f"k{self.k_bits}v{self.v_bits}"
+        return setting_tag(self.k_bits, self.v_bits)
 
     @property
     def id(self) -> str:
-        extra = "".join(f"-{k}{v}" for k, v in self.variant)
-        return f"{self.method}-{self.bits_tag}{extra}-seed{self.seed}-{self.source}-{self.size}"
+        """``<method>-k<K>v<V>[-<axis><value>…]-seed<N>-<source>-<size>`` (read back by :func:`parse_cell_id`)."""
+        return CellId(self.method, self.k_bits, self.v_bits, self.seed, self.source, self.size, self.variant).id
 
     def variant_dict(self) -> dict[str, Any]:
         return dict(self.variant)
@@ -117,3 +125,139 @@ def parse_methods(text: str | None, known: list[str], option: str = "--kvq-metho
     if unknown:
         raise ValueError(f"unknown method id(s) {', '.join(unknown)} in {option}; registered: {', '.join(known)}")
     return asked
+
+
+# ------------------------------------------------------------------------------------------------
+# settings, cell ids and node ids: built here, read back here
+_SETTING = re.compile(r"k(?P<k>\d+)v(?P<v>\d+)(?P<variant>(?:-[A-Za-z_]+\d[^-\[\]]*)*)")
+_AXIS = re.compile(r"-(?P<axis>[A-Za-z_]+)(?P<value>\d[^-\[\]]*)")
+_CELL_ID = re.compile(r"(?P<method>[^\[\]]+?)-(?P<setting>" + _SETTING.pattern.replace("?P<", "?P<s_") +
+                      r")-seed(?P<seed>\d+)-(?P<source>[a-z_]+)-(?P<size>[a-z_]+)")
+
+
+def setting_tag(k_bits: int, v_bits: int, variant: Any = ()) -> str:
+    """A setting's name: ``k<K>v<V>`` plus ``-<axis><value>`` per variant axis, in the order given
+    (``variant`` is a tuple of ``(axis, value)`` pairs or a dict), e.g. ``"k2v2-group_size64"``."""
+    items = variant.items() if isinstance(variant, dict) else variant
+    return f"k{k_bits}v{v_bits}" + "".join(f"-{k}{v}" for k, v in items)
+
+
+def _value(text: str) -> Any:
+    return int(text) if text.isdigit() else text
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A setting read back from its name (:func:`parse_setting`). Variant values made of digits are ints."""
+
+    k_bits: int
+    v_bits: int
+    variant: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def tag(self) -> str:
+        return setting_tag(self.k_bits, self.v_bits, self.variant)
+
+    @property
+    def exact(self) -> bool:
+        """Both K and V at 16 bits or more: an exact passthrough."""
+        return self.k_bits >= 16 and self.v_bits >= 16
+
+
+def parse_setting(text: str | None) -> Setting | None:
+    """``"k2v4"`` → ``Setting(2, 4)``; ``"k2v2-group_size64"`` → ``Setting(2, 2, (("group_size", 64),))``;
+    ``None`` for anything that is not a whole setting name (e.g. ``"pooled"``). A variant axis is letters
+    and underscores, its value starts with a digit."""
+    m = _SETTING.fullmatch(str(text or ""))
+    if m is None:
+        return None
+    variant = tuple((a.group("axis"), _value(a.group("value"))) for a in _AXIS.finditer(m.group("variant")))
+    return Setting(int(m.group("k")), int(m.group("v")), variant)
+
+
+def setting_order(text: str) -> tuple:
+    """Sort key of setting names: by K bits, V bits and the variant values that are numbers, then by
+    name; a name that is not a setting (``"pooled"``) sorts before every setting."""
+    parsed = parse_setting(text)
+    nums = [] if parsed is None else [parsed.k_bits, parsed.v_bits,
+                                      *(v for _, v in parsed.variant if isinstance(v, int))]
+    return (nums, text)
+
+
+def is_exact_setting(text: str | None) -> bool:
+    """Whether ``text`` names an exact setting (K and V at 16 bits or more, any variant)."""
+    parsed = parse_setting(text)
+    return parsed is not None and parsed.exact
+
+
+def is_plain_setting(text: str | None) -> bool:
+    """Whether ``text`` names a setting without variant axes (``k2v2``, not ``k2v2-group_size64``)."""
+    parsed = parse_setting(text)
+    return parsed is not None and not parsed.variant
+
+
+@dataclass(frozen=True)
+class CellId:
+    """What a cell id says (:attr:`Cell.id`): everything of the cell but its experiment, which the test
+    function names."""
+
+    method: str
+    k_bits: int
+    v_bits: int
+    seed: int
+    source: str
+    size: str
+    variant: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def setting(self) -> str:
+        return setting_tag(self.k_bits, self.v_bits, self.variant)
+
+    @property
+    def id(self) -> str:
+        return f"{self.method}-{self.setting}-seed{self.seed}-{self.source}-{self.size}"
+
+
+def parse_cell_id(text: str) -> CellId | None:
+    """A cell id (``"kvarn-k2v2-seed0-synthetic-full"``, ``"kivi-k2v2-group_size64-seed1-real-smoke"``) read
+    back into a :class:`CellId`; ``None`` when ``text`` is not one. The method is everything before the
+    first ``-k<K>v<V>``."""
+    m = _CELL_ID.fullmatch(text)
+    if m is None:
+        return None
+    setting = parse_setting(m.group("setting"))
+    assert setting is not None  # the same pattern matched
+    return CellId(m.group("method"), setting.k_bits, setting.v_bits, int(m.group("seed")), m.group("source"),
+                  m.group("size"), setting.variant)
+
+
+@dataclass(frozen=True)
+class NodeId:
+    """A pytest node id taken apart: ``path::name[params]``. ``cell`` is the parsed cell id when the
+    parameters are one (a benchmark cell), else ``None``."""
+
+    path: str
+    name: str
+    params: str
+    cell: CellId | None
+
+    @property
+    def base(self) -> str:
+        """The node id without its parameters: ``path::name``."""
+        return f"{self.path}::{self.name}" if self.name else self.path
+
+    @property
+    def function(self) -> str:
+        """The test function's own name (the last ``::`` part of ``name``)."""
+        return self.name.rsplit("::", 1)[-1]
+
+
+def parse_nodeid(nodeid: str) -> NodeId:
+    """``"tests/bench/test_x.py::test_x[kivi-k2v2-seed0-synthetic-smoke]"`` →
+    ``NodeId("tests/bench/test_x.py", "test_x", "kivi-k2v2-seed0-synthetic-smoke", CellId(...))``.
+    Any string parses: without ``::`` the name is empty, without ``[...]`` the parameters are."""
+    base, bracket, params = str(nodeid).partition("[")
+    if bracket and params.endswith("]"):
+        params = params[:-1]
+    path, _, name = base.partition("::")
+    return NodeId(path, name, params, parse_cell_id(params) if bracket else None)

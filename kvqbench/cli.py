@@ -150,11 +150,15 @@ class _OptionRecorder:
 
 def plugin_options() -> list[tuple[tuple[str, ...], dict]]:
     """Every command-line option the kvqbench pytest plugin defines, as ``(flags, addoption kwargs)``,
-    read by running the plugin's ``pytest_addoption`` against a recorder (imports pytest, not torch)."""
-    from kvqbench.plugin import pytest_addoption
+    read by running each plugin module's ``pytest_addoption``, in registration order, against a recorder
+    (imports pytest, not torch)."""
+    from kvqbench.plugin import MODULES
 
     rec = _OptionRecorder()
-    pytest_addoption(rec)  # type: ignore[arg-type]
+    for mod in MODULES:
+        addoption = getattr(mod, "pytest_addoption", None)
+        if addoption is not None:
+            addoption(rec)  # type: ignore[arg-type]
     return rec.options
 
 

@@ -57,6 +57,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvqbench.cells import parse_nodeid
+
 __all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
            "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR",
            "HISTORY_VERSION", "HISTORY_NEW"]
@@ -114,14 +116,13 @@ MODEL_TESTS: tuple[str, ...] = ("test_endtoend",)
 
 
 def _needs_model(nodeid: str) -> bool:
-    return nodeid.partition("[")[0].rsplit("::", 1)[-1] in MODEL_TESTS
+    return parse_nodeid(nodeid).function in MODEL_TESTS
 
 
 def _split(nodeid: str) -> tuple[str, str, list[str]]:
-    base, _, params = nodeid.partition("[")
-    params = params[:-1] if params.endswith("]") else params
-    tags = [t for t in _TAGS if f"-{t}" in f"-{params}"]
-    return base, params, tags
+    node = parse_nodeid(nodeid)
+    tags = [t for t in _TAGS if f"-{t}" in f"-{node.params}"]
+    return node.base, node.params, tags
 
 
 def coarse_kind_of(nodeid: str) -> str:
@@ -136,12 +137,14 @@ def kind_of(nodeid: str) -> str:
     base, params, tags = _split(nodeid)
     if not tags:
         return base
-    return f"{base}|{params.split('-', 1)[0]}|{'-'.join(tags)}"
+    cell = parse_nodeid(nodeid).cell
+    method = cell.method if cell is not None else params.split("-", 1)[0]
+    return f"{base}|{method}|{'-'.join(tags)}"
 
 
 def file_of(nodeid: str) -> str:
     """The test file of a node id (``tests/unit/t.py::test_a[1]`` → ``tests/unit/t.py``)."""
-    return nodeid.split("::", 1)[0]
+    return parse_nodeid(nodeid).path
 
 
 def _median(v: list[float]) -> float:

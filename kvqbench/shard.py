@@ -16,7 +16,7 @@ collected cell:
 3. else the median of the whole file (1 s when the file is empty).
 
 Cells that share one computation are scheduled as one unit (``split``'s ``unit``): the plugin keeps every
-real-data seed group together (see ``kvqbench.plugin.shard_unit``), so no two shards compute the same group.
+real-data seed group together (see ``kvqbench.plugin.sharing.shard_unit``), so no two shards compute the same group.
 
 Only collection order, node ids and the file enter the split, so every machine (and every
 ``PYTHONHASHSEED``) computes the same shards; the N shards partition the matrix (each cell in exactly

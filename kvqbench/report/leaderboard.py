@@ -1,5 +1,5 @@
 """Assemble cell records into statistics, rankings, Pareto fronts, matched-budget tables and
-data-quality flags (SPEC §5). Torch-free: works from saved JSON.
+data-quality flags (docs/DESIGN.md §5). Torch-free: works from saved JSON.
 
 A *record* is the dict a benchmark cell writes (see :mod:`kvqbench.plugin`): identity (experiment,
 method, bits, seed, source, size, variant), ``status``, ``metrics`` (name → float), ``per_layer``
@@ -17,6 +17,7 @@ import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
+from kvqbench.cells import is_exact_setting, is_plain_setting, parse_nodeid, setting_order, setting_tag
 from kvqbench.metrics import rank_key
 
 __all__ = [
@@ -63,13 +64,9 @@ def _student_t_ppf(p: float, df: int) -> float:
     return float(stdtrit(df, p))
 
 
-def _variant_tag(variant: dict[str, Any]) -> str:
-    return "".join(f"-{k}{v}" for k, v in sorted(variant.items()))
-
-
 def setting_key(rec: dict[str, Any]) -> str:
-    """``"k2v2"`` plus any variant axes, e.g. ``"k2v2-group_size64"``."""
-    return f"k{rec['k_bits']}v{rec['v_bits']}" + _variant_tag(rec.get("variant") or {})
+    """``"k2v2"`` plus any variant axes by name, e.g. ``"k2v2-group_size64"`` (:func:`kvqbench.cells.setting_tag`)."""
+    return setting_tag(rec["k_bits"], rec["v_bits"], sorted((rec.get("variant") or {}).items()))
 
 
 def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -122,7 +119,7 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
 
 def _test_of(r: dict[str, Any]) -> str:
     """The test function that produced a record (its node id without the parameters)."""
-    return str(r.get("nodeid", "")).split("[", 1)[0]
+    return parse_nodeid(str(r.get("nodeid", ""))).base
 
 
 def seeds_asked(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str], int]:
@@ -191,7 +188,7 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         spec = catalog[name]
         better = spec["better"]
         by_setting = {}
-        for setting in sorted(table[name], key=_setting_sort):
+        for setting in sorted(table[name], key=setting_order):
             rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
             short = [(m, e) for m, e in rows if is_short(e)]
             rows = [(m, e) for m, e in rows if not is_short(e)]
@@ -213,13 +210,6 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         out[name] = {"better": better, "unit": spec["unit"], "experiment": spec["experiment"],
                      "by_setting": by_setting}
     return out
-
-
-def _setting_sort(setting: str) -> tuple:
-    import re
-
-    nums = [int(x) for x in re.findall(r"\d+", setting)]
-    return (nums, setting)
 
 
 def _exp1_front(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> dict[str, Any]:
@@ -460,7 +450,7 @@ def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", qualit
     pts = []
     for meth, by_setting in stats_src.get(experiment, {}).items():
         for setting, metrics in by_setting.items():
-            if "-" in setting or quality not in metrics or bits not in metrics:
+            if not is_plain_setting(setting) or quality not in metrics or bits not in metrics:
                 continue
             if is_short(metrics[quality]) or is_short(metrics[bits]):
                 continue  # fewer seeds than asked: not a budget point (see aggregate)
@@ -489,7 +479,7 @@ __all__ += ["pareto_metric", "FP16_ACCUMULATION_TOL"]
 
 
 # ------------------------------------------------------------------------------------------------
-# predictivity — which tensor metrics predict model damage (experiment 5, SPEC §4.5)
+# predictivity — which tensor metrics predict model damage (experiment 5, docs/DESIGN.md §4)
 #: the end-to-end quantities tensor metrics are correlated with (the first is the headline target)
 PREDICTIVITY_TARGETS: tuple[str, ...] = ("e2e_prefill_kl_nats", "e2e_decode_kl_nats")
 #: experiments whose scalar metrics are candidates
@@ -572,10 +562,10 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
     groups_seen: set[str] = set()
     for target in PREDICTIVITY_TARGETS:
         pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
-               if "-" not in s and target in e and e[target]["mean"] != 0 and not is_short(e[target])}
+               if is_plain_setting(s) and target in e and e[target]["mean"] != 0 and not is_short(e[target])}
         if not pts:
             continue
-        settings = sorted({s for _, s in pts}, key=_setting_sort)
+        settings = sorted({s for _, s in pts}, key=setting_order)
         groups = [(s, [s]) for s in settings] + ([("pooled", settings)] if len(settings) > 1 else [])
         by_group: dict[str, list[dict[str, Any]]] = {}
         for gname, gset in groups:
@@ -598,7 +588,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                 by_group[gname] = rows
                 groups_seen.add(gname)
         out["targets"][target] = by_group
-    out["groups"] = sorted(groups_seen - {"pooled"}, key=_setting_sort) + (["pooled"] if "pooled" in groups_seen else [])
+    out["groups"] = sorted(groups_seen - {"pooled"}, key=setting_order) + (["pooled"] if "pooled" in groups_seen else [])
     return out
 
 
@@ -608,7 +598,7 @@ DEFAULT_HEADLINE_METRIC = PARETO_QUALITY
 
 def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = None) -> dict[str, Any]:
     """The leaderboard's headline metric: the scale-free tensor metric (comparable across layers and
-    models, SPEC §2) with the highest pooled Spearman ρ against the first predictivity target
+    models, docs/DESIGN.md §2) with the highest pooled Spearman ρ against the first predictivity target
     (within-bit-width ρ where only one bit width ran) on a source that ran exp5; ``rel_mse`` (with
     ``from_predictivity: False``) when none did. Pooled, because the headline compares methods across bit
     widths at matched budgets."""
@@ -645,7 +635,7 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     for m, by in stats_src.get(exp, {}).items():
         for s, metrics in by.items():
             b = stats_src.get(bits_exp, {}).get(m, {}).get(s, {}).get(bits_name)
-            if metric in metrics and b is not None and not s.startswith("k16v16"):
+            if metric in metrics and b is not None and not is_exact_setting(s):
                 e = metrics[metric]
                 merged.setdefault(m, {})[s] = {"quality": {**e, "mean": rank_key(better, e["mean"])}, "bits": b}
     rows = pareto_metric({"h": merged}, experiment="h", quality="quality", bits="bits", budgets=budgets)["matched_budget"]

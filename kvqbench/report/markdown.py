@@ -12,6 +12,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order
 from kvqbench.report.io import to_jsonable
 
 __all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner", "headline_lines",
@@ -51,10 +52,8 @@ def fmt(x: Any, ci: Any = None, digits: int = 4) -> str:
 
 
 def _settings(stats_exp1: dict[str, Any]) -> list[str]:
-    from kvqbench.report.leaderboard import _setting_sort
-
-    found = {s for by in stats_exp1.values() for s in by if "-" not in s}
-    return sorted(found, key=_setting_sort)
+    found = {s for by in stats_exp1.values() for s in by if is_plain_setting(s)}
+    return sorted(found, key=setting_order)
 
 
 def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
@@ -90,8 +89,8 @@ def value_text(e: dict[str, Any]) -> str:
 def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) -> str:
     exp1 = src["stats"].get("exp1", {})
     asked = (src.get("setting_cells") or {}).get("exp1", {})
-    found = {s for by in asked.values() for s in by if "-" not in s}
-    settings = sorted(set(_settings(exp1)) | found, key=_setting_key)
+    found = {s for by in asked.values() for s in by if is_plain_setting(s)}
+    settings = sorted(set(_settings(exp1)) | found, key=setting_order)
     rows = []
     for m in _method_order(src, board) + [m for m in asked if m not in _method_order(src, board)]:
         if m not in exp1 and m not in asked:
@@ -103,12 +102,6 @@ def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) ->
             row.append(value_text(e) if e else missing_text(src, "exp1", m, s))
         rows.append(row)
     return tabulate(rows, headers=["method", "fidelity", *settings], tablefmt="github")
-
-
-def _setting_key(s: str) -> tuple:
-    from kvqbench.report.leaderboard import _setting_sort
-
-    return _setting_sort(s)
 
 
 def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
@@ -181,7 +174,7 @@ def render_markdown(board: dict[str, Any]) -> str:
             for t in _ranking_tables(src, settings):
                 lines += [t, ""]
             pf = src.get("pareto", {})
-            front = [p for p in pf.get("front") or [] if not _exact_setting(p["setting"])]
+            front = [p for p in pf.get("front") or [] if not is_exact_setting(p["setting"])]
             if front:
                 lines += ["### Pareto front (effective bits vs relative MSE)", ""]
                 lines += [tabulate([[f"`{p['method']}`", p["setting"], fmt(p["bits_effective"]), fmt(p["rel_mse"])]
@@ -234,14 +227,6 @@ def render_markdown(board: dict[str, Any]) -> str:
     if prov.get("command"):
         lines += [f"Command: `{prov['command']}`", ""]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _exact_setting(setting: str) -> bool:
-    """``k16v16`` (and any setting whose K and V bits are both ≥ 16): an exact passthrough."""
-    import re
-
-    m = re.match(r"k(\d+)v(\d+)", setting or "")
-    return bool(m) and int(m.group(1)) >= 16 and int(m.group(2)) >= 16
 
 
 def _rho_text(rho: Any, ci: Any) -> str:
@@ -298,9 +283,9 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     e2e = src["stats"].get("exp5", {})
     if not e2e:
         return []
-    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS, _setting_sort
+    from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
 
-    settings = sorted({s for by in e2e.values() for s in by if "-" not in s}, key=_setting_sort)
+    settings = sorted({s for by in e2e.values() for s in by if is_plain_setting(s)}, key=setting_order)
     cols = [(s, r) for r in ("prefill", "decode") for s in settings]
     rows = []
     for m in _method_order(src, board):
@@ -363,8 +348,6 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     """A short table per source: methods ranked by the board's headline metric (the tensor metric that
     best predicts end-to-end damage, ``board["headline"]``; relative MSE when that source did not record
     it) at the lowest bit-width that ran, with effective bits and, where exp5 ran, the end-to-end KL."""
-    from kvqbench.report.leaderboard import _setting_sort
-
     board = canonical(board)
     out = []
     comp = board.get("completeness") or {}
@@ -376,7 +359,7 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         rk = src["rankings"].get(metric)
         if not rk:
             continue
-        settings = [s for s in sorted(rk["by_setting"], key=_setting_sort) if "-" not in s]
+        settings = [s for s in sorted(rk["by_setting"], key=setting_order) if is_plain_setting(s)]
         if not settings:
             continue
         s = settings[0]
@@ -395,7 +378,7 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
             why += f"; Spearman rho {head['rho']:.2f} with {head.get('target')}{on}"
         out.append(f"kvqbench [{src_name}] {label} ({why}) at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
-        if not head.get("from_predictivity"):  # SPEC §4.5: the headline follows predictivity, which needs exp5
+        if not head.get("from_predictivity"):  # docs/DESIGN.md §4: the headline follows predictivity, which needs exp5
             out.append("  (relative MSE: this result set has no end-to-end run to pick the tensor metric that "
                        "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
         out.append(tabulate(rows, headers=["rank", "method", metric, "bits eff."] + (["e2e KL (nats)"] if e2e else []),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvqbench.cells import parse_nodeid
 from kvqbench.report.io import read_json, write_json_atomic
 from kvqbench.report.results import (
     BENCHMARK_JSON,
@@ -313,7 +314,7 @@ def missing_cells_note(missing: list[str], total: int, show: int = 10) -> str:
     ids one per line (the full list is the result's ``completeness.not_run_ids``)."""
     per_test: dict[str, int] = {}
     for n in missing:
-        fn = n.split("::", 1)[-1].split("[", 1)[0]
+        fn = parse_nodeid(n).name
         per_test[fn] = per_test.get(fn, 0) + 1
     lines = [f"kvqbench merge: {len(missing)} of {total} cells missing ("
              + ", ".join(f"{fn} ×{k}" for fn, k in per_test.items()) + "):"]

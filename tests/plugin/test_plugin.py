@@ -75,7 +75,8 @@ def test_records_and_writes_valid_json(pytester, plugin_loaded_once):
 
 
 def test_figures_option():
-    from kvqbench.plugin import Settings, _figures
+    from kvqbench.plugin.results import _figures
+    from kvqbench.plugin.state import Settings
 
     smoke, full = [{"size": "smoke"}], [{"size": "smoke"}, {"size": "full"}]
     assert (_figures(Settings(), smoke), _figures(Settings(), full)) == (False, True)  # auto
@@ -134,7 +135,7 @@ def test_records_survive_execnet_serialization():
     import numpy as np
     import torch
 
-    from kvqbench.plugin import plain_record
+    from kvqbench.plugin.recording import plain_record
 
     rec = {"data": {"torch_version": torch.__version__, "x": np.float64(1.5), "n": np.int64(3)},
            "metrics": {"a": float("nan"), "b": 2.0}, "variant": (("group_size", 64),)}
@@ -213,7 +214,7 @@ def test_xdist_order_puts_one_real_capture_cell_first_then_synthetic_then_real()
     from types import SimpleNamespace
 
     from kvqbench.cells import Cell
-    from kvqbench.plugin import real_capture_first
+    from kvqbench.plugin.collection import real_capture_first
 
     def item(name, source=None, fixtures=("kvq_data",)):
         cs = None if source is None else SimpleNamespace(params={"cell": Cell("exp1", "fp16", 2, 2, 0, source, "full")})
@@ -232,7 +233,7 @@ def test_xdist_order_runs_real_cells_by_seed_without_a_capture_cell():
     from types import SimpleNamespace
 
     from kvqbench.cells import Cell
-    from kvqbench.plugin import real_capture_first
+    from kvqbench.plugin.collection import real_capture_first
 
     def item(name, seed, source="real"):
         cell = Cell("exp5", name, 2, 2, seed, source, "full")
@@ -249,7 +250,7 @@ def test_xdist_order_puts_seed_group_cells_first_within_each_seed():
     from types import SimpleNamespace
 
     from kvqbench.cells import Cell
-    from kvqbench.plugin import real_capture_first
+    from kvqbench.plugin.collection import real_capture_first
 
     def item(exp, seed, fixtures):
         cell = Cell(exp, "fp16", 2, 2, seed, "real", "full")

@@ -158,7 +158,7 @@ def test_split_keeps_each_unit_in_one_shard_and_balances_the_units(durations, la
 
 
 def test_real_seed_groups_are_one_shard_unit():
-    from kvqbench.plugin import seed_group, shard_unit
+    from kvqbench.plugin.sharing import seed_group, shard_unit
 
     seeds = [0, 1, 2, 3, 4]
     real = "tests/bench/test_exp5_endtoend.py::test_endtoend[kivi-k2v2-seed{}-real-full]"

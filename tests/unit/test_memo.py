@@ -1,4 +1,4 @@
-"""One computation for the cells that are the same computation (kvqbench.memo, plugin.seed_free_key)."""
+"""One computation for the cells that are the same computation (kvqbench.memo, kvqbench.plugin.sharing.seed_free_key)."""
 
 import multiprocessing as mp
 import os
@@ -8,7 +8,8 @@ import pytest
 
 from kvqbench.cells import Cell
 from kvqbench.memo import ResultMemo
-from kvqbench.plugin import Settings, seed_free_key
+from kvqbench.plugin.sharing import seed_free_key
+from kvqbench.plugin.state import Settings
 from kvqbench.quantizers import available, create, get
 
 
@@ -168,7 +169,7 @@ def test_kvquant_real_cells_share_a_key_below_its_subsample_size_only():
 
 
 def test_seed_groups_are_runs_of_the_seed_list_whatever_runs_first():
-    from kvqbench.plugin import seed_group
+    from kvqbench.plugin.sharing import seed_group
 
     assert [seed_group(s, [0, 1, 2]) for s in (0, 1, 2)] == [[0, 1, 2]] * 3
     assert [seed_group(s, [4, 0, 3, 1, 2]) for s in (0, 2, 3, 4)] == [[0, 1, 2], [0, 1, 2], [3, 4], [3, 4]]
@@ -183,7 +184,7 @@ class _Res:
 
 
 def test_seed_rows_compute_a_group_once_and_hand_each_seed_its_own_result(tmp_path):
-    from kvqbench.plugin import seed_rows
+    from kvqbench.plugin.sharing import seed_rows
 
     calls = []
 
@@ -225,7 +226,7 @@ def test_seed_rows_started_while_another_worker_computes_the_group_waits_for_it(
     import threading
     import time
 
-    from kvqbench.plugin import seed_rows
+    from kvqbench.plugin.sharing import seed_rows
 
     calls = []
 

@@ -207,13 +207,13 @@ def test_report_step_scales_with_the_cells_and_the_runs_speed():
 def test_plugin_reads_the_xdist_queues_and_falls_back_to_none():
     from types import SimpleNamespace
 
-    from kvqbench.plugin import _xdist_queues
+    from kvqbench.plugin.progress import xdist_queues
 
     sched = SimpleNamespace(collection=["a", "b", "c", "d"], node2pending={"gw0": [0, 2], "gw1": [3]})
     pm = SimpleNamespace(get_plugin=lambda name: SimpleNamespace(sched=sched) if name == "dsession" else None)
-    assert _xdist_queues(SimpleNamespace(pluginmanager=pm)) == [["a", "c"], ["d"]]
+    assert xdist_queues(SimpleNamespace(pluginmanager=pm)) == [["a", "c"], ["d"]]
     serial = SimpleNamespace(pluginmanager=SimpleNamespace(get_plugin=lambda name: None))
-    assert _xdist_queues(serial) is None
+    assert xdist_queues(serial) is None
 
 
 def test_history_overrides_the_prior_and_unknown_tests_fall_back_to_their_file():

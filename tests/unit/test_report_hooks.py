@@ -188,15 +188,23 @@ def test_every_hook_implementation_of_the_plugin_is_registered(pytestconfig):
     one marked with ``specname=`` — so a misnamed wrapper is silently dropped (the progress lock's report
     wrappers once were: lines then raced pytest's dots). Every function the plugin marks as a hook must be
     among the registered implementations of the hook it names."""
-    import kvqbench.plugin as plugin
+    from kvqbench.plugin import MODULES
 
-    marked = {name: fn.pytest_impl for name, fn in vars(plugin).items()
+    marked = {(mod, name): fn.pytest_impl for mod in MODULES for name, fn in vars(mod).items()
               if callable(fn) and hasattr(fn, "pytest_impl")}
     assert len(marked) >= 8  # the phase and report wrappers, configure, sessionfinish, …
     pm = pytestconfig.pluginmanager
-    for name, opts in marked.items():
+    for (mod, name), opts in marked.items():
         hook = getattr(pm.hook, opts.get("specname") or name)
-        assert any(impl.function is getattr(plugin, name) for impl in hook.get_hookimpls()), name
+        assert any(impl.function is getattr(mod, name) for impl in hook.get_hookimpls()), (mod.__name__, name)
+
+
+def test_every_module_of_the_plugin_is_registered(pytestconfig):
+    """The package registers each of its modules (kvqbench.plugin.MODULES) as a plugin of its own."""
+    from kvqbench.plugin import MODULES
+
+    pm = pytestconfig.pluginmanager
+    assert [pm.get_plugin(mod.__name__) for mod in MODULES] == list(MODULES)
 
 
 FOLDER_TAKEN = '''

@@ -34,7 +34,7 @@ def test_a_suite_session_writes_its_smoke_results_into_pytests_temporary_folder(
 
 
 def _config(args, markexpr="not full", kvq_out=None, tmp=None, worker=False):
-    from kvqbench.plugin import SETTINGS_KEY, Settings
+    from kvqbench.plugin.state import SETTINGS_KEY, Settings
 
     stash = pytest.Stash()
     stash[SETTINGS_KEY] = Settings(out_dir=kvq_out)
@@ -58,7 +58,7 @@ def _config(args, markexpr="not full", kvq_out=None, tmp=None, worker=False):
 ])
 def test_which_sessions_write_into_the_temporary_folder(tmp_path, monkeypatch, args, markexpr, moved):
     import conftest
-    from kvqbench.plugin import SETTINGS_KEY
+    from kvqbench.plugin.state import SETTINGS_KEY
 
     monkeypatch.delenv(conftest.SUITE_OUT_ENV, raising=False)
     cfg = _config(args, markexpr, tmp=tmp_path)
@@ -69,7 +69,7 @@ def test_which_sessions_write_into_the_temporary_folder(tmp_path, monkeypatch, a
 
 def test_kvq_out_and_the_environment_variable_win(tmp_path, monkeypatch):
     import conftest
-    from kvqbench.plugin import SETTINGS_KEY
+    from kvqbench.plugin.state import SETTINGS_KEY
 
     monkeypatch.delenv(conftest.SUITE_OUT_ENV, raising=False)
     cfg = _config(["tests"], kvq_out="mine", tmp=tmp_path)

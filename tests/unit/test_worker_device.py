@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvqbench.plugin import worker_device
+from kvqbench.plugin.options import worker_device
 
 
 @pytest.mark.parametrize("workerid,count,expected", [
@@ -29,7 +29,7 @@ def test_explicit_devices_and_non_workers_are_kept(dev, workerid):
 
 def test_auto_device_without_a_gpu_driver_is_cpu_without_torch_doubt():
     """Where the torch-free driver check says "no GPU", torch agrees, and --device auto is cpu."""
-    from kvqbench import plugin
+    from kvqbench.plugin import options as plugin
 
     if not plugin._no_gpu_driver():
         pytest.skip("a GPU driver is present here: auto resolves through torch")

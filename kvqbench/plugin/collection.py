@@ -1,0 +1,228 @@
+"""Collection: each ``@pytest.mark.kvq`` test is parametrized into its benchmark cells (one
+:class:`~kvqbench.cells.Cell` per id), ``--kvq-shard`` keeps one shard of them, workers order them so the
+real-model capture and a seed group's first cell come early, and a selection that leaves no cell is
+explained. Keeps the collected cells in the session state (``expected``) and the selection counts under
+:data:`SELECTION_KEY`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from kvqbench.cells import Cell, parse_nodeid
+from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, cell_of, is_worker, session_config
+
+#: the counts of benchmark cells before and after the selection (see :func:`no_cell_message`)
+SELECTION_KEY = pytest.StashKey[dict]()
+
+
+def _source(item: Any) -> str | None:
+    cell = cell_of(item)
+    return None if cell is None else cell.source
+
+
+def real_capture_first(items: list[Any]) -> list[Any]:
+    """The order xdist workers run the cells in: the first real cell that needs the captured data
+    (``kvq_data``), then every item that needs no real data, then the other real cells by seed (each group
+    in collection order; seed 0 of every real cell comes before seed 1, so the cells that share one
+    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done). Within a
+    seed, the cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5)
+    come first: the cheap cells of the other experiments at that seed then separate a group's first cell
+    from its other seeds, so two workers do not draw the two halves of one group side by side (one
+    computing it, the other waiting for it).
+
+    On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
+    while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
+    first items round-robin); with a cached capture the order changes nothing but when cells run.
+    Deterministic, so every worker collects the same order. Without a cell that needs the capture (e.g.
+    ``-k endtoend``) the real cells still come last, by seed, so that a seed group's first cell has run
+    before its others (see :func:`~kvqbench.plugin.sharing.kvq_seed_rows`).
+    """
+    def order(it: Any) -> tuple[int, int]:
+        return cell_of(it).seed, 0 if "kvq_seed_rows" in getattr(it, "fixturenames", ()) else 1
+
+    first = next((i for i, it in enumerate(items)
+                  if _source(it) == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
+    if first is None:
+        real = sorted((it for it in items if _source(it) == "real"), key=order)  # stable
+        return [it for it in items if _source(it) != "real"] + real
+    rest = items[:first] + items[first + 1:]
+    real = sorted((it for it in rest if _source(it) == "real"), key=order)  # stable
+    return [items[first]] + [it for it in rest if _source(it) != "real"] + real
+
+
+def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
+    """Remember the collected cells (controller) and, when there are any, check before the first one runs
+    that the results folder can be written (a one-line usage error otherwise)."""
+    from kvqbench.plugin.results import out_dir
+    from kvqbench.report.results import check_writable
+
+    state = config.stash.get(STATE_KEY, None)
+    if state is None or state.expected is not None:
+        return
+    state.expected = list(nodeids)
+    if nodeids:
+        out = out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
+        problem = check_writable(out)
+        if problem:
+            raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
+                                    "(pass --kvq-out DIR with a writable folder)")
+
+
+def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``--kvq-shard I/N``: keep shard I of the collected (and -k/-m selected) items, deselect the rest
+    (see :mod:`kvqbench.shard`). Runs after pytest's own -k/-m deselection (from the
+    ``pytest_collection_modifyitems`` wrapper below)."""
+    s = config.stash.get(SETTINGS_KEY, None)
+    if s is None or s.shard is None:
+        return
+    from kvqbench import shard as sh
+    from kvqbench.plugin.sharing import shard_unit
+    from kvqbench.progress import coarse_kind_of
+
+    index, count = s.shard
+    try:
+        durations = sh.load_durations(s.durations)
+    except (FileNotFoundError, ValueError) as e:
+        raise pytest.UsageError(f"--kvq-shard: {e}") from None
+    matrix = [it.nodeid for it in items]
+    est = sh.estimate_durations(matrix, durations, coarse_kind_of)
+    keep = set(sh.split(matrix, count, est, unit=lambda n: shard_unit(n, s.seeds))[index - 1])
+    selected = [it for it in items if it.nodeid in keep]
+    deselected = [it for it in items if it.nodeid not in keep]
+    doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if cell_of(it) is not None],
+                       [it.nodeid for it in selected if cell_of(it) is not None],
+                       "kvqbench/data/durations.json" if s.durations is None else os.path.basename(s.durations),
+                       sum(est[it.nodeid] for it in selected))
+    config.stash[STATE_KEY].shard = doc
+    if is_worker(config):
+        config.workeroutput["kvqbench_shard"] = doc  # type: ignore[attr-defined]
+    items[:] = selected
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+
+
+def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
+    from kvqbench.quantizers import get, registry
+
+    exp = marker.kwargs.get("experiment") or (marker.args[0] if marker.args else None)
+    if not exp:
+        raise pytest.UsageError("@pytest.mark.kvq needs experiment=...")
+    methods = s.methods or list(registry())
+    only = marker.kwargs.get("only")  # e.g. "grouped": restrict to methods with that class flag
+    if only:
+        methods = [m for m in methods if getattr(get(m), only, False)]
+    # an experiment may sweep a subset by default (its marker's ``bits``); --kvq-bits given on the
+    # command line always wins, for every experiment
+    bits = list(s.bits) if s.bits_explicit or not marker.kwargs.get("bits") else list(marker.kwargs["bits"])
+    pairs = [(b, b) for b in bits]
+    variants: dict[str, tuple] = marker.kwargs.get("variants") or {}
+    combos: list[tuple[tuple[str, Any], ...]] = [()]
+    for axis, values in variants.items():
+        combos = [c + ((axis, v),) for c in combos for v in values]
+    seeds = s.seeds[:1] if marker.kwargs.get("single_seed") else s.seeds
+    sources = ["synthetic"] + (["real"] if s.real else [])
+    only_sources = marker.kwargs.get("sources")  # e.g. ("real",): an experiment that needs the real model
+    if only_sources:
+        sources = [src for src in sources if src in only_sources]
+    sizes = marker.kwargs.get("sizes") or ("smoke", "full")
+    cells = []
+    for size in sizes:
+        for src in sources:
+            for m in methods:
+                for kb, vb in pairs:
+                    for var in combos:
+                        for seed in seeds:
+                            cells.append(Cell(exp, m, kb, vb, seed, src, size, var))
+    return cells
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "cell" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("kvq")
+    if marker is None:
+        return
+    s = metafunc.config.stash[SETTINGS_KEY]
+    params = []
+    for c in _cells_for(marker, s):
+        marks = [getattr(pytest.mark, c.size)]
+        if c.source == "real":
+            marks.append(pytest.mark.real)
+        params.append(pytest.param(c, id=c.id, marks=marks))
+    metafunc.parametrize("cell", params)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]):
+    """Count benchmark cells before and after ``-k``/``-m`` deselection (which runs inside this hook),
+    so that a selection matching no cell can name what exists. Workers hand the counts to the
+    controller through ``workeroutput``."""
+    kvq = [it for it in items if it.get_closest_marker("kvq") is not None]
+    experiments: dict[str, set[str]] = {}
+    for it in kvq:
+        m = it.get_closest_marker("kvq")
+        exp = m.kwargs.get("experiment") or (m.args[0] if m.args else "?")
+        experiments.setdefault(str(exp), set()).add(getattr(it, "originalname", it.name))
+    yield
+    _apply_shard(config, items)
+    if is_worker(config):
+        items[:] = real_capture_first(items)
+    cells_left = sum(1 for it in items if cell_of(it) is not None)
+    other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
+    sel = {"kvq_items": len(kvq), "cells_left": cells_left, "other_left": other_left,
+           "experiments": {e: sorted(v) for e, v in sorted(experiments.items())}}
+    if is_worker(config):
+        config.workeroutput["kvqbench_selection"] = sel  # type: ignore[attr-defined]
+    else:
+        config.stash[SELECTION_KEY] = sel
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist controller: take what a worker computed at collection — the shard description and the
+    selection counts."""
+    config = session_config()
+    out = getattr(node, "workeroutput", None) or {}
+    doc = out.get("kvqbench_shard")
+    if config is not None and doc is not None and STATE_KEY in config.stash:
+        config.stash[STATE_KEY].shard = config.stash[STATE_KEY].shard or doc
+    sel = out.get("kvqbench_selection")
+    if sel and config is not None and SELECTION_KEY not in config.stash:
+        config.stash[SELECTION_KEY] = sel
+
+
+def no_cell_message(config: pytest.Config, sel: dict[str, Any]) -> str | None:
+    """The explanation printed when benchmark cells existed but the selection (``-k``, ``-m``,
+    ``--kvq-methods``) left none and nothing else ran: the selection, the registered method ids and the
+    experiments with their test names; ``None`` when it does not apply."""
+    if not sel or not sel.get("kvq_items") or sel.get("cells_left") or sel.get("other_left"):
+        return None
+    from kvqbench.quantizers import available
+
+    asked = []
+    if config.getoption("keyword", None):
+        asked.append(f"-k {config.getoption('keyword')!r}")
+    if config.getoption("markexpr", None):
+        asked.append(f"-m {config.getoption('markexpr')!r}")
+    if config.getoption("--kvq-methods", None):
+        asked.append(f"--kvq-methods {config.getoption('--kvq-methods')}")
+    exps = "; ".join(f"{e}: {', '.join(names)}" for e, names in sel.get("experiments", {}).items())
+    return (f"kvqbench: no benchmark cell matches {' '.join(asked) or 'this selection'}. "
+            f"Method ids: {', '.join(available())}. Experiments (test names): {exps}. "
+            "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real>-<smoke|full>]; "
+            "real cells need --kvq-real, full-size ones -m full.")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not is_worker(session.config):
+        _expect_cells(session.config, [it.nodeid for it in session.items if cell_of(it) is not None])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    config = session_config()
+    if config is not None:
+        _expect_cells(config, [i for i in ids if parse_nodeid(i).cell is not None])

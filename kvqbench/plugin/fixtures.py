@@ -1,0 +1,139 @@
+"""The fixtures a benchmark cell asks for: ``kvq_settings``, ``kvq_data`` (the cell's KV data with an
+independent calibration batch, cached per process), ``kvq_model`` (the real model for end-to-end cells)
+and ``kvq_method`` (the cell's method instance). ``kvq_run``/``kvq_seed_rows`` live in
+:mod:`kvqbench.plugin.sharing`, ``kvq_record`` in :mod:`kvqbench.plugin.recording`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from kvqbench.cells import SIZES, Cell
+from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings
+
+_DATA_CACHE: dict[tuple, Any] = {}
+
+
+@pytest.fixture(scope="session")
+def kvq_settings(pytestconfig: pytest.Config) -> Settings:
+    """The session's resolved kvqbench options."""
+    return pytestconfig.stash[SETTINGS_KEY]
+
+
+@pytest.fixture
+def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
+    """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process). The
+    real-model capture is timed and reported as its own progress step (not as the cell's duration)."""
+    _pin_threads(kvq_settings.threads)
+    key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
+           kvq_settings.model, kvq_settings.dtype)
+    if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
+        pytest.fail(_DATA_FAILED[key], pytrace=False)
+    if key not in _DATA_CACHE:
+        t = time.time()
+        try:
+            _DATA_CACHE[key] = load_data(cell, kvq_settings, pytestconfig)
+        except Exception as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
+            _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
+                                 f"cell: {type(e).__name__}: {first}")
+            raise  # the first cell shows the full error
+        if cell.source == "real":
+            request.node.user_properties.append(
+                (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
+    return _DATA_CACHE[key]
+
+
+#: data keys whose loading failed in this process → the one-line reason (later cells fail fast)
+_DATA_FAILED: dict[tuple, str] = {}
+
+
+_THREADS_SET: list[int] = []
+
+
+def _pin_threads(n: int) -> None:
+    """Fix torch's CPU thread count once per process (lazily: the plugin never imports torch at load)."""
+    if not _THREADS_SET:
+        import torch
+
+        torch.set_num_threads(max(1, int(n)))
+        _THREADS_SET.append(n)
+
+
+#: synthetic calibration batches use this seed offset (independent of every evaluation seed)
+CALIBRATION_SEED_OFFSET = 1_000_033
+
+
+def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
+    """Build the data of a cell (see ``SIZES``) with an independent calibration batch attached:
+    synthetic — the same generator at seed ``seed + CALIBRATION_SEED_OFFSET``; real — one capture of
+    ``2·seq_len`` tokens, evaluated on the first ``seq_len`` and calibrated on the next ``seq_len``
+    (causal attention: the first half equals a ``seq_len``-token capture)."""
+    spec = dict(SIZES[cell.size][cell.source])
+    if cell.source == "synthetic":
+        from kvqbench.data.synthetic import make_synthetic
+
+        data = make_synthetic(seed=cell.seed, device=s.device, **spec)
+        data.calibration = make_synthetic(seed=cell.seed + CALIBRATION_SEED_OFFSET, device=s.device, **spec)
+        data.meta["calibration"] = f"synthetic seed {cell.seed + CALIBRATION_SEED_OFFSET}"
+        return data
+    from kvqbench.data.capture import capture_kv
+
+    cache_dir = s.capture_cache
+    if cache_dir is None and config is not None and getattr(config, "cache", None) is not None:
+        cache_dir = str(config.cache.mkdir("kvqbench_capture"))
+    layers = spec.pop("layers")
+    t = spec.pop("seq_len")
+    full = capture_kv(model=s.model, with_grads=True, cache_dir=cache_dir, device="cpu", seq_len=2 * t,
+                      dtype=s.dtype, **spec)
+    if layers == "smoke":
+        n = full.k.shape[0]
+        full = _select_layers(full, sorted({0, n // 2, n - 1}))
+    data = full.window(0, t)
+    data.calibration = full.window(t, 2 * t)
+    data.meta["seq_len"] = t
+    data.meta["calibration"] = f"real tokens [{t}, {2 * t}) of the same text"
+    return data.to(s.device)
+
+
+def _select_layers(data, idx: list[int]):
+    import dataclasses
+
+    def sel(x):
+        return None if x is None else x[idx]
+
+    meta = dict(data.meta)
+    all_layers = meta.get("layers") or list(range(data.k.shape[0]))
+    meta["layers"] = [all_layers[i] for i in idx]
+    return dataclasses.replace(data, k=sel(data.k), v=sel(data.v), q=sel(data.q), k_pre=sel(data.k_pre),
+                               k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
+
+
+@pytest.fixture
+def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
+    """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
+    (:class:`kvqbench.experiments.endtoend.RealSource`; the model is loaded once per process, the capture
+    is disk-cached like the other real data). Runs on the session device with pinned CPU threads."""
+    from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source, source_loaded
+
+    _pin_threads(kvq_settings.threads)
+    cache_dir = kvq_settings.capture_cache
+    if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
+        cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
+    where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[cell.size].window, "device": kvq_settings.device}
+    fresh, t = not source_loaded(**where), time.time()
+    src = load_source(**where, cache_dir=cache_dir)
+    if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration
+        request.node.user_properties.append(
+            (STEP_KEY, {"kind": f"model|{cell.source}-{cell.size}", "seconds": round(time.time() - t, 4)}))
+    return src
+
+
+@pytest.fixture
+def kvq_method(cell: Cell):
+    """A fresh instance of the cell's method at the cell's bits, seed and variant parameters."""
+    from kvqbench.quantizers import create
+
+    return create(cell.method, cell.k_bits, cell.v_bits, seed=cell.seed, **cell.variant_dict())
