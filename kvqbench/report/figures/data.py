@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from kvqbench.cells import parse_setting
 from kvqbench.report.figures.series import histograms_with_tails, iter_curves
 from kvqbench.report.figures.style import Style, method_order
 from kvqbench.report.io import read_json
@@ -22,7 +23,6 @@ __all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed
 XY = tuple[list[float], list[float]]
 
 _EXP_FILE = re.compile(r"^(exp\d+)_(\w+)\.json$")
-_SETTING = re.compile(r"k(\d+)v(\d+)")
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ def load_sources(folder: Path) -> list[Source]:
 
 def setting_bits(setting: str) -> tuple[int, int] | None:
     """``(k_bits, v_bits)`` of a plain setting ``"k2v4"``; ``None`` for a setting with variant axes
-    (``"k2v2-group_size64"``) or anything else. The figures' one parser of a setting name."""
-    m = _SETTING.fullmatch(setting)
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    (``"k2v2-group_size64"``) or anything else (:func:`kvqbench.cells.parse_setting`)."""
+    p = parse_setting(setting)
+    return (p.k_bits, p.v_bits) if p is not None and not p.variant else None
 
 
 def headline_setting(settings: Iterable[str]) -> str | None:
