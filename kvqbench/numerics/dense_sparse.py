@@ -12,6 +12,7 @@ Per vector ``x`` of ``n`` values with ``k`` outliers per tail::
 Invariant (tested): every entry is an outlier or lies in ``[lo, hi]``, so ``|y| ≤ 1`` on the dense part,
 and decoding ``level[code]·half + mid`` with the outliers written back reproduces the outliers exactly.
 
+:func:`calibration_samples` gives the data of a codebook's k-means (the normalized dense values).
 :func:`quantize` is the reference step ``dense_sparse.quantize`` (:mod:`kvqbench.kernels`; a fast version
 lives in :mod:`kvqbench.kernels.dense_sparse`).
 """
@@ -21,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from kvqbench import kernels
-from kvqbench.numerics.kmeans import assign_nearest
+from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, sorted_samples
 
-__all__ = ["split", "normalize", "dense_mask", "quantize"]
+__all__ = ["split", "normalize", "dense_mask", "quantize", "calibration_samples"]
 
 
 def split(vec: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,3 +69,21 @@ def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor
     idx, mid, half = split(vec, k)
     codes = assign_nearest(normalize(vec, mid, half).flatten(1), codebook, dtype=torch.uint8)
     return codes.view(vec.shape), idx, mid, half, torch.gather(vec, -1, idx)
+
+
+def calibration_samples(vec: torch.Tensor, k: int, weights: torch.Tensor | None = None, *,
+                        max_samples: int | None = None, generator: torch.Generator | None = None) -> SortedSamples:
+    """The data of one 1-D k-means per layer (:func:`kvqbench.numerics.kmeans.sorted_samples`): the normalized
+    dense values ``y`` of the vectors ``vec`` ``[B, N, n]`` (fp32; ``k`` outliers per tail left out), weighted by
+    ``weights`` (``vec``'s shape, ``≥ 0``; ``None`` = unweighted), subsampled to ``max_samples`` per layer with
+    ``generator``. A vector with zero half-range (zero or constant) decodes exactly whatever the codebook, so it
+    gets weight 0."""
+    idx, mid, half = split(vec, k)
+    y, dense = normalize(vec, mid, half), dense_mask(vec, idx)
+    live = (half > 0).expand_as(y)
+    if not bool(live.all()):
+        weights = live.to(y.dtype) if weights is None else weights * live
+    n_layers = vec.shape[0]  # every vector has the same dense count
+    w_dense = None if weights is None else weights[dense].reshape(n_layers, -1)
+    return sorted_samples(y[dense].reshape(n_layers, -1), weights=w_dense, max_samples=max_samples,
+                          generator=generator)

@@ -33,7 +33,6 @@ outlier per tail is 1.56 % of the vector and the per-token midpoint/half-range a
 0.25 bits: ≈ 3.0 bits at nuq2.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics import dense_sparse
-from kvqbench.numerics.kmeans import SortedSamples, distinct_levels, kmeans_sorted, sorted_samples
+from kvqbench.numerics.kmeans import SortedSamples, distinct_levels, kmeans_sorted
 from kvqbench.quantizers.base import (
     Kind,
     QuantizedTensor,
@@ -188,7 +187,6 @@ class KVQuant(Quantizer):
         """The fitted codebook ``[layers, 2^b]`` for ``kind`` (sorted), or ``None``."""
         return self._codebooks.get(kind)
 
-
     # --- layout --------------------------------------------------------------------------------
     def _body(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens that are quantized (drops the fp16 sink token)."""
@@ -206,21 +204,14 @@ class KVQuant(Quantizer):
         return vec.reshape(b_, h, d, t).transpose(-1, -2) if kind == "k" else vec.reshape(b_, h, t, d)
 
     # --- calibration -------------------------------------------------------------------------
-    def _samples(self, y: torch.Tensor, dense: torch.Tensor, w: torch.Tensor | None,
-                 half: torch.Tensor) -> SortedSamples:
-        """The k-means data of every layer, sorted (:func:`kvqbench.numerics.kmeans.sorted_samples`): the
-        normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions, weighted by ``w``.
-
-        A vector with zero half-range (zero or constant) decodes exactly whatever the codebook, so it gets
-        weight 0."""
-        n_layers = y.shape[0]
-        y_dense = y[dense].reshape(n_layers, -1)  # every vector has the same dense count
-        live = (half > 0).expand_as(y)
-        if not bool(live.all()):
-            w = live.to(y.dtype) if w is None else w * live
-        w_dense = None if w is None else w[dense].reshape(n_layers, -1)
-        gen = torch.Generator().manual_seed(self.seed)
-        return sorted_samples(y_dense, weights=w_dense, max_samples=self.calib_samples, generator=gen)
+    def _samples(self, x: torch.Tensor, kind: str, grad2: torch.Tensor | None) -> SortedSamples:
+        """The k-means data of every layer of the calibration tensor ``x`` (§3.3): its normalized dense values,
+        weighted by ``grad2`` (:func:`kvqbench.numerics.dense_sparse.calibration_samples`; seeded subsample)."""
+        vec = self._vectors(self._body(x).to(torch.float32), kind)
+        w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
+        return dense_sparse.calibration_samples(vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac), w,
+                                                max_samples=self.calib_samples,
+                                                generator=torch.Generator().manual_seed(self.seed))
 
     def _subsampled(self, shape: tuple[int, ...], kind: str) -> bool:
         """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (then the
@@ -249,15 +240,8 @@ class KVQuant(Quantizer):
         k-means subsamples; with a ``scratch`` dict (see :meth:`fit`) they are kept there, with ``x`` and
         ``grad2_src`` (the weights as passed to ``fit``), and reused by a later fit on the same tensors.
         The levels are made strictly increasing (:func:`distinct_levels`)."""
-        def prepare() -> SortedSamples:
-            vec = self._vectors(self._body(x).to(torch.float32), kind)
-            out_idx, mid, half = dense_sparse.split(vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac))
-            w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
-            y = dense_sparse.normalize(vec, mid, half)
-            return self._samples(y, dense_sparse.dense_mask(vec, out_idx), w, half)
-
         if scratch is None:
-            samples = prepare()
+            samples = self._samples(x, kind, grad2)
         else:
             key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
                    self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
@@ -267,7 +251,7 @@ class KVQuant(Quantizer):
             if hit is not None and all(a is b for a, b in zip(hit[0], src)) and hit[1] == versions:
                 samples = hit[2]
             else:
-                samples = prepare()
+                samples = self._samples(x, kind, grad2)
                 scratch[key] = (src, versions, samples)
         cb = kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters)
         return distinct_levels(cb)
@@ -317,7 +301,6 @@ class KVQuant(Quantizer):
             self._codebooks[kind] = self._fit_codebook(x, kind, bits, g, scratch, g_src)
             self._fisher[kind] = g is not None
         return self
-
 
     # --- quantize / dequantize ----------------------------------------------------------------
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
