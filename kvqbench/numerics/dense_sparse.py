@@ -1,87 +1,89 @@
-"""Compiled dense-and-sparse split of vectors fused with the nearest-level codes of their dense part.
+"""Dense-and-sparse quantization of vectors: a few outliers per tail kept exactly, the rest normalized to
+``[−1, 1]`` and snapped to the nearest level of a codebook (the per-vector scheme of arXiv:2401.18079 §3.4).
 
-One pass per vector of a cache-sized block (``dense_sparse.c``, built on first use by
-:mod:`kvqbench.numerics.cbuild`) instead of two ``topk`` selections, three scatters, a sort, a normalization
-and one comparison pass per threshold over the block (KVQuant's per-vector outliers and non-uniform codes,
-arXiv:2401.18079 §3.4). Per vector ``x`` of ``n`` fp32 values and ``k`` outliers per tail::
+Per vector ``x`` of ``n`` values with ``k`` outliers per tail::
 
-    hi = (k+1)-th largest of x,  lo = (k+1)-th smallest           (the dense maximum and minimum)
-    outliers = {i : x_i > hi or x_i < lo}, by ascending index, with their values
+    outliers = the k largest and the k smallest entries (disjoint, even with ties)
+    lo, hi = min and max of the other (dense) entries
     mid = (hi + lo) / 2,  half = (hi − lo) / 2
-    y = (x − mid) / half  (0 where half ≤ 0),   code = #{j : mids_j < y}
+    y = (x − mid) / half           (0 where half = 0: a constant dense part)
+    code = index of the nearest level of the codebook (a value on a midpoint goes to the lower level)
 
-each step one fp32 IEEE operation (no fused multiply-add). A building block: the caller owns the method's
-torch code and checks these bits against it before relying on them (:mod:`kvqbench.quantizers.kvquant`).
-:func:`quantize_rows` returns ``None`` (nothing usable written) where the kernel is unavailable (no C compiler,
-``KVQBENCH_KERNELS=0``) or the inputs are outside its scope, and flags as declined (the caller redoes them)
-the vectors with tied values at a tail's boundary (which index is the outlier would then depend on the
-selection algorithm), a zero ``lo`` or ``hi`` (its sign would depend on the order of the comparisons), a NaN or
-an infinity.
+Invariant (tested): every entry is an outlier or lies in ``[lo, hi]``, so ``|y| ≤ 1`` on the dense part,
+and decoding ``level[code]·half + mid`` with the outliers written back reproduces the outliers exactly.
+
+:func:`calibration_samples` gives the data of a codebook's k-means (the normalized dense values).
+:func:`quantize` is the reference step ``dense_sparse.quantize`` (:mod:`kvqbench.kernels`; a fast version
+lives in :mod:`kvqbench.kernels.dense_sparse`).
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from kvqbench.kernels import build as cbuild
+from kvqbench import kernels
+from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, sorted_samples
 
-__all__ = ["available", "quantize_rows"]
-
-
-def _lib() -> ctypes.CDLL | None:
-    lib = cbuild.load("dense_sparse.c")
-    if lib is not None and not getattr(lib, "_kvq_typed", False):
-        vp, lg = ctypes.c_void_p, ctypes.c_long
-        lib.ds_quantize.restype = ctypes.c_long
-        lib.ds_quantize.argtypes = [vp, lg, lg, lg, lg, lg, vp, ctypes.c_int, vp, lg, vp, vp, vp, vp, vp, vp, vp]
-        lib._kvq_typed = True
-    return lib
+__all__ = ["split", "normalize", "dense_mask", "quantize", "calibration_samples"]
 
 
-def available() -> bool:
-    """Whether the compiled kernel can be used in this process (:mod:`kvqbench.numerics.cbuild`)."""
-    return _lib() is not None
+def split(vec: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outliers of every vector of ``vec`` ``[..., n]`` (fp32), ``k ≥ 0`` per tail (``2k < n``).
+
+    Returns ``(idx [..., 2k] int64 ascending, mid [..., 1], half [..., 1])``: the outliers' positions and
+    the dense part's midpoint and half-range."""
+    if k:
+        top = torch.topk(vec, k, dim=-1, largest=True, sorted=False).indices
+        rest = vec.scatter(-1, top, float("inf"))  # the top tail masked: the bottom tail is disjoint from it
+        bottom = torch.topk(rest, k, dim=-1, largest=False, sorted=False).indices
+        idx, _ = torch.sort(torch.cat([bottom, top], -1), -1)
+        lo = rest.scatter_(-1, bottom, float("inf")).amin(-1, keepdim=True)
+        hi = rest.scatter_(-1, idx, float("-inf")).amax(-1, keepdim=True)
+    else:
+        idx = torch.zeros(*vec.shape[:-1], 0, dtype=torch.int64, device=vec.device)
+        lo, hi = vec.amin(-1, keepdim=True), vec.amax(-1, keepdim=True)
+    return idx, (hi + lo) / 2, (hi - lo) / 2
 
 
-def quantize_rows(x: torch.Tensor, k: int, mids: torch.Tensor, codes: torch.Tensor
-                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None] | None:
-    """Split every vector of ``x`` and write the codes of its dense part (module doc).
+def normalize(vec: torch.Tensor, mid: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
+    """``(vec − mid) / half``, 0 where ``half = 0`` (shapes broadcast as :func:`split` returns them)."""
+    live = half > 0
+    y = (vec - mid) / torch.where(live, half, torch.ones_like(half))
+    return y.masked_fill_(~live.expand_as(y), 0.0)
 
-    Args:
-        x: ``[B, rows, n]`` fp32 on the CPU, each ``[rows, n]`` layer contiguous (``n ≥ 2k + 1``).
-        k: outliers per tail, ``≥ 1``.
-        mids: ``[B, m]`` fp32 ascending thresholds per layer (``m ≤ 255``), contiguous.
-        codes: ``[B, rows, n]`` uint8 receiving the codes, each layer contiguous.
-    Returns:
-        ``((idx [B, rows, 2k] int64, lo, mid, half [B, rows, 1] fp32, values [B, rows, 2k] fp32), declined)``
-        — the outliers' indices (ascending) and values, the dense minimum, midpoint and half-range; then
-        ``None`` when every vector was done, else a ``[B, rows]`` bool mask of the declined vectors, whose
-        outputs and codes are meaningless (module doc) — or ``None`` where the kernel does not apply
-        (nothing usable written; ``codes`` untouched).
-    """
-    if (x.dim() != 3 or x.dtype != torch.float32 or x.device.type != "cpu" or k < 1
-            or mids.dtype != torch.float32 or not mids.is_contiguous() or mids.dim() != 2
-            or codes.dtype != torch.uint8 or codes.shape != x.shape):
-        return None
-    b_, rows, n = (int(s) for s in x.shape)
-    m = int(mids.shape[1])
-    if int(mids.shape[0]) != b_ or m > 255 or n < 2 * k + 1 or b_ * rows == 0:
-        return None
-    if not all(t.stride(2) == 1 and t.stride(1) == n for t in (x, codes)):
-        return None
-    lib = _lib()
-    if lib is None:
-        return None
-    idx = torch.empty(b_, rows, 2 * k, dtype=torch.int64)
-    val = torch.empty(b_, rows, 2 * k, dtype=torch.float32)
-    lo, mid, half = (torch.empty(b_, rows, 1, dtype=torch.float32) for _ in range(3))
-    declined = torch.empty(b_, rows, dtype=torch.uint8)
-    work = torch.empty(2 * (k + 1), dtype=torch.float32)  # held here while the kernel writes to it
-    rc = lib.ds_quantize(x.data_ptr(), b_, x.stride(0), rows, n, k, mids.data_ptr(), m, codes.data_ptr(),
-                         codes.stride(0), idx.data_ptr(), val.data_ptr(), lo.data_ptr(), mid.data_ptr(),
-                         half.data_ptr(), declined.data_ptr(), work.data_ptr())
-    if rc < 0:
-        return None
-    return (idx, lo, mid, half, val), (declined.bool() if rc else None)
+
+def dense_mask(vec: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``vec``'s shape, bool: True at the dense (non-outlier) positions, ``idx`` from :func:`split`."""
+    return torch.ones_like(vec, dtype=torch.bool).scatter_(-1, idx, False)
+
+
+@kernels.reference("dense_sparse.quantize")
+def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense-and-sparse quantization of the vectors ``vec`` ``[B, N, n]`` (fp32) with ``k`` outliers per tail,
+    the codes of layer ``b`` from the ascending levels ``codebook[b]`` (``[B, L]``, ``L ≤ 256``).
+
+    Returns ``(codes [B, N, n] uint8, idx [B, N, 2k] int64, mid [B, N, 1], half [B, N, 1], values [B, N, 2k])``
+    (``values``: the outliers, fp32). The codes at outlier positions are those of their normalized value
+    (unused by a decoder, which writes the outliers back)."""
+    idx, mid, half = split(vec, k)
+    codes = assign_nearest(normalize(vec, mid, half).flatten(1), codebook, dtype=torch.uint8)
+    return codes.view(vec.shape), idx, mid, half, torch.gather(vec, -1, idx)
+
+
+def calibration_samples(vec: torch.Tensor, k: int, weights: torch.Tensor | None = None, *,
+                        max_samples: int | None = None, generator: torch.Generator | None = None) -> SortedSamples:
+    """The data of one 1-D k-means per layer (:func:`kvqbench.numerics.kmeans.sorted_samples`): the normalized
+    dense values ``y`` of the vectors ``vec`` ``[B, N, n]`` (fp32; ``k`` outliers per tail left out), weighted by
+    ``weights`` (``vec``'s shape, ``≥ 0``; ``None`` = unweighted), subsampled to ``max_samples`` per layer with
+    ``generator``. A vector with zero half-range (zero or constant) decodes exactly whatever the codebook, so it
+    gets weight 0."""
+    idx, mid, half = split(vec, k)
+    y, dense = normalize(vec, mid, half), dense_mask(vec, idx)
+    live = (half > 0).expand_as(y)
+    if not bool(live.all()):
+        weights = live.to(y.dtype) if weights is None else weights * live
+    n_layers = vec.shape[0]  # every vector has the same dense count
+    w_dense = None if weights is None else weights[dense].reshape(n_layers, -1)
+    return sorted_samples(y[dense].reshape(n_layers, -1), weights=w_dense, max_samples=max_samples,
+                          generator=generator)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["kmeans_1d", "SortedSamples", "sorted_samples", "kmeans_sorted", "assign_nearest", "count_below", "weighted_quantile_init", "weighted_sse"]
+__all__ = ["kmeans_1d", "SortedSamples", "sorted_samples", "kmeans_sorted", "assign_nearest", "count_below", "weighted_quantile_init", "weighted_sse",
+           "distinct_levels"]
 
 
 def _acc_dtype(device: torch.device) -> torch.dtype:
@@ -337,3 +338,28 @@ def _repair_empty(xs: torch.Tensor, ws: torch.Tensor, cw: torch.Tensor, cwx: tor
             c_r = _lloyd(x_r, cw_r, cwx_r, c_r, n_iter, tol)
         c[r : r + 1] = c_r
     return c
+
+
+def distinct_levels(cb: torch.Tensor) -> torch.Tensor:
+    """Make every row of a sorted codebook ``[L, k]`` on ``[−1, 1]`` strictly increasing.
+
+    k-means returns repeated centroids only when a row's data hold fewer than ``k`` distinct values (e.g.
+    every vector zero or constant); such a row keeps its distinct levels and gets the missing ones by
+    repeatedly halving the widest gap of ``[−1, 1]`` between them (deterministic, no wasted duplicate).
+    Rows that are already strictly increasing are returned unchanged."""
+    dup = (cb[:, 1:] <= cb[:, :-1]).any(1)
+    if not bool(dup.any()):
+        return cb
+    cb = cb.clone()
+    k = cb.shape[1]
+    for r in torch.nonzero(dup).flatten().tolist():
+        levels = sorted(set(float(v) for v in cb[r].tolist()))
+        while len(levels) < k:
+            edges = [-1.0] + levels + [1.0] if levels else [-1.0, 1.0]
+            gaps = [(edges[i + 1] - edges[i], i) for i in range(len(edges) - 1)]
+            width, i = max(gaps, key=lambda g: (g[0], -g[1]))
+            if width <= 0:
+                break
+            levels = sorted(levels + [edges[i] + width / 2])
+        cb[r] = torch.tensor(levels[:k], dtype=cb.dtype, device=cb.device)
+    return cb

@@ -15,6 +15,9 @@ head_dim (``[D]``). Per vector:
 3. ``y`` snaps to the nearest of ``2^b`` centroids of the layer's codebook (layer = index of dim 0);
    decode ``x̂ = c[q]·r + m``, then the outliers are written back.
 
+Steps 1–3 are the reference step ``dense_sparse.quantize`` (:func:`kvqbench.numerics.dense_sparse.quantize`;
+a fast version lives in :mod:`kvqbench.kernels.dense_sparse`).
+
 Codebooks: weighted 1-D k-means (:func:`kvqbench.numerics.kmeans.kmeans_1d`) on the normalized dense
 calibration values of each layer, weighted by Fisher information (squared gradients) when
 :meth:`KVQuant.fit` receives ``k_grad2``/``v_grad2``, unweighted otherwise. If :meth:`~KVQuant.quantize`
@@ -38,8 +41,7 @@ from typing import Any
 import torch
 
 from kvqbench.numerics import dense_sparse
-from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
-from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, kmeans_sorted, sorted_samples
+from kvqbench.numerics.kmeans import SortedSamples, distinct_levels, kmeans_sorted
 from kvqbench.quantizers.base import (
     Kind,
     QuantizedTensor,
@@ -55,9 +57,6 @@ __all__ = ["KVQuant", "outlier_count_per_tail", "distinct_levels"]
 
 POINTER_BITS = 32
 VALUE_BITS = 16
-#: tokens per tile of K's channel-major copy (a whole-tensor transposed copy reads with a stride that
-#: leaves the cache once a head's tokens outgrow it: 2.6× slower at 4k tokens, 2.4× at 16k)
-_TRANSPOSE_TILE = 1024
 
 
 def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
@@ -68,135 +67,8 @@ def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
     return max(0, min(int(math.floor(outlier_frac / 2 * n + 0.5)), (n - 1) // 2))
 
 
-def distinct_levels(cb: torch.Tensor) -> torch.Tensor:
-    """Make every row of a sorted codebook ``[L, k]`` on ``[−1, 1]`` strictly increasing.
-
-    k-means returns repeated centroids only when a layer's data hold fewer than ``k`` distinct values
-    (e.g. every vector zero or constant); such a row keeps its distinct levels and gets the missing ones
-    by repeatedly halving the widest gap of ``[−1, 1]`` between them (deterministic, no wasted
-    duplicate). Rows that are already strictly increasing are returned unchanged."""
-    dup = (cb[:, 1:] <= cb[:, :-1]).any(1)
-    if not bool(dup.any()):
-        return cb
-    cb = cb.clone()
-    k = cb.shape[1]
-    for r in torch.nonzero(dup).flatten().tolist():
-        levels = sorted(set(float(v) for v in cb[r].tolist()))
-        while len(levels) < k:
-            edges = [-1.0] + levels + [1.0] if levels else [-1.0, 1.0]
-            gaps = [(edges[i + 1] - edges[i], i) for i in range(len(edges) - 1)]
-            width, i = max(gaps, key=lambda g: (g[0], -g[1]))
-            if width <= 0:
-                break
-            levels = sorted(levels + [edges[i] + width / 2])
-        cb[r] = torch.tensor(levels[:k], dtype=cb.dtype, device=cb.device)
-    return cb
-
-
 def _index_bits(n: int) -> int:
     return 16 if n <= 1 << 16 else 32
-
-
-def _split_and_snap(q: "KVQuant", vec: torch.Tensor, cb: torch.Tensor, codes: torch.Tensor
-                    ) -> tuple[torch.Tensor, ...]:
-    """The torch steps of one block of :meth:`KVQuant._quantize`: split the vectors ``vec`` ``[B, rows, n]``
-    (fp32), normalize them and write the codes of the layer codebooks ``cb`` ``[B, 2^b]`` into ``codes``
-    ``[B, rows, n]`` (uint8). Returns ``(out_idx, lo, mid, half, outlier values)`` (:meth:`KVQuant._split`)."""
-    b_ = vec.shape[0]
-    out_idx, lo, mid, half = q._split(vec)
-    y = q._normalize(vec, mid, half)
-    assign_nearest(y.reshape(b_, -1), cb, dtype=torch.uint8, out=codes.view(b_, -1))
-    return out_idx, lo, mid, half, torch.gather(vec, -1, out_idx)
-
-
-def _redo(q: "KVQuant", vec: torch.Tensor, cb: torch.Tensor, codes: torch.Tensor, done: tuple[torch.Tensor, ...],
-          declined: torch.Tensor) -> None:
-    """:func:`_split_and_snap` on the vectors of ``vec`` ``[B, rows, n]`` that the compiled kernel declined
-    (``declined`` ``[B, rows]`` bool), each as a layer of its own with its layer's codebook; writes their
-    codes into ``codes`` and their ``(out_idx, lo, mid, half, values)`` into ``done`` (every step is per
-    vector, so a vector's results do not depend on the other vectors of its call)."""
-    b, r = declined.nonzero(as_tuple=True)
-    sub_codes = torch.empty(b.numel(), 1, vec.shape[-1], dtype=torch.uint8, device=vec.device)
-    redone = _split_and_snap(q, vec[b, r].unsqueeze(1), cb[b], sub_codes)
-    codes[b, r] = sub_codes[:, 0]
-    for into, got in zip(done, redone):
-        into[b, r] = got[:, 0].to(into.dtype)
-
-
-#: whether :func:`kvqbench.numerics.dense_sparse.quantize_rows` gave :func:`_split_and_snap`'s bits (checked
-#: once per process: :func:`_compiled_ok`)
-_COMPILED: dict[str, bool] = {}
-
-
-def _probe_vectors(gen: torch.Generator, layers: int, rows: int, n: int) -> torch.Tensor:
-    """Vectors ``[layers, rows, n]`` for :func:`_compiled_ok` without ties at a tail's boundary: Gaussian over six
-    decades of scale, heavy-tailed (Cauchy), all negative, all positive, a constant dense part with distinct
-    outliers (half-range 0), subnormal values, huge values (``hi − lo`` overflows), sorted ascending and
-    descending (every value a new candidate)."""
-    x = torch.randn(layers, rows, n, generator=gen) * torch.exp(torch.randn(layers, rows, 1, generator=gen) * 3)
-    r = x[0]
-    r[1] = torch.distributions.Cauchy(0.0, 1.0).sample((n,))
-    r[2] = -r[2].abs() - 0.1
-    r[3] = r[3].abs() + 0.1
-    r[4] = 1.5
-    r[4, : n // 2 : 7] = torch.arange(len(range(0, n // 2, 7)), dtype=torch.float32) + 10
-    r[4, n // 2 :: 7] = -torch.arange(len(range(n // 2, n, 7)), dtype=torch.float32) - 10
-    r[5] = torch.randn(n, generator=gen) * 1e-40
-    r[6] = torch.randn(n, generator=gen).sign() * torch.linspace(1e38, 3e38, n)
-    r[7] = torch.linspace(-3, 5, n)
-    r[8] = torch.linspace(4, -2, n)
-    return x
-
-
-def _same_bits(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> bool:
-    return all(a.dtype == b.dtype and a.shape == b.shape
-               and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-               for a, b in zip(got, want, strict=True))
-
-
-def _compiled_ok() -> bool:
-    """Whether :func:`~kvqbench.numerics.dense_sparse.quantize_rows` reproduces :func:`_split_and_snap` bit for
-    bit (codes, outlier indices and values, dense minimum, midpoint, half-range) on :func:`_probe_vectors`
-    at 1..8 bits with per-layer and shared codebooks, and declines exactly the vectors with tied tails, a NaN or
-    an infinity (which :func:`_redo` then gives the torch steps' bits): checked once per process (then :meth:`KVQuant._quantize` uses it for the fp32 blocks it takes);
-    ``False`` without a compiled kernel."""
-    if "ok" not in _COMPILED:
-        _COMPILED["ok"] = False
-        if not dense_sparse.available():
-            return False
-        gen = torch.Generator().manual_seed(2401)
-        for n, frac in ((300, 0.05), (129, 0.02), (64, 0.04), (5, 0.4)):
-            q = KVQuant(outlier_frac=frac)
-            k = outlier_count_per_tail(n, frac)
-            for bits in range(1, 9):
-                x = _probe_vectors(gen, 2, 10, n) if n >= 16 else torch.randn(2, 10, n, generator=gen)
-                cb, _ = torch.sort(torch.randn(2, 2**bits, generator=gen), -1)
-                if bits == 2:
-                    cb = cb[:1].expand(2, -1)
-                want_codes = torch.full(x.shape, 7, dtype=torch.uint8)
-                want = _split_and_snap(q, x, cb, want_codes)
-                got_codes = torch.full(x.shape, 9, dtype=torch.uint8)
-                mids = (cb[:, 1:] + cb[:, :-1]).div_(2).contiguous()
-                got = dense_sparse.quantize_rows(x, k, mids, got_codes)
-                if got is None or got[1] is not None or not _same_bits((got_codes, *got[0]), (want_codes, *want)):
-                    return False
-            # a NaN, an infinity, tied tails: declined (then redone with the torch steps, as :meth:`_quantize`)
-            x = torch.randn(1, 4, n, generator=gen)
-            x[0, 1, n // 2], x[0, 2, n // 3] = float("nan"), float("-inf")
-            x[0, 3] = x[0, 3].round()  # few distinct values: the tails tie
-            x[0, 3, 0] = x[0, 3, 1] = x[0, 3].max()
-            cb, _ = torch.sort(torch.randn(1, 4, generator=gen), -1)
-            want_codes = torch.full(x.shape, 7, dtype=torch.uint8)
-            want = _split_and_snap(q, x, cb, want_codes)
-            got_codes = torch.full(x.shape, 9, dtype=torch.uint8)
-            got = dense_sparse.quantize_rows(x, k, (cb[:, 1:] + cb[:, :-1]).div_(2).contiguous(), got_codes)
-            if got is None or got[1] is None or got[1].tolist() != [[False, True, True, True]]:
-                return False
-            _redo(q, x, cb, got_codes, got[0], got[1])
-            if not _same_bits((got_codes, *got[0]), (want_codes, *want)):
-                return False
-        _COMPILED["ok"] = True
-    return _COMPILED["ok"]
 
 
 @register
@@ -257,7 +129,7 @@ class KVQuant(Quantizer):
         "Q-Norm (re-normalizing the dequantized distribution) is not implemented.",
         "Zero or constant vectors (half-range 0, decoded exactly by any codebook) get weight 0 in k-means, "
         "and a layer whose data hold fewer distinct values than levels gets the missing levels by halving "
-        "the widest gaps of [−1, 1]: the codebook never repeats a level (it used to, e.g. with a zero head).",
+        "the widest gaps of [−1, 1]: the codebook never repeats a level.",
         "Attention-sink fp16 first token is an option, off by default.",
     )
 
@@ -315,84 +187,31 @@ class KVQuant(Quantizer):
         """The fitted codebook ``[layers, 2^b]`` for ``kind`` (sorted), or ``None``."""
         return self._codebooks.get(kind)
 
-    # --- layout helpers -----------------------------------------------------------------------
+    # --- layout --------------------------------------------------------------------------------
     def _body(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens that are quantized (drops the fp16 sink token)."""
         return x[:, :, 1:, :] if self.attention_sink else x
 
     @staticmethod
     def _vectors(x: torch.Tensor, kind: str) -> torch.Tensor:
-        """``[B, n_vec, n]``: K channels over tokens (a copy, transposed in tiles of
-        :data:`_TRANSPOSE_TILE` tokens so that the strided reads stay in the cache), or V tokens over
-        head_dim (a view of a contiguous ``x``)."""
+        """``[B, n_vec, n]``: K channels over tokens (§3.1, a transposed copy), or V tokens over head_dim (§3.4)."""
         b_, h, t, d = x.shape
-        if kind == "k":
-            out = torch.empty(b_, h, d, t, dtype=x.dtype, device=x.device)
-            for t0 in range(0, t, _TRANSPOSE_TILE):
-                out[..., t0 : t0 + _TRANSPOSE_TILE] = x[:, :, t0 : t0 + _TRANSPOSE_TILE, :].transpose(-1, -2)
-            return out.view(b_, h * d, t)
-        return x.reshape(b_, h * t, d)
+        return x.transpose(-1, -2).reshape(b_, h * d, t) if kind == "k" else x.reshape(b_, h * t, d)
 
     @staticmethod
     def _unvectors(vec: torch.Tensor, kind: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
         b_, h, t, d = shape
-        if kind == "k":
-            return vec.reshape(b_, h, d, t).transpose(-1, -2)
-        return vec.reshape(b_, h, t, d)
-
-    def _split(self, vec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dense-and-sparse split of ``vec`` ``[B, N, n]`` (fp32).
-
-        Returns ``(out_idx [B, N, 2·n_tail] sorted, lo [B, N, 1], mid [B, N, 1], half [B, N, 1])``:
-        ``lo`` is the dense minimum (the outliers are its complement); the dense mask is
-        :meth:`_dense_mask` ``(vec, out_idx)``, built only where it is needed (in-sample k-means).
-        """
-        n = vec.shape[-1]
-        n_tail = outlier_count_per_tail(n, self.outlier_frac)
-        if n_tail:
-            # largest n_tail, then smallest n_tail among the rest (disjoint even with ties); the dense
-            # range is read from the same buffer with the outliers masked by ±inf (no full-size mask)
-            top = torch.topk(vec, n_tail, dim=-1, largest=True, sorted=False).indices
-            rest = vec.scatter(-1, top, float("inf"))
-            bottom = torch.topk(rest, n_tail, dim=-1, largest=False, sorted=False).indices
-            out_idx, _ = torch.sort(torch.cat([bottom, top], -1), -1)
-            lo = rest.scatter_(-1, bottom, float("inf")).amin(-1, keepdim=True)
-            hi = rest.scatter_(-1, out_idx, float("-inf")).amax(-1, keepdim=True)
-        else:
-            out_idx = torch.zeros(*vec.shape[:-1], 0, dtype=torch.int64, device=vec.device)
-            lo, hi = vec.amin(-1, keepdim=True), vec.amax(-1, keepdim=True)  # (aminmax over a dim: 5x slower)
-        return out_idx, lo, (hi + lo) / 2, (hi - lo) / 2
-
-    @staticmethod
-    def _dense_mask(vec: torch.Tensor, out_idx: torch.Tensor) -> torch.Tensor:
-        """``[B, N, n]`` bool: True at the dense (non-outlier) positions."""
-        return torch.ones_like(vec, dtype=torch.bool).scatter_(-1, out_idx, False)
-
-    @staticmethod
-    def _normalize(vec: torch.Tensor, mid: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
-        """``(vec − mid)/half`` (0 where ``half = 0``), in one fresh buffer."""
-        live = half > 0
-        y = torch.sub(vec, mid).div_(torch.where(live, half, torch.ones_like(half)))
-        if not bool(live.all()):
-            y.masked_fill_(~live, 0.0)
-        return y
+        return vec.reshape(b_, h, d, t).transpose(-1, -2) if kind == "k" else vec.reshape(b_, h, t, d)
 
     # --- calibration -------------------------------------------------------------------------
-    def _samples(self, y: torch.Tensor, dense: torch.Tensor, w: torch.Tensor | None,
-                 half: torch.Tensor) -> SortedSamples:
-        """The k-means data of every layer, sorted (:func:`kvqbench.numerics.kmeans.sorted_samples`): the
-        normalized vectors ``y`` ``[B, N, n]`` at the ``dense`` positions, weighted by ``w``.
-
-        A vector with zero half-range (zero or constant) decodes exactly whatever the codebook, so it gets
-        weight 0 (it used to pull centroids onto y = 0 and duplicate them)."""
-        n_layers = y.shape[0]
-        y_dense = y[dense].reshape(n_layers, -1)  # every vector has the same dense count
-        live = (half > 0).expand_as(y)
-        if not bool(live.all()):
-            w = live.to(y.dtype) if w is None else w * live
-        w_dense = None if w is None else w[dense].reshape(n_layers, -1)
-        gen = torch.Generator().manual_seed(self.seed)
-        return sorted_samples(y_dense, weights=w_dense, max_samples=self.calib_samples, generator=gen)
+    def _samples(self, x: torch.Tensor, kind: str, grad2: torch.Tensor | None) -> SortedSamples:
+        """The k-means data of every layer of the calibration tensor ``x`` (§3.3): its normalized dense values,
+        weighted by ``grad2`` (:func:`kvqbench.numerics.dense_sparse.calibration_samples`; seeded subsample)."""
+        vec = self._vectors(self._body(x).to(torch.float32), kind)
+        w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
+        return dense_sparse.calibration_samples(vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac), w,
+                                                max_samples=self.calib_samples,
+                                                generator=torch.Generator().manual_seed(self.seed))
 
     def _subsampled(self, shape: tuple[int, ...], kind: str) -> bool:
         """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (then the
@@ -421,14 +240,8 @@ class KVQuant(Quantizer):
         k-means subsamples; with a ``scratch`` dict (see :meth:`fit`) they are kept there, with ``x`` and
         ``grad2_src`` (the weights as passed to ``fit``), and reused by a later fit on the same tensors.
         The levels are made strictly increasing (:func:`distinct_levels`)."""
-        def prepare() -> SortedSamples:
-            vec = self._vectors(self._body(x).to(torch.float32), kind)
-            out_idx, _, mid, half = self._split(vec)
-            w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
-            return self._samples(self._normalize(vec, mid, half), self._dense_mask(vec, out_idx), w, half)
-
         if scratch is None:
-            samples = prepare()
+            samples = self._samples(x, kind, grad2)
         else:
             key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
                    self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
@@ -438,7 +251,7 @@ class KVQuant(Quantizer):
             if hit is not None and all(a is b for a, b in zip(hit[0], src)) and hit[1] == versions:
                 samples = hit[2]
             else:
-                samples = prepare()
+                samples = self._samples(x, kind, grad2)
                 scratch[key] = (src, versions, samples)
         cb = kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters)
         return distinct_levels(cb)
@@ -490,17 +303,11 @@ class KVQuant(Quantizer):
         return self
 
     # --- quantize / dequantize ----------------------------------------------------------------
-    @staticmethod
-    def _blocks(n_vec: int, n: int, b_: int) -> list[slice]:
-        """Cache-sized blocks of the vectors ``[B, n_vec, n]`` (:func:`kvqbench.numerics.blocks.row_blocks`)."""
-        return row_blocks(n_vec, b_ * n)
-
-    @on_one_cpu_thread
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         qt = self._new_qt(x, kind, bits)
         xf = x.to(torch.float32)
         sink: tuple[torch.Tensor, ...] = ()
-        if self.attention_sink:
+        if self.attention_sink:  # the attention sink stays fp16
             sink = (xf[:, :, :1, :].clone(),)
             qt.fields["sink"] = Stored(sink[0], 16)
         body = self._body(xf)
@@ -508,9 +315,7 @@ class KVQuant(Quantizer):
         if body.shape[2] == 0:
             check_finite(x, name=kind.upper())
             return qt
-        b_, h, t, d = body.shape
-        n_vec, n = (h * d, t) if kind == "k" else (h * t, d)
-        cb = self._codebooks.get(kind)
+        cb = self._codebooks.get(kind)  # the layer codebooks (§3.3)
         if cb is None:
             check_finite(x, name=kind.upper())  # in-sample k-means reads every value: reject NaN/Inf first
             cb = self._fit_codebook(x, kind, bits, None)
@@ -527,68 +332,33 @@ class KVQuant(Quantizer):
                 f"{kind} codebook was fitted on {cb.shape[0]} layers but the tensor has {x.shape[0]} "
                 "(dim 0 is the layer axis); fit on tensors with the same number of layers"
             )
-        # every vector on its own, in cache-sized blocks: split, normalize and snap; only the codes and the
-        # per-vector results are full size
-        vecs = self._vectors(body, kind)  # [B, n_vec, n]: K's one transposed copy, V's view
-        codes = torch.empty(b_, n_vec, n, dtype=torch.uint8, device=x.device)
-        n_tail = outlier_count_per_tail(n, self.outlier_frac)
-        mids = (cb[:, 1:] + cb[:, :-1]).div_(2).contiguous() if n_tail and _compiled_ok() else None
-        parts = []
-        for rows in self._blocks(n_vec, n, b_):
-            vec = vecs[:, rows]
-            fused = None if mids is None else dense_sparse.quantize_rows(vec, n_tail, mids, codes[:, rows])
-            if fused is None:
-                parts.append(_split_and_snap(self, vec, cb, codes[:, rows]))
-                continue
-            done, declined = fused
-            if declined is not None:  # tied tails, zero lo/hi, NaN/Inf: those vectors take the torch steps
-                _redo(self, vec, cb, codes[:, rows], done, declined)
-            parts.append(done)
-        out_idx, lo, mid, half, outlier_value = (torch.cat(p, 1) for p in zip(*parts))
+        vec = self._vectors(body, kind)  # K per channel (§3.1), V per token
+        n_vec, n = vec.shape[1:]
+        codes, out_idx, mid, half, outlier_value = dense_sparse.quantize(  # outliers, normalize, snap (§3.4)
+            vec, outlier_count_per_tail(n, self.outlier_frac), cb)
         # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
-        check_finite(x, *sink, lo, mid, outlier_value, name=kind.upper())
+        check_finite(x, *sink, mid, outlier_value, name=kind.upper())
         qt.add_codes("codes", codes, bits)
         qt.fields["mid"] = Stored(mid, 16)
         qt.fields["half"] = Stored(half, 16)
         qt.fields["codebook"] = Stored(cb.clone(), 16)
-        if out_idx.shape[-1]:
-            per_vec = out_idx.shape[-1]
+        if out_idx.shape[-1]:  # the sparse store, CSR: values, indices inside the vector, pointers
             qt.fields["outlier_value"] = Stored(outlier_value.reshape(-1), VALUE_BITS)
             qt.fields["outlier_index"] = Stored(out_idx.reshape(-1).to(torch.int32), _index_bits(n))
-            ptr = torch.arange(b_ * n_vec + 1, device=x.device, dtype=torch.int64) * per_vec
+            ptr = torch.arange(vec.shape[0] * n_vec + 1, device=x.device, dtype=torch.int64) * out_idx.shape[-1]
             qt.fields["outlier_ptr"] = Stored(ptr, POINTER_BITS)
         return qt
 
-    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        parts = []
-        if "sink" in qt.fields:
-            parts.append(qt["sink"])
+        parts = [qt["sink"]] if "sink" in qt.fields else []
         body_shape = qt.meta["body_shape"]
         if body_shape[2] > 0:
-            b_, h, t, d = body_shape
-            codes = qt.codes("codes", torch.uint8)  # [B, n_vec, n]
-            cb = qt["codebook"]  # [B, 2^b]
-            half, mid = qt["half"], qt["mid"]
-            levels_per_vec = cb.shape[1]
-            out = torch.empty(b_, *codes.shape[1:], dtype=cb.dtype, device=cb.device)  # [B, n_vec, n]
-            for rows in self._blocks(codes.shape[1], codes.shape[2], b_):
-                # each vector's decoded levels c[j]·r + m ([B, rows, 2^b], the same two roundings as decoding
-                # every element), then one lookup per element: level (b·rows + v)·2^b + q
-                levels = torch.mul(cb.unsqueeze(1), half[:, rows]).add_(mid[:, rows])
-                idx = codes[:, rows].to(torch.int32)
-                idx += (torch.arange(levels.shape[0] * levels.shape[1], dtype=torch.int32, device=idx.device)
-                        * levels_per_vec).view(*levels.shape[:2], 1)
-                if b_ == 1:  # the block of the output is contiguous: looked up in place
-                    torch.index_select(levels.view(-1), 0, idx.view(-1), out=out[:, rows].view(-1))
-                else:
-                    out[:, rows] = levels.view(-1).index_select(0, idx.view(-1)).view(idx.shape)
-            if "outlier_ptr" in qt.fields:  # written back exactly, at their places in the output layout
-                ptr = qt["outlier_ptr"]
-                counts = ptr[1:] - ptr[:-1]
-                vec_id = torch.repeat_interleave(torch.arange(ptr.numel() - 1, device=ptr.device), counts)
-                flat = vec_id * codes.shape[2] + qt["outlier_index"].to(torch.int64)
-                out.view(-1)[flat] = qt["outlier_value"].to(out.dtype)
+            codes = qt.codes("codes", torch.int64)  # [B, n_vec, n]
+            levels = qt["codebook"].unsqueeze(1) * qt["half"] + qt["mid"]  # c·r + m per vector: [B, n_vec, 2^b]
+            out = torch.gather(levels, -1, codes)  # x̂ = c[q]·r + m
+            if "outlier_ptr" in qt.fields:  # the outliers written back exactly (every vector holds as many)
+                idx = qt["outlier_index"].to(torch.int64).view(*codes.shape[:2], -1)
+                out.scatter_(-1, idx, qt["outlier_value"].to(out.dtype).view(idx.shape))
             parts.append(self._unvectors(out, qt.kind, body_shape))
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
 

@@ -199,10 +199,13 @@ def test_kvquant_codebook_has_distinct_levels_none_wasted(x, kind, bits, fitted)
     # every level is the nearest one for some value when a layer's live (non-constant) vectors hold
     # plenty of distinct normalized values (4 per level: with barely k values k-means may spend a level
     # on two values one rounding apart, e.g. 1 and 1 − 2^-24 from two vectors' normalized maxima)
+    from kvqbench.numerics import dense_sparse
+    from kvqbench.quantizers.kvquant import outlier_count_per_tail
+
     vec = q._vectors(x.float(), kind)
-    out_idx, _, mid, half = q._split(vec)
-    dense = q._dense_mask(vec, out_idx)
-    y = q._normalize(vec, mid, half)
+    out_idx, mid, half = dense_sparse.split(vec, outlier_count_per_tail(vec.shape[-1], q.outlier_frac))
+    dense = dense_sparse.dense_mask(vec, out_idx)
+    y = dense_sparse.normalize(vec, mid, half)
     # levels lie in the normalized range [−1, 1] (or the data's, which may pass ±1 by a rounding)
     assert float(cb.min()) >= min(-1.0, float(y.min())) and float(cb.max()) <= max(1.0, float(y.max()))
     codes = qt.codes("codes")

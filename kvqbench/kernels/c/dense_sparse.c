@@ -1,19 +1,18 @@
 /* Dense-and-sparse split of vectors and the nearest-level codes of their dense part, in one pass per vector: the
- * per-vector steps that kvqbench.numerics.dense_sparse exposes (KVQuant, arXiv:2401.18079 §3.4: a few outliers
- * per vector kept exactly, the rest normalized to [−1, 1] and snapped to a codebook).
+ * fast version of the reference step dense_sparse.quantize (kvqbench/numerics/dense_sparse.py, KVQuant,
+ * arXiv:2401.18079 §3.4; wrapped by kvqbench/kernels/dense_sparse.py).
  *
  * Per vector x of n fp32 values and k outliers per tail (n ≥ 2k + 1):
  *   hi = the (k+1)-th largest value, lo = the (k+1)-th smallest (the dense maximum and minimum);
  *   the outliers are the values > hi and the values < lo, listed by ascending index with their values;
  *   mid = (hi + lo) / 2, half = (hi − lo) / 2, y = (x − mid) / half (y = 0 where half ≤ 0),
- *   code = #{j : mids[j] < y} for the ascending thresholds mids (the caller's midpoints between levels).
- * Every arithmetic step is one fp32 IEEE operation (compiled with -ffp-contract=off), as in the caller's torch
- * code, which checks these bits against its own once per process before use.
+ *   code = #{j : mids[j] < y} for the ascending thresholds mids (the midpoints between levels).
+ * Every arithmetic step is one fp32 IEEE operation (compiled with -ffp-contract=off), in the reference's order.
  *
  * The outlier set is unambiguous only when the k-th and (k+1)-th largest (smallest) values differ; where they
- * are equal (ties at a tail's boundary), where hi or lo is a zero (its sign would depend on the order of the
- * comparisons), or where the vector holds a NaN or an infinity, the vector is declined: its flag is set, its
- * outputs are meaningless and the caller redoes it with its torch code.
+ * are equal (ties at a tail's boundary: which index is the outlier depends on the selection algorithm), or where
+ * the vector holds a NaN or an infinity, the vector is declined: its flag is set, its outputs are meaningless and
+ * the caller runs the reference on it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -80,7 +79,7 @@ static inline __attribute__((always_inline)) int one_vector(
   const long m = k + 1;
   tails(x, n, m, top, bot);
   const float hi = top[0], lo = -bot[0];
-  if (second_smallest(top, m) == hi || second_smallest(bot, m) == bot[0] || hi == 0.f || lo == 0.f) return 1;
+  if (second_smallest(top, m) == hi || second_smallest(bot, m) == bot[0]) return 1;
   const float mid = (hi + lo) / 2.f, half = (hi - lo) / 2.f;
   const int live = half > 0.f;
   const float div = live ? half : 1.f;
@@ -131,7 +130,7 @@ static inline __attribute__((always_inline)) int one_vector(
  * (n ≥ 2k + 1); mids: nm ascending thresholds per layer (layer b at mids + b·nm, nm ≤ 255); codes: the uint8
  * codes, layer b at codes + b·codes_stride, vector r at + r·n; idx, val: [nb, rows, 2k] (int64, fp32); lo, mid,
  * half, declined: [nb, rows] (fp32; uint8 set to 1 where the vector is declined); work: 2(k + 1) floats.
- * Returns the number of declined vectors (see above: the caller redoes them), or −1 for arguments out of scope. */
+ * Returns the number of declined vectors (see above: the caller runs the reference on them), or −1 for arguments out of scope. */
 long ds_quantize(const float *restrict x, long nb, long x_stride, long rows, long n, long k,
                  const float *restrict mids, int nm, unsigned char *restrict codes, long codes_stride,
                  int64_t *restrict idx, float *restrict val, float *restrict lo, float *restrict mid,

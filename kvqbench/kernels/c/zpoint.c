@@ -1,20 +1,19 @@
 /* Groupwise asymmetric RTN with an integer zero-point (x̂ = scale·(q − z)), fused with the bit packing of its
- * codes, and its decode from the packed bytes: the elementwise steps that kvqbench.numerics.zpoint exposes,
- * over a block of contiguous fp32 rows [rows, d] cut into groups of g consecutive values (g a multiple of 8 that
- * divides d: every group starts at a byte of the packed stream).
+ * codes, and its decode from the packed bytes: the fast versions of the reference steps zpoint.quantize and
+ * zpoint.dequantize (kvqbench/quantizers/quarot.py; wrapped by kvqbench/kernels/zpoint.py), over contiguous fp32
+ * rows [rows, d] cut into groups of g consecutive values (g a multiple of 8 that divides d: every group starts at
+ * a byte of the packed stream).
  *
- * Every step is one IEEE operation on fp32, in the order of the caller's torch code (compiled with
- * -ffp-contract=off: no fused multiply-add): the caller checks the bits against its torch code once per process
- * before use. Per group: lo = min x, hi = max x (raw, stored); with include_zero lo = min(lo, 0),
- * hi = max(hi, 0); lo_c = lo·clip, hi_c = hi·clip; scale = (hi_c − lo_c) / levels; zero = round(−lo_c / scale);
- * a group with scale <= 0 (degenerate) gets scale = |lo|, zero = 1 if lo < 0 else 0; codes
- * q = clamp(round(x / s) + zero, 0, levels) with s = scale if scale > 0 else +inf; round = half to even
- * (nearbyintf, the default rounding mode, as torch.round).
+ * Per group: lo = min x, hi = max x; with include_zero lo = min(lo, 0), hi = max(hi, 0); lo_c = lo·clip,
+ * hi_c = hi·clip; scale = (hi_c − lo_c) / levels; zero = round(−lo_c / scale); a group with scale <= 0
+ * (degenerate) gets scale = |lo|, zero = 1 if lo < 0 else 0; codes q = clamp(round(x / s) + zero, 0, levels)
+ * with s = scale if scale > 0 else +inf; round = half to even (nearbyintf in the default rounding mode, as
+ * torch.round). Each step is one fp32 IEEE operation in the reference's order (-ffp-contract=off); the
+ * minimum and maximum are taken in any order (vectorized), so a zero minimum or maximum may carry either
+ * sign (the same value).
  *
- * The minimum and maximum are taken in any order (vectorized): that gives the same value unless it is a
- * zero (its sign would depend on the order) or the row holds a non-finite value; then the function
- * returns 1 (at that group, or at the end of that row), its outputs partly written (the caller runs its torch
- * code on the whole block).
+ * A row holding a NaN or an infinity makes zp_quantize_pack return 1 (its outputs partly written): the caller
+ * runs the reference, which reports it.
  *
  * Packing: the LSB-first bit stream of kvqbench.numerics.packing (code i at stream bits [i·b, (i+1)·b), stream
  * bit s = bit s%8 of byte s/8): 8 codes fill b whole bytes (a little-endian word of 8·b bits).
@@ -44,7 +43,6 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
     for (long i = r0 * ng; i < r1 * ng; i++) {  /* the chunk's groups: parameters */
       float mn, mx;
       kvq_minmax(x + i * g, g, &mn, &mx);
-      if (mn == 0.f || mx == 0.f) return 1;
       float lo = mn, hi = mx;
       if (include_zero) {
         lo = lo > 0.f ? 0.f : lo;
@@ -87,7 +85,7 @@ static inline __attribute__((always_inline)) int quant_rows(const float *restric
 }
 
 /* x [rows, d] fp32 contiguous; lo, hi, scale, zero [rows, d/g]; packed: rows·d·bits/8 bytes; work: d bytes.
- * Returns 0, or 1 (see above: the caller redoes the block). */
+ * Returns 0, or 1 (a NaN or an infinity: the caller runs the reference). */
 int zp_quantize_pack(const float *restrict x, long rows, long d, long g, int include_zero, float clip, int bits,
                      float *restrict lo, float *restrict hi, float *restrict scale, float *restrict zero,
                      unsigned char *restrict packed, unsigned char *restrict work) {

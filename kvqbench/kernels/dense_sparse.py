@@ -1,0 +1,65 @@
+"""Fast version of ``dense_sparse.quantize`` (:func:`kvqbench.numerics.dense_sparse.quantize`, KVQuant's
+per-vector outliers and non-uniform codes, arXiv:2401.18079 §3.4).
+
+One pass per vector (``c/dense_sparse.c``: the two tails by two small heaps, then normalize and count the
+thresholds below) instead of two ``topk`` selections, three scatters, a sort, a normalization and one
+comparison pass per threshold. The same IEEE fp32 operations per element. A vector whose tails tie at their
+boundary (which index is the outlier would depend on the selection algorithm), or that holds a NaN or an
+infinity, is declined by the kernel and given to the reference, on its own (every step is per vector).
+Agreement with the reference: ``tests/property/test_kernels_dense_sparse.py``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvqbench import kernels
+from kvqbench.kernels import build
+from kvqbench.numerics import dense_sparse
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = build.load("dense_sparse.c")
+    if lib is not None and not getattr(lib, "_kvq_typed", False):
+        vp, lg = ctypes.c_void_p, ctypes.c_long
+        lib.ds_quantize.restype = ctypes.c_long
+        lib.ds_quantize.argtypes = [vp, lg, lg, lg, lg, lg, vp, ctypes.c_int, vp, lg, vp, vp, vp, vp, vp, vp, vp]
+        lib._kvq_typed = True
+    return lib
+
+
+@kernels.fast("dense_sparse.quantize", when="CPU, fp32 vectors [B, N, n], k ≥ 1 outliers per tail, n ≥ 2k + 1, "
+              "2..256 levels, the C kernel loads; vectors with tied tails, a NaN or an infinity go to the reference")
+def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor):
+    if (vec.dim() != 3 or vec.dtype != torch.float32 or vec.device.type != "cpu" or k < 1
+            or codebook.dim() != 2 or codebook.device.type != "cpu" or not 2 <= codebook.shape[1] <= 256):
+        return kernels.DECLINED
+    b_, rows, n = (int(s) for s in vec.shape)
+    if int(codebook.shape[0]) != b_ or n < 2 * k + 1 or b_ * rows == 0:
+        return kernels.DECLINED
+    lib = _lib()
+    if lib is None:
+        return kernels.DECLINED
+    x = vec.contiguous()
+    cb = codebook.to(torch.float32)
+    mids = ((cb[:, 1:] + cb[:, :-1]) / 2).contiguous()  # as kvqbench.numerics.kmeans.assign_nearest
+    codes = torch.empty(b_, rows, n, dtype=torch.uint8)
+    idx = torch.empty(b_, rows, 2 * k, dtype=torch.int64)
+    val = torch.empty(b_, rows, 2 * k, dtype=torch.float32)
+    lo, mid, half = (torch.empty(b_, rows, 1, dtype=torch.float32) for _ in range(3))
+    declined = torch.empty(b_, rows, dtype=torch.uint8)
+    work = torch.empty(2 * (k + 1), dtype=torch.float32)
+    rc = lib.ds_quantize(x.data_ptr(), b_, rows * n, rows, n, k, mids.data_ptr(), int(mids.shape[1]),
+                         codes.data_ptr(), rows * n, idx.data_ptr(), val.data_ptr(), lo.data_ptr(), mid.data_ptr(),
+                         half.data_ptr(), declined.data_ptr(), work.data_ptr())
+    if rc < 0:
+        return kernels.DECLINED
+    out = (codes, idx, mid, half, val)
+    if rc:  # the declined vectors, each as a layer of its own with its layer's codebook
+        b, r = declined.bool().nonzero(as_tuple=True)
+        redone = dense_sparse.quantize.reference(x[b, r].unsqueeze(1), k, cb[b])
+        for into, got in zip(out, redone, strict=True):
+            into[b, r] = got[:, 0]
+    return out
