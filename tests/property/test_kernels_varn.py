@@ -145,6 +145,26 @@ def test_varn_then_rtn_codes_differ_only_at_rounding_boundaries(x, bits, n_iter)
     assert bool(((q == q_ref) | _near_boundary(v, EPS_CODE)).all())
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_balanced_rtn_rounds_half_to_even_as_the_reference(bits: int) -> None:
+    """Values exactly halfway between two codes and a constant row (scale floor): the compiled RTN gives
+    the reference's codes, round half to even."""
+    fast = _fast("varn.balanced_rtn")
+    levels = 2**bits - 1
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(bits))
+    x[0, 0] = torch.arange(96).float() % levels + 1.5  # lo 1, hi 1 + levels (scale 1): every value a tie
+    x[0, 0, :2] = torch.tensor([1.0, 1.0 + levels])
+    x[1, 2] = 2.0  # constant row
+    ones_c, ones_r = torch.ones(2, 1, 96), torch.ones(2, 3, 1)
+    q, lo, scale = fast(x, ones_c, ones_r, bits, SCALE_FLOOR)
+    ties = torch.arange(2, 96) % levels  # k + 0.5 rounds to the even one of k, k + 1
+    assert torch.equal(q[0, 0, 2:].long(), ties + ties % 2)
+    assert torch.equal(q[1, 2], torch.zeros(96, dtype=torch.uint8))
+    assert float(scale[1, 2]) == float(torch.tensor(SCALE_FLOOR, dtype=torch.float32))
+    for a, b in zip((q, lo, scale), balanced_rtn_rows.reference(x, ones_c, ones_r, bits, SCALE_FLOOR)):
+        assert torch.equal(a, b)
+
+
 def test_declines_non_finite_and_bad_arguments() -> None:
     """Non-finite tiles, a negative ``n_iter`` and 9-bit codes go to the reference (which raises where it
     should)."""
