@@ -6,13 +6,15 @@ They apply wherever the C kernel loads (CPU tensors; any CPU, any BLAS) and agre
 the tolerance ``tests/property/test_kernels_varn.py`` states: the stds are one pass over each tile with fp32
 sums shifted by the tile's first sample instead of torch's std of the materialized balanced tile, and exp/log
 are the C library's. Tiles are read through their strides (KVarN's K tiles are a transposed view), each tile
-once into the core's cache.
+once into the core's cache. Tiles are independent: at ``torch.get_num_threads()`` > 1 consecutive runs of
+tiles go to that many threads (the C calls release the GIL), with the same results at every thread count.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +35,22 @@ def _lib() -> ctypes.CDLL | None:
         lib.balanced_rtn_rows.argtypes = [vp, lg, lg, lg, lg, lg, lg, vp, vp, fl, fl, vp, vp, vp]
         lib._kvq_typed = True
     return lib
+
+
+#: at least this many tile elements per thread (smaller inputs run on the calling thread)
+_MIN_PER_THREAD = 1 << 16
+
+
+def _run(n: int, tile_elems: int, call: Callable[[int, int], int]) -> int:
+    """``call(start, stop)`` over the tiles ``0..n`` in ``torch.get_num_threads()`` consecutive runs, in
+    threads; the first non-zero status (0 when all succeed)."""
+    k = max(1, min(torch.get_num_threads(), n, n * tile_elems // _MIN_PER_THREAD))
+    if k == 1:
+        return call(0, n)
+    bounds = [n * i // k for i in range(k + 1)]
+    with ThreadPoolExecutor(k) as pool:
+        status = list(pool.map(call, bounds[:-1], bounds[1:]))
+    return next((s for s in status if s), 0)
 
 
 def _as_tiles(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]] | None:
@@ -65,9 +83,14 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> Any:
     imb, imb0 = torch.empty(n), torch.empty(n)
     best_iter = torch.empty(n, dtype=torch.int64)
     f = ctypes.c_float
-    status = lib.varn_tiles(x3.data_ptr(), n, st, sr, sc, r, c, n_iter, f(STD_CLAMP[0]), f(STD_CLAMP[1]),
-                            f(LOG_SCALE_CLIP[0]), f(LOG_SCALE_CLIP[1]), f(MIN_FLOOR), s_row.data_ptr(),
-                            s_col.data_ptr(), imb.data_ptr(), imb0.data_ptr(), best_iter.data_ptr())
+    ptr = x3.data_ptr()
+
+    def call(i: int, j: int) -> int:
+        return lib.varn_tiles(ptr + 4 * i * st, j - i, st, sr, sc, r, c, n_iter, f(STD_CLAMP[0]), f(STD_CLAMP[1]),
+                              f(LOG_SCALE_CLIP[0]), f(LOG_SCALE_CLIP[1]), f(MIN_FLOOR), s_row[i].data_ptr(),
+                              s_col[i].data_ptr(), imb[i:].data_ptr(), imb0[i:].data_ptr(), best_iter[i:].data_ptr())
+
+    status = _run(n, r * c, call)
     if status:
         return kernels.DECLINED
     lead = tiles.shape[:-2]
@@ -91,14 +114,20 @@ def balanced_rtn_rows(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Ten
     lead = tiles.shape[:-2]
     if tuple(s_col.shape) != (*lead, 1, c) or tuple(s_row.shape) != (*lead, r, 1):
         return kernels.DECLINED
-    sc3 = s_col.to(torch.float32).contiguous()
-    sr3 = s_row.to(torch.float32).contiguous()
+    sc3 = s_col.to(torch.float32).contiguous().view(n, 1, c)
+    sr3 = s_row.to(torch.float32).contiguous().view(n, r, 1)
     if sc3.device.type != "cpu" or sr3.device.type != "cpu":
         return kernels.DECLINED
     q = torch.empty(n, r, c, dtype=torch.uint8)
     lo, scale = torch.empty(n, r, 1), torch.empty(n, r, 1)
     f = ctypes.c_float
-    if lib.balanced_rtn_rows(x3.data_ptr(), n, st, sr, sc, r, c, sc3.data_ptr(), sr3.data_ptr(), f(2**bits - 1),
-                             f(floor), q.data_ptr(), lo.data_ptr(), scale.data_ptr()):
+    ptr = x3.data_ptr()
+
+    def call(i: int, j: int) -> int:
+        return lib.balanced_rtn_rows(ptr + 4 * i * st, j - i, st, sr, sc, r, c, sc3[i].data_ptr(),
+                                     sr3[i].data_ptr(), f(2**bits - 1), f(floor), q[i].data_ptr(), lo[i].data_ptr(),
+                                     scale[i].data_ptr())
+
+    if _run(n, r * c, call):
         return kernels.DECLINED
     return q.view(*lead, r, c), lo.view(*lead, r, 1), scale.view(*lead, r, 1)

@@ -227,3 +227,22 @@ def test_kvarn_share_of_differing_codes_on_gaussian_heads(kind: str) -> None:
     qt, _y, qt_ref, _y_ref = _roundtrips(x, kind, 2, 128, 16)
     c, c_ref = qt.codes("full.codes"), qt_ref.codes("full.codes")
     assert float((c != c_ref).float().mean()) <= 1e-5
+
+
+def test_same_results_at_every_thread_count() -> None:
+    """The compiled steps split the tiles over ``torch.get_num_threads()`` threads; each tile is computed on
+    its own, so 1, 2 and 3 threads give the same bits (and the caller's thread count is left as it was)."""
+    fast, rtn = _fast("varn.iterate"), _fast("varn.balanced_rtn")
+    x = torch.randn(2, 37, 64, 96, generator=torch.Generator().manual_seed(9)).transpose(-1, -2)
+    nt = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            res = fast(x, 4)
+            outs.append((*res, *rtn(x, res.s_col, res.s_row, 2, SCALE_FLOOR)))
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(nt)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
