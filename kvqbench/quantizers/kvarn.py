@@ -209,9 +209,11 @@ class KVarN(Quantizer):
             a = qt[f"{name}.row_scale"].unsqueeze(-1)
             z = qt[f"{name}.row_zero"].unsqueeze(-1)
             col = qt[f"{name}.col_scale"].unsqueeze(-2)
-            rec = (q * a).add_(z).mul_(col)  # §3 step 4: x̂[r, c] = (q·a[r] + z[r])·t[c]
-            blk = rec.transpose(-1, -2) if qt.kind == "k" else rec  # token-major [B, H, nt, G, D]
-            parts.append(blk.reshape(b_, h, n, d))
+            nt, rows, cols = q.shape[-3:]
+            blk = a.new_empty(b_, h, nt, n // nt, d)  # token-major [B, H, nt, G, D]
+            tiles = blk.transpose(-1, -2) if qt.kind == "k" else blk  # rows: K channels, V tokens
+            torch.mul(q, a, out=tiles).add_(z).mul_(col)  # §3 step 4: x̂[r, c] = (q·a[r] + z[r])·t[c]
+            parts.append(blk.view(b_, h, n, d))
         xr = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
         return fwht(xr)  # inverse of step 1: H/√D is its own inverse
 

@@ -112,8 +112,13 @@ int varn_tiles(const float *x, long n, long st, long sr, long sc, long R, long C
   const float lo_s = expf(lo_clip), hi_s = expf(hi_clip); /* the log-scale clip, as a scale clip */
   int status = 0;
   for (long t = 0; t < n && !status; t++) {
-    if (load_tile(x + t * st, sr, sc, R, C, xl)) { status = 1; break; }
-    transpose(xl, R, C, xt);
+    if (sr == 1 && sc != 1) { /* the tile is stored transposed (KVarN's K): its transpose is a plain copy */
+      if (load_tile(x + t * st, sc, 1, C, R, xt)) { status = 1; break; }
+      transpose(xt, C, R, xl);
+    } else {
+      if (load_tile(x + t * st, sr, sc, R, C, xl)) { status = 1; break; }
+      transpose(xl, R, C, xt);
+    }
     for (long c = 0; c < C; c++) { ec[c] = 1.f; ic[c] = 1.f; bc[c] = 1.f; }
     for (long r = 0; r < R; r++) { er[r] = 1.f; ir[r] = 1.f; br[r] = 1.f; }
     axis_std(xl, ir, R, C, cs); /* column stds of x */
@@ -155,12 +160,56 @@ int varn_tiles(const float *x, long n, long st, long sr, long sc, long R, long C
  * scale = max((hi - lo) / levels, floor), q = clamp(round_half_even((b - lo) / scale), 0, levels) as uint8;
  * q, lo, scale contiguous ([n, R, C], [n, R], [n, R]). Returns 0; 1 when a value of b is not finite; -1 when
  * out of memory. */
+/* rows_rtn for a tile stored transposed, xt [C, R] (the rows are its columns): the same operations, each row's
+ * values taken across the C lines of xt (vectorized across the rows); codes written to q [R, C]. mn, mx: R
+ * floats of work. Returns 1 when a value of b is not finite. */
+static int rows_rtn_transposed(float *restrict xt, long R, long C, const float *restrict cs,
+                               const float *restrict rs, float levels, float floor_, unsigned char *restrict q,
+                               float *restrict lo, float *restrict scale, float *restrict mn, float *restrict mx) {
+  int bad = 0;
+  for (long c = 0; c < C; c++) {
+    float *b = xt + c * R;
+    for (long r = 0; r < R; r++) {
+      const float v = (b[r] / cs[c]) / rs[r];
+      b[r] = v;
+      bad |= !(v - v == 0.f);
+    }
+  }
+  if (bad) return 1;
+  for (long r = 0; r < R; r++) { mn[r] = xt[r]; mx[r] = xt[r]; }
+  for (long c = 1; c < C; c++) {
+    const float *b = xt + c * R;
+    for (long r = 0; r < R; r++) {
+      mn[r] = b[r] < mn[r] ? b[r] : mn[r];
+      mx[r] = b[r] > mx[r] ? b[r] : mx[r];
+    }
+  }
+  for (long r = 0; r < R; r++) {
+    const float sv = (mx[r] - mn[r]) / levels;
+    scale[r] = sv < floor_ ? floor_ : sv;
+    lo[r] = mn[r];
+  }
+  for (long c = 0; c < C; c++) {
+    float *b = xt + c * R;
+    for (long r = 0; r < R; r++) b[r] = clampf(nearbyintf((b[r] - lo[r]) / scale[r]), 0.f, levels);
+  }
+  for (long r = 0; r < R; r++)
+    for (long c = 0; c < C; c++) q[r * C + c] = (unsigned char)xt[c * R + r];
+  return 0;
+}
+
 int balanced_rtn_rows(const float *x, long n, long st, long sr, long sc, long R, long C, const float *s_col,
                       const float *s_row, float levels, float floor_, unsigned char *q, float *lo, float *scale) {
-  float *xl = malloc(sizeof(float) * (size_t)(R * C));
+  float *xl = malloc(sizeof(float) * (size_t)(R * C + 2 * R));
   if (!xl) return -1;
   int status = 0;
   for (long t = 0; t < n && !status; t++) {
+    if (sr == 1 && sc != 1) { /* stored transposed (KVarN's K) */
+      load_tile(x + t * st, sc, 1, C, R, xl);
+      status = rows_rtn_transposed(xl, R, C, s_col + t * C, s_row + t * R, levels, floor_, q + t * R * C,
+                                   lo + t * R, scale + t * R, xl + R * C, xl + R * C + R);
+      continue;
+    }
     load_tile(x + t * st, sr, sc, R, C, xl);
     const float *cs = s_col + t * C;
     for (long r = 0; r < R && !status; r++) {
