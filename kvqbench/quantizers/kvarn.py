@@ -129,9 +129,9 @@ class KVarN(Quantizer):
         "of two into it before VarN and the factor is absorbed into the row vectors (exact); VarN's absolute "
         "clamps and the 1e-10 scale floor otherwise collapse tiny tiles (every row to its minimum) and make "
         "the error depend on the input scale. Tiles inside the window are quantized as the paper's steps.",
-        "Compiled VarN (CPU): the stds are one pass over each tile (fp32 sums shifted by the first sample) "
-        "instead of the std of the materialized balanced tile; scales and codes agree with the plain-torch "
-        "steps within the tolerance tests/property/test_kernels_varn.py states.",
+        "Compiled VarN (CPU): one-pass stds (fp32 sums shifted by the tile's first sample) of the balanced "
+        "tile without materializing it, scales updated without exp/log; scales and codes agree with the "
+        "plain-torch steps within the tolerance tests/property/test_kernels_varn.py states.",
     )
 
     def __init__(

@@ -5,12 +5,12 @@
  * is never materialized, and the scales are updated in the linear domain — s = clamp(s·clamp(std, 1e-3, 1e3),
  * e^-0.3, e^10), which is exp(clip(log s + log clamp(std), -0.3, 10)) without the exp and log.
  *
- * Tiles are read through strides: element (t, r, c) of the n tiles [R, C] is x[t*st + r*sr + c*sc]. Each tile
- * is copied once into two local buffers (the tile and its transpose, both in the core's cache), so both
- * axes are summed with unit stride along the vectorized loop.
- *
- * Per iteration, with ic = 1/s_col and ir = 1/s_row: the row stds of B = x·ic·ir are
- * ir ⊙ std_cols(x·ic) and its column stds ic ⊙ std_rows(x·ir); one pass over each buffer gives both. */
+ * Tiles are read through strides: element (t, r, c) of the n tiles [R, C] is x[t*st + r*sr + c*sc]; a tile
+ * stored transposed (sr = 1, KVarN's K) is read as a plain copy of its transpose. VarN keeps each tile in two
+ * local buffers (the tile and its transpose, both in the core's cache), so both axes are summed with unit
+ * stride along the vectorized loop: per iteration, with ic = 1/s_col and ir = 1/s_row, the row stds of
+ * B = x·ic·ir are ir ⊙ std_cols(x·ic) (one pass over the transpose) and its column stds ic ⊙ std_rows(x·ir)
+ * (one pass over the tile). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
