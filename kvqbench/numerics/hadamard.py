@@ -8,21 +8,23 @@ the block-diagonal of normalized Sylvester blocks given by the binary decomposit
 (``Q Qᵀ = I``), it only mixes channels within each block. A larger Hadamard is never sliced
 (``H[:d, :d]`` is not orthogonal).
 
-Used by QuaRot (arXiv:2404.00456, §3–4: online Hadamard on K and V along head_dim, applied by a fast
-Walsh–Hadamard kernel: here :func:`fwht`) and KVarN (arXiv:2606.03458, step 1: Sylvester Hadamard scaled
-1/√D, no random signs, as a matrix product: :func:`hadamard_transform`).
+Two ways to apply the same rotation: :func:`hadamard_transform`, the matrix product ``x @ Q``, and
+:func:`fwht`, the butterflies of the fast Walsh–Hadamard transform (``d·log₂d`` additions per row), equal up
+to rounding. :func:`fwht` is the reference step ``hadamard.fwht`` (plain torch); its compiled version
+(:mod:`kvqbench.kernels.hadamard`) agrees with it within the tolerance of
+``tests/property/test_kernels_hadamard.py``. Used by QuaRot (arXiv:2404.00456, §3–4: online Hadamard on K
+and V along head_dim, a fast Walsh–Hadamard kernel) and KVarN (arXiv:2606.03458 §3, step 1: Sylvester
+Hadamard scaled 1/√D, no random signs), both through :func:`fwht`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 
 import torch
 
-from kvqbench.kernels import build as cbuild
-from kvqbench.numerics import blocks
+from kvqbench import kernels
 
 __all__ = [
     "is_power_of_two",
@@ -31,8 +33,6 @@ __all__ = [
     "hadamard_matrix",
     "hadamard_transform",
     "fwht",
-    "fwht_compiled_ok",
-    "rotation_rows_independent",
 ]
 
 
@@ -136,48 +136,8 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.to(cdt), q)
 
 
-#: ``(d, dtype, min_rows, block_rows, threads)`` → the answer of :func:`rotation_rows_independent`
-_ROWS_INDEPENDENT: dict[tuple[int, torch.dtype, int, int, int], bool] = {}
-
-
-def rotation_rows_independent(d: int, dtype: torch.dtype = torch.float32, *, min_rows: int = 2,
-                              block_rows: int | None = None) -> bool:
-    """Whether :func:`hadamard_transform` on the CPU gives the same bits computed on blocks of rows as on
-    the whole tensor: ``x[a:b] @ Q`` on one thread, for blocks of ``min_rows`` to ``1.5·block_rows`` rows,
-    against ``x @ Q`` at the caller's thread count, for head_dim ``d`` in ``dtype`` (fp32 or fp64).
-
-    Each row of a product is its own dot products with ``Q``'s columns, but a BLAS library picks its
-    kernel (and so its order of additions) from the shapes it is given: a one-row product runs as a
-    mat-vec and may round differently, and a split across threads could too. So this is checked once per
-    process and ``(d, dtype, min_rows, block_rows, thread count)`` on a seeded random probe: its whole
-    product against the products of consecutive blocks of ``min_rows``, ``min_rows + 1``, 17,
-    ``block_rows`` (default: a cache-sized block, :data:`kvqbench.numerics.blocks.BLOCK_ELEMS` elements)
-    and ``block_rows/2 + 3`` rows. A caller that blocks the rotation keeps the whole-tensor product where
-    this says ``False``.
-
-    Raises:
-        ValueError: ``d`` is not a positive int, or ``min_rows < 1``.
-    """
-    _check_dim(d)
-    if min_rows < 1:
-        raise ValueError(f"min_rows must be >= 1, got {min_rows}")
-    per = max(blocks.BLOCK_ELEMS // d if block_rows is None else int(block_rows), min_rows)
-    key = (d, dtype, min_rows, per, torch.get_num_threads())
-    if key not in _ROWS_INDEPENDENT:
-        sizes = [min_rows, min_rows + 1, 17, per, max(per // 2, min_rows) + 3]
-        g = torch.Generator().manual_seed(d)
-        x = torch.randn(sum(sizes), d, generator=g, dtype=dtype) * torch.randn(sum(sizes), 1, generator=g,
-                                                                                 dtype=dtype).exp()
-        q = hadamard_matrix(d, dtype=dtype)
-        whole = torch.mm(x, q)
-        with blocks.one_cpu_thread(x.device):
-            parts = torch.cat([torch.mm(xb, q) for xb in x.split(sizes)])
-        _ROWS_INDEPENDENT[key] = torch.equal(parts, whole)
-    return _ROWS_INDEPENDENT[key]
-
-
 def _fwht_torch(y: torch.Tensor) -> torch.Tensor:
-    """:func:`fwht`'s operations in torch on ``y`` ``[rows, d]`` (the compute dtype; overwritten)."""
+    """The butterflies of :func:`fwht` on ``y`` ``[rows, d]`` (the compute dtype; overwritten)."""
     rows, d = y.shape
     start = 0
     for n in hadamard_blocks(d):
@@ -195,73 +155,7 @@ def _fwht_torch(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _fwht_lib() -> ctypes.CDLL | None:
-    lib = cbuild.load("fwht.c")
-    if lib is not None and not getattr(lib, "_kvq_typed", False):
-        vp, lg = ctypes.c_void_p, ctypes.c_long
-        lib.fwht_rows.restype = None
-        lib.fwht_rows.argtypes = [vp, lg, vp, lg, lg, vp, vp, ctypes.c_int]
-        lib._kvq_typed = True
-    return lib
-
-
-def _fwht_compiled(x: torch.Tensor, out: torch.Tensor) -> bool:
-    """The compiled :func:`fwht` of the fp32 CPU rows ``x`` ``[rows, d]`` (unit column stride) into the
-    contiguous ``out``; ``False`` (nothing written) where it does not apply."""
-    lib = _fwht_lib()
-    if (lib is None or x.dtype != torch.float32 or out.dtype != torch.float32 or x.device.type != "cpu"
-            or out.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1 or not out.is_contiguous()
-            or out.shape != x.shape):
-        return False
-    rows, d = (int(v) for v in x.shape)
-    if rows == 0:
-        return True
-    sz, sc, nb = _fwht_blocks(d)
-    lib.fwht_rows(x.data_ptr(), x.stride(0), out.data_ptr(), rows, d, sz, sc, nb)
-    return True
-
-
-@functools.lru_cache(maxsize=32)
-def _fwht_blocks(d: int) -> tuple[ctypes.Array, ctypes.Array, int]:
-    """The kernel's block sizes and scales for head_dim ``d`` (built once per ``d``)."""
-    sizes = hadamard_blocks(d)
-    return ((ctypes.c_long * len(sizes))(*sizes), (ctypes.c_float * len(sizes))(*(1 / math.sqrt(n) for n in sizes)),
-            len(sizes))
-
-
-_FWHT_OK: dict[str, bool] = {}
-
-
-def fwht_compiled_ok() -> bool:
-    """Whether the compiled butterflies (``fwht.c``, :mod:`kvqbench.numerics.cbuild`) give the torch
-    butterflies' bits on a probe (head_dims 128, 96, 64, 80, 1, 2; Gaussian rows over six decades of scale,
-    subnormal, huge, NaN and infinite values; strided and in-place rows): checked once per process; ``False``
-    without a compiled kernel (``KVQBENCH_KERNELS=0``, no C compiler)."""
-    if "ok" not in _FWHT_OK:
-        _FWHT_OK["ok"] = False
-        if _fwht_lib() is None:
-            return False
-        g = torch.Generator().manual_seed(2404)
-        for d in (128, 96, 64, 80, 1, 2):
-            x = torch.randn(40, d + 3, generator=g) * torch.exp(torch.randn(40, 1, generator=g) * 3)
-            x[1] *= 1e-40
-            x[2] *= 1e37
-            x[3, 0], x[4, -1], x[5, d // 2] = float("nan"), float("inf"), -float("inf")
-            x[6, : d // 2 + 1] = 3e38  # overflows: inf − inf
-            x[7, 0], x[7, -1] = float("nan"), -float("nan")  # NaNs of both signs meet
-            xs = x[:, 1 : d + 1]  # rows with a stride of d + 3
-            want = _fwht_torch(xs.contiguous())
-            got = torch.full((40, d), 7.0)
-            same = _fwht_compiled(xs, got) and torch.equal(got.view(torch.int32), want.view(torch.int32))
-            inplace = xs.contiguous()
-            same = same and _fwht_compiled(inplace, inplace) and torch.equal(inplace.view(torch.int32),
-                                                                              want.view(torch.int32))
-            if not same:
-                return False
-        _FWHT_OK["ok"] = True
-    return _FWHT_OK["ok"]
-
-
+@kernels.reference("hadamard.fwht")
 def fwht(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate ``x`` by :func:`hadamard_matrix` along its last dim with butterflies: the fast Walsh–Hadamard
     transform, ``d·log₂d`` additions per row instead of the ``d²`` multiply-adds of ``x @ Q``.
@@ -269,11 +163,9 @@ def fwht(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     Per block of :func:`hadamard_blocks` ``(d)`` (``n`` a power of two): the stages ``h = 1, 2, 4, …, n/2``
     in that order, each replacing every pair ``(y_j, y_{j+h})`` of a run of ``2h`` values by
     ``(y_j + y_{j+h}, y_j − y_{j+h})`` (Sylvester's ``H_n``, natural order), then × ``1/√n`` rounded to the
-    compute dtype; a NaN in the result is the canonical quiet NaN (``float("nan")``: which of two NaN
-    operands an addition returns depends on the compiled loop). Equal to :func:`hadamard_transform` up to rounding (another order of additions), and its
-    bits are fixed by these operations alone — the same on every device, thread count and block of rows
-    (each row on its own), compiled (fp32 on the CPU, ``fwht.c``, where :func:`fwht_compiled_ok`) or in
-    torch. Applying it twice returns ``x`` up to rounding.
+    compute dtype; a NaN in the result is the canonical quiet NaN (``float("nan")``). Each row is rotated on
+    its own. Equal to :func:`hadamard_transform` up to rounding (another order of additions); applying it
+    twice returns ``x`` up to rounding.
 
     Args:
         x: floating tensor ``(..., d)``, e.g. ``(batch, kv_heads, seq_len, head_dim)``; computed in fp32
@@ -298,8 +190,6 @@ def fwht(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         return out
     rows = x.reshape(-1, d) if x.dtype == cdt else x.to(cdt).reshape(-1, d)
     out2 = out.view(-1, d)
-    if cdt == torch.float32 and x.device.type == "cpu" and fwht_compiled_ok() and _fwht_compiled(rows, out2):
-        return out
     if out2.data_ptr() != rows.data_ptr():
         out2.copy_(rows)
     _fwht_torch(out2)

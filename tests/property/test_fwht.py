@@ -1,7 +1,6 @@
 """The butterflies of kvqbench.numerics.hadamard.fwht: the Walsh–Hadamard rotation (equal to x @ Q, the
-matrix of hadamard_matrix, up to rounding; its own inverse), and the compiled kernel (fwht.c) gives the torch
-butterflies' bits for every input — scales over many decades, subnormal, overflowing, NaN and infinite values,
-every head_dim (block-diagonal where it is not a power of two), strided rows, in place."""
+matrix of hadamard_matrix, up to rounding; its own inverse) — for the dispatching fwht (compiled where it
+loads) and its plain-torch reference. Their agreement: tests/property/test_kernels_hadamard.py."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvqbench.numerics import hadamard
 from kvqbench.numerics.hadamard import fwht, hadamard_blocks, hadamard_matrix
 
 
@@ -41,27 +39,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-@pytest.mark.skipif(not hadamard.fwht_compiled_ok(), reason="no C compiler (or KVQBENCH_KERNELS=0)")
-@settings(max_examples=200, deadline=None)
-@given(case=rows_())
-def test_compiled_butterflies_give_the_torch_bits(case) -> None:
-    x, _ = case
-    want = hadamard._fwht_torch(x.clone())
-    got = torch.full(x.shape, 7.0)
-    assert hadamard._fwht_compiled(x, got)
-    assert torch.equal(_bits(got), _bits(want))
-    inplace = x.clone()
-    assert hadamard._fwht_compiled(inplace, inplace)
-    assert torch.equal(_bits(inplace), _bits(want))
-
-
 @settings(max_examples=100, deadline=None)
-@given(case=rows_())
-def test_fwht_is_the_hadamard_rotation_up_to_rounding_and_its_own_inverse(case) -> None:
+@given(case=rows_(), reference=st.booleans())
+def test_fwht_is_the_hadamard_rotation_up_to_rounding_and_its_own_inverse(case, reference) -> None:
     x, family = case
+    fwht_ = fwht.reference if reference else fwht
     assume(family not in ("huge", "nonfinite"))  # no rounding bound for overflowing or non-finite rows
     d = x.shape[-1]
-    y = fwht(x)
+    y = fwht_(x)
     # an independent rotation: scipy's Sylvester blocks, in fp64
     q = torch.zeros(d, d, dtype=torch.float64)
     start = 0
@@ -74,9 +59,9 @@ def test_fwht_is_the_hadamard_rotation_up_to_rounding_and_its_own_inverse(case) 
     # (plus the subnormal spacing 2^-149 per operation)
     bound = (math.log2(max(d, 2)) + 2) * (2.0**-24 * math.sqrt(d) * scale + 2.0**-149)
     assert bool(((y.double() - ref).abs() <= bound).all())
-    assert torch.allclose(fwht(y).double(), x.double(), rtol=0, atol=float((2 * bound).max()) + 1e-45)
-    assert torch.equal(fwht(x.double()), fwht(x.double()))  # fp64 stays fp64, deterministic
-    assert fwht(x.double()).dtype == torch.float64
+    assert torch.allclose(fwht_(y).double(), x.double(), rtol=0, atol=float((2 * bound).max()) + 1e-45)
+    assert torch.equal(fwht_(x.double()), fwht_(x.double()))  # fp64 stays fp64, deterministic
+    assert fwht_(x.double()).dtype == torch.float64
 
 
 def test_fwht_out_and_errors() -> None:

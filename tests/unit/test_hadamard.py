@@ -12,7 +12,6 @@ from kvqbench.numerics.hadamard import (
     hadamard_matrix,
     hadamard_transform,
     is_power_of_two,
-    rotation_rows_independent,
     sylvester_hadamard,
 )
 
@@ -120,34 +119,3 @@ def test_transform_computes_in_fp32(dtype: torch.dtype) -> None:
 def test_transform_rejects_integer_tensors() -> None:
     with pytest.raises(TypeError):
         hadamard_transform(torch.ones(2, 4, dtype=torch.int64))
-
-
-@pytest.mark.parametrize("d", [64, 96, 128])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_rows_independent_holds_on_fresh_data_in_cache_sized_blocks(d: int, threads: int) -> None:
-    """Where the once-per-process probe says the rotation's row blocks give the whole product's bits, so
-    do the blocks QuaRot uses (multiples of 16 rows, the real block size) on other data and row counts."""
-    from kvqbench.numerics.blocks import one_cpu_thread, row_blocks
-
-    nt = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        if not rotation_rows_independent(d, min_rows=8):
-            pytest.skip(f"this BLAS rounds row blocks of a product with Q_{d} differently (whole path kept)")
-        g = torch.Generator().manual_seed(d + threads)
-        x = torch.randn(20000, d, generator=g) * torch.randn(20000, 1, generator=g).exp() * 30
-        q = hadamard_matrix(d)
-        whole = torch.mm(x, q)
-        with one_cpu_thread(x.device):
-            parts = torch.cat([torch.mm(x[sl], q) for sl in row_blocks(20000, d, multiple=16)])
-    finally:
-        torch.set_num_threads(nt)
-    assert len(row_blocks(20000, d, multiple=16)) > 2
-    assert torch.equal(parts, whole)
-
-
-def test_rows_independent_rejects_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="min_rows"):
-        rotation_rows_independent(64, min_rows=0)
-    with pytest.raises(ValueError, match="positive int"):
-        rotation_rows_independent(0)

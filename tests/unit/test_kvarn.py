@@ -1,15 +1,16 @@
-"""KVarN: a loop-based second implementation, bit-identity with the plain pipeline, bits accounting
-(2.25 / 2.375), partial tiles, edge cases."""
+"""KVarN: a loop-based second implementation, bits accounting (2.25 / 2.375), partial tiles, edge cases.
+Its fast steps against its plain-torch steps: tests/property/test_kernels_varn.py."""
 
 from __future__ import annotations
 
-import hypothesis.strategies as st
+import contextlib
+
 import numpy as np
 import pytest
 import scipy.linalg
 import torch
-from hypothesis import assume, given, settings
 
+from kvqbench import kernels
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
 from kvqbench.quantizers.kvarn import KVarN
@@ -58,10 +59,12 @@ def _loop_kvarn(x: torch.Tensor, kind: str, bits: int, g: int, n_iter: int = 16)
 
 @pytest.mark.parametrize("kind", ["k", "v"])
 @pytest.mark.parametrize(("bits", "t", "g"), [(2, 128, 64), (4, 150, 64), (3, 64, 128)])
-def test_matches_loop_reference(kind: str, bits: int, t: int, g: int) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["kernels", "reference"])
+def test_matches_loop_reference(kind: str, bits: int, t: int, g: int, fast: bool) -> None:
     x = _x((1, 2, t, 64), seed=bits + t)
     x[..., 3] += 4.0  # a channel offset, so VarN has work to do
-    y = KVarN(bits, group_size=g).roundtrip(x, kind)
+    with contextlib.nullcontext() if fast else kernels.disabled():
+        y = KVarN(bits, group_size=g).roundtrip(x, kind)
     want = _loop_kvarn(x, kind, bits, g)
     close = torch.isclose(y, want, rtol=1e-4, atol=1e-4)
     # the two implementations may round a borderline code differently; allow a handful
@@ -185,71 +188,13 @@ def test_scale_window_outside_normal_scales(kind: str) -> None:
     e1 = e(q.roundtrip(x, kind), 1.0)
     assert e1 / 2 < e(hi, 2.0**-40) < 2 * e1
     assert e1 / 2 < e(q.roundtrip(x * 2.0**40, kind), 2.0**40) < 2 * e1
+    from kvqbench.numerics.hadamard import fwht
     from kvqbench.quantizers.kvarn import tile_window
 
-    tiles = x.reshape(1, 2, 1, 160, 64)
-    assert bool((tile_window(tiles, kind) == 1).all())
-
-
-# --------------------------------------------------------------------------------------------------
-# The optimized pipeline (finiteness from the window's statistic, min/max without |x|, mean squares in
-# slices, division by the window factor skipped or fused into K's copy, K decoded into token-major layout)
-# against the steps written plainly, each a fresh tensor: same codes, same stored vectors, same round trip.
-
-
-def _plain_kvarn(x: torch.Tensor, kind: str, bits: int, g: int, n_iter: int):
-    """``(codes, row_scale, row_zero, col_scale)`` per span and the round trip, step by step."""
-    from kvqbench.numerics.hadamard import hadamard_transform
-    from kvqbench.numerics.scale import pow2_floor, pow2_window
-    from kvqbench.numerics.varn import varn
-    from kvqbench.quantizers.kvarn import WINDOW, rtn_rows
-
-    b_, h, t, d = x.shape
-    xr = hadamard_transform(x.float())
-    spans, out = [], []
-    starts = [(0, t // g * g)] if t >= g else []
-    if t % g:
-        starts.append((t // g * g, t % g))
-    for start, n in starts:
-        gg = min(g, n)
-        blk = xr[:, :, start : start + n, :].reshape(b_, h, n // gg, gg, d)
-        tiles = blk.transpose(-1, -2) if kind == "k" else blk
-        p = pow2_floor(tiles.abs().amax(dim=(-2, -1), keepdim=True))
-        rms = torch.sqrt(((tiles / p) ** 2).mean(dim=(-2, -1), keepdim=True)) * p
-        c = pow2_window(rms, *WINDOW[kind])
-        tiles = tiles.contiguous() / c
-        res = varn(tiles, n_iter)
-        q, lo, scale = rtn_rows(tiles / res.s_col / res.s_row, bits)
-        a, z, cs = res.s_row * scale * c, res.s_row * lo * c, res.s_col
-        spans.append((q, a.squeeze(-1), z.squeeze(-1), cs.squeeze(-2)))
-        rec = (q.float() * a + z) * cs
-        out.append((rec.transpose(-1, -2) if kind == "k" else rec).reshape(b_, h, n, d))
-    y = hadamard_transform(torch.cat(out, dim=2))
-    return spans, y.clamp(-torch.finfo(x.dtype).max, torch.finfo(x.dtype).max).to(x.dtype)
-
-
-@settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 300),
-       d=st.sampled_from([16, 64, 96, 128]), g=st.sampled_from([16, 64, 128]), kind=st.sampled_from(["k", "v"]),
-       bits=st.sampled_from([1, 2, 3, 4, 8]), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
-       scale=st.sampled_from([2.0**-40, 1e-3, 1.0, 1e3, 2.0**30]), offset=st.booleans())
-def test_bit_identical_to_the_plain_pipeline(seed, b, h, t, d, g, kind, bits, dtype, scale, offset) -> None:
-    x = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(seed)) * scale
-    if offset:
-        x[..., d // 3] += 6.0 * scale  # a channel offset: VarN's two-pass fallback and large row means
-    x = x.to(dtype)
-    assume(bool(torch.isfinite(x).all()))  # fp16 overflows at 2^30
-    q = KVarN(bits, group_size=g, varn_iters=8)
-    qt = q.quantize(x, kind)
-    spans, want = _plain_kvarn(x, kind, bits, g, 8)
-    names = [nm for nm, _s, _n in qt.meta["spans"]]
-    assert len(names) == len(spans)
-    for nm, (codes, a, z, cs) in zip(names, spans):
-        assert torch.equal(qt.codes(f"{nm}.codes"), codes)
-        assert torch.equal(qt[f"{nm}.row_scale"], a)
-        assert torch.equal(qt[f"{nm}.row_zero"], z)
-        assert torch.equal(qt[f"{nm}.col_scale"], cs)
-    assert torch.equal(q.dequantize(qt), want)
+    tiles = fwht(x).reshape(1, 2, 1, 160, 64)
+    c, absmax = tile_window(tiles, kind)
+    assert bool((c == 1).all())
+    assert torch.equal(absmax, tiles.abs().amax(dim=(-2, -1), keepdim=True))
 
 
 def test_non_finite_input_is_rejected_by_the_window_statistic() -> None:
@@ -260,101 +205,3 @@ def test_non_finite_input_is_rejected_by_the_window_statistic() -> None:
             x[pos] = bad
             with pytest.raises(ValueError, match="contains 1 NaN/Inf"):
                 KVarN(2).quantize(x, kind)
-
-
-def _plain_decode(qt, kind: str) -> torch.Tensor:
-    """The stored fields decoded step by step, each a fresh tensor: ``(q·a + z)·t`` per span, token-major,
-    concatenated, then the inverse rotation over the whole tensor (at the caller's thread count)."""
-    from kvqbench.numerics.hadamard import hadamard_transform
-
-    b_, h, t, d = qt.shape
-    out = []
-    for nm, _start, n in qt.meta["spans"]:
-        rec = (qt.codes(f"{nm}.codes").float() * qt[f"{nm}.row_scale"].unsqueeze(-1)
-               + qt[f"{nm}.row_zero"].unsqueeze(-1)) * qt[f"{nm}.col_scale"].unsqueeze(-2)
-        out.append((rec.transpose(-1, -2) if kind == "k" else rec).reshape(b_, h, n, d))
-    y = hadamard_transform(torch.cat(out, dim=2))
-    return y.clamp(-torch.finfo(qt.dtype).max, torch.finfo(qt.dtype).max).to(qt.dtype)
-
-
-@settings(max_examples=12, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), b=st.integers(1, 2), h=st.integers(1, 4), tiles=st.integers(1, 40),
-       tail=st.sampled_from([0, 0, 1, 5]), d=st.sampled_from([16, 48, 64, 80, 96, 128]),
-       g=st.sampled_from([16, 64, 128]), kind=st.sampled_from(["k", "v"]), bits=st.sampled_from([1, 2, 4]),
-       dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]), threads=st.sampled_from([1, 2]))
-def test_blocked_decode_matches_the_plain_decode(seed, b, h, tiles, tail, d, g, kind, bits, dtype, threads) -> None:
-    """The decode runs block by block of tiles, rotating each block back into the output (one span: T a
-    multiple of G, or fewer than G tokens), else over the whole tensor: the same bits as the plain decode
-    and whole-tensor rotation, from one block to many (up to 40 tiles per head, several cache-sized blocks
-    with a short last one), head_dims that are not powers of two, at 1 and 2 threads."""
-    t = tiles * g + tail
-    x = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    q = KVarN(bits, group_size=g, varn_iters=1)
-    nt = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        qt = q.quantize(x, kind)
-        got, want = q.dequantize(qt), _plain_decode(qt, kind)
-    finally:
-        torch.set_num_threads(nt)
-    assert got.dtype == x.dtype and got.shape == x.shape
-    assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
-def test_compiled_balance_and_rtn_is_bit_identical_to_torch(bits: int) -> None:
-    """The compiled balance + per-row RTN equals the torch blocks bit for bit: random tiles, a constant row
-    (scale floor) and values exactly halfway between two codes (round half to even); a tile set holding an
-    exact zero is left to the torch blocks (the sign of a zero minimum is theirs to decide)."""
-    from kvqbench.numerics import varn as varn_num
-    from kvqbench.quantizers import kvarn as kv
-
-    if varn_num._c_kernels() is None or not kv._c_balance_ok():
-        pytest.skip("no compiled balance + RTN here (no C compiler, or other bits): the torch blocks run")
-    g = torch.Generator().manual_seed(bits)
-    x = torch.randn(2, 5, 64, 96, generator=g) * torch.exp(torch.randn(2, 5, 64, 1, generator=g))
-    levels = 2**bits - 1
-    x[0, 0, 0] = 2.0  # constant row
-    x[0, 0, 1] = torch.arange(96).float() % levels + 1.5  # lo 1, hi 1 + levels (scale 1): every value a tie
-    x[0, 0, 1, :2] = torch.tensor([1.0, 1.0 + levels])
-    sc = torch.rand(2, 5, 1, 96, generator=g) + 0.5
-    sr = torch.rand(2, 5, 64, 1, generator=g) + 0.5
-    sc[0, 0] = 1.0
-    sr[0, 0] = 1.0
-    got = varn_num.balanced_rtn_rows(x.clone(), sc, sr, bits, kv.SCALE_FLOOR)
-    assert got is not None  # the compiled pass ran
-    want = kv._balance_rtn_torch(x.clone(), sc, sr, bits)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    ties = torch.arange(2, 96) % levels  # k + 0.5 rounds to the even one of k, k + 1
-    assert torch.equal(got[0][0, 0, 1, 2:].long(), ties + ties % 2)
-    x[1, 2, 3, 4] = 0.0
-    assert varn_num.balanced_rtn_rows(x.clone(), sc, sr, bits, kv.SCALE_FLOOR) is None
-    for a, b in zip(kv._balance_rtn(x.clone(), sc, sr, bits), kv._balance_rtn_torch(x.clone(), sc, sr, bits)):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("independent", [True, False])
-def test_blocked_decode_only_where_row_blocks_round_like_the_whole_product(independent: bool) -> None:
-    """The blocked decode rotates row blocks only where the rotation's row blocks give the whole product's
-    bits (``rotation_rows_independent``, as QuaRot asks); where that probe says no, the decode takes the
-    whole-tensor rotation, with the plain decode's bits either way."""
-    from unittest import mock
-
-    from kvqbench.quantizers import kvarn as kvarn_mod
-
-    x = torch.randn(1, 2, 4 * 64, 64, generator=torch.Generator().manual_seed(5))
-    q = KVarN(2, group_size=64, varn_iters=1)
-    qt = q.quantize(x, "k")
-    real = kvarn_mod.KVarN._dequantize_fused
-    calls = []
-
-    def spy(self, qt):
-        calls.append(1)
-        return real(self, qt)
-
-    with mock.patch.object(kvarn_mod, "rotation_rows_independent", return_value=independent) as probe, \
-            mock.patch.object(kvarn_mod.KVarN, "_dequantize_fused", spy):
-        got = q.dequantize(qt)
-    assert probe.called and bool(calls) == independent
-    assert torch.equal(got, _plain_decode(qt, "k"))

@@ -1,12 +1,10 @@
-/* The normalized Walsh–Hadamard transform of rows by butterflies (the fast Walsh–Hadamard transform), the
- * compiled form of kvqbench.numerics.hadamard.fwht, whose torch code fixes the operations and their order:
- * per block of n (a power of two) consecutive values of a row, the stages h = 1, 2, 4, …, n/2 in that order,
- * each replacing every pair (y[j], y[j + h]) of a run of 2h values by (y[j] + y[j + h], y[j] − y[j + h]); then
- * every value times the block's scale (1/√n rounded to fp32). Each step one fp32 IEEE operation (compiled with
- * -ffp-contract=off), so the bits are those of the torch code for every input; a NaN in the result is written
- * as the canonical quiet NaN 0x7fc00000 (which of two NaN operands an addition returns depends on the order the
- * compiler gives its operands, in torch's loops as here). The caller still checks the bits once per process
- * before use.
+/* The normalized Walsh–Hadamard transform of rows by butterflies (the fast Walsh–Hadamard transform): the fast
+ * version of kvqbench.numerics.hadamard.fwht (registered in kvqbench.kernels.hadamard), whose torch code fixes
+ * the operations and their order: per block of n (a power of two) consecutive values of a row, the stages
+ * h = 1, 2, 4, …, n/2 in that order, each replacing every pair (y[j], y[j + h]) of a run of 2h values by
+ * (y[j] + y[j + h], y[j] − y[j + h]); then every value times the block's scale (1/√n rounded to fp32). Each step
+ * is one fp32 IEEE operation (compiled with -ffp-contract=off); a NaN in the result is written as the canonical
+ * quiet NaN 0x7fc00000. Agreement with the reference: tests/property/test_kernels_hadamard.py.
  */
 #include <stdint.h>
 #include <string.h>

@@ -1,7 +1,7 @@
 /* The minimum and maximum of n ≥ 1 fp32 values, taken in any order (the compiler vectorizes the loop): the same
  * values as any ordered scan unless the minimum or maximum is a zero (its sign would depend on the order) or the
  * values hold a NaN, which the callers check for themselves (they then hand the work to their torch code).
- * Shared by the compiled kernels of kvqbench.numerics (included; kvqbench.numerics.cbuild hashes it with them). */
+ * Shared by the C sources of kvqbench/kernels/c (included; kvqbench.kernels.build hashes it with them). */
 #ifndef KVQ_MINMAX_H
 #define KVQ_MINMAX_H
 

@@ -1,268 +1,238 @@
-/* VarN's per-iteration sums over a batch of fp32 tiles, in one pass each, with the rounding of torch's CPU
- * batched mat-vecs that kvqbench.numerics.varn uses otherwise (checked at run time, per tile shape, before
- * use: see varn._ckernel_matches). Compiled with -ffp-contract=off: every fused multiply-add is an explicit
- * fmaf, every other product and sum is rounded to fp32 on its own, so the bits do not depend on the ISA.
+/* VarN (KVarN, arXiv:2606.03458 §3 step 2) and the per-row RTN of the balanced tile (step 3), compiled: the
+ * fast versions of kvqbench.numerics.varn.varn and .balanced_rtn_rows (registered in kvqbench.kernels.varn).
+ * They agree with those references within the tolerance of tests/property/test_kernels_varn.py, not bit for
+ * bit: the stds here are one pass over the tile with fp32 sums shifted by the first sample, the balanced tile
+ * is never materialized, and the scales are updated in the linear domain — s = clamp(s·clamp(std, 1e-3, 1e3),
+ * e^-0.3, e^10), which is exp(clip(log s + log clamp(std), -0.3, 10)) without the exp and log.
  *
- * col_sums: s1[t, c] = sum_r w[t, r] x[t, r, c] and s2[t, c] = sum_r (w[t, r]^2) (x[t, r, c]^2), the rows
- *   taken in blocks of 8 in the order of the batched mat-vec torch.matmul(w^T, x) (MKL on x86 with
- *   AVX-512, measured): per block b: acc = fma(w6, x6, acc); acc = fma(w4, x4, acc);
- *   acc += fma(w5, x5, w7 x7); acc += fma(w0, x0, w2 x2) + fma(w1, x1, w3 x3). R must be a multiple of 8.
- * row_sums: s1[t, r] = sum_c x[t, r, c] w[t, c] and s2 alike, the columns in order, one fma per term (the
- *   mat-vec torch.matmul(x, w^T)), read from the transposed tiles xt [n, C, R].
- */
+ * Tiles are read through strides: element (t, r, c) of the n tiles [R, C] is x[t*st + r*sr + c*sc]; a tile
+ * stored transposed (sr = 1, KVarN's K) is read as a plain copy of its transpose. VarN keeps each tile in two
+ * local buffers (the tile and its transpose, both in the core's cache), so both axes are summed with unit
+ * stride along the vectorized loop: per iteration, with ic = 1/s_col and ir = 1/s_row, the row stds of
+ * B = x·ic·ir are ir ⊙ std_cols(x·ic) (one pass over the transpose) and its column stds ic ⊙ std_rows(x·ir)
+ * (one pass over the tile). */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kvq_minmax.h"
 
-/* one block of 8 rows of the column sum, in the mat-vec's order (see col_sums above) */
-static inline float block8(float a, float w0, float w1, float w2, float w3, float w4, float w5, float w6, float w7,
-                           float y0, float y1, float y2, float y3, float y4, float y5, float y6, float y7) {
-  a = fmaf(w6, y6, a);
-  a = fmaf(w4, y4, a);
-  a = a + fmaf(w5, y5, w7 * y7);
-  return a + (fmaf(w0, y0, w2 * y2) + fmaf(w1, y1, w3 * y3));
-}
-
-#define COL_TERM(k) const float *x##k = xb + (r + k) * C; const float w##k = wt[r + k], v##k = w##k * w##k;
-
-void varn_col_sums(const float *restrict x, const float *restrict w, long n, long R, long C, float *restrict s1, float *restrict s2) {
-  for (long t = 0; t < n; t++) {
-    float *a1 = s1 + t * C, *a2 = s2 + t * C;
-    const float *xb = x + t * R * C, *wt = w + t * R;
-    for (long c = 0; c < C; c++) { a1[c] = 0.f; a2[c] = 0.f; }
-    for (long r = 0; r < R; r += 8) {
-      COL_TERM(0) COL_TERM(1) COL_TERM(2) COL_TERM(3) COL_TERM(4) COL_TERM(5) COL_TERM(6) COL_TERM(7)
-      for (long c = 0; c < C; c++) {
-        const float y0 = x0[c], y1 = x1[c], y2 = x2[c], y3 = x3[c], y4 = x4[c], y5 = x5[c], y6 = x6[c], y7 = x7[c];
-        a1[c] = block8(a1[c], w0, w1, w2, w3, w4, w5, w6, w7, y0, y1, y2, y3, y4, y5, y6, y7);
-        a2[c] = block8(a2[c], v0, v1, v2, v3, v4, v5, v6, v7,
-                       y0 * y0, y1 * y1, y2 * y2, y3 * y3, y4 * y4, y5 * y5, y6 * y6, y7 * y7);
-      }
-    }
-  }
-}
-
-void varn_row_sums(const float *restrict xt, const float *restrict w, long n, long R, long C, float *restrict s1, float *restrict s2) {
-  for (long t = 0; t < n; t++) {
-    float *a1 = s1 + t * R, *a2 = s2 + t * R;
-    const float *xb = xt + t * R * C, *wt = w + t * C;
-    for (long r = 0; r < R; r++) { a1[r] = 0.f; a2[r] = 0.f; }
-    for (long c = 0; c < C; c++) {
-      const float wv = wt[c], w2 = wv * wv;
-      const float *xc = xb + c * R;
-      for (long r = 0; r < R; r++) {
-        const float v = xc[r];
-        a1[r] = fmaf(v, wv, a1[r]);
-        a2[r] = fmaf(v * v, w2, a2[r]);
-      }
-    }
-  }
-}
-
-/* ---- one VarN half-iteration per call (the glue between torch's exp, log and sqrt, which stay in torch:
- * its vectorized versions are not the correctly rounded functions of a C library) ----------------------
- * Every operation is the elementwise IEEE operation of the torch code it replaces, in the same order
- * (division, product, difference, comparisons), so results are bit for bit those of varn._varn_chunk's
- * torch path (tested). Sums: the two kernels above. Unbiased one-pass variance over m samples:
- * mean2 = (s1/m)^2, var = max((s2 - (s1*s1)/m)/(m - 1), 0) (the caller takes the square root); a value is
- * flagged (two-pass fallback, done by the caller) when mean2 > var*cancel. bad[t] = 1 when any value of
- * tile t is flagged; the return value is 1 when any tile is. work: max(R, C) floats. */
+#define CHUNK 32
 
 static inline float clampf(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-static inline int var_from_sums(float *s1, const float *s2, long len, long m, float cancel) {
-  /* s1 <- variance (in place); returns whether any value is flagged */
-  const float fm = (float)m, fm1 = (float)(m - 1);
-  int flagged = 0;
-  for (long i = 0; i < len; i++) {
-    const float a = s1[i];
-    float mean2 = a / fm;
-    mean2 = mean2 * mean2;
-    float var = s2[i] - (a * a) / fm;
-    var = var / fm1;
-    var = var < 0.f ? 0.f : var;
-    flagged |= mean2 > var * cancel;
-    s1[i] = var;
-  }
-  return flagged;
-}
-
-/* e_col = exp(log_col) [n, C]: ic = 1/e_col; rz = row variances of x*ic (over C columns), from xt [n, C, R] */
-int varn_row_half(const float *restrict xt, const float *restrict e_col, long n, long R, long C, float cancel,
-                  float *restrict ic, float *restrict rz, unsigned char *restrict bad, float *restrict work) {
-  int any = 0;
-  float *s2 = work;
-  for (long t = 0; t < n; t++) {
-    float *ict = ic + t * C, *rzt = rz + t * R;
-    const float *ec = e_col + t * C;
-    for (long c = 0; c < C; c++) ict[c] = 1.0f / ec[c];
-    varn_row_sums(xt + t * R * C, ict, 1, R, C, rzt, s2);
-    const int f = var_from_sums(rzt, s2, R, C, cancel);
-    bad[t] = (unsigned char)f;
-    any |= f;
-  }
-  return any;
-}
-
-/* e_row = exp(log_row) [n, R], rz [n, R] (row stds): ir = 1/e_row; rs = rz*ir; csd = column variances of x*ir
- * (over R rows),
- * from x [n, R, C] (R a multiple of 8) */
-int varn_col_half(const float *restrict x, const float *restrict e_row, const float *restrict rz,
-                  long n, long R, long C, float cancel,
-                  float *restrict ir, float *restrict rs, float *restrict csd, unsigned char *restrict bad,
-                  float *restrict work) {
-  int any = 0;
-  float *s2 = work;
-  for (long t = 0; t < n; t++) {
-    float *irt = ir + t * R, *rst = rs + t * R, *cst = csd + t * C;
-    const float *er = e_row + t * R, *rzt = rz + t * R;
-    for (long r = 0; r < R; r++) { irt[r] = 1.0f / er[r]; rst[r] = rzt[r] * irt[r]; }
-    varn_col_sums(x + t * R * C, irt, 1, R, C, cst, s2);
-    const int f = var_from_sums(cst, s2, C, R, cancel);
-    bad[t] = (unsigned char)f;
-    any |= f;
-  }
-  return any;
-}
-
-/* cs (the column stds) = cs*ic; imbalance = max(cs)/max(min(cs), floor) + max(rs)/max(min(rs), floor); where imbalance <=
- * best_imb: best_imb, best_col (<- log_col), best_row (<- log_row), best_iter (<- it) take the new state;
- * cs <- clamp(cs, lo_std, hi_std) (what the next iteration takes the log of) */
-void varn_track(long n, long R, long C, float floor_, float lo_std, float hi_std, long it,
-                float *restrict cs, const float *restrict ic, const float *restrict rs,
-                const float *restrict log_col, const float *restrict log_row,
-                float *restrict best_imb, float *restrict best_col, float *restrict best_row,
-                long long *restrict best_iter) {
-  for (long t = 0; t < n; t++) {
-    float *cst = cs + t * C;
-    const float *ict = ic + t * C, *rst = rs + t * R;
-    float cmax = -INFINITY, cmin = INFINITY, rmax = -INFINITY, rmin = INFINITY;
-    int nan = 0;
-    for (long c = 0; c < C; c++) {
-      const float v = cst[c] * ict[c];
-      cst[c] = v;
-      nan |= v != v;
-      cmax = v > cmax ? v : cmax;
-      cmin = v < cmin ? v : cmin;
-    }
-    for (long r = 0; r < R; r++) {
-      const float v = rst[r];
-      nan |= v != v;
-      rmax = v > rmax ? v : rmax;
-      rmin = v < rmin ? v : rmin;
-    }
-    float cur = cmax / (cmin < floor_ ? floor_ : cmin) + rmax / (rmin < floor_ ? floor_ : rmin);
-    if (nan) cur = NAN;
-    if (cur <= best_imb[t]) {
-      best_imb[t] = cur;
-      for (long c = 0; c < C; c++) best_col[t * C + c] = log_col[t * C + c];
-      for (long r = 0; r < R; r++) best_row[t * R + r] = log_row[t * R + r];
-      best_iter[t] = it;
-    }
-    for (long c = 0; c < C; c++) cst[c] = clampf(cst[c], lo_std, hi_std);
-  }
-}
-
-/* dst[t, c, r] = src[t, r, c] for n tiles [R, C] (a copy: exact), in blocks of 16 x 16 */
-void varn_transpose(const float *restrict src, long n, long R, long C, float *restrict dst) {
-  for (long t = 0; t < n; t++) {
-    const float *s = src + t * R * C;
-    float *d = dst + t * R * C;
-    for (long r0 = 0; r0 < R; r0 += 16) {
-      const long r1 = r0 + 16 < R ? r0 + 16 : R;
-      for (long c0 = 0; c0 < C; c0 += 16) {
-        const long c1 = c0 + 16 < C ? c0 + 16 : C;
+/* copy tile (R x C, strides sr, sc) into dst [R, C] contiguous; returns 1 when a value is not finite */
+static int load_tile(const float *restrict src, long sr, long sc, long R, long C, float *restrict dst) {
+  if (sc == 1) {
+    for (long r = 0; r < R; r++) memcpy(dst + r * C, src + r * sr, (size_t)C * sizeof(float));
+  } else if (sr == 1) {
+    for (long c0 = 0; c0 < C; c0 += 16) {
+      const long c1 = c0 + 16 < C ? c0 + 16 : C;
+      for (long r0 = 0; r0 < R; r0 += 16) {
+        const long r1 = r0 + 16 < R ? r0 + 16 : R;
         for (long c = c0; c < c1; c++)
-          for (long r = r0; r < r1; r++) d[c * R + r] = s[r * C + c];
+          for (long r = r0; r < r1; r++) dst[r * C + c] = src[c * sc + r];
       }
     }
+  } else {
+    for (long r = 0; r < R; r++)
+      for (long c = 0; c < C; c++) dst[r * C + c] = src[r * sr + c * sc];
+  }
+  int bad = 0;
+  for (long i = 0; i < R * C; i++) bad |= !(dst[i] - dst[i] == 0.f);
+  return bad;
+}
+
+/* dst [C, R] = transpose of src [R, C] (in blocks of 16 x 16) */
+static void transpose(const float *restrict src, long R, long C, float *restrict dst) {
+  for (long r0 = 0; r0 < R; r0 += 16) {
+    const long r1 = r0 + 16 < R ? r0 + 16 : R;
+    for (long c0 = 0; c0 < C; c0 += 16) {
+      const long c1 = c0 + 16 < C ? c0 + 16 : C;
+      for (long c = c0; c < c1; c++)
+        for (long r = r0; r < r1; r++) dst[c * R + r] = src[r * C + c];
+    }
   }
 }
 
-/* ---- all iterations in one call, torch's exp/log/sqrt included --------------------------------------------
- * On the CPU torch computes fp32 exp, log and sqrt with MKL's vector math (vmsExp, vmsLn, vmsSqrt, high
- * accuracy, denormals kept, errors ignored): the caller passes those functions (their Fortran entry points,
- * all arguments by reference) and `mode`, after checking their bits against torch's on random data, and this
- * runs VarN's iterations with exactly the operations of varn._c_iterations. Iterations it0..n_iter from
- * phase p0 (0: start of an iteration, 1: after the row stds, 2: after the column stds); returns -1 when done,
- * else 3*it + phase where it stopped because a half-step flagged a tile for the two-pass fallback (bad[]):
- * the caller replaces the flagged stds (rz at phase 1, csd at phase 2) and calls again from there. */
-typedef void (*vml_fn)(const long long *n, const float *a, float *y, const long long *mode);
-
-static inline void clamp_add(float *restrict dst, const float *restrict add, long len, float lo, float hi) {
-  for (long i = 0; i < len; i++) dst[i] = clampf(dst[i] + add[i], lo, hi);
-}
-
-long varn_iterate(const float *restrict x, const float *restrict xt, long n, long R, long C, long it0, long p0,
-                  long n_iter, float lo_std, float hi_std, float lo_clip, float hi_clip, float cancel, float floor_,
-                  vml_fn vexp, vml_fn vln, vml_fn vsqrt, long long mode,
-                  float *log_col, float *log_row, float *e_col, float *e_row, float *ic, float *rz, float *rsb,
-                  float *ir, float *rs, float *csd, unsigned char *bad, float *work,
-                  float *best_imb, float *best_col, float *best_row, long long *best_iter) {
-  const long long nc = n * C, nr = n * R;
-  long p = p0;
-  for (long it = it0; it <= n_iter; it++, p = 0) {
-    if (p == 0) {
-      vln(&nc, csd, csd, &mode);                     /* cs.log_() (csd holds the clamped column stds) */
-      clamp_add(log_col, csd, nc, lo_clip, hi_clip); /* log_col.add_(…).clamp_(lo_clip, hi_clip) */
-      vexp(&nc, log_col, e_col, &mode);
-      const int f = varn_row_half(xt, e_col, n, R, C, cancel, ic, rz, bad, work);
-      vsqrt(&nr, rz, rz, &mode);
-      if (f) return 3 * it + 1;
-      p = 1;
+/* out[j] = unbiased std over i < m of a[i·stride + j]·w[i], j < W: one pass with fp32 sums shifted by the first
+ * sample (k = a[j]·w[0]), so a large mean cancels only in that subtraction. With W a constant (CHUNK) the sums
+ * stay in vector registers. */
+static inline __attribute__((always_inline)) void chunk_std(const float *restrict a, const float *restrict w,
+                                                            long m, long stride, long W, float *restrict out) {
+  float k[CHUNK], s1[CHUNK], s2[CHUNK];
+  const float w0 = w[0];
+  for (long j = 0; j < W; j++) { k[j] = a[j] * w0; s1[j] = 0.f; s2[j] = 0.f; }
+  for (long i = 1; i < m; i++) {
+    const float wi = w[i];
+    const float *ai = a + i * stride;
+    for (long j = 0; j < W; j++) {
+      const float z = ai[j] * wi - k[j];
+      s1[j] += z;
+      s2[j] += z * z;
     }
-    if (p == 1) {
-      for (long i = 0; i < nr; i++) rsb[i] = clampf(rz[i] / e_row[i], lo_std, hi_std);
-      vln(&nr, rsb, rsb, &mode);
-      clamp_add(log_row, rsb, nr, lo_clip, hi_clip);
-      vexp(&nr, log_row, e_row, &mode);
-      const int f = varn_col_half(x, e_row, rz, n, R, C, cancel, ir, rs, csd, bad, work);
-      vsqrt(&nc, csd, csd, &mode);
-      if (f) return 3 * it + 2;
-      p = 2;
-    }
-    varn_track(n, R, C, floor_, lo_std, hi_std, it, csd, ic, rs, log_col, log_row, best_imb, best_col, best_row,
-               best_iter);
   }
-  return -1;
+  const float fm = (float)m, fm1 = (float)(m - 1);
+  for (long j = 0; j < W; j++) {
+    const float var = (s2[j] - s1[j] * s1[j] / fm) / fm1;
+    out[j] = sqrtf(var > 0.f ? var : 0.f);
+  }
 }
 
-/* ---- balance by column and row scales, then asymmetric RTN per row, in one pass per row (KVarN steps 2-3) -------
- * b = tiles / s_col / s_row (two divisions, in that order; into work, tiles untouched); per row lo = min b,
- * hi = max b, scale = max((hi - lo) / levels, floor); q = clamp(round_half_even((b - lo) / scale), 0, levels)
- * as uint8. The operations and their order are torch's (the caller checks the bits once per process). The
- * min and max are taken in any order (vectorized), which gives the same value unless the row holds a zero
- * (the sign of a zero minimum would depend on the order) or a non-finite value: then the function returns 1
- * at once (the caller runs its torch code on the untouched tiles); else 0. work: C floats. */
+/* out[j] = unbiased std over i < m of a[i, j]·w[i] (a [m, len] contiguous), 1 when m < 2 */
+static void axis_std(const float *restrict a, const float *restrict w, long m, long len, float *restrict out) {
+  if (m < 2) {
+    for (long j = 0; j < len; j++) out[j] = 1.f;
+    return;
+  }
+  long j0 = 0;
+  for (; j0 + CHUNK <= len; j0 += CHUNK) chunk_std(a + j0, w, m, len, CHUNK, out + j0);
+  for (; j0 < len; j0++) chunk_std(a + j0, w, m, len, 1, out + j0);
+}
 
-int balanced_rtn_rows(const float *restrict tiles, const float *restrict s_col, const float *restrict s_row,
-                      long n, long R, long C, float levels, float floor_, unsigned char *restrict q,
-                      float *restrict lo, float *restrict scale, float *restrict work) {
-  for (long t = 0; t < n; t++) {
-    const float *sc = s_col + t * C;
-    for (long r = 0; r < R; r++) {
-      const long row = t * R + r;
-      const float *x = tiles + row * C;
-      unsigned char *qr = q + row * C;
-      const float sr = s_row[row];
-      int odd = 0;
+static inline float ratio(const float *v, long len, float floor_) {
+  float mn, mx;
+  kvq_minmax(v, len, &mn, &mx);
+  return mx / (mn < floor_ ? floor_ : mn);
+}
+
+/* VarN on n tiles; writes s_row [n, R], s_col [n, C] (exp of the best iterate's log scales), imb, imb0 [n] and
+ * best_iter [n]. Returns 0; 1 when a tile holds a value that is not finite (nothing useful written: the
+ * caller runs the reference); -1 when out of memory. */
+int varn_tiles(const float *x, long n, long st, long sr, long sc, long R, long C, long n_iter, float lo_std,
+               float hi_std, float lo_clip, float hi_clip, float floor_, float *s_row, float *s_col, float *imb,
+               float *imb0, long long *best_iter) {
+  const long L = R > C ? R : C;
+  float *buf = malloc(sizeof(float) * (size_t)(2 * R * C + 16 * L));
+  if (!buf) return -1;
+  float *xl = buf, *xt = buf + R * C, *v = buf + 2 * R * C;
+    float *ec = v + 3 * L, *er = v + 4 * L, *ic = v + 5 * L, *ir = v + 6 * L;
+  float *cz = v + 8 * L, *cs = v + 9 * L, *rz = v + 10 * L, *rs = v + 11 * L;
+  float *bc = v + 12 * L, *br = v + 13 * L;
+  const float lo_s = expf(lo_clip), hi_s = expf(hi_clip); /* the log-scale clip, as a scale clip */
+  int status = 0;
+  for (long t = 0; t < n && !status; t++) {
+    if (sr == 1 && sc != 1) { /* the tile is stored transposed (KVarN's K): its transpose is a plain copy */
+      if (load_tile(x + t * st, sc, 1, C, R, xt)) { status = 1; break; }
+      transpose(xt, C, R, xl);
+    } else {
+      if (load_tile(x + t * st, sr, sc, R, C, xl)) { status = 1; break; }
+      transpose(xl, R, C, xt);
+    }
+    for (long c = 0; c < C; c++) { ec[c] = 1.f; ic[c] = 1.f; bc[c] = 1.f; }
+    for (long r = 0; r < R; r++) { er[r] = 1.f; ir[r] = 1.f; br[r] = 1.f; }
+    axis_std(xl, ir, R, C, cs); /* column stds of x */
+    axis_std(xt, ic, C, R, rs); /* row stds of x */
+    float best = ratio(cs, C, floor_) + ratio(rs, R, floor_);
+    long best_it = 0;
+    imb0[t] = best;
+    for (long it = 1; it <= n_iter; it++) {
       for (long c = 0; c < C; c++) {
-        const float v = (x[c] / sc[c]) / sr;
-        work[c] = v;
-        odd |= (v == 0.f) | !(v - v == 0.f); /* a zero, an infinity or a NaN */
+        ec[c] = clampf(ec[c] * clampf(cs[c], lo_std, hi_std), lo_s, hi_s);
+        ic[c] = 1.f / ec[c];
       }
-      if (odd) return 1;
+      axis_std(xt, ic, C, R, rz); /* row stds of x·ic */
+      for (long r = 0; r < R; r++) {
+        er[r] = clampf(er[r] * clampf(rz[r] / er[r], lo_std, hi_std), lo_s, hi_s);
+        ir[r] = 1.f / er[r];
+        rs[r] = rz[r] * ir[r];
+      }
+      axis_std(xl, ir, R, C, cz); /* column stds of x·ir */
+      for (long c = 0; c < C; c++) cs[c] = cz[c] * ic[c];
+      const float cur = ratio(cs, C, floor_) + ratio(rs, R, floor_);
+      if (cur <= best) { /* ties go to the later iterate */
+        best = cur;
+        best_it = it;
+        memcpy(bc, ec, (size_t)C * sizeof(float));
+        memcpy(br, er, (size_t)R * sizeof(float));
+      }
+    }
+    memcpy(s_col + t * C, bc, (size_t)C * sizeof(float));
+    memcpy(s_row + t * R, br, (size_t)R * sizeof(float));
+    imb[t] = best;
+    best_iter[t] = best_it;
+  }
+  free(buf);
+  return status;
+}
+
+/* b = x / s_col / s_row (two divisions, in that order), then per row lo = min b, hi = max b,
+ * scale = max((hi - lo) / levels, floor), q = clamp(round_half_even((b - lo) / scale), 0, levels) as uint8;
+ * q, lo, scale contiguous ([n, R, C], [n, R], [n, R]). Returns 0; 1 when a value of b is not finite; -1 when
+ * out of memory. */
+/* rows_rtn for a tile stored transposed, xt [C, R] (the rows are its columns): the same operations, each row's
+ * values taken across the C lines of xt (vectorized across the rows); codes written to q [R, C]. mn, mx: R
+ * floats of work. Returns 1 when a value of b is not finite. */
+static int rows_rtn_transposed(float *restrict xt, long R, long C, const float *restrict cs,
+                               const float *restrict rs, float levels, float floor_, unsigned char *restrict q,
+                               float *restrict lo, float *restrict scale, float *restrict mn, float *restrict mx) {
+  int bad = 0;
+  for (long c = 0; c < C; c++) {
+    float *b = xt + c * R;
+    for (long r = 0; r < R; r++) {
+      const float v = (b[r] / cs[c]) / rs[r];
+      b[r] = v;
+      bad |= !(v - v == 0.f);
+    }
+  }
+  if (bad) return 1;
+  for (long r = 0; r < R; r++) { mn[r] = xt[r]; mx[r] = xt[r]; }
+  for (long c = 1; c < C; c++) {
+    const float *b = xt + c * R;
+    for (long r = 0; r < R; r++) {
+      mn[r] = b[r] < mn[r] ? b[r] : mn[r];
+      mx[r] = b[r] > mx[r] ? b[r] : mx[r];
+    }
+  }
+  for (long r = 0; r < R; r++) {
+    const float sv = (mx[r] - mn[r]) / levels;
+    scale[r] = sv < floor_ ? floor_ : sv;
+    lo[r] = mn[r];
+  }
+  for (long c = 0; c < C; c++) {
+    float *b = xt + c * R;
+    for (long r = 0; r < R; r++) b[r] = clampf(nearbyintf((b[r] - lo[r]) / scale[r]), 0.f, levels);
+  }
+  for (long r = 0; r < R; r++)
+    for (long c = 0; c < C; c++) q[r * C + c] = (unsigned char)xt[c * R + r];
+  return 0;
+}
+
+int balanced_rtn_rows(const float *x, long n, long st, long sr, long sc, long R, long C, const float *s_col,
+                      const float *s_row, float levels, float floor_, unsigned char *q, float *lo, float *scale) {
+  float *xl = malloc(sizeof(float) * (size_t)(R * C + 2 * R));
+  if (!xl) return -1;
+  int status = 0;
+  for (long t = 0; t < n && !status; t++) {
+    if (sr == 1 && sc != 1) { /* stored transposed (KVarN's K) */
+      load_tile(x + t * st, sc, 1, C, R, xl);
+      status = rows_rtn_transposed(xl, R, C, s_col + t * C, s_row + t * R, levels, floor_, q + t * R * C,
+                                   lo + t * R, scale + t * R, xl + R * C, xl + R * C + R);
+      continue;
+    }
+    load_tile(x + t * st, sr, sc, R, C, xl);
+    const float *cs = s_col + t * C;
+    for (long r = 0; r < R && !status; r++) {
+      const long row = t * R + r;
+      float *b = xl + r * C;
+      const float rsc = s_row[row];
+      int bad = 0;
+      for (long c = 0; c < C; c++) {
+        const float v = (b[c] / cs[c]) / rsc;
+        b[c] = v;
+        bad |= !(v - v == 0.f);
+      }
+      if (bad) { status = 1; break; }
       float mn, mx;
-      kvq_minmax(work, C, &mn, &mx);
+      kvq_minmax(b, C, &mn, &mx);
       float s = (mx - mn) / levels;
       s = s < floor_ ? floor_ : s;
-      for (long c = 0; c < C; c++) {
-        const float v = nearbyintf((work[c] - mn) / s);
-        qr[c] = (unsigned char)clampf(v, 0.f, levels);
-      }
+      unsigned char *qr = q + row * C;
+      for (long c = 0; c < C; c++) qr[c] = (unsigned char)clampf(nearbyintf((b[c] - mn) / s), 0.f, levels);
       lo[row] = mn;
       scale[row] = s;
     }
   }
-  return 0;
+  free(xl);
+  return status;
 }
