@@ -22,7 +22,7 @@ The contract:
 * **One way to decline.** A fast version returns :data:`DECLINED` when its conditions do not hold; the
   reference then runs. It never raises for an input the reference accepts.
 * **Agreement, not bits.** A fast version agrees with its reference within the tolerance its property test
-  states (``tests/property/test_kernels.py``): integer codes equal except where the reference value lies
+  states (``tests/property/test_kernels_<prefix>.py``): integer codes equal except where the reference value lies
   within a few ulps of a rounding boundary, values within a stated bound. Nothing decides speed by probing
   whether this machine's BLAS sums in some order.
 * **Off switch.** ``KVQBENCH_KERNELS=0`` (``off``/``false``/``no``), :func:`disabled`, or no C compiler:
