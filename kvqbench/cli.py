@@ -3,7 +3,7 @@
     kvqbench run [--smoke|--full] [--no-real] [pytest args…]   run the benchmark cells (calls pytest)
     kvqbench report DIR [--no-figures]                         re-render tables and figures from saved JSON
     kvqbench merge SHARD_DIR… --out DIR                        join the folders of a sharded run into one result set
-    kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets
+    kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets (a CI gate)
     kvqbench publish RESULTS [DEST]                            write the committed leaderboard/ + README digest
     kvqbench methods [--changed FILE…] [--k-expr]             method ids (or those a set of changed files touch)
     kvqbench perf [--tokens …] [--threads …] [--json PATH]      round-trip speed of every method vs clone/eager RTN
@@ -91,12 +91,24 @@ def build_parser() -> argparse.ArgumentParser:
     mer.add_argument("dirs", type=Path, nargs="+", metavar="SHARD_DIR", help="shard folders (each holds shard.json)")
     mer.add_argument("--out", type=Path, required=True, help="folder of the merged result set")
     mer.add_argument("--no-figures", action="store_true", help="skip the figures")
-    cmp_ = sub.add_parser("compare", help="compare two result sets; exit 1 when a metric regresses past a threshold")
+    cmp_ = sub.add_parser(
+        "compare", help="compare two result sets; exit 1 when a metric regresses past a threshold",
+        description="Per-metric changes from BASE to NEW by each metric's better-direction. A gate (--fail-on) "
+                    "fails when a metric worsens by more than its PERCENT and, where the sets hold a 95% CI "
+                    "(>= 2 seeds), by more than the CI half-widths of BASE and NEW added together (the measured "
+                    "spread; end-to-end metrics move by tens of percent between runs under float noise). A gate "
+                    "also fails when NEW lacks a source, method, setting, metric or seed BASE has, unless "
+                    "--methods or --only-common narrows the comparison on purpose, and when NEW is incomplete. "
+                    "What only NEW has is listed, never a failure. Exit 0: passed; 1: failed; 2: bad input.")
     cmp_.add_argument("base", type=Path, help="baseline results folder or leaderboard.json")
     cmp_.add_argument("new", type=Path, help="new results folder or leaderboard.json")
     cmp_.add_argument("--fail-on", action="append", default=[], metavar="METRIC:PERCENT",
-                      help="fail when METRIC gets worse by more than PERCENT %% (repeatable; METRIC may be 'any', "
-                           "which skips timing metrics)")
+                      help="fail when METRIC gets worse by more than PERCENT %% and beyond the CI spread where one "
+                           "is measured (repeatable; METRIC may be 'any', which skips timing metrics)")
+    cmp_.add_argument("--methods", type=_method_list, default=None, metavar="ID,…",
+                      help="compare only these methods (comma-separated), on both sides")
+    cmp_.add_argument("--only-common", action="store_true",
+                      help="compare only what both sets hold: what NEW lacks is listed, not a failure")
     cmp_.add_argument("--show", type=float, default=1.0, metavar="PERCENT",
                       help="list changes of at least PERCENT %% (default 1)")
     cmp_.add_argument("--max-rows", type=int, default=40, help="rows per table (default 40)")
@@ -324,10 +336,27 @@ def _merge(args: argparse.Namespace) -> int:
     return 0 if res.complete else 1
 
 
+def _method_list(text: str) -> list[str]:
+    """``"kivi,kvarn"`` → ``["kivi", "kvarn"]`` (``--methods``)."""
+    ids = [x for x in (t.strip() for t in text.split(",")) if x]
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected comma-separated method ids, e.g. kivi,kvarn; got {text!r}")
+    return ids
+
+
 def _compare(args: argparse.Namespace) -> int:
     from kvqbench.report.compare import main as compare_main
 
-    return compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows)
+    try:
+        rc = compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows,
+                          only_common=args.only_common, methods=args.methods)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader stopped early (`kvqbench compare … | head`): no traceback; nothing more reaches it, and
+        # the exit status is the one a process killed by SIGPIPE gives
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13
+    return rc
 
 
 def _publish(args: argparse.Namespace) -> int:

@@ -32,14 +32,40 @@ def test_identical_sets_exit_zero_and_report_no_change(base_dir):
     assert "OK: no --fail-on threshold crossed" in text
 
 
-def test_degraded_method_fails_past_threshold(tmp_path, base_dir):
-    new = write_results(tmp_path / "new", records(degrade={"kivi": 1.2}))
+#: Student-t 0.975 quantile with 1 degree of freedom: the Cauchy quantile tan(π (p − ½)), closed form
+T975_DF1 = math.tan(math.pi * 0.475)
+
+
+def _half_width_2(a: float, b: float) -> float:
+    """95 % CI half-width of two values: t · s / √2 with s = |a − b| / √2."""
+    return T975_DF1 * abs(a - b) / 2
+
+
+def test_degraded_method_fails_past_threshold_and_spread(tmp_path, base_dir):
+    # the sample's two seeds differ by 2 %, so each side's CI half-width is ~12.7 % of its mean: +50 % is
+    # beyond BASE's plus NEW's half-width (12.7 % + 19.1 % of BASE's mean)
+    new = write_results(tmp_path / "new", records(degrade={"kivi": 1.5}))
     rc, text = _run(base_dir, new, "rel_mse:5")
     assert rc == 1
-    assert "FAILED" in text and "kivi" in text and "rel_mse" in text
-    # the degradation is +20 %: a looser threshold passes, a file path works as well as a folder
-    rc2, _ = _run(base_dir / "leaderboard.json", new / "leaderboard.json", "rel_mse:25")
+    assert "FAILED: " in text and "synthetic/kivi/k2v2 rel_mse" in text and "> CI spread" in text
+    # a threshold above the +50 % passes; a file path works as well as a folder
+    rc2, _ = _run(base_dir / "leaderboard.json", new / "leaderboard.json", "rel_mse:60")
     assert rc2 == 0
+
+
+def test_a_worsening_within_the_ci_spread_passes(tmp_path, base_dir):
+    """+20 % on two seeds 2 % apart: past the 5 % threshold, but within the CI half-widths added."""
+    err = [0.55, 0.55 * 1.02]  # kivi k2v2 rel_mse of the sample, seeds 0 and 1
+    spread = _half_width_2(*err) + _half_width_2(*(e * 1.2 for e in err))
+    delta = 0.2 * sum(err) / 2
+    assert delta < spread  # the premise, from the closed form
+    new = write_results(tmp_path / "new", records(degrade={"kivi": 1.2}))
+    rc, text = _run(base_dir, new, "rel_mse:5")
+    assert rc == 0, text
+    noise = text.split("within the CI spread: ")[1]
+    line = next(ln for ln in noise.splitlines() if "synthetic/kivi/k2v2 rel_mse" in ln)
+    assert f"CI spread {spread:.4g}" in line and "+20.00 %" in line
+    assert "OK: no --fail-on threshold crossed beyond the CI spread (rel_mse:5)" in text
 
 
 def test_improvement_never_fails(tmp_path, base_dir):
@@ -86,21 +112,92 @@ def test_higher_is_better_metric_regresses_when_it_drops(tmp_path):
     assert rc == 1 and "attn_cos_gain" in text
 
 
-def test_ci_significance_needs_two_seeds():
+def test_ci_spread_adds_the_half_widths_of_the_sides_that_have_one():
     wide = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.1, 0.2, 0.2, 3, 3)
     apart = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 2.0, 0.1, 0.1, 3, 3)
     single = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 2.0, None, None, 1, 1)
     assert wide.outside_ci is False and apart.outside_ci is True and single.outside_ci is None
+    assert wide.spread == pytest.approx(0.4) and single.spread is None
+    # one side with seeds: its half-width alone is the spread
+    one = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.3, 0.25, None, 3, 1)
+    assert one.spread == 0.25 and one.outside_ci is True
+    # identical seeds (a deterministic value) have a 0 half-width: the threshold alone decides
+    exact = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.0001, 0.0, 0.0, 3, 3)
+    assert exact.outside_ci is True
 
 
 def test_missing_methods_settings_and_sources_are_reported(tmp_path, base_dir):
     recs = [r for r in records(sources=("synthetic", "real")) if r["method"] != "kvarn"
             and not (r["method"] == "kivi" and r["k_bits"] == 4)]
     new = write_results(tmp_path / "new", recs)
-    rc, text = _run(base_dir, new, "rel_mse:5")
+    rc, text = _run(base_dir, new, "rel_mse:5", only_common=True)
     assert rc == 0
     assert "only in BASE" in text and "synthetic/exp1/kvarn" in text and "synthetic/exp1/kivi/k4v4" in text
     assert "only in NEW" in text and "source real" in text
+    assert "(--only-common)" in text.splitlines()[0]
+
+
+def test_a_gate_fails_when_new_lacks_a_method_unless_narrowed(tmp_path, base_dir):
+    """HEAD run with -k kvarn against a complete BASE: the gate would judge one method of four."""
+    new = write_results(tmp_path / "new", [r for r in records() if r["method"] == "kvarn"])
+    rc, text = _run(base_dir, new, "rel_mse:5")
+    assert rc == 1
+    first, last = text.splitlines()[0], text.splitlines()[-1]
+    assert first.startswith("FAILED: NEW lacks ") and "(methods fp16, kivi, rtn_token)" in first
+    assert "--methods ID,… or --only-common" in first and last == first
+    assert "OK:" not in text
+    # narrowed on purpose: to the method NEW ran, or to what both hold
+    assert _run(base_dir, new, "rel_mse:5", methods=["kvarn"])[0] == 0
+    rc, text = _run(base_dir, new, "rel_mse:5", only_common=True)
+    assert rc == 0 and "FAILED" not in text
+    # --methods keeps the check for what it names: kivi is in BASE only
+    rc, text = _run(base_dir, new, "rel_mse:5", methods=["kvarn", "kivi"])
+    assert rc == 1 and text.splitlines()[0].startswith("FAILED: NEW lacks ") and "(method kivi)" in text
+    # without a gate it is a warning, first
+    rc, text = _run(base_dir, new)
+    assert rc == 0 and text.splitlines()[0].startswith("kvqbench compare: warning: NEW lacks ")
+
+
+def test_a_gate_fails_when_new_lacks_a_seed_or_a_metric(tmp_path, base_dir):
+    no_seed = write_results(tmp_path / "seed", [r for r in records()
+                                                if not (r["method"] == "kivi" and r["k_bits"] == 2 and r["seed"] == 1)])
+    rc, text = _run(base_dir, no_seed, "rel_mse:5")
+    assert rc == 1 and "synthetic/exp1/kivi/k2v2 seed 1" in text
+    recs = records()
+    for r in recs:
+        if r["method"] == "kivi" and r["experiment"] == "exp1":
+            r["metrics"].pop("k_mse")
+    no_metric = write_results(tmp_path / "metric", recs)
+    rc, text = _run(base_dir, no_metric, "rel_mse:5")
+    assert rc == 1 and "synthetic/exp1/kivi/k2v2 k_mse" in text
+    # what only NEW has is listed, never a failure
+    rc, text = _run(no_metric, base_dir, "rel_mse:5")
+    assert rc == 0 and "only in NEW" in text and "synthetic/exp1/kivi/k2v2 k_mse" in text
+
+
+def test_unknown_method_exits_2_naming_the_closest(base_dir, capsys):
+    from kvqbench.cli import main as cli
+
+    assert cli(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mse:5", "--methods", "kvarn,kivj"]) == 2
+    assert capsys.readouterr().err.strip() == ("kvqbench compare: --methods: neither set holds a value of method "
+                                               "'kivj'; did you mean 'kivi'?")
+    assert cli(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mse:5", "--methods", "kvarn,kivi"]) == 0
+
+
+def test_output_cut_short_by_the_reader_is_quiet(tmp_path, base_dir):
+    """`kvqbench compare … | head`: the reader goes away before the output ends; no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    new = write_results(tmp_path / "new", records(degrade={"kivi": 1.5}))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "kvqbench.cli", "compare", str(base_dir), str(new),
+                             "--fail-on", "rel_mse:5"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command writes its first line: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 128 + 13  # what a process killed by SIGPIPE reports through a shell
+    assert err == ""
 
 
 def test_bad_inputs_exit_two(tmp_path, base_dir, capsys):
@@ -148,11 +245,13 @@ def test_unknown_fail_on_metric_exits_2_naming_the_closest(base_dir, capsys):
 
 
 def test_a_metric_recorded_on_one_side_only_is_reported_not_failed(base_dir, tmp_path):
-    """A method new in NEW (a method PR adding one) has nothing in BASE to gate against."""
+    """A method new in NEW (a method PR adding one, compared with --methods) has nothing in BASE to gate
+    against."""
     only_new = write_results(tmp_path / "new", [r for r in records() if r["method"] == "kivi"])
     only_base = write_results(tmp_path / "old", [r for r in records() if r["method"] == "rtn_token"])
-    rc, text = _run(only_base, only_new, "rel_mse:5")
+    rc, text = _run(only_base, only_new, "rel_mse:5", methods=["kivi"])
     assert rc == 0 and "--fail-on rel_mse:5 compared nothing: no setting has 'rel_mse' in both sets" in text
+    assert _run(only_base, only_new, "rel_mse:5")[0] == 1  # NEW lacks rtn_token
 
 
 def test_a_gate_on_an_incomplete_new_set_fails(tmp_path, base_dir):
