@@ -347,18 +347,42 @@ def _method_list(text: str) -> list[str]:
     return ids
 
 
+class _UntilReaderGone:
+    """A text stream that writes to ``stream`` until its reader closes the pipe (``kvqbench compare … |
+    head``), then discards the rest, so the command ends without a traceback and with its own verdict."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def _reader_gone(self) -> None:
+        self.gone = True
+        # what the stream still buffers goes to /dev/null when the interpreter flushes it at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+
 def _compare(args: argparse.Namespace) -> int:
     from kvqbench.report.compare import main as compare_main
 
-    try:
-        rc = compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows,
-                          only_common=args.only_common, methods=args.methods)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # the reader stopped early (`kvqbench compare … | head`): no traceback; nothing more reaches it, and
-        # the exit status is the one a process killed by SIGPIPE gives
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + 13
+    out = _UntilReaderGone(sys.stdout)
+    rc = compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows,
+                      only_common=args.only_common, methods=args.methods, out=out)
+    out.flush()
     return rc
 
 
