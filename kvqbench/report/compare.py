@@ -30,10 +30,11 @@ the regression the gate is there to catch. What NEW has and BASE lacks (a new me
 an error. Without a gate these are warnings.
 
 Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond the spread for a
-metric that moves between runs), or a gate on a NEW set that lacks part of BASE or is incomplete; 2 unreadable input, a malformed ``--fail-on``, a
-``--fail-on`` or ``--methods`` naming something neither set knows (the message names the closest known
-name), or a ``--fail-on`` whose metric neither set recorded (such a gate would always pass; a metric
-recorded on one side only, e.g. for a new method, is reported as compared nothing, not an error).
+metric that moves between runs), or a gate on a NEW set that lacks part of BASE or is incomplete; 2
+unreadable input, a malformed ``--fail-on``, a ``--fail-on`` or ``--methods`` naming something neither set
+knows (the message names the closest known name), or a ``--fail-on`` whose metric neither set recorded
+(such a gate would always pass; a metric recorded on one side only, e.g. for a new method, is reported as
+compared nothing, not an error).
 """
 
 from __future__ import annotations
@@ -475,7 +476,7 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         print(f"within the CI spread: {len(noise)} value(s) of metrics that move between runs (end-to-end, "
               "timing) worsened past a --fail-on threshold by no more than BASE's plus NEW's 95 % CI "
               "half-widths — noise, not a failure:", file=out)
-        for rule, c in noise[:max_rows]:
+        for _, c in noise[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
                   f"({_pct(c.worsening_pct)}; {_spread_text(c)})", file=out)
     if hits:
@@ -484,8 +485,8 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
               "also beyond the CI spread):", file=out)
         for rule, c in hits[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
-                  f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g}; "
-                  f"{_spread_text(c)})", file=out)
+                  f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g}"
+                  + (f"; {_spread_text(c)})" if c.noisy else ")"), file=out)
     if rules and lacking:
         print("", file=out)
         print(_missing_line(cmp, gate=True), file=out)
