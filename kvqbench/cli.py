@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "by tens of percent), so they fail only when the change is also larger than BASE's plus "
                     "NEW's 95% CI half-widths (sides with >= 2 seeds); other metrics are deterministic given "
                     "their seeds, and the threshold alone decides. A gate also fails when NEW lacks a source, "
-                    "method, setting, metric or seed BASE has, unless --methods or --only-common narrows the "
-                    "comparison on purpose, and when NEW is incomplete. What only NEW has is listed, never a "
-                    "failure. Exit 0: passed; 1: failed; 2: bad input.")
+                    "method, setting, metric, seed or finite value BASE has, unless --methods or --only-common "
+                    "narrows the comparison on purpose, and when NEW is incomplete. What only NEW has is listed, "
+                    "never a failure. Exit 0: passed; 1: failed; 2: bad input.")
     cmp_.add_argument("base", type=Path, help="baseline results folder or leaderboard.json")
     cmp_.add_argument("new", type=Path, help="new results folder or leaderboard.json")
     cmp_.add_argument("--fail-on", action="append", default=[], metavar="METRIC:PERCENT",

@@ -22,12 +22,12 @@ PERCENT % is the method's (the spread over seeds there is the data's, not noise)
 are skipped unless named explicitly, because CPU timings are noise.
 
 A gate (any ``--fail-on``) cannot pass on less than BASE holds. It fails when NEW lacks a source,
-method, setting, metric or seed that BASE has (a CI job that selected one method by mistake must not pass),
-unless the comparison is narrowed on purpose: ``methods=`` (``--methods``) restricts both sets to those
-methods, ``only_common`` (``--only-common``) compares what both hold. It also fails on an *incomplete*
-NEW set (failed, interrupted or missing cells, an unmerged shard): the cells that did not run could hide
-the regression the gate is there to catch. What NEW has and BASE lacks (a new method) is listed, never
-an error. Without a gate these are warnings.
+method, setting, metric, seed or finite value that BASE has (a CI job that selected one method by
+mistake must not pass), unless the comparison is narrowed on purpose: ``methods=`` (``--methods``)
+restricts both sets to those methods, ``only_common`` (``--only-common``) compares what both hold. It
+also fails on an *incomplete* NEW set (failed, interrupted or missing cells, an unmerged shard): the
+cells that did not run could hide the regression the gate is there to catch. What NEW has and BASE lacks
+(a new method) is listed, never an error. Without a gate these are warnings.
 
 Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond the spread for a
 metric that moves between runs), or a gate on a NEW set that lacks part of BASE or is incomplete; 2
@@ -254,18 +254,24 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
 
 
 def _seeds_one_side(bm: dict[str, Any], nm: dict[str, Any], where: str, out: "Comparison") -> None:
-    """List the seeds a setting holds on one side only (metric by metric, grouped): a failed or non-finite
-    seed, or a run with fewer seeds, leaves a mean over other data."""
+    """List the seeds a setting holds on one side only (metric by metric, grouped), and the metrics with
+    fewer finite values on one side: a failed seed, a non-finite value or a run with fewer seeds leaves a
+    mean over other data."""
     shared = sorted(set(bm) & set(nm))
     for a, b, dest in ((bm, nm, out.only_base), (nm, bm, out.only_new)):
         lost: dict[tuple, list[str]] = {}
+        fewer = []
         for name in shared:
             miss = tuple(sorted(set(a[name].get("seeds") or ()) - set(b[name].get("seeds") or ())))
             if miss:
                 lost.setdefault(miss, []).append(name)
+            elif int(b[name].get("n", 0)) < int(a[name].get("n", 0)):
+                fewer.append(name)
         for miss, names in lost.items():
             which = "" if len(names) == len(shared) else " of " + ", ".join(names)
             dest.append(f"{where} seed {','.join(str(x) for x in miss)}{which}")
+        if fewer:
+            dest.append(f"{where} finite values of " + ", ".join(fewer))
 
 
 def restrict(board: dict[str, Any], methods: Iterable[str]) -> dict[str, Any]:

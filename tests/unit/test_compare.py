@@ -180,7 +180,7 @@ def test_a_gate_fails_when_new_lacks_a_method_unless_narrowed(tmp_path, base_dir
     assert rc == 0 and text.splitlines()[0].startswith("kvqbench compare: warning: NEW lacks ")
 
 
-def test_a_gate_fails_when_new_lacks_a_seed_or_a_metric(tmp_path, base_dir):
+def test_a_gate_fails_when_new_lacks_a_seed_a_metric_or_a_finite_value(tmp_path, base_dir):
     no_seed = write_results(tmp_path / "seed", [r for r in records()
                                                 if not (r["method"] == "kivi" and r["k_bits"] == 2 and r["seed"] == 1)])
     rc, text = _run(base_dir, no_seed, "rel_mse:5")
@@ -192,6 +192,14 @@ def test_a_gate_fails_when_new_lacks_a_seed_or_a_metric(tmp_path, base_dir):
     no_metric = write_results(tmp_path / "metric", recs)
     rc, text = _run(base_dir, no_metric, "rel_mse:5")
     assert rc == 1 and "synthetic/exp1/kivi/k2v2 k_mse" in text
+    # a non-finite value in NEW (the mean is over the other seed)
+    recs = records()
+    for r in recs:
+        if r["method"] == "kivi" and r["experiment"] == "exp1" and r["k_bits"] == 2 and r["seed"] == 1:
+            r["metrics"]["rel_mse"] = math.nan
+    nan = write_results(tmp_path / "nan", recs)
+    rc, text = _run(base_dir, nan, "rel_mse:5")
+    assert rc == 1 and "synthetic/exp1/kivi/k2v2 finite values of rel_mse" in text.split("only in BASE")[1]
     # what only NEW has is listed, never a failure
     rc, text = _run(no_metric, base_dir, "rel_mse:5")
     assert rc == 0 and "only in NEW" in text and "synthetic/exp1/kivi/k2v2 k_mse" in text
