@@ -7,6 +7,9 @@ import copy
 import io
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_report_samples import _rec, board, records, write_results
@@ -219,10 +222,6 @@ def test_unknown_method_exits_2_naming_the_closest(base_dir, capsys):
 def test_output_cut_short_by_the_reader_is_quiet(tmp_path, base_dir, degrade, verdict, unbuffered, monkeypatch):
     """`kvqbench compare … | head`: the reader goes away before the output ends; no traceback, and the exit
     status is still the gate's verdict (stdout buffered as in a pipe, or unbuffered as CI runners set it)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     if unbuffered:
         monkeypatch.setenv("PYTHONUNBUFFERED", "1")
     else:
