@@ -3,7 +3,7 @@
     kvqbench run [--smoke|--full] [--no-real] [pytest args…]   run the benchmark cells (calls pytest)
     kvqbench report DIR [--no-figures]                         re-render tables and figures from saved JSON
     kvqbench merge SHARD_DIR… --out DIR                        join the folders of a sharded run into one result set
-    kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets
+    kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets (a CI gate)
     kvqbench publish RESULTS [DEST]                            write the committed leaderboard/ + README digest
     kvqbench methods [--changed FILE…] [--k-expr]             method ids (or those a set of changed files touch)
     kvqbench perf [--tokens …] [--threads …] [--json PATH]      round-trip speed of every method vs clone/eager RTN
@@ -91,12 +91,27 @@ def build_parser() -> argparse.ArgumentParser:
     mer.add_argument("dirs", type=Path, nargs="+", metavar="SHARD_DIR", help="shard folders (each holds shard.json)")
     mer.add_argument("--out", type=Path, required=True, help="folder of the merged result set")
     mer.add_argument("--no-figures", action="store_true", help="skip the figures")
-    cmp_ = sub.add_parser("compare", help="compare two result sets; exit 1 when a metric regresses past a threshold")
+    cmp_ = sub.add_parser(
+        "compare", help="compare two result sets; exit 1 when a metric regresses past a threshold",
+        description="Per-metric changes from BASE to NEW by each metric's better-direction. A gate (--fail-on) "
+                    "fails when a metric worsens by more than its PERCENT. End-to-end (exp5) and timing metrics "
+                    "move between runs of the same seeds (float noise through the model moves end-to-end values "
+                    "by tens of percent), so they fail only when the change is also larger than BASE's plus "
+                    "NEW's 95% CI half-widths (sides with >= 2 seeds); other metrics are deterministic given "
+                    "their seeds, and the threshold alone decides. A gate also fails when NEW lacks a source, "
+                    "method, setting, metric, seed or finite value BASE has, unless --methods or --only-common "
+                    "narrows the comparison on purpose, and when NEW is incomplete. What only NEW has is listed, "
+                    "never a failure. Exit 0: passed; 1: failed; 2: bad input.")
     cmp_.add_argument("base", type=Path, help="baseline results folder or leaderboard.json")
     cmp_.add_argument("new", type=Path, help="new results folder or leaderboard.json")
     cmp_.add_argument("--fail-on", action="append", default=[], metavar="METRIC:PERCENT",
-                      help="fail when METRIC gets worse by more than PERCENT %% (repeatable; METRIC may be 'any', "
-                           "which skips timing metrics)")
+                      help="fail when METRIC gets worse by more than PERCENT %% (an end-to-end or timing metric: "
+                           "and by more than the CI half-widths of BASE and NEW added) (repeatable; METRIC may be "
+                           "'any', which skips timing metrics)")
+    cmp_.add_argument("--methods", type=_method_list, default=None, metavar="ID,…",
+                      help="compare only these methods (comma-separated), on both sides")
+    cmp_.add_argument("--only-common", action="store_true",
+                      help="compare only what both sets hold: what NEW lacks is listed, not a failure")
     cmp_.add_argument("--show", type=float, default=1.0, metavar="PERCENT",
                       help="list changes of at least PERCENT %% (default 1)")
     cmp_.add_argument("--max-rows", type=int, default=40, help="rows per table (default 40)")
@@ -324,10 +339,51 @@ def _merge(args: argparse.Namespace) -> int:
     return 0 if res.complete else 1
 
 
+def _method_list(text: str) -> list[str]:
+    """``"kivi,kvarn"`` → ``["kivi", "kvarn"]`` (``--methods``)."""
+    ids = [x for x in (t.strip() for t in text.split(",")) if x]
+    if not ids:
+        raise argparse.ArgumentTypeError(f"expected comma-separated method ids, e.g. kivi,kvarn; got {text!r}")
+    return ids
+
+
+class _UntilReaderGone:
+    """A text stream that writes to ``stream`` until its reader closes the pipe (``kvqbench compare … |
+    head``), then discards the rest, so the command ends without a traceback and with its own verdict."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def _reader_gone(self) -> None:
+        self.gone = True
+        # what the stream still buffers goes to /dev/null when the interpreter flushes it at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                self.stream.write(text)
+            except BrokenPipeError:
+                self._reader_gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._reader_gone()
+
+
 def _compare(args: argparse.Namespace) -> int:
     from kvqbench.report.compare import main as compare_main
 
-    return compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows)
+    out = _UntilReaderGone(sys.stdout)
+    rc = compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows,
+                      only_common=args.only_common, methods=args.methods, out=out)
+    out.flush()
+    return rc
 
 
 def _publish(args: argparse.Namespace) -> int:

@@ -5,24 +5,36 @@ the change from BASE to NEW is classified with the metric's better-direction, re
 ``metrics_catalog`` (BASE's, completed by NEW's): ``lower``/``higher`` as named, ``zero`` by distance
 from 0. The *worsening* of a metric is ``(bad(new) − bad(base)) / |bad(base)|`` in percent, where
 ``bad`` is the value itself (lower), its negation (higher) or its absolute value (zero); a change from
-exactly 0 to non-zero counts as an infinite percentage. Where both sides have ≥ 2 seeds the change
-is *outside the CIs* when the two 95% intervals do not overlap.
+exactly 0 to non-zero counts as an infinite percentage.
+
+The *spread* of a value is the one the leaderboard measured: the sum of the 95 % Student-t CI
+half-widths of BASE and NEW (``ci95``, present where a side has ≥ 2 seeds; a side without one adds 0). A
+change is *beyond the spread* when ``|new − base|`` exceeds it, i.e. the two intervals are disjoint.
 
 ``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
-:func:`main` return 1 when that metric worsens by more than PERCENT % in any (source, method,
-setting). Timing metrics (unit ``s``/``ms``/``us``/``ns``, ``GB/s``, or a name with ``latency``,
-``throughput``, ``time`` or ``peak_mem``) are skipped unless named explicitly, because CPU timings are
-noise. Methods, settings and sources present on one side only are listed, never an error.
+:func:`main` return 1 when that metric, in any (source, method, setting), worsens by more than PERCENT %.
+For a metric whose values move between runs of the same seeds — the end-to-end metrics (exp5: float noise
+through the model moves them by tens of percent) and timings — it must also worsen beyond the spread; one
+that worsens past PERCENT % within its spread is listed as noise, not a failure. Every other metric is a
+deterministic function of its seeds' data, so BASE and NEW measure the same cells and any change past
+PERCENT % is the method's (the spread over seeds there is the data's, not noise). Timing metrics (unit
+``s``/``ms``/``us``/``ns``, ``GB/s``, or a name with ``latency``, ``throughput``, ``time`` or ``peak_mem``)
+are skipped unless named explicitly, because CPU timings are noise.
 
-A gate (any ``--fail-on``) on an *incomplete* NEW set (failed, interrupted or missing cells, an unmerged
-shard) fails: the cells that did not run could hide the regression the gate is there to catch. Without
-a gate an incomplete set on either side is only a warning.
+A gate (any ``--fail-on``) cannot pass on less than BASE holds. It fails when NEW lacks a source,
+method, setting, metric, seed or finite value that BASE has (a CI job that selected one method by
+mistake must not pass), unless the comparison is narrowed on purpose: ``methods=`` (``--methods``)
+restricts both sets to those methods, ``only_common`` (``--only-common``) compares what both hold. It
+also fails on an *incomplete* NEW set (failed, interrupted or missing cells, an unmerged shard): the
+cells that did not run could hide the regression the gate is there to catch. What NEW has and BASE lacks
+(a new method) is listed, never an error. Without a gate these are warnings.
 
-Exit status of :func:`main`: 0 no threshold crossed, 1 a threshold crossed or a gate on an incomplete
-NEW set, 2 unreadable input or a
-malformed ``--fail-on`` or one naming a metric neither set nor the catalog knows (the message names the
-closest known metric), or a ``--fail-on`` whose metric neither set recorded (such a gate would always pass; a metric
-recorded on one side only, e.g. for a new method, is reported as compared nothing, not an error).
+Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond the spread for a
+metric that moves between runs), or a gate on a NEW set that lacks part of BASE or is incomplete; 2
+unreadable input, a malformed ``--fail-on``, a ``--fail-on`` or ``--methods`` naming something neither set
+knows (the message names the closest known name), or a ``--fail-on`` whose metric neither set recorded
+(such a gate would always pass; a metric recorded on one side only, e.g. for a new method, is reported as
+compared nothing, not an error).
 """
 
 from __future__ import annotations
@@ -34,9 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-__all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "parse_fail_on", "unknown_metric", "is_timing",
-           "main", "render_comparison"]
+__all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
+           "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
+           "render_comparison"]
 
+#: experiments whose values move between runs of the same seeds: the end-to-end run (docs/DESIGN.md §4)
+NOISY_EXPERIMENTS = frozenset({"exp5"})
 _TIME_UNITS = {"s", "ms", "us", "µs", "ns", "gb/s", "bytes", "mib", "gib", "mb"}
 _TIME_NAME = re.compile(r"(latency|throughput|(^|_)time(_|$)|peak_mem|_(ms|us|ns|s)$|gbps|gb_s)")
 #: changes smaller than this (relative) are "unchanged" — float noise, not a result
@@ -67,6 +82,8 @@ class Change:
     new_ci: float | None
     base_n: int
     new_n: int
+    #: whether the metric's values move between runs of the same seeds (:func:`varies_between_runs`)
+    noisy: bool = False
 
     @property
     def delta(self) -> float:
@@ -91,21 +108,37 @@ class Change:
         return "regressed" if w > 0 else "improved"
 
     @property
+    def spread(self) -> float | None:
+        """The measured spread: BASE's plus NEW's 95 % CI half-width (a side with < 2 seeds has none and
+        adds 0); ``None`` when neither side has one."""
+        cis = [ci for ci, n in ((self.base_ci, self.base_n), (self.new_ci, self.new_n)) if ci is not None and n >= 2]
+        return math.fsum(cis) if cis else None
+
+    @property
     def outside_ci(self) -> bool | None:
-        """``None`` unless both sides have ≥ 2 seeds; else whether the 95% intervals are disjoint."""
-        if self.base_n < 2 or self.new_n < 2 or self.base_ci is None or self.new_ci is None:
-            return None
-        return (self.new - self.new_ci > self.base + self.base_ci) or (self.new + self.new_ci < self.base - self.base_ci)
+        """Whether ``|new − base|`` exceeds :attr:`spread` (the intervals are disjoint); ``None`` when no
+        spread is measured."""
+        spread = self.spread
+        return None if spread is None else abs(self.new - self.base) > spread
+
+    @property
+    def within_noise(self) -> bool:
+        """A change of a :attr:`noisy` metric no larger than its spread: noise, never a gate failure."""
+        return self.noisy and self.outside_ci is False
 
 
 @dataclass
 class Comparison:
-    """Every change plus what exists on one side only."""
+    """Every change plus what exists on one side only: ``only_base`` and ``only_new`` name a source
+    (``source real``), a method, setting or metric (``synthetic/exp1/kivi/k2v2 rel_mse``) or seeds
+    (``synthetic/exp1/kivi/k2v2 seed 2``), coarsest first."""
 
     changes: list[Change] = field(default_factory=list)
     only_base: list[str] = field(default_factory=list)
     only_new: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: methods BASE holds a value of and NEW none (a subset of what ``only_base`` names)
+    methods_only_base: list[str] = field(default_factory=list)
 
 
 def _badness(better: str, v: float) -> float:
@@ -123,6 +156,12 @@ def is_timing(name: str, spec: dict[str, Any] | None) -> bool:
         return True
     unit = str(spec.get("unit", "")).strip().lower()
     return unit in _TIME_UNITS or bool(_TIME_NAME.search(name.lower()))
+
+
+def varies_between_runs(name: str, spec: dict[str, Any] | None) -> bool:
+    """Whether a metric's values move between runs of the same seeds: a timing (:func:`is_timing`) or a
+    metric of :data:`NOISY_EXPERIMENTS` (by its catalog record's ``experiment``)."""
+    return is_timing(name, spec) or (spec or {}).get("experiment") in NOISY_EXPERIMENTS
 
 
 def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
@@ -193,22 +232,64 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
             be, ne = bst.get(exp) or {}, nst.get(exp) or {}
             for meth in _shared_keys(be, ne, f"{src}/{exp}/", out):
                 for setting in _shared_keys(be[meth], ne[meth], f"{src}/{exp}/{meth}/", out):
-                    bm, nm = be[meth][setting], ne[meth][setting]
+                    # only metrics of the catalog count: without a direction there is nothing to judge
+                    bm = {k: v for k, v in be[meth][setting].items() if k in catalog}
+                    nm = {k: v for k, v in ne[meth][setting].items() if k in catalog}
+                    where = f"{src}/{exp}/{meth}/{setting}"
+                    _shared_keys(bm, nm, f"{where} ", out)
+                    _seeds_one_side(bm, nm, where, out)
                     for name in sorted(set(bm) & set(nm)):
-                        spec = catalog.get(name)
-                        if spec is None:
-                            continue  # not a ranked metric: no direction to judge by
+                        spec = catalog[name]
                         b, n = _num(bm[name].get("mean")), _num(nm[name].get("mean"))
                         if not (math.isfinite(b) and math.isfinite(n)):
                             continue
                         out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
                                                   bm[name].get("ci95"), nm[name].get("ci95"),
-                                                  int(bm[name].get("n", 1)), int(nm[name].get("n", 1))))
+                                                  int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
+                                                  varies_between_runs(name, spec)))
+    new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
+    out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
+                                    for m in exp} - new_methods)
     return out
 
 
-def violations(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) -> list[tuple[FailRule, Change]]:
-    """Every (rule, change) where the change worsens past the rule's percent."""
+def _seeds_one_side(bm: dict[str, Any], nm: dict[str, Any], where: str, out: "Comparison") -> None:
+    """List the seeds a setting holds on one side only (metric by metric, grouped), and the metrics with
+    fewer finite values on one side: a failed seed, a non-finite value or a run with fewer seeds leaves a
+    mean over other data."""
+    shared = sorted(set(bm) & set(nm))
+    for a, b, dest in ((bm, nm, out.only_base), (nm, bm, out.only_new)):
+        lost: dict[tuple, list[str]] = {}
+        fewer = []
+        for name in shared:
+            miss = tuple(sorted(set(a[name].get("seeds") or ()) - set(b[name].get("seeds") or ())))
+            if miss:
+                lost.setdefault(miss, []).append(name)
+            elif int(b[name].get("n", 0)) < int(a[name].get("n", 0)):
+                fewer.append(name)
+        for miss, names in lost.items():
+            which = "" if len(names) == len(shared) else " of " + ", ".join(names)
+            dest.append(f"{where} seed {','.join(str(x) for x in miss)}{which}")
+        if fewer:
+            dest.append(f"{where} finite values of " + ", ".join(fewer))
+
+
+def restrict(board: dict[str, Any], methods: Iterable[str]) -> dict[str, Any]:
+    """A copy of ``board`` whose ``stats`` hold only ``methods``; a source left with no value of them is
+    dropped (so a source neither set ran those methods on is not "missing"). Other keys are shared."""
+    keep = set(methods)
+    sources = {}
+    for name, src in (board.get("sources") or {}).items():
+        stats = {exp: {m: v for m, v in by_method.items() if m in keep}
+                 for exp, by_method in (src.get("stats") or {}).items()}
+        stats = {exp: by_method for exp, by_method in stats.items() if by_method}
+        if stats:
+            sources[name] = {**src, "stats": stats}
+    return {**board, "sources": sources}
+
+
+def crossings(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) -> list[tuple[FailRule, Change]]:
+    """Every (rule, change) where the change worsens past the rule's percent, within noise or not."""
     hits = []
     for rule in rules:
         for c in cmp.changes:
@@ -220,6 +301,11 @@ def violations(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) 
             if c.worsening_pct > rule.percent:
                 hits.append((rule, c))
     return hits
+
+
+def violations(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) -> list[tuple[FailRule, Change]]:
+    """The :func:`crossings` that fail the gate: all but those within noise (:attr:`Change.within_noise`)."""
+    return [(r, c) for r, c in crossings(cmp, rules, catalog) if not c.within_noise]
 
 
 def _fmt(x: float | None) -> str:
@@ -258,13 +344,13 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
              f"{sum(1 for c in changes if c.status == 'improved')} better, {n_unch} unchanged"
              + (" (timing metrics ignored unless named in --fail-on)" if len(changes) < len(cmp.changes) else "")]
     lines += [f"note: {n}" for n in cmp.notes]
-    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "outside CI"]
+    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "beyond CI spread"]
 
     def rows(cs: list[Change]) -> list[list[str]]:
         return [[c.source, c.method, c.setting, c.metric, c.better, _fmt(c.base), _fmt(c.new),
                  _pct(c.worsening_pct).replace("+", "worse +", 1) if c.worsening_pct > 0 else
                  _pct(-c.worsening_pct).replace("+", "better +", 1),
-                 {None: "n/a (<2 seeds)", True: "yes", False: "no"}[c.outside_ci]] for c in cs[:max_rows]]
+                 {None: "n/a (1 seed)", True: "yes", False: "no"}[c.outside_ci]] for c in cs[:max_rows]]
 
     for title, cs in (("Regressions", reg), ("Improvements", imp)):
         lines.append("")
@@ -289,6 +375,21 @@ def _metric_names(board: dict[str, Any]) -> set[str]:
     return names
 
 
+def unknown_method(methods: Iterable[str], *boards: dict[str, Any]) -> str | None:
+    """One line naming the first of ``methods`` that no board holds a value of, with the closest id that
+    one does (``None`` when every id is known)."""
+    import difflib
+
+    known = sorted({m for b in boards for src in (b.get("sources") or {}).values()
+                    for exp in (src.get("stats") or {}).values() for m in exp})
+    for m in methods:
+        if m not in known:
+            close = difflib.get_close_matches(m, known, n=1, cutoff=0.0)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            return f"--methods: neither set holds a value of method '{m}'{hint}"
+    return None
+
+
 def unknown_metric(rules: Iterable[FailRule], catalog: dict[str, Any], *boards: dict[str, Any]) -> str | None:
     """One line naming the first ``--fail-on`` metric that neither the catalog nor any board knows, with
     the closest known name (``None`` when every rule names a known metric or ``any``)."""
@@ -306,10 +407,38 @@ def unknown_metric(rules: Iterable[FailRule], catalog: dict[str, Any], *boards: 
     return None
 
 
+def _missing_line(cmp: Comparison, *, gate: bool) -> str:
+    """One line: what NEW lacks of BASE and, for a gate, how to narrow the comparison on purpose."""
+    what = []
+    if cmp.methods_only_base:
+        ms = cmp.methods_only_base
+        what.append(f"method{'s' if len(ms) > 1 else ''} " + ", ".join(ms[:8]) + (" …" if len(ms) > 8 else ""))
+    sources = [x.split(" ", 1)[1] for x in cmp.only_base if x.startswith("source ")]
+    if sources:
+        what.append("source " + ", ".join(sources))
+    line = f"NEW lacks {len(cmp.only_base)} result(s) BASE has" + (f" ({'; '.join(what)})" if what else "")
+    if not gate:
+        return f"kvqbench compare: warning: {line}"
+    return (f"FAILED: {line}, so the gate cannot judge them; run them, or narrow the comparison on purpose "
+            "with --methods ID,… or --only-common")
+
+
+def _spread_text(c: Change) -> str:
+    if c.outside_ci is None:
+        return "no CI (1 seed)"
+    return f"|Δ| {_fmt(abs(c.delta))} {'>' if c.outside_ci else '≤'} CI spread {_fmt(c.spread)}"
+
+
 def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show_percent: float = 1.0,
-         max_rows: int = 40, out: Any = None) -> int:
-    """Compare two result sets, print the table, and return the exit status (see module doc)."""
+         max_rows: int = 40, out: Any = None, only_common: bool = False,
+         methods: Iterable[str] | None = None) -> int:
+    """Compare two result sets, print the table, and return the exit status (see module doc).
+
+    ``methods`` restricts both sets to those method ids; ``only_common`` compares only what both sets
+    hold. Either makes results one set lacks a listing, not a failure of the gate.
+    """
     out = out or sys.stdout
+    methods = list(methods) if methods is not None else None
     try:
         rules = parse_fail_on(fail_on)
         b, n = load_board(base), load_board(new)
@@ -317,15 +446,25 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         print(f"kvqbench compare: {e}", file=sys.stderr)
         return 2
     catalog = {**(n.get("metrics_catalog") or {}), **(b.get("metrics_catalog") or {})}
-    unknown = unknown_metric(rules, catalog, b, n)
-    if unknown:
-        print(f"kvqbench compare: {unknown}", file=sys.stderr)
+    problem = unknown_metric(rules, catalog, b, n) or (unknown_method(methods, b, n) if methods else None)
+    if problem:
+        print(f"kvqbench compare: {problem}", file=sys.stderr)
         return 2
+    if methods:
+        b, n = restrict(b, methods), restrict(n, methods)
     cmp = compare_boards(b, n)
+    lacking = bool(cmp.only_base) and not only_common
+    if lacking:  # the verdict first: a gate on less than BASE holds would pass vacuously
+        print(_missing_line(cmp, gate=bool(rules)), file=out)
     for label, board in (("BASE", b), ("NEW", n)):
         comp = board.get("completeness") or {}
         if comp.get("complete") is False:
             print(f"kvqbench compare: warning: {label} is {comp.get('summary', 'incomplete')}", file=out)
+    if methods:
+        print(f"kvqbench compare: only methods {', '.join(methods)} compared (--methods)", file=out)
+    if only_common and cmp.only_base:
+        print(f"kvqbench compare: only what both sets hold compared (--only-common): {len(cmp.only_base)} "
+              "result(s) only in BASE not judged", file=out)
     print(render_comparison(cmp, catalog, rules=rules, show_percent=show_percent, max_rows=max_rows), file=out)
     idle = [r for r in rules if not any(r.metric in ("any", c.metric) for c in cmp.changes)]
     recorded = _recorded_metrics(b) | _recorded_metrics(n)
@@ -335,14 +474,30 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
     # recorded on one side only (e.g. a new method, absent from BASE) is nothing to gate; recorded on
     # neither side, the gate is misconfigured and fails
     idle = [r for r in idle if r.metric != "any" and r.metric not in recorded]
+    crossed = crossings(cmp, rules, catalog)
     hits = violations(cmp, rules, catalog)
+    noise = [(r, c) for r, c in crossed if c.within_noise]
+    if noise:
+        print("", file=out)
+        print(f"within the CI spread: {len(noise)} value(s) of metrics that move between runs (end-to-end, "
+              "timing) worsened past a --fail-on threshold by no more than BASE's plus NEW's 95 % CI "
+              "half-widths — noise, not a failure:", file=out)
+        for _, c in noise[:max_rows]:
+            print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
+                  f"({_pct(c.worsening_pct)}; {_spread_text(c)})", file=out)
     if hits:
         print("", file=out)
-        print(f"FAILED: {len(hits)} value(s) worsened past a --fail-on threshold:", file=out)
+        print(f"FAILED: {len(hits)} value(s) worsened past a --fail-on threshold (end-to-end and timing metrics: "
+              "also beyond the CI spread):", file=out)
         for rule, c in hits[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
-                  f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g})",
-                  file=out)
+                  f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g}"
+                  + (f"; {_spread_text(c)})" if c.noisy else ")"), file=out)
+    if rules and lacking:
+        print("", file=out)
+        print(_missing_line(cmp, gate=True), file=out)
+        return 1
+    if hits:
         return 1
     if idle:
         return 2
@@ -354,6 +509,6 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
         return 1
     if rules:
         print("", file=out)
-        print("OK: no --fail-on threshold crossed (" + ", ".join(f"{r.metric}:{r.percent:g}" for r in rules) + ")",
-              file=out)
+        print("OK: no --fail-on threshold crossed ("
+              + ", ".join(f"{r.metric}:{r.percent:g}" for r in rules) + ")", file=out)
     return 0

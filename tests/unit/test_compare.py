@@ -7,9 +7,12 @@ import copy
 import io
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from test_report_samples import board, records, write_results
+from test_report_samples import _rec, board, records, write_results
 
 from kvqbench.report.compare import Change, compare_boards, is_timing, main, parse_fail_on
 
@@ -40,6 +43,54 @@ def test_degraded_method_fails_past_threshold(tmp_path, base_dir):
     # the degradation is +20 %: a looser threshold passes, a file path works as well as a folder
     rc2, _ = _run(base_dir / "leaderboard.json", new / "leaderboard.json", "rel_mse:25")
     assert rc2 == 0
+
+
+#: Student-t 0.975 quantile with 2 degrees of freedom, closed form: (2p − 1) / √(2p(1 − p))
+T975_DF2 = (2 * 0.975 - 1) / math.sqrt(2 * 0.975 * 0.025)
+#: the published leaderboard's three seeds of real/rtn_channel/k4v4 e2e_prefill_dloss_nats
+DLOSS = (0.09594631956752754, 0.03896555294576439, -0.01015457835434303)
+
+
+def _half_width_3(vals):
+    m = sum(vals) / 3
+    return T975_DF2 * math.sqrt(sum((v - m) ** 2 for v in vals) / 2 / 3)
+
+
+def _e2e_records(dloss, rel_mse):
+    """exp5 and exp1 cells of one method and setting, seeds 0–2 (end-to-end and a deterministic metric)."""
+    out = []
+    for seed, (d, e) in enumerate(zip(dloss, rel_mse)):
+        out.append(_rec("exp5", "rtn_channel", 4, seed, "real", {"e2e_prefill_dloss_nats": d}))
+        out.append(_rec("exp1", "rtn_channel", 4, seed, "real", {"rel_mse": e}))
+    return out
+
+
+def test_end_to_end_values_fail_only_beyond_the_ci_spread(tmp_path):
+    """The published leaderboard's Δ loss moved +51 % in a fresh run, well within its seeds' CI: noise."""
+    err = (0.010, 0.011, 0.012)
+    base = write_results(tmp_path / "base", _e2e_records(DLOSS, err))
+    shift = 0.0628 - sum(DLOSS) / 3  # the fresh run's mean was 0.0628 (+51 %)
+    noisy = tuple(d + shift for d in DLOSS)
+    spread = 2 * _half_width_3(DLOSS)  # the same seed-to-seed scatter on both sides
+    assert abs(shift) < spread  # the premise, from the closed form
+    rc, text = _run(base, write_results(tmp_path / "noisy", _e2e_records(noisy, err)), "any:5")
+    assert rc == 0, text
+    line = next(ln for ln in text.split("within the CI spread: ")[1].splitlines() if "e2e_prefill_dloss_nats" in ln)
+    assert "+51.01 %" in line and f"≤ CI spread {spread:.4g}" in line
+    # beyond the spread (and the threshold): fails, naming the spread it exceeded
+    far = tuple(d + 1.01 * spread for d in DLOSS)
+    rc, text = _run(base, write_results(tmp_path / "far", _e2e_records(far, err)), "any:5")
+    assert rc == 1
+    failed = text.split("FAILED: ")[1]
+    assert "real/rtn_channel/k4v4 e2e_prefill_dloss_nats" in failed and f"> CI spread {spread:.4g}" in failed
+    # beyond the spread but within the threshold: passes
+    assert _run(base, write_results(tmp_path / "far2", _e2e_records(far, err)), "any:10000")[0] == 0
+    # a deterministic metric is judged by the threshold alone, however wide its seeds' CI (+20 % here,
+    # against a CI half-width of ~25 % of the mean on each side)
+    worse = tuple(e * 1.2 for e in err)
+    assert 0.2 * sum(err) / 3 < _half_width_3(err) + _half_width_3(worse)
+    rc, text = _run(base, write_results(tmp_path / "det", _e2e_records(DLOSS, worse)), "rel_mse:5")
+    assert rc == 1 and "real/rtn_channel/k4v4 rel_mse" in text.split("FAILED: ")[1]
 
 
 def test_improvement_never_fails(tmp_path, base_dir):
@@ -86,21 +137,104 @@ def test_higher_is_better_metric_regresses_when_it_drops(tmp_path):
     assert rc == 1 and "attn_cos_gain" in text
 
 
-def test_ci_significance_needs_two_seeds():
+def test_ci_spread_adds_the_half_widths_of_the_sides_that_have_one():
     wide = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.1, 0.2, 0.2, 3, 3)
     apart = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 2.0, 0.1, 0.1, 3, 3)
     single = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 2.0, None, None, 1, 1)
     assert wide.outside_ci is False and apart.outside_ci is True and single.outside_ci is None
+    assert wide.spread == pytest.approx(0.4) and single.spread is None
+    # one side with seeds: its half-width alone is the spread
+    one = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.3, 0.25, None, 3, 1)
+    assert one.spread == 0.25 and one.outside_ci is True
+    # identical seeds (a deterministic value) have a 0 half-width: the threshold alone decides
+    exact = Change("s", "e", "m", "k2v2", "x", "lower", 1.0, 1.0001, 0.0, 0.0, 3, 3)
+    assert exact.outside_ci is True
 
 
 def test_missing_methods_settings_and_sources_are_reported(tmp_path, base_dir):
     recs = [r for r in records(sources=("synthetic", "real")) if r["method"] != "kvarn"
             and not (r["method"] == "kivi" and r["k_bits"] == 4)]
     new = write_results(tmp_path / "new", recs)
-    rc, text = _run(base_dir, new, "rel_mse:5")
+    rc, text = _run(base_dir, new, "rel_mse:5", only_common=True)
     assert rc == 0
     assert "only in BASE" in text and "synthetic/exp1/kvarn" in text and "synthetic/exp1/kivi/k4v4" in text
     assert "only in NEW" in text and "source real" in text
+    assert "(--only-common)" in text.splitlines()[0]
+
+
+def test_a_gate_fails_when_new_lacks_a_method_unless_narrowed(tmp_path, base_dir):
+    """HEAD run with -k kvarn against a complete BASE: the gate would judge one method of four."""
+    new = write_results(tmp_path / "new", [r for r in records() if r["method"] == "kvarn"])
+    rc, text = _run(base_dir, new, "rel_mse:5")
+    assert rc == 1
+    first, last = text.splitlines()[0], text.splitlines()[-1]
+    assert first.startswith("FAILED: NEW lacks ") and "(methods fp16, kivi, rtn_token)" in first
+    assert "--methods ID,… or --only-common" in first and last == first
+    assert "OK:" not in text
+    # narrowed on purpose: to the method NEW ran, or to what both hold
+    assert _run(base_dir, new, "rel_mse:5", methods=["kvarn"])[0] == 0
+    rc, text = _run(base_dir, new, "rel_mse:5", only_common=True)
+    assert rc == 0 and "FAILED" not in text
+    # --methods keeps the check for what it names: kivi is in BASE only
+    rc, text = _run(base_dir, new, "rel_mse:5", methods=["kvarn", "kivi"])
+    assert rc == 1 and text.splitlines()[0].startswith("FAILED: NEW lacks ") and "(method kivi)" in text
+    # without a gate it is a warning, first
+    rc, text = _run(base_dir, new)
+    assert rc == 0 and text.splitlines()[0].startswith("kvqbench compare: warning: NEW lacks ")
+
+
+def test_a_gate_fails_when_new_lacks_a_seed_a_metric_or_a_finite_value(tmp_path, base_dir):
+    no_seed = write_results(tmp_path / "seed", [r for r in records()
+                                                if not (r["method"] == "kivi" and r["k_bits"] == 2 and r["seed"] == 1)])
+    rc, text = _run(base_dir, no_seed, "rel_mse:5")
+    assert rc == 1 and "synthetic/exp1/kivi/k2v2 seed 1" in text
+    recs = records()
+    for r in recs:
+        if r["method"] == "kivi" and r["experiment"] == "exp1":
+            r["metrics"].pop("k_mse")
+    no_metric = write_results(tmp_path / "metric", recs)
+    rc, text = _run(base_dir, no_metric, "rel_mse:5")
+    assert rc == 1 and "synthetic/exp1/kivi/k2v2 k_mse" in text
+    # a non-finite value in NEW (the mean is over the other seed)
+    recs = records()
+    for r in recs:
+        if r["method"] == "kivi" and r["experiment"] == "exp1" and r["k_bits"] == 2 and r["seed"] == 1:
+            r["metrics"]["rel_mse"] = math.nan
+    nan = write_results(tmp_path / "nan", recs)
+    rc, text = _run(base_dir, nan, "rel_mse:5")
+    assert rc == 1 and "synthetic/exp1/kivi/k2v2 finite values of rel_mse" in text.split("only in BASE")[1]
+    # what only NEW has is listed, never a failure
+    rc, text = _run(no_metric, base_dir, "rel_mse:5")
+    assert rc == 0 and "only in NEW" in text and "synthetic/exp1/kivi/k2v2 k_mse" in text
+
+
+def test_unknown_method_exits_2_naming_the_closest(base_dir, capsys):
+    from kvqbench.cli import main as cli
+
+    assert cli(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mse:5", "--methods", "kvarn,kivj"]) == 2
+    assert capsys.readouterr().err.strip() == ("kvqbench compare: --methods: neither set holds a value of method "
+                                               "'kivj'; did you mean 'kivi'?")
+    assert cli(["compare", str(base_dir), str(base_dir), "--fail-on", "rel_mse:5", "--methods", "kvarn,kivi"]) == 0
+
+
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("degrade, verdict", [(1.0, 0), (1.2, 1)], ids=["passes", "fails"])
+def test_output_cut_short_by_the_reader_is_quiet(tmp_path, base_dir, degrade, verdict, unbuffered, monkeypatch):
+    """`kvqbench compare … | head`: the reader goes away before the output ends; no traceback, and the exit
+    status is still the gate's verdict (stdout buffered as in a pipe, or unbuffered as CI runners set it)."""
+    if unbuffered:
+        monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    else:
+        monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+
+    new = write_results(tmp_path / "new", records(degrade={"kivi": degrade}))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "kvqbench.cli", "compare", str(base_dir), str(new),
+                             "--fail-on", "rel_mse:5"], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # before the command writes its first line: every write meets a closed pipe
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == verdict
+    assert err == ""
 
 
 def test_bad_inputs_exit_two(tmp_path, base_dir, capsys):
@@ -148,11 +282,13 @@ def test_unknown_fail_on_metric_exits_2_naming_the_closest(base_dir, capsys):
 
 
 def test_a_metric_recorded_on_one_side_only_is_reported_not_failed(base_dir, tmp_path):
-    """A method new in NEW (a method PR adding one) has nothing in BASE to gate against."""
+    """A method new in NEW (a method PR adding one, compared with --methods) has nothing in BASE to gate
+    against."""
     only_new = write_results(tmp_path / "new", [r for r in records() if r["method"] == "kivi"])
     only_base = write_results(tmp_path / "old", [r for r in records() if r["method"] == "rtn_token"])
-    rc, text = _run(only_base, only_new, "rel_mse:5")
+    rc, text = _run(only_base, only_new, "rel_mse:5", methods=["kivi"])
     assert rc == 0 and "--fail-on rel_mse:5 compared nothing: no setting has 'rel_mse' in both sets" in text
+    assert _run(only_base, only_new, "rel_mse:5")[0] == 1  # NEW lacks rtn_token
 
 
 def test_a_gate_on_an_incomplete_new_set_fails(tmp_path, base_dir):
