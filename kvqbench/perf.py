@@ -554,9 +554,7 @@ def run_perf(
         "cache_bytes_source": ("CUDA L2" if dev.type == "cuda" else "sysfs last-level cache")
         if cache_bytes is not None else f"assumed {FALLBACK_LLC_BYTES >> 20} MiB",
     }
-    from kvqbench.numerics import fused
-
-    cfg = {"fused": fused.enabled(dev.type), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
+    cfg = {"fused": False, "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts, "bits": bits,
            "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
            "eager_rtn_group": EAGER_GROUP, "cache": cache, "input_copies": copies, "processes": 1}
     return {"config": cfg, "environment": env, "rows": rows, "scaling": scaling}
