@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.rtn import PerToken, compute_dtype, rtn_dequantize, rtn_quantize, to_groups
+from kvqbench.numerics.rtn import PerToken, compute_dtype, rtn_dequantize, rtn_quantize
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
 
@@ -64,6 +64,15 @@ def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: i
     s = (mx - mn) / (1 << bits)
     safe = torch.where(s > 0, s, torch.full_like(s, math.inf))
     return torch.clamp(torch.floor((v - mn) / safe), 0, (1 << bits) - 1).to(torch.uint8)
+
+
+def _token_groups(v: torch.Tensor, g: int) -> torch.Tensor:
+    """``(B, H, T, P)`` → ``(B, H, nG, G, P)``: consecutive groups of ``g`` tokens, a partial last group padded
+    by repeating its last token (so its min/max are unchanged)."""
+    pad = (-v.shape[-2]) % g
+    if pad:
+        v = torch.cat([v, v[..., -1:, :].expand(*v.shape[:-2], pad, v.shape[-1])], dim=-2)
+    return v.reshape(*v.shape[:-2], -1, g, v.shape[-1])
 
 
 def _midpoint(idx: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
@@ -141,14 +150,16 @@ class PolarQuant(Quantizer):
                 f"polarquant pairs channels (j, j + D/2) as RoPE does and needs an even head_dim, got {d}"
             )
         qt = self._new_qt(x, kind, bits, group_size=self.group_size)
+        t, g = x.shape[-2], self.group_size
         rho, phi = to_polar(x.to(compute_dtype(x.dtype)))  # §3: (B, H, T, P), one (ρ, φ) per RoPE pair
         for name, v in (("rho", rho), ("phi", phi)):
-            vg, restore = to_groups(v, -2, self.group_size)  # §4: groups of G tokens, (B, H, P, nG, G)
-            mn = vg.amin(dim=-1, keepdim=True)
-            mx = vg.amax(dim=-1, keepdim=True)
-            qt.add_codes(f"{name}_codes", restore(_floor_quantize(vg, mn, mx, bits)), bits)
-            qt.fields[f"{name}_min"] = Stored(mn, 16)
-            qt.fields[f"{name}_max"] = Stored(mx, 16)
+            vg = _token_groups(v, g)  # §4: groups of G tokens, (B, H, nG, G, P)
+            mn = vg.amin(dim=-2, keepdim=True)
+            mx = vg.amax(dim=-2, keepdim=True)
+            codes = _floor_quantize(vg, mn, mx, bits).reshape(*v.shape[:-2], -1, v.shape[-1])[..., :t, :]
+            qt.add_codes(f"{name}_codes", codes, bits)
+            qt.fields[f"{name}_min"] = Stored(mn.movedim(-1, -3), 16)  # (B, H, P, nG, 1)
+            qt.fields[f"{name}_max"] = Stored(mx.movedim(-1, -3), 16)
         return qt
 
     def _quantize_v(self, x: torch.Tensor, bits: int) -> QuantizedTensor:
@@ -165,10 +176,12 @@ class PolarQuant(Quantizer):
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
             return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], PerToken())
+        t, g = qt.shape[-2], qt.meta["group_size"]
         polar = []
         for name in ("rho", "phi"):  # §4: every code decodes to its bin's midpoint
-            cg, restore = to_groups(qt.codes(f"{name}_codes", torch.uint8), -2, qt.meta["group_size"])
-            polar.append(restore(_midpoint(cg, qt[f"{name}_min"], qt[f"{name}_max"], qt.bits)))
+            cg = _token_groups(qt.codes(f"{name}_codes", torch.uint8), g)
+            mn, mx = qt[f"{name}_min"].movedim(-3, -1), qt[f"{name}_max"].movedim(-3, -1)  # (B, H, nG, 1, P)
+            polar.append(_midpoint(cg, mn, mx, qt.bits).reshape(*cg.shape[:-3], -1, cg.shape[-1])[..., :t, :])
         return from_polar(*polar)  # §3: back to the rotate-half pairs
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
