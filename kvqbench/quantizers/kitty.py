@@ -65,11 +65,6 @@ def boost_count(head_dim: int, boost_fraction: float) -> int:
     return int(math.floor(boost_fraction * head_dim + 1e-6))
 
 
-def _code_dtype(max_code: int) -> torch.dtype:
-    """The narrowest integer dtype that holds codes up to ``max_code`` (uint8 up to 255, else int16)."""
-    return torch.uint8 if max_code <= 255 else torch.int16
-
-
 def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor | int,
                 dtype: torch.dtype) -> torch.Tensor:
     """``clamp(floor((x − lo)/scale + ½), 0, levels)`` as ``dtype`` (round half up, as the reference code;
@@ -79,27 +74,14 @@ def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: 
     return q.to(dtype)
 
 
-def _abs_max(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` of a tensor from its group minima and maxima (which cover every element)."""
-    return torch.maximum(lo.amin().neg(), hi.amax())
-
-
-def _range_floor(abs_max: torch.Tensor) -> torch.Tensor:
-    """The range floor of a tensor whose ``max |x|`` is ``abs_max`` (0-dim; :func:`_abs_max` of its group
-    minima and maxima): ``EPS·min(1, 2^⌊log2 max|x|⌋)`` (0-dim tensor).
-
-    The reference's absolute ``EPS`` only guards the division for a constant group; on data whose
-    magnitude is far below 1 it would exceed every group's range and collapse the tensor to its group
-    minima. Relative to the tensor's magnitude (an exact power of two) it keeps that role at every scale,
-    and equals ``EPS`` for any tensor with ``max|x| >= 1`` (the reference numerics, bit for bit)."""
-    return EPS * torch.clamp(pow2_floor(abs_max), max=1.0)
-
-
-def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, floor: torch.Tensor | float = EPS) -> torch.Tensor:
-    """``max(hi − lo, floor)/levels`` (the reference's form: the floor applies to the range, not to the
-    scale; ``floor`` = :func:`_range_floor`, ``EPS`` at ``max|x| >= 1``). A constant group gets
-    ``floor/levels > 0``: its codes are all 0 and it round-trips to ``lo``."""
-    return torch.clamp(hi - lo, min=floor) / levels
+def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    """``max(hi − lo, floor)/levels`` from every group's min and max (the reference's form: the floor applies to
+    the range). ``floor = EPS·min(1, 2^⌊log2 max|x|⌋)``: the reference's absolute ``EPS`` guards the division for
+    a constant group but would collapse data of magnitude far below 1 to its group minima; relative to the
+    tensor's magnitude (an exact power of two) it keeps that role at every scale and is ``EPS`` for
+    ``max|x| >= 1``. A constant group gets ``floor/levels > 0``: codes 0, round trip to ``lo``."""
+    abs_max = torch.maximum(lo.amin().neg(), hi.amax())  # the groups cover every element
+    return torch.clamp(hi - lo, min=EPS * torch.clamp(pow2_floor(abs_max), max=1.0)) / levels
 
 
 @register
@@ -188,7 +170,7 @@ class Kitty(Quantizer):
         lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
         check_finite(x, lo, hi, name="V")  # every element is inside its token's [lo, hi]
         levels = (1 << bits) - 1
-        scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
+        scale = _scale(lo, hi, levels)
         qt = self._new_qt(x, kind, bits)
         qt.add_codes("codes", _asym_codes(xf, lo, scale, levels, torch.uint8), bits)
         qt.fields["scale"] = Stored(scale, 16)
@@ -221,8 +203,8 @@ class Kitty(Quantizer):
         check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
         levels = torch.where((cmap < n_boost).unsqueeze(-1), (1 << (bits + BOOST_EXTRA_BITS)) - 1,
                              (1 << bits) - 1).to(pf.dtype)
-        scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
-        q = _asym_codes(pf, lo, scale, levels, _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1))
+        scale = _scale(lo, hi, levels)
+        q = _asym_codes(pf, lo, scale, levels, torch.uint8 if bits + BOOST_EXTRA_BITS <= 8 else torch.int16)
         # §4: the low plane (b bits of every element, token-major) and the high plane (the top 2 bits of the
         # boosted channels, in slot order)
         low = (q & ((1 << bits) - 1)).transpose(-1, -2).to(torch.uint8)  # (B·H·nP, G, D)
