@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.rtn import PerToken, compute_dtype, rtn_dequantize, rtn_quantize
+from kvqbench.numerics.rtn import PerToken, compute_dtype, dequantize_packed, quantize_packed
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
 
@@ -167,15 +167,16 @@ class PolarQuant(Quantizer):
         if self.v_fp16:
             qt.fields["passthrough"] = Stored(x.clone(), 16)
             return qt
-        codes, lo, scale = rtn_quantize(x, bits, PerToken(), codes_dtype=torch.uint8)  # not in the paper
-        qt.add_codes("codes", codes, bits)
+        packed, lo, scale = quantize_packed(x, bits, PerToken())  # not in the paper: asym RTN per token
+        qt.add_packed("codes", packed, tuple(x.shape), bits)
         qt.fields["scale"] = Stored(scale, 16)
         qt.fields["zero"] = Stored(lo, 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
-            return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], PerToken())
+            return dequantize_packed(qt["codes"], qt.meta["codes.shape"], qt.meta["codes.bits"], qt["zero"],
+                                     qt["scale"], PerToken())
         t, g = qt.shape[-2], qt.meta["group_size"]
         polar = []
         for name in ("rho", "phi"):  # §4: every code decodes to its bin's midpoint

@@ -93,6 +93,11 @@ def qjl_matrix(seed: int, dim: int) -> torch.Tensor:
     return _draws(seed, dim)[1].clone()
 
 
+def _lookup(cent: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``cent[idx]``: the centroid of every code (``idx`` uint8 ``(n, D)``)."""
+    return cent.index_select(0, idx.reshape(-1).to(torch.int32)).view(idx.shape)
+
+
 @register
 class TurboQuant(Quantizer):
     """TurboQuant (arXiv:2504.19874, §3.1 / §3.2): per-token norm + random rotation + per-coordinate
@@ -194,7 +199,7 @@ class TurboQuant(Quantizer):
         xf = x.to(cdt).reshape(-1, d)  # one row per token
         # §3 (unit vectors, norms stored apart): ‖x‖ and u = x/‖x‖, computed from x / 2^⌊log2 max|x|⌋ (exact) so
         # that the sum of squares neither overflows nor underflows; max|x| holds any NaN/Inf of the token
-        amax = xf.abs().amax(-1, keepdim=True)
+        amax = torch.maximum(xf.amin(-1, keepdim=True).neg(), xf.amax(-1, keepdim=True))  # max|x|
         check_finite(x, amax, name=kind.upper())
         p = pow2_floor(amax)
         u = xf / p
@@ -209,7 +214,7 @@ class TurboQuant(Quantizer):
             idx = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
             qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
             if self.variant == "prod":  # ũ = Πᵀ c[idx], needed only for the residual
-                u_hat = cent[idx.to(torch.int64)] @ pi
+                u_hat = _lookup(cent, idx) @ pi
         if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
             r = u - u_hat
@@ -227,11 +232,10 @@ class TurboQuant(Quantizer):
         if mse_bits > 0:  # §3.1: ũ = Πᵀ c[idx]
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            idx = qt.codes("codes").to(dev).reshape(-1, d)
-            u_hat = cent[idx] @ pi
+            u_hat = _lookup(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
         if meta["variant"] == "prod":  # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
-            signs = qt.codes("qjl").to(dev).reshape(-1, d).to(cdt) * 2 - 1
+            signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
             u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s)
         return (u_hat * norm).reshape(qt.shape)  # times ‖x‖
 
