@@ -204,10 +204,10 @@ class TurboQuant(Quantizer):
         p = pow2_floor(amax)
         u = xf / p
         norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-        u = u / torch.where(norm > 0, norm, torch.ones_like(norm))  # a zero vector stays 0
+        u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))  # a zero vector stays 0
         qt.fields["norm"] = Stored((norm * p).reshape(*x.shape[:-1], 1), 16)
         mse_bits = self._mse_bits(bits, self.variant)
-        u_hat = torch.zeros_like(u)
+        u_hat = None  # ũ, the MSE stage's reconstruction (none at b = 1 of the prod variant)
         if mse_bits > 0:  # §3.1, Algorithm 1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
@@ -217,7 +217,7 @@ class TurboQuant(Quantizer):
                 u_hat = _lookup(cent, idx) @ pi
         if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
-            r = u - u_hat
+            r = u if u_hat is None else u - u_hat
             qt.add_codes("qjl", (r @ s.T >= 0).to(torch.uint8).reshape(x.shape), 1)
             res_norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
             qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
@@ -228,7 +228,7 @@ class TurboQuant(Quantizer):
         norm = qt["norm"].reshape(-1, 1)
         cdt, dev, d = norm.dtype, norm.device, qt.shape[-1]
         mse_bits = self._mse_bits(qt.bits, meta["variant"])
-        u_hat = torch.zeros(norm.shape[0], d, dtype=cdt, device=dev)
+        u_hat = torch.zeros(norm.shape[0], d, dtype=cdt, device=dev) if mse_bits == 0 else None
         if mse_bits > 0:  # §3.1: ũ = Πᵀ c[idx]
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
