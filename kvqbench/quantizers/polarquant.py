@@ -38,7 +38,7 @@ MAX_BITS = 8
 
 
 def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half pairs of ``x`` ``(…, D)`` (D even) → ``(rho, phi)``, each ``(…, D/2)``.
+    """§3: rotate-half pairs of ``x`` ``(…, D)`` (D even) → ``(rho, phi)``, each ``(…, D/2)``.
 
     ``phi`` lies in ``[0, 2π)``: atan2's ``(−π, π]`` is shifted by 2π where negative, so the ±π seam
     of atan2 falls inside the range (both ``atan2(+0, −1) = π`` and ``atan2(−0, −1) = −π`` give π), and
@@ -54,7 +54,7 @@ def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_polar(rho: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`to_polar`: ``(…, P)``, ``(…, P)`` → ``(…, 2P)`` (``rho = 0`` gives exactly 0)."""
+    """§3: the inverse of :func:`to_polar`: ``(…, P)``, ``(…, P)`` → ``(…, 2P)`` (``rho = 0`` gives exactly 0)."""
     return torch.cat([rho * torch.cos(phi), rho * torch.sin(phi)], dim=-1)
 
 
