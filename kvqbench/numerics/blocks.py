@@ -1,9 +1,8 @@
-"""Cache-sized blocks of rows, for numerics that treat every row (a vector, a token) on its own.
+"""Cache-sized blocks of rows, for fast versions that treat every row (a vector, a token) on its own.
 
 A round trip written as whole-tensor ops allocates a fresh full-size temporary per op: each one streams
 through main memory, and from 32 MiB on (glibc's largest mmap threshold) each is a fresh mapping whose
-pages fault in on first touch, so the time grows faster than the tensor (5–8× per 4× tokens, measured
-from 4k to 16k tokens at (1, 8, T, 128) fp32). Processing ``rows`` in blocks of about
+pages fault in on first touch, so the time grows faster than the tensor. Processing ``rows`` in blocks of about
 :data:`BLOCK_ELEMS` elements keeps every temporary in the core's cache and reuses the same heap memory
 block after block; only the outputs are full size.
 
@@ -63,8 +62,7 @@ def one_cpu_thread(device: torch.device) -> Iterator[None]:
     """Run the block loop's operations on one CPU thread (torch's intra-op pool restored afterwards).
 
     A block's operations are cache-sized: splitting each of them across the intra-op pool costs more in
-    synchronization than it saves (on the shared 2-core machine KVQuant's blocks took 10× the eager RTN at
-    2 threads, against 2–4× at 1). Results are those of the 1-thread run at every thread count. No-op off
+    synchronization than it saves. Results are those of the 1-thread run at every thread count. No-op off
     the CPU or at one thread already."""
     nt = torch.get_num_threads()
     if device.type != "cpu" or nt == 1:

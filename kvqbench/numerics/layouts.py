@@ -1,5 +1,5 @@
 """The same values in other memory layouts — for checking that a result depends only on the values
-(SPEC §6: a quantizer's result never depends on memory layout).
+(docs/DESIGN.md §6: a quantizer's result never depends on memory layout).
 
 Invariant: every tensor returned by :func:`layout_variants` equals its input element for element
 (``torch.equal``); only strides and storage offset differ.

@@ -1,4 +1,5 @@
-"""Bit packing of integer codes into bytes.
+"""Bit packing of integer codes into bytes — the reference (plain torch; the steps :func:`pack_uint8` and
+:func:`unpack_uint8` have a fast version in :mod:`kvqbench.kernels.packing`).
 
 Invariant: ``unpack_bits(pack_bits(c, b), b, c.numel()) == c.flatten()`` for every integer code
 tensor ``c`` with ``0 <= c < 2**b`` and ``1 <= b <= 8``; the packed tensor holds exactly
@@ -12,16 +13,15 @@ within a code, bit ``j`` (value ``2**j``) is stream bit ``i*b + j``; stream bit 
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import math
 import sys
 
 import torch
 
-from kvqbench.kernels import build as cbuild
+from kvqbench import kernels
 
-__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_float_codes"]
+__all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_float_codes", "pack_uint8", "unpack_uint8"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -38,33 +38,6 @@ def _check_bits(bits: int) -> None:
 _WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
 #: ``(2^b − 1)`` repeated in every byte of a word: one code per byte, its high bits cleared
 _BYTE_MASK = {1: 0x0101010101010101, 2: 0x03030303, 4: 0x0F0F}
-
-
-#: codes from which ``uint8`` codes on the CPU are packed and unpacked by the compiled pass (``packbits.c``, one pass
-#: over the codes, the same bytes: kvq_pack.h) where a C compiler is present; fewer run the torch passes
-C_MIN_CODES = 4096
-#: the compiled pass may be used (tests turn it off to compare it with the torch passes)
-_USE_C = True
-
-
-def _c_lib() -> ctypes.CDLL | None:
-    """``packbits.c`` compiled (:mod:`kvqbench.numerics.cbuild`), or ``None``."""
-    if not _USE_C:
-        return None
-    lib = cbuild.load("packbits.c")
-    if lib is not None and not getattr(lib, "_kvq_typed", False):
-        lib.kvq_codes_or.restype = ctypes.c_uint
-        lib.kvq_codes_or.argtypes = [ctypes.c_void_p, ctypes.c_long]
-        lib.kvq_pack.restype = None
-        lib.kvq_pack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-        lib.kvq_unpack.restype = None
-        lib.kvq_unpack.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p]
-        lib._kvq_typed = True
-    return lib
-
-
-def _c_for(t: torch.Tensor, n: int) -> ctypes.CDLL | None:
-    return _c_lib() if t.device.type == "cpu" and n >= C_MIN_CODES else None
 
 
 def _word_path(flat: torch.Tensor, n: int, bits: int) -> bool:
@@ -105,9 +78,8 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     the low byte packs contiguous words in a few passes (otherwise, and for a ragged tail, one
     ``uint8`` shift-or per code slot). 8 bits is a plain cast; 3, 5, 6, 7 assemble 8 codes of ``b`` bits
     into one int64 word (``8·b ≤ 56`` bits) and split it into ``b`` bytes. ``uint8`` codes (what the
-    quantizers produce) are never widened; the range check is one reduction. On the CPU, from
-    :data:`C_MIN_CODES` integer codes, one compiled pass does the same (``packbits.c``; its range check is the OR
-    of the codes), where a C compiler is present.
+    quantizers produce) are never widened; the range check is one reduction. The packing itself is the
+    step :func:`pack_uint8` (fast version: :mod:`kvqbench.kernels.packing`).
 
     Blocks: the packing of codes ``[i, j)`` with ``i·b`` a multiple of 8 is bytes
     ``[i·b/8, ceil(j·b/8))`` of the whole packing, so a caller may pack row blocks into slices of one
@@ -130,32 +102,22 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     """
     _check_bits(bits)
     flat = codes.reshape(-1)
-    n = flat.numel()
-    lib = _c_for(flat, n) if not flat.is_floating_point() and flat.dtype != torch.bool else None
-    if lib is not None:  # one compiled pass (after the same checks, in the same order, as the torch passes)
-        narrow = flat.dtype != torch.uint8
-        if narrow:
-            if check:
-                _check_range(flat, bits)
-            flat = flat.to(torch.uint8)  # in range, so exact
-        flat = flat.contiguous()
-        if check and not narrow and bits < 8 and lib.kvq_codes_or(flat.data_ptr(), n) >> bits:  # the OR of the codes
-            raise ValueError(f"codes must lie in [0, {1 << bits}) to pack into {bits} bits")
-        nbytes = packed_nbytes(n, bits)
-        _check_out(out, nbytes)
-        res = torch.empty(nbytes, dtype=torch.uint8, device=flat.device) if out is None else out
-        n8 = n - n % 8  # whole bytes of the stream at every width; the tail by the torch passes
-        lib.kvq_pack(flat.data_ptr(), n8, bits, res.data_ptr())
-        if n8 < n:
-            pack_bits(flat[n8:], bits, out=res[n8 * bits // 8:], check=False)
-        return res
     if check:
         _check_range(flat, bits)
-    _check_out(out, packed_nbytes(n, bits))
-    if bits == 8:  # a new tensor, never a view of the codes
-        return torch.empty(n, dtype=torch.uint8, device=flat.device).copy_(flat) if out is None else out.copy_(flat)
+    _check_out(out, packed_nbytes(flat.numel(), bits))
     if flat.dtype != torch.uint8:
         flat = flat.to(torch.uint8)  # in range, so exact
+    return pack_uint8(flat, bits, out)
+
+
+@kernels.reference("packing.pack")
+@torch.no_grad()
+def pack_uint8(flat: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The packing step of :func:`pack_bits`: flat ``uint8`` codes, all below ``2**bits`` (not checked), into
+    ``out`` (a contiguous 1-D ``uint8`` tensor of ``ceil(n·bits/8)`` bytes, not checked) or a new tensor."""
+    n = flat.numel()
+    if bits == 8:  # a new tensor, never a view of the codes
+        return torch.empty(n, dtype=torch.uint8, device=flat.device).copy_(flat) if out is None else out.copy_(flat)
     if _word_path(flat, n, bits):
         words = flat.view(_WORD[bits])  # byte i of a word = code i
         step = 8 - bits
@@ -243,8 +205,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype 
     word of ``8/b`` bytes, ``log2(8/b)`` doubling shift-ors put a copy of it at bit ``i·(8 − b)`` for every
     ``i`` (code ``i``'s stream bits ``i·b …`` then start at bit ``8i``, byte ``i`` of the word), and one
     mask keeps each byte's low ``b`` bits: the word's bytes are the codes, in order. Otherwise one
-    shift-and per code slot. On the CPU, from :data:`C_MIN_CODES` codes, one compiled pass does the same
-    (``packbits.c``) where a C compiler is present. Into a floating ``out`` (1, 2, 4 bits, whole bytes): one look-up per byte in
+    shift-and per code slot (the step :func:`unpack_uint8`; fast version: :mod:`kvqbench.kernels.packing`).
+    Into a floating ``out`` (1, 2, 4 bits, whole bytes): one look-up per byte in
     a 256-row table of its codes.
 
     Args:
@@ -271,30 +233,24 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype 
         table = _code_table(bits, out.dtype, str(out.device))
         torch.index_select(table, 0, p.to(torch.int32), out=out.view(-1, 8 // bits))
         return out.view(-1)
-    codes = _unpack(packed.reshape(-1), bits, numel)
+    codes = unpack_uint8(packed.reshape(-1), bits, numel)
     if out is None:
         return codes.to(dtype)
     return out.view(-1).copy_(codes) if out.is_contiguous() else out.copy_(codes.view(out.shape)).reshape(-1)
 
 
-def _unpack(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """:func:`unpack_bits` of the flat ``p`` as ``uint8`` (or a wider integer dtype), before the cast."""
+@kernels.reference("packing.unpack")
+@torch.no_grad()
+def unpack_uint8(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """The unpacking step of :func:`unpack_bits`: ``numel`` codes of ``bits`` bits from the flat ``uint8``
+    buffer ``p`` (at least ``ceil(numel·bits/8)`` bytes, not checked), as a flat ``uint8`` tensor."""
     if bits == 8 or numel == 0:
         return p[:numel]
-    lib = _c_for(p, numel) if p.dtype == torch.uint8 else None
-    if lib is not None:  # one compiled pass; a tail of fewer than 8 codes by the torch passes
-        p = p[: packed_nbytes(numel, bits)].contiguous()
-        codes = torch.empty(numel, dtype=torch.uint8, device=p.device)
-        n8 = numel - numel % 8
-        lib.kvq_unpack(p.data_ptr(), n8, bits, codes.data_ptr())
-        if n8 < numel:
-            codes[n8:] = _unpack_torch(p[n8 * bits // 8:], bits, numel - n8)
-        return codes
     return _unpack_torch(p, bits, numel)
 
 
 def _unpack_torch(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """:func:`_unpack` by torch passes."""
+    """:func:`unpack_uint8` by torch passes (widths below 8)."""
     p = p[: packed_nbytes(numel, bits)]
     if bits in _WORD and sys.byteorder == "little" and numel % (8 // bits) == 0:
         step = 8 - bits

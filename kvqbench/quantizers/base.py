@@ -1,4 +1,4 @@
-"""The ``Quantizer`` contract and the one registry of methods (SPEC §3).
+"""The ``Quantizer`` contract and the one registry of methods (docs/DESIGN.md §3).
 
 A method quantizes K and V with its own configuration (``k_bits``, ``v_bits``, group size …):
 ``quantize(x, kind)`` returns a :class:`QuantizedTensor` (the compact representation: packed codes and
@@ -11,7 +11,7 @@ reports bits per element twice:
   ``numel × bits_per_entry``. Codes are held packed in ``uint8`` (1 byte = 8 bits, so the count is the
   real byte count); metadata (scales, zeros, norms, outlier values, fp16 residual tokens) is *billed at
   the width named on its field* (fp16 = 16 bits) while being held at the working precision so that the
-  round-trip numerics are exact (SPEC §3 accounting convention).
+  round-trip numerics are exact (docs/DESIGN.md §3, accounting convention).
 
 ``bits >= 16`` is an exact passthrough for every method (billed at 16 bits per element).
 

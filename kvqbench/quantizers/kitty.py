@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import (
@@ -66,44 +65,23 @@ def boost_count(head_dim: int, boost_fraction: float) -> int:
     return int(math.floor(boost_fraction * head_dim + 1e-6))
 
 
-def _code_dtype(max_code: int) -> torch.dtype:
-    """The narrowest integer dtype that holds codes up to ``max_code`` (uint8 up to 255, else int16)."""
-    return torch.uint8 if max_code <= 255 else torch.int16
-
-
 def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: torch.Tensor | int,
-                dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``clamp(floor((x − lo)/scale + ½), 0, levels)`` as ``dtype`` (``scale > 0`` always, by ``EPS``),
-    computed in one float buffer in ``x``'s memory layout (every step rounds as the separate ops do)."""
-    q = torch.sub(x, lo).div_(scale).add_(0.5).floor_().clamp_(min=0)
-    if isinstance(levels, torch.Tensor):
-        torch.minimum(q, levels.to(q.dtype), out=q)
-    else:
-        q.clamp_(max=levels)
+                dtype: torch.dtype) -> torch.Tensor:
+    """``clamp(floor((x − lo)/scale + ½), 0, levels)`` as ``dtype`` (round half up, as the reference code;
+    ``scale > 0`` always, by the range floor)."""
+    q = torch.clamp(torch.floor((x - lo) / scale + 0.5), min=0)
+    q = torch.minimum(q, levels.to(q.dtype)) if isinstance(levels, torch.Tensor) else q.clamp(max=levels)
     return q.to(dtype)
 
 
-def _abs_max(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` of a tensor from its group minima and maxima (which cover every element)."""
-    return torch.maximum(lo.amin().neg(), hi.amax())
-
-
-def _range_floor(abs_max: torch.Tensor) -> torch.Tensor:
-    """The range floor of a tensor whose ``max |x|`` is ``abs_max`` (0-dim; :func:`_abs_max` of its group
-    minima and maxima): ``EPS·min(1, 2^⌊log2 max|x|⌋)`` (0-dim tensor).
-
-    The reference's absolute ``EPS`` only guards the division for a constant group; on data whose
-    magnitude is far below 1 it would exceed every group's range and collapse the tensor to its group
-    minima. Relative to the tensor's magnitude (an exact power of two) it keeps that role at every scale,
-    and equals ``EPS`` for any tensor with ``max|x| >= 1`` (the reference numerics, bit for bit)."""
-    return EPS * torch.clamp(pow2_floor(abs_max), max=1.0)
-
-
-def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, floor: torch.Tensor | float = EPS) -> torch.Tensor:
-    """``max(hi − lo, floor)/levels`` (the reference's form: the floor applies to the range, not to the
-    scale; ``floor`` = :func:`_range_floor`, ``EPS`` at ``max|x| >= 1``). A constant group gets
-    ``floor/levels > 0``: its codes are all 0 and it round-trips to ``lo``."""
-    return torch.clamp(hi - lo, min=floor) / levels
+def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
+    """``max(hi − lo, floor)/levels`` from every group's min and max (the reference's form: the floor applies to
+    the range). ``floor = EPS·min(1, 2^⌊log2 max|x|⌋)``: the reference's absolute ``EPS`` guards the division for
+    a constant group but would collapse data of magnitude far below 1 to its group minima; relative to the
+    tensor's magnitude (an exact power of two) it keeps that role at every scale and is ``EPS`` for
+    ``max|x| >= 1``. A constant group gets ``floor/levels > 0``: codes 0, round trip to ``lo``."""
+    abs_max = torch.maximum(lo.amin().neg(), hi.amax())  # the groups cover every element
+    return torch.clamp(hi - lo, min=EPS * torch.clamp(pow2_floor(abs_max), max=1.0)) / levels
 
 
 @register
@@ -182,86 +160,57 @@ class Kitty(Quantizer):
         )
 
     # ------------------------------------------------------------------------------------------
-    @on_one_cpu_thread
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         if bits > MAX_BITS:
             raise ValueError(f"kitty supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
         xf = x.to(compute_dtype(x.dtype))
-        if kind == "v":
-            lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # (aminmax over a dim: 5x slower)
-            check_finite(x, lo, hi, name="V")  # every element is inside its token's [lo, hi]
-            levels = (1 << bits) - 1
-            scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
-            qt = self._new_qt(x, kind, bits)
-            rows, lo_r, scale_r = xf.reshape(-1, xf.shape[-1]), lo.reshape(-1, 1), scale.reshape(-1, 1)
-            codes = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
-            for sl in row_blocks(rows.shape[0], rows.shape[1]):  # cache-sized blocks of tokens
-                codes[sl] = _asym_codes(rows[sl], lo_r[sl], scale_r[sl], levels, torch.uint8)
-            qt.add_codes("codes", codes.view(x.shape), bits)
-            qt.fields["scale"] = Stored(scale, 16)
-            qt.fields["zero"] = Stored(lo, 16)
-            return qt
-        return self._quantize_k(x, xf, bits)
-
-    def _pages(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(B, H, T, D)`` → pages ``(B, H, nP, D, G)`` (channel-major; a partial last page padded by
-        repeating its last token, so min/max are unchanged) and the valid-token mask ``(nP, G)``."""
-        b, h, t, d = xf.shape
-        g = self.group_size
-        n_pages = math.ceil(t / g)
-        pad = n_pages * g - t
-        if pad:
-            xf = torch.cat([xf, xf[:, :, -1:].expand(b, h, pad, d)], dim=2)
-        pages = xf.reshape(b, h, n_pages, g, d).transpose(-1, -2)
-        valid = (torch.arange(n_pages * g, device=xf.device) < t).reshape(n_pages, g)
-        return pages, valid
+        if kind == "k":
+            return self._quantize_k(x, xf, bits)
+        # V (§3): b-bit asym per token over head_dim, the reference's rounding
+        lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
+        check_finite(x, lo, hi, name="V")  # every element is inside its token's [lo, hi]
+        levels = (1 << bits) - 1
+        scale = _scale(lo, hi, levels)
+        qt = self._new_qt(x, kind, bits)
+        qt.add_codes("codes", _asym_codes(xf, lo, scale, levels, torch.uint8), bits)
+        qt.fields["scale"] = Stored(scale, 16)
+        qt.fields["zero"] = Stored(lo, 16)
+        return qt
 
     def _quantize_k(self, x: torch.Tensor, xf: torch.Tensor, bits: int) -> QuantizedTensor:
         b, h, t, d = x.shape
+        g = self.group_size
         n_boost = boost_count(d, self.boost_fraction)
         if n_boost > 255:
-            raise ValueError(
-                f"{n_boost} boosted channels do not fit the uint8 channel map; lower boost_fraction"
-            )
-        pages, valid = self._pages(xf)  # (B, H, nP, D, G), (nP, G)
-        n_pages, g = valid.shape
-        pf = pages.reshape(-1, d, g)  # every page of every (b, h): (B·H·nP, D, G), a view
-        n_all = pf.shape[0]
-        blocks = row_blocks(n_all, d * g)  # cache-sized blocks of pages (every page on its own)
-        padded = n_pages * g != t
-        if padded:  # mean |K| over the valid tokens of each page only
-            vmask = valid.to(pages.dtype).repeat(b * h, 1)  # (B·H·nP, G)
-            vcount = vmask.sum(-1)[:, None]
-        # pass 1, per page: the boosted channels (mean |K| over the page) and the min/max per channel
-        top = torch.empty(n_all, n_boost, dtype=torch.int64, device=x.device)
-        lo = torch.empty(n_all, d, 1, dtype=pages.dtype, device=x.device)
-        hi = torch.empty_like(lo)
-        for sl in blocks:
-            if padded:  # (×1 is exact: the unpadded pages need no mask)
-                score = (pf[sl].abs() * vmask[sl, None, :]).sum(-1) / vcount[sl]
-            else:
-                score = pf[sl].abs().sum(-1) / g
-            top[sl] = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
-            torch.amin(pf[sl], dim=-1, keepdim=True, out=lo[sl])  # (aminmax over a dim: 5x slower)
-            torch.amax(pf[sl], dim=-1, keepdim=True, out=hi[sl])
-        check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
-        cmap = torch.full((n_all, d), n_boost, dtype=torch.int64, device=x.device)
+            raise ValueError(f"{n_boost} boosted channels do not fit the uint8 channel map; lower boost_fraction")
+        # §4: pages of G tokens, (B, H, nP, D, G) channel-major; a partial last page padded with its last token
+        n_pages = math.ceil(t / g)
+        pad = n_pages * g - t
+        xp = torch.cat([xf, xf[:, :, -1:].expand(b, h, pad, d)], dim=2) if pad else xf
+        pf = xp.reshape(b, h, n_pages, g, d).transpose(-1, -2).reshape(-1, d, g)  # (B·H·nP, D, G)
+        # §3: per page and head, the n_boost channels of largest mean |K| over the page's real tokens
+        if pad:
+            valid = (torch.arange(n_pages * g, device=x.device) < t).reshape(n_pages, g).to(pf.dtype)
+            vmask = valid.repeat(b * h, 1)  # (B·H·nP, G)
+            score = (pf.abs() * vmask[:, None, :]).sum(-1) / vmask.sum(-1)[:, None]
+        else:
+            score = pf.abs().sum(-1) / g
+        top = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
+        cmap = torch.full(score.shape, n_boost, dtype=torch.int64, device=x.device)
         cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
-        boosted = (cmap < n_boost).unsqueeze(-1)  # (B·H·nP, D, 1)
-        levels = torch.where(boosted, (1 << (bits + BOOST_EXTRA_BITS)) - 1, (1 << bits) - 1).to(pages.dtype)
-        scale = _scale(lo, hi, levels, _range_floor(_abs_max(lo, hi)))
-        # pass 2, per page: codes in the pages' memory layout (token-major), the low plane token-major and
-        # the top 2 bits of the boosted channels in slot order
-        low = torch.empty(n_all, g, d, dtype=torch.uint8, device=x.device)
-        high = torch.empty(n_all, n_boost, g, dtype=torch.uint8, device=x.device)
-        cdt = _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1)
-        for sl in blocks:
-            q = _asym_codes(pf[sl], lo[sl], scale[sl], levels[sl], cdt)  # (n, D, G), token-major in memory
-            low[sl] = (q & ((1 << bits) - 1)).transpose(-1, -2)
-            high[sl] = torch.gather(q, 1, top[sl].unsqueeze(-1).expand(-1, -1, g)) >> bits
-
+        # §3: asym RTN per page channel, b + 2 bits for a boosted channel, b for the others
+        lo, hi = pf.amin(-1, keepdim=True), pf.amax(-1, keepdim=True)
+        check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
+        levels = torch.where((cmap < n_boost).unsqueeze(-1), (1 << (bits + BOOST_EXTRA_BITS)) - 1,
+                             (1 << bits) - 1).to(pf.dtype)
+        scale = _scale(lo, hi, levels)
+        q = _asym_codes(pf, lo, scale, levels, torch.uint8 if bits + BOOST_EXTRA_BITS <= 8 else torch.int16)
+        # §4: the low plane (b bits of every element, token-major) and the high plane (the top 2 bits of the
+        # boosted channels, in slot order)
+        low = (q & ((1 << bits) - 1)).transpose(-1, -2).to(torch.uint8)  # (B·H·nP, G, D)
+        high = (torch.gather(q, 1, top.unsqueeze(-1).expand(-1, -1, g)) >> bits).to(torch.uint8)
         qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)
-        qt.add_codes("low", low.view(b, h, n_pages * g, d)[:, :, :t], bits)
+        qt.add_codes("low", low.reshape(b, h, n_pages * g, d)[:, :, :t], bits)
         high = high.view(b, h, n_pages, n_boost, g).permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)
         qt.add_codes("high", high[..., :t], BOOST_EXTRA_BITS)
         qt.add_codes("channel_map", cmap.view(b, h, n_pages, d), _INDEX_BITS)
@@ -269,40 +218,27 @@ class Kitty(Quantizer):
         qt.fields["zero"] = Stored(lo.view(b, h, n_pages, d), 16)
         return qt
 
-    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
+        scale, lo = qt["scale"], qt["zero"]
         if qt.kind == "v":
-            return qt.codes("codes", torch.uint8).to(qt["zero"].dtype).mul_(qt["scale"]).add_(qt["zero"])
+            return qt.codes("codes").to(lo.dtype) * scale + lo
         b, h, t, d = qt.shape
         g, n_boost, bits = qt.meta["group_size"], qt.meta["n_boost"], qt.bits
-        scale, lo = qt["scale"], qt["zero"]  # (B, H, nP, D)
         n_pages = scale.shape[2]
         pad = n_pages * g - t
-        cdt = _code_dtype((1 << (bits + BOOST_EXTRA_BITS)) - 1)
-        low = qt.codes("low", cdt).to(scale.device)
-        if pad:
-            low = torch.cat([low, low.new_zeros(b, h, pad, d)], dim=2)
-        low = low.view(-1, g, d)  # (B·H·nP, G, D): a fresh buffer, token-major pages
-        n_all = low.shape[0]
-        scale, lo = scale.reshape(n_all, d, 1), lo.reshape(n_all, d, 1)
+        # the code of every element: the low plane, plus the high plane's top bits in boosted channels
+        low = torch.nn.functional.pad(qt.codes("low"), (0, 0, 0, pad))  # (B, H, nP·G, D)
+        q = low.view(b, h, n_pages, g, d).transpose(-1, -2).reshape(-1, d, g)  # (B·H·nP, D, G)
         if n_boost:
-            cmap = qt.codes("channel_map").to(scale.device).view(n_all, d)  # slot, or n_boost if plain
-            high = qt.codes("high", cdt).to(scale.device)
-            if pad:
-                high = torch.cat([high, high.new_zeros(b, h, n_boost, pad)], dim=-1)
-            high = high.view(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4).reshape(n_all, n_boost, g)
+            cmap = qt.codes("channel_map").view(-1, d)  # slot, or n_boost for a plain channel
+            high = torch.nn.functional.pad(qt.codes("high"), (0, pad))  # (B, H, n_boost, nP·G)
+            high = high.view(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4).reshape(-1, n_boost, g)
             # slot → channel (plain channels all land on the dropped slot n_boost)
-            chan = torch.empty(n_all, n_boost + 1, dtype=torch.int64, device=cmap.device)
+            chan = torch.empty(cmap.shape[0], n_boost + 1, dtype=torch.int64, device=cmap.device)
             chan.scatter_(-1, cmap, torch.arange(d, device=cmap.device).expand_as(cmap))
-            chan = chan[:, :n_boost]
-        out = torch.empty(n_all, g, d, dtype=scale.dtype, device=scale.device)
-        for sl in row_blocks(n_all, d * g):  # blocks of pages, as in quantize
-            q = low[sl].transpose(-1, -2)  # (n, D, G), a view of token-major codes
-            if n_boost:  # the top bits of each boosted channel added into its codes in place
-                q.scatter_add_(1, chan[sl].unsqueeze(-1).expand(-1, -1, g), high[sl] << bits)
-            xq = q.to(scale.dtype).mul_(scale[sl]).add_(lo[sl])  # token-major, like q
-            out[sl] = xq.transpose(-1, -2)
-        return out.view(b, h, n_pages * g, d)[:, :, :t]
+            q = q.scatter_add(1, chan[:, :n_boost].unsqueeze(-1).expand(-1, -1, g), high << bits)
+        xq = q.to(scale.dtype) * scale.reshape(-1, d, 1) + lo.reshape(-1, d, 1)  # §3: x̂ = q·scale + lo
+        return xq.transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
 
     # ------------------------------------------------------------------------------------------
     def _k_bits(self, bits: int, shape: tuple[int, int, int, int], aux: int) -> float:

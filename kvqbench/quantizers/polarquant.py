@@ -24,15 +24,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
-from kvqbench.numerics.rtn import (
-    PerToken,
-    broadcast_shape,
-    compute_dtype,
-    rtn_dequantize,
-    rtn_quantize,
-    to_groups,
-)
+from kvqbench.numerics.rtn import PerToken, compute_dtype, dequantize_packed, quantize_packed
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
 
@@ -46,7 +38,7 @@ MAX_BITS = 8
 
 
 def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half pairs of ``x`` ``(…, D)`` (D even) → ``(rho, phi)``, each ``(…, D/2)``.
+    """§3: rotate-half pairs of ``x`` ``(…, D)`` (D even) → ``(rho, phi)``, each ``(…, D/2)``.
 
     ``phi`` lies in ``[0, 2π)``: atan2's ``(−π, π]`` is shifted by 2π where negative, so the ±π seam
     of atan2 falls inside the range (both ``atan2(+0, −1) = π`` and ``atan2(−0, −1) = −π`` give π), and
@@ -62,33 +54,31 @@ def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def from_polar(rho: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`to_polar`: ``(…, P)``, ``(…, P)`` → ``(…, 2P)`` (``rho = 0`` gives exactly 0)."""
+    """§3: the inverse of :func:`to_polar`: ``(…, P)``, ``(…, P)`` → ``(…, 2P)`` (``rho = 0`` gives exactly 0)."""
     return torch.cat([rho * torch.cos(phi), rho * torch.sin(phi)], dim=-1)
 
 
-def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int,
-                    dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``clamp(floor((v − mn)/s), 0, 2**b − 1)`` with ``s = (mx − mn)/2**b``; a constant group → 0.
-    One buffer (divided, floored and clamped in place); a zero ``s`` divides by ``+inf`` (→ 0)."""
+def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
+    """§4: ``clamp(floor((v − mn)/s), 0, 2**b − 1)`` as ``uint8`` with ``s = (mx − mn)/2**b``; a constant group
+    (``s = 0``) divides by ``+inf`` and gets code 0."""
     s = (mx - mn) / (1 << bits)
     safe = torch.where(s > 0, s, torch.full_like(s, math.inf))
-    q = torch.sub(v, mn)
-    q.div_(safe).floor_().clamp_(0, (1 << bits) - 1)
-    return q.to(dtype)
+    return torch.clamp(torch.floor((v - mn) / safe), 0, (1 << bits) - 1).to(torch.uint8)
+
+
+def _token_groups(v: torch.Tensor, g: int) -> torch.Tensor:
+    """``(B, H, T, P)`` → ``(B, H, nG, G, P)``: consecutive groups of ``g`` tokens, a partial last group padded
+    by repeating its last token (so its min/max are unchanged)."""
+    pad = (-v.shape[-2]) % g
+    if pad:
+        v = torch.cat([v, v[..., -1:, :].expand(*v.shape[:-2], pad, v.shape[-1])], dim=-2)
+    return v.reshape(*v.shape[:-2], -1, g, v.shape[-1])
 
 
 def _midpoint(idx: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
-    """``mn + (idx + ½)·s`` (one buffer)."""
+    """§4: the bin midpoint ``mn + (idx + ½)·s``."""
     s = (mx - mn) / (1 << bits)
-    if tuple(idx.shape) != tuple(broadcast_shape(idx.shape, mn.shape, s.shape)):
-        return mn + (idx.to(mn.dtype) + 0.5) * s
-    return idx.to(mn.dtype, copy=True).add_(0.5).mul_(s).add_(mn)
-
-
-def _token_groups(v: torch.Tensor, g: int) -> torch.Tensor | None:
-    """``(B, H, T, P)`` → the view ``(B, H, T/G, G, P)`` when G divides T (no copy), else None."""
-    t = v.shape[-2]
-    return v.reshape(*v.shape[:-2], t // g, g, v.shape[-1]) if t % g == 0 else None
+    return (idx.to(mn.dtype) + 0.5) * s + mn
 
 
 @register
@@ -159,43 +149,17 @@ class PolarQuant(Quantizer):
             raise ValueError(
                 f"polarquant pairs channels (j, j + D/2) as RoPE does and needs an even head_dim, got {d}"
             )
-        xf = x.to(compute_dtype(x.dtype))
         qt = self._new_qt(x, kind, bits, group_size=self.group_size)
-        if _token_groups(xf, self.group_size) is not None:
-            return self._quantize_k_blocks(xf, qt, bits)
-        rho, phi = to_polar(xf)  # (B, H, T, P)
+        t, g = x.shape[-2], self.group_size
+        rho, phi = to_polar(x.to(compute_dtype(x.dtype)))  # §3: (B, H, T, P), one (ρ, φ) per RoPE pair
         for name, v in (("rho", rho), ("phi", phi)):
-            vg, restore = to_groups(v, -2, self.group_size)  # (B, H, P, nG, G)
-            mn = vg.amin(dim=-1, keepdim=True)
-            mx = vg.amax(dim=-1, keepdim=True)
-            qt.add_codes(f"{name}_codes", restore(_floor_quantize(vg, mn, mx, bits, torch.uint8)), bits)
-            qt.fields[f"{name}_min"] = Stored(mn, 16)
-            qt.fields[f"{name}_max"] = Stored(mx, 16)
-        return qt
-
-    @on_one_cpu_thread
-    def _quantize_k_blocks(self, xf: torch.Tensor, qt: QuantizedTensor, bits: int) -> QuantizedTensor:
-        """K when G divides T: groups along the token axis as views ``(B·H·nG, G, D)``, reduced over the
-        token axis (no transposes), polar transform and codes in cache-sized blocks of groups."""
-        b, h, t, d = xf.shape
-        g, p = self.group_size, d // 2
-        xg = xf.reshape(-1, g, d)  # every group of G tokens of every (b, h), a view
-        n_all = xg.shape[0]
-        codes = {nm: torch.empty(n_all, g, p, dtype=torch.uint8, device=xf.device) for nm in ("rho", "phi")}
-        mins = {nm: torch.empty(n_all, 1, p, dtype=xf.dtype, device=xf.device) for nm in ("rho", "phi")}
-        maxs = {nm: torch.empty_like(mins[nm]) for nm in ("rho", "phi")}
-        for sl in row_blocks(n_all, g * d):
-            rho, phi = to_polar(xg[sl])  # (n, G, P)
-            for name, v in (("rho", rho), ("phi", phi)):
-                mn, mx = mins[name][sl], maxs[name][sl]
-                torch.amin(v, dim=-2, keepdim=True, out=mn)  # (aminmax over a dim: ~8x slower on the CPU)
-                torch.amax(v, dim=-2, keepdim=True, out=mx)
-                codes[name][sl] = _floor_quantize(v, mn, mx, bits, torch.uint8)
-        for name in ("rho", "phi"):
-            qt.add_codes(f"{name}_codes", codes[name].view(b, h, t, p), bits)
-            # stored as (B, H, P, nG, 1), views
-            qt.fields[f"{name}_min"] = Stored(mins[name].view(b, h, t // g, 1, p).movedim(-1, -3), 16)
-            qt.fields[f"{name}_max"] = Stored(maxs[name].view(b, h, t // g, 1, p).movedim(-1, -3), 16)
+            vg = _token_groups(v, g)  # §4: groups of G tokens, (B, H, nG, G, P)
+            mn = vg.amin(dim=-2, keepdim=True)
+            mx = vg.amax(dim=-2, keepdim=True)
+            codes = _floor_quantize(vg, mn, mx, bits).reshape(*v.shape[:-2], -1, v.shape[-1])[..., :t, :]
+            qt.add_codes(f"{name}_codes", codes, bits)
+            qt.fields[f"{name}_min"] = Stored(mn.movedim(-1, -3), 16)  # (B, H, P, nG, 1)
+            qt.fields[f"{name}_max"] = Stored(mx.movedim(-1, -3), 16)
         return qt
 
     def _quantize_v(self, x: torch.Tensor, bits: int) -> QuantizedTensor:
@@ -203,36 +167,23 @@ class PolarQuant(Quantizer):
         if self.v_fp16:
             qt.fields["passthrough"] = Stored(x.clone(), 16)
             return qt
-        codes, lo, scale = rtn_quantize(x, bits, PerToken(), codes_dtype=torch.uint8)
-        qt.add_codes("codes", codes, bits)
+        packed, lo, scale = quantize_packed(x, bits, PerToken())  # not in the paper: asym RTN per token
+        qt.add_packed("codes", packed, tuple(x.shape), bits)
         qt.fields["scale"] = Stored(scale, 16)
         qt.fields["zero"] = Stored(lo, 16)
         return qt
 
-    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         if qt.kind == "v":
-            return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], PerToken())
-        g = qt.meta["group_size"]
-        b, h, t, d = qt.shape
-        if t % g == 0:  # blocks of token groups, as in quantize
-            p = d // 2
-            codes = [qt.codes(f"{nm}_codes", torch.uint8).view(-1, g, p) for nm in ("rho", "phi")]
-            mins = [qt[f"{nm}_min"].movedim(-3, -1).reshape(-1, 1, p) for nm in ("rho", "phi")]
-            maxs = [qt[f"{nm}_max"].movedim(-3, -1).reshape(-1, 1, p) for nm in ("rho", "phi")]
-            out = torch.empty(codes[0].shape[0], g, d, dtype=mins[0].dtype, device=mins[0].device)
-            for sl in row_blocks(out.shape[0], g * d):
-                rho, phi = (_midpoint(c[sl], mn[sl], mx[sl], qt.bits) for c, mn, mx in zip(codes, mins, maxs))
-                torch.mul(rho, torch.cos(phi), out=out[sl, :, :p])
-                torch.mul(rho, torch.sin(phi), out=out[sl, :, p:])
-            return out.view(b, h, t, d)
+            return dequantize_packed(qt["codes"], qt.meta["codes.shape"], qt.meta["codes.bits"], qt["zero"],
+                                     qt["scale"], PerToken())
+        t, g = qt.shape[-2], qt.meta["group_size"]
         polar = []
-        for name in ("rho", "phi"):
-            codes = qt.codes(f"{name}_codes", torch.uint8)
-            mn, mx = qt[f"{name}_min"], qt[f"{name}_max"]
-            cg, restore = to_groups(codes, -2, g)
-            polar.append(restore(_midpoint(cg, mn, mx, qt.bits)))
-        return from_polar(*polar)
+        for name in ("rho", "phi"):  # §4: every code decodes to its bin's midpoint
+            cg = _token_groups(qt.codes(f"{name}_codes", torch.uint8), g)
+            mn, mx = qt[f"{name}_min"].movedim(-3, -1), qt[f"{name}_max"].movedim(-3, -1)  # (B, H, nG, 1, P)
+            polar.append(_midpoint(cg, mn, mx, qt.bits).reshape(*cg.shape[:-3], -1, cg.shape[-1])[..., :t, :])
+        return from_polar(*polar)  # §3: back to the rotate-half pairs
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         """K: ``b + 2·n_groups·(D/2)·24 / (T·D)`` (per pair and group: min as FP16 zero-point, range as

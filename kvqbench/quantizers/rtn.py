@@ -1,8 +1,14 @@
-"""Round-to-nearest baselines at three granularities, and the shared grouped-RTN machinery.
+"""Round-to-nearest baselines at three granularities, and the shared grouped-RTN method.
 
-Asymmetric min/max RTN (METHODS.md "RTN family"): one (scale, zero-point) per whole tensor
+Asymmetric min/max RTN (docs/DESIGN.md §7, "RTN family"): one (scale, zero-point) per whole tensor
 (``rtn_tensor``), per token over head_dim (``rtn_token``) or per channel over the sequence
-(``rtn_channel``). Classical uniform quantization; no paper-specific deltas.
+(``rtn_channel``). Classical uniform quantization; no paper-specific deltas. The steps, per group:
+
+1. ``lo = min x``, ``scale = (max x − lo)/(2^b − 1)``;
+2. ``q = clamp(round((x − lo)/scale), 0, 2^b − 1)``, packed into ``b`` bits each;
+3. decode ``x̂ = q·scale + lo``
+
+(:func:`~kvqbench.numerics.rtn.quantize_packed` / :func:`~kvqbench.numerics.rtn.dequantize_packed`).
 """
 
 from __future__ import annotations
@@ -11,14 +17,13 @@ from typing import Any
 
 import torch
 
-from kvqbench.numerics import rtnpack
 from kvqbench.numerics.rtn import (
     Granularity,
     PerChannel,
     PerTensor,
     PerToken,
-    rtn_dequantize,
-    rtn_quantize,
+    dequantize_packed,
+    quantize_packed,
 )
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
@@ -46,10 +51,6 @@ class GroupedRTNQuantizer(Quantizer):
 
     Stores packed ``b``-bit codes, one fp16-billed scale and one fp16-billed zero-point (the float
     group minimum, as KIVI) per group. Nominal bits = ``b + 24 / group_elements``.
-
-    On the CPU the round trip runs compiled where it can (:mod:`kvqbench.numerics.rtnpack`: statistics, codes
-    and packing in one pass, decode straight from the packed bytes), with the same bits as
-    :func:`~kvqbench.numerics.rtn.rtn_quantize` + packing, which runs otherwise.
     """
     seeded = False  # no randomness
 
@@ -65,29 +66,18 @@ class GroupedRTNQuantizer(Quantizer):
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         gran = self.granularity(kind)
         xv = self._view(x)
-        fast = rtnpack.quantize_pack(xv, bits, gran)  # compiled, the same bits (None: outside its scope)
-        if fast is None:
-            codes, lo, scale = rtn_quantize(xv, bits, gran, codes_dtype=torch.uint8)
-        else:
-            packed, lo, scale = fast
+        packed, lo, scale = quantize_packed(xv, bits, gran)  # steps 1–2
         check_finite(x, lo, scale, name=kind.upper())
         # the granularity (with its group size) travels in meta: any instance of the method decodes it
         qt = self._new_qt(x, kind, bits, granularity=gran)
-        if fast is None:
-            qt.add_codes("codes", codes, bits)
-        else:
-            qt.add_packed("codes", packed, tuple(xv.shape), bits)
+        qt.add_packed("codes", packed, tuple(xv.shape), bits)
         qt.fields["scale"] = Stored(scale, 16)
         qt.fields["zero"] = Stored(lo, 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
-        gran = qt.meta["granularity"]
-        out = rtnpack.decode(qt.fields["codes"].tensor, qt.meta["codes.shape"], qt.meta["codes.bits"], qt["zero"],
-                             qt["scale"], gran)  # compiled, the same bits (None: outside its scope)
-        if out is not None:
-            return out
-        return rtn_dequantize(qt.codes("codes", torch.uint8), qt["zero"], qt["scale"], gran)
+        return dequantize_packed(qt.fields["codes"].tensor, qt.meta["codes.shape"], qt.meta["codes.bits"],
+                                 qt["zero"], qt["scale"], qt.meta["granularity"])  # step 3
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         return bits + AUX_BITS_NOMINAL / _group_elems(self.granularity(kind), shape)

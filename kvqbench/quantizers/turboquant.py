@@ -35,7 +35,6 @@ from typing import Any, Literal
 
 import torch
 
-from kvqbench.numerics.blocks import on_one_cpu_thread, row_blocks
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
 from kvqbench.numerics.rtn import compute_dtype
@@ -48,9 +47,6 @@ MAX_BITS = 8
 VARIANTS = ("mse", "prod")
 ROTATIONS = ("random", "hadamard")
 CODEBOOKS = ("gaussian", "beta")
-#: token blocks are multiples of this many rows (a block's products with Π and S are then never a
-#: matrix–vector product of a few rows, which BLAS rounds differently; row_blocks' tail is >= half a block)
-_BLOCK_ROWS = 64
 #: benchmark budget of one per-token norm: a scale, billed FP8
 _NORM_NOMINAL = 8
 _NORM_EFFECTIVE = 16
@@ -95,6 +91,11 @@ def qjl_matrix(seed: int, dim: int) -> torch.Tensor:
     """The seeded QJL matrix ``S`` ``(dim, dim)`` of i.i.d. N(0, 1): the second draw of the same
     generator as :func:`haar_orthogonal`. A fresh copy (float64, CPU)."""
     return _draws(seed, dim)[1].clone()
+
+
+def _lookup(cent: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``cent[idx]``: the centroid of every code (``idx`` uint8 ``(n, D)``)."""
+    return cent.index_select(0, idx.reshape(-1).to(torch.int32)).view(idx.shape)
 
 
 @register
@@ -187,7 +188,6 @@ class TurboQuant(Quantizer):
             cb = lloyd_max("gaussian", bits, (1.0 / math.sqrt(dim),))
         return cb.tensors(device=device, dtype=dtype)
 
-    @on_one_cpu_thread
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         if bits > MAX_BITS:
             raise ValueError(f"turboquant supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
@@ -196,81 +196,48 @@ class TurboQuant(Quantizer):
                 "codebook": self.codebook}
         qt = self._new_qt(x, kind, bits, **meta)
         cdt = compute_dtype(x.dtype)
-        xf = x.to(cdt)
-        # ‖x‖ and x/‖x‖ from x / 2^⌊log2 max|x|⌋ (exact): the sum of squares neither overflows (huge
-        # inputs gave Inf norms and NaN output) nor underflows (tiny inputs decoded to all zeros); at
-        # normal scales both equal the direct formulas bit for bit. max|x| = max(−min, max) (no |x| buffer)
-        # holds any NaN/Inf of the token, so it is also the finiteness check.
-        mn, mx = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # (aminmax over a dim: 5x slower on the CPU)
-        amax = torch.maximum(mn.neg_(), mx)
+        xf = x.to(cdt).reshape(-1, d)  # one row per token
+        # §3 (unit vectors, norms stored apart): ‖x‖ and u = x/‖x‖, computed from x / 2^⌊log2 max|x|⌋ (exact) so
+        # that the sum of squares neither overflows nor underflows; max|x| holds any NaN/Inf of the token
+        amax = torch.maximum(xf.amin(-1, keepdim=True).neg(), xf.amax(-1, keepdim=True))  # max|x|
         check_finite(x, amax, name=kind.upper())
-        p = pow2_floor(amax).reshape(-1, 1)
-        rows = xf.reshape(-1, d)  # tokens (a view: the input has the canonical layout)
-        n_rows = rows.shape[0]
-
+        p = pow2_floor(amax)
+        u = xf / p
+        norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+        u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))  # a zero vector stays 0
+        qt.fields["norm"] = Stored((norm * p).reshape(*x.shape[:-1], 1), 16)
         mse_bits = self._mse_bits(bits, self.variant)
-        prod = self.variant == "prod"
-        if mse_bits > 0:
+        u_hat = None  # ũ, the MSE stage's reconstruction (none at b = 1 of the prod variant)
+        if mse_bits > 0:  # §3.1, Algorithm 1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
-            idx = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
-        if prod:
-            s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
-            qjl = torch.empty(rows.shape, dtype=torch.uint8, device=x.device)
-            res_norm = torch.empty(n_rows, 1, dtype=cdt, device=x.device)
-        norm = torch.empty(n_rows, 1, dtype=cdt, device=x.device)
-        # every token on its own, in cache-sized blocks of tokens (the products with Π and S per block give
-        # the same bits as over the whole tensor: no block is only a few rows, see row_blocks)
-        for sl in row_blocks(n_rows, d, multiple=_BLOCK_ROWS):
-            u = rows[sl] / p[sl]
-            norm_s = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-            u.div_(torch.where(norm_s > 0, norm_s, torch.ones_like(norm_s)))  # a zero vector stays 0
-            torch.mul(norm_s, p[sl], out=norm[sl])
-            u_hat = torch.zeros_like(u) if prod else None
-            if mse_bits > 0:
-                idx[sl] = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
-                if prod:  # the MSE stage's reconstruction is needed only for the QJL residual
-                    u_hat = cent.index_select(0, idx[sl].reshape(-1).to(torch.int32)).reshape(u.shape) @ pi
-            if prod:
-                r = u - u_hat
-                qjl[sl] = r @ s.T >= 0
-                res_norm[sl] = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
-        qt.fields["norm"] = Stored(norm.reshape(*x.shape[:-1], 1), 16)
-        if mse_bits > 0:
+            idx = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
             qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
-        if prod:
-            qt.add_codes("qjl", qjl.reshape(x.shape), 1)
+            if self.variant == "prod":  # ũ = Πᵀ c[idx], needed only for the residual
+                u_hat = _lookup(cent, idx) @ pi
+        if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
+            s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
+            r = u if u_hat is None else u - u_hat
+            qt.add_codes("qjl", (r @ s.T >= 0).to(torch.uint8).reshape(x.shape), 1)
+            res_norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
             qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
         return qt
 
-    @on_one_cpu_thread
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
         meta = qt.meta
-        norm = qt["norm"]
-        cdt, dev = norm.dtype, norm.device
-        d = qt.shape[-1]
-        norm = norm.reshape(-1, 1)
-        out = torch.empty(norm.shape[0], d, dtype=cdt, device=dev)
+        norm = qt["norm"].reshape(-1, 1)
+        cdt, dev, d = norm.dtype, norm.device, qt.shape[-1]
         mse_bits = self._mse_bits(qt.bits, meta["variant"])
-        prod = meta["variant"] == "prod"
-        if mse_bits > 0:
+        u_hat = torch.zeros(norm.shape[0], d, dtype=cdt, device=dev) if mse_bits == 0 else None
+        if mse_bits > 0:  # §3.1: ũ = Πᵀ c[idx]
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            codes = qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)
-        if prod:
+            u_hat = _lookup(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
+        if meta["variant"] == "prod":  # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
-            signs8 = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d)
-            res_norm = qt["res_norm"].reshape(-1, 1)
-        for sl in row_blocks(out.shape[0], d, multiple=_BLOCK_ROWS):  # token blocks, as in quantize
-            if mse_bits > 0:
-                u_hat = cent.index_select(0, codes[sl].reshape(-1).to(torch.int32)).reshape(-1, d) @ pi
-            else:
-                u_hat = torch.zeros(sl.stop - sl.start, d, dtype=cdt, device=dev)
-            if prod:
-                signs = signs8[sl].to(cdt) * 2 - 1
-                u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * res_norm[sl] * (signs @ s)
-            torch.mul(u_hat, norm[sl], out=out[sl])
-        return out.reshape(qt.shape)
+            signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
+            u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s)
+        return (u_hat * norm).reshape(qt.shape)  # times ‖x‖
 
     # ------------------------------------------------------------------------------------------
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:

@@ -31,8 +31,9 @@ def test_bad_sizes_raise() -> None:
 
 @pytest.mark.parametrize("method", ["kvquant", "turboquant", "kitty", "polarquant"])
 def test_blocked_methods_same_bits_at_two_threads_and_restore_the_pool(method: str) -> None:
-    """The block loops run on one CPU thread (one_cpu_thread): the result at 2 threads is the 1-thread
-    result, bit for bit, and torch's thread count is restored afterwards."""
+    """The result at 2 threads is the 1-thread result, bit for bit (KVQuant's block loops run on one CPU thread,
+    one_cpu_thread; the others' whole-tensor ops reduce each group on one thread either way), and torch's
+    thread count is restored afterwards."""
     import torch
 
     from kvqbench.quantizers import create

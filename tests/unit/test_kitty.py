@@ -181,7 +181,7 @@ def test_bad_options_raise() -> None:
 
 @pytest.mark.parametrize("bits", [1, 2, 3])
 def test_scale_is_floored_range_over_levels(bits: int) -> None:
-    """METHODS.md / reference: ``scale = max(hi − lo, eps)/(2^b − 1)`` — the floor is on the range. A
+    """docs/DESIGN.md §7 / reference: ``scale = max(hi − lo, eps)/(2^b − 1)`` — the floor is on the range. A
     group whose range lies between eps and eps·(2^b − 1) tells it apart from ``max(range/levels, eps)``
     (which would give exactly eps there), and a two-valued such group then round-trips to both values."""
     from kvqbench.quantizers.kitty import EPS

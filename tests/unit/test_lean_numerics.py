@@ -1,5 +1,5 @@
-"""The lean numerics paths against independent formulations: packing of uint8 codes, per-channel groups as
-views against the transposed grouping, and the fused finiteness check (exact: rejects NaN/Inf, never
+"""Numerics against independent formulations: packing of uint8 codes, per-channel groups against per-token
+groups of the transposed tensor, and the finiteness check from group statistics (exact: rejects NaN/Inf, never
 finite data)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvqbench.numerics.packing import pack_bits, unpack_bits
-from kvqbench.numerics.rtn import PerChannel, choose_qparams_asym, quantize_asym, rtn_quantize, to_groups
+from kvqbench.numerics.rtn import PerChannel, PerToken, rtn_quantize
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import all_finite
 
@@ -33,13 +33,12 @@ def test_out_of_range_uint8_codes_raise() -> None:
 
 
 @pytest.mark.parametrize(("t", "g"), [(64, 16), (64, None), (48, 48)])
-def test_per_channel_view_path_equals_transposed_groups(t: int, g: int | None) -> None:
+def test_per_channel_groups_equal_per_token_groups_of_the_transpose(t: int, g: int | None) -> None:
     x = torch.randn(2, 3, t, 8, generator=torch.Generator().manual_seed(t)) * 3
     codes, lo, scale = rtn_quantize(x, 3, PerChannel(g))
-    xg, restore = to_groups(x, -2, g)  # (B, H, D, nG, G): the transposed formulation
-    lo2, scale2 = choose_qparams_asym(xg, 3, dim=-1)
+    codes2, lo2, scale2 = rtn_quantize(x.transpose(-1, -2), 3, PerToken(g))  # (B, H, D, T): groups along T
     assert torch.equal(lo, lo2) and torch.equal(scale, scale2)
-    assert torch.equal(codes, restore(quantize_asym(xg, lo2, scale2, 3)))
+    assert torch.equal(codes, codes2.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("method", ["rtn_token", "rtn_channel", "rtn_tensor", "kivi", "quarot"])

@@ -1,5 +1,6 @@
 """Bit packing: exact inverse, exact byte counts, documented bit order."""
 
+import contextlib
 import math
 
 import pytest
@@ -7,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench.numerics import packing
-from kvqbench.numerics.packing import C_MIN_CODES, pack_bits, packed_nbytes, unpack_bits
+from kvqbench import kernels
+from kvqbench.kernels.packing import MIN_CODES as C_MIN_CODES
+from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
 
 
 @pytest.mark.parametrize("bits", range(1, 9))
@@ -51,7 +53,7 @@ def _reference_pack(codes: list[int], bits: int) -> list[int]:
        dtype=st.sampled_from([torch.uint8, torch.int64, torch.float32]))
 def test_pack_matches_the_bit_stream_and_packs_slices_into_slices(bits, n, offset, seed, dtype):
     """pack_bits (word path for 1/2/4 bits on contiguous uint8 codes at any storage offset, slot loop
-    otherwise; from C_MIN_CODES integer codes the compiled pass, where present) against the bit-by-bit stream;
+    otherwise; from C_MIN_CODES codes the fast version, where a C compiler is present) against the bit-by-bit stream;
     unpack_bits inverts it (into a new tensor and into ``out``);
     the packing of codes [i, j) with i·b a multiple of 8, written into ``out``, is bytes [i·b/8, ceil(j·b/8))
     of the whole packing; ``check=False`` changes nothing for codes in range."""
@@ -85,28 +87,29 @@ def test_pack_out_and_unpack_out_of_the_wrong_size_raise():
         unpack_bits(torch.tensor([0x39], dtype=torch.uint8), 2, 4, out=torch.empty(3))
 
 
+def _kernels(on: bool):
+    return contextlib.nullcontext() if on else kernels.disabled()
+
+
 @settings(max_examples=60, deadline=None)
 @given(bits=st.integers(1, 8), n=st.integers(C_MIN_CODES - 9, C_MIN_CODES + 70), seed=st.integers(0, 2**31 - 1),
        bad_at=st.one_of(st.none(), st.integers(0, C_MIN_CODES - 10)))
 def test_compiled_pass_equals_the_torch_passes(bits, n, seed, bad_at):
-    """From C_MIN_CODES codes on the CPU the compiled pass (where a C compiler is present) gives the torch
-    passes' bytes and codes, tails of 1–7 codes included, and rejects a code out of range as they do."""
+    """From C_MIN_CODES codes on the CPU the fast version (where a C compiler is present) gives the reference's
+    bytes and codes (packing is integer work: exactly), tails of 1–7 codes included, and rejects a code out of range as they do."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.uint8)
     if bad_at is not None and bits < 8:
         codes[bad_at] = 2**bits
     results = []
-    try:
-        for use_c in (True, False):
-            packing._USE_C = use_c
+    for use_c in (True, False):
+        with _kernels(use_c):
             try:
                 p = pack_bits(codes, bits)
             except ValueError as e:
                 results.append(str(e))
                 continue
             results.append((p, unpack_bits(p, bits, n, torch.uint8), unpack_bits(p[:-1], bits, n - 8, torch.uint8)))
-    finally:
-        packing._USE_C = True
     a, b = results
     if isinstance(a, str):
         assert a == b and bad_at is not None
@@ -120,8 +123,7 @@ def test_compiled_pass_equals_the_torch_passes(bits, n, seed, bad_at):
 def test_errors_write_nothing_and_come_in_the_same_order(use_c: bool, n: int) -> None:
     """Both passes check the codes' range before writing into ``out`` (left untouched) and before ``out``'s size;
     a ``packed`` of another integer dtype unpacks by value; 8-bit packing returns a new tensor, never a view."""
-    try:
-        packing._USE_C = use_c
+    with _kernels(use_c):
         codes = torch.randint(0, 16, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
         bad = codes.clone()
         bad[n - 5] = 16
@@ -136,5 +138,3 @@ def test_errors_write_nothing_and_come_in_the_same_order(use_c: bool, n: int) ->
         p8 = pack_bits(codes, 8)
         codes[0] += 1
         assert p8[0] != codes[0]
-    finally:
-        packing._USE_C = True

@@ -1,5 +1,6 @@
 /* Asymmetric min/max round-to-nearest with a float zero-point (kvqbench.numerics.rtn), fused with the bit packing
- * of its codes, and its decode from the packed bytes: the steps that kvqbench.numerics.rtnpack exposes, over
+ * of its codes, and its decode from the packed bytes: the fast versions of the steps rtn.quantize_packed and
+ * rtn.dequantize_packed (kvqbench.kernels.rtn), over
  * contiguous fp32 rows [rows, d]. Two group layouts:
  *   token:   groups of g consecutive values of a row (g a multiple of 8 dividing d: every group starts at a byte
  *            of the packed stream); g = d is one group per row (per token, or per tensor for a flattened row);
@@ -9,7 +10,7 @@
  * q = clamp(round((x − lo) / s), 0, levels) with s = scale if scale > 0 else +inf; decode x̂ = q·scale + lo.
  * Every step is one IEEE operation on fp32 in the order of the torch code of kvqbench.numerics.rtn (compiled with
  * -ffp-contract=off: no fused multiply-add); round = half to even (nearbyintf in the default rounding mode, as
- * torch.round). The caller checks the bits against the torch code once per process before use.
+ * torch.round). Its agreement with the torch reference is a property test (tests/property/test_kernels_rtn.py).
  *
  * The minimum and maximum are taken in any order (vectorized): that gives the torch value unless it is a zero
  * (then the group is scanned for the signs of its zeros: a group holding both +0 and −0 at its minimum or maximum
