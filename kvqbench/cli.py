@@ -411,18 +411,36 @@ def _module_deps(modname: str, seen: set[str] | None = None) -> set[str]:
     seen.add(modname)
     for obj in vars(sys.modules[modname]).values():
         dep = getattr(obj, "__module__", None) if not isinstance(obj, type(sys)) else obj.__name__
+        if isinstance(obj, type(sys)) and dep.startswith(modname + "."):
+            continue  # a package's loaded submodule is an attribute of it, not something it depends on
         if isinstance(dep, str) and dep.startswith("kvqbench.") and dep != modname:
             _module_deps(dep, seen)
     return seen
+
+
+def _kernel_step_modules(path: Path) -> set[str]:
+    """The modules declaring the reference steps that a file of ``kvqbench/kernels/`` speeds up: a kernel
+    module ``kernels/<prefix>.py`` serves the steps named ``<prefix>.…``; a C source serves the kernel
+    modules that load it by name."""
+    from kvqbench import kernels
+
+    here = Path(kernels.__file__).parent
+    if path.suffix == ".py":
+        prefixes = {path.stem}
+    else:
+        prefixes = {py.stem for py in here.glob("*.py") if path.name in py.read_text(encoding="utf-8")}
+    kernels.registered()
+    return {ref.__module__ for step, ref in kernels.references().items() if step.split(".", 1)[0] in prefixes}
 
 
 def changed_methods(paths: list[str]) -> list[str]:
     """Method ids affected by changed files. A changed module under ``kvqbench/quantizers/`` or
     ``kvqbench/numerics/`` affects every method whose module depends on it, directly or through
     another module (a method's own file, a shared base such as ``GroupedRTNQuantizer`` in ``rtn.py``, a
-    numerics helper); ``quantizers/base.py`` affects every method; ``__init__.py`` files alone (the import
-    lists) affect none — a new method's own file names it. Other paths affect none. Imports the
-    registry (torch)."""
+    numerics helper); a fast version under ``kvqbench/kernels/`` (module or C source) affects the methods
+    that depend on a module declaring one of its reference steps; ``quantizers/base.py`` affects every
+    method; ``__init__.py`` files alone (the import lists) and the kernel loader affect none — a new method's
+    own file names it. Other paths affect none. Imports the registry (torch)."""
     from kvqbench.quantizers import registry
 
     reg = registry()
@@ -430,6 +448,11 @@ def changed_methods(paths: list[str]) -> list[str]:
     out: list[str] = []
     for p in paths:
         parts = Path(p).parts
+        if len(parts) >= 3 and parts[:2] == ("kvqbench", "kernels") and Path(p).suffix in (".py", ".c", ".h") \
+                and Path(p).stem not in ("__init__", "build"):
+            mods = _kernel_step_modules(Path(p))
+            out += [mid for mid in reg if mods & deps[mid] and mid not in out]
+            continue
         if len(parts) < 3 or parts[0] != "kvqbench" or parts[1] not in ("quantizers", "numerics") \
                 or not p.endswith(".py") or Path(p).stem == "__init__":
             continue

@@ -46,9 +46,12 @@ def split(vec: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def normalize(vec: torch.Tensor, mid: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
-    """``(vec − mid) / half``, 0 where ``half = 0`` (shapes broadcast as :func:`split` returns them)."""
+    """``(vec − mid) / half`` clamped to ``[−1, 1]``, 0 where ``half = 0`` (shapes broadcast as :func:`split`
+    returns them). The clamp makes a vector's dense extremes exactly ±1 (unclamped, ``(hi − mid)/half`` may
+    round to 1 ± 1 ulp, and k-means would spend levels on values one rounding apart); an outlier's value,
+    which the decoder writes back exactly, clamps to ±1 too."""
     live = half > 0
-    y = (vec - mid) / torch.where(live, half, torch.ones_like(half))
+    y = ((vec - mid) / torch.where(live, half, torch.ones_like(half))).clamp_(-1.0, 1.0)
     return y.masked_fill_(~live.expand_as(y), 0.0)
 
 

@@ -2,12 +2,14 @@
 ``tests/unit/test_conformance.py``) reconstructs the same tensor with kernels on as with every step's reference
 (:func:`kvqbench.kernels.disabled`), within a stated tolerance; and every fast version has its own property test.
 
-Stated tolerance (``REL``, ``TOKEN_SHARE``): the two reconstructions are equal within ``REL·max|x|`` at every
-element except in the tokens (rows of head_dim values) where a code flipped by one step at a near-tie — a flip
+Stated tolerance (``REL``, ``TOKEN_SHARE``): the two reconstructions are equal within ``REL·max|x|`` plus one
+unit in the last place of the output dtype (both are computed in fp32 and rounded to the input's dtype, so values
+within ``REL`` may round to neighbouring fp16/bf16 numbers) at every element except in the tokens (rows of head_dim values) where a code flipped by one step at a near-tie — a flip
 moves one element of a per-element method and, through an inverse rotation, a whole row of a rotating one — and
 such tokens are at most ``max(1, TOKEN_SHARE·n_tokens)``. A method that rejects an input rejects it either way
-with the same message. Measured on the development machine over these examples: no token differs (the
-reconstructions are bit-identical for every built-in method).
+with the same message. Measured on an AMD EPYC over these examples: no token differs beyond the tolerance; the
+reconstructions are bit-identical for every built-in method but KVarN, whose compiled VarN sums in another order
+(:mod:`kvqbench.kernels.varn`: its scales agree to ~1e-6 relative, so an fp16/bf16 output may round one ulp apart).
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def test_kernels_on_and_off_reconstruct_within_the_stated_tolerance(method, x, k
         return
     assert on.shape == off.shape and on.dtype == off.dtype
     a, b = on.double(), off.double()
+    big = torch.maximum(on.abs(), off.abs())
+    ulp = (torch.nextafter(big, torch.full_like(big, float("inf"))) - big).double()
     tol = REL * float(x.double().abs().max())
-    far = ((a - b).abs() > tol) | (a.isnan() != b.isnan())
+    far = ((a - b).abs() > tol + ulp) | (a.isnan() != b.isnan())
     tokens = far.reshape(-1, x.shape[-1]).any(-1)
     n_tokens = tokens.numel()
     assert int(tokens.sum()) <= max(1, math.floor(TOKEN_SHARE * n_tokens)), (

@@ -41,6 +41,12 @@ def test_changed_methods_maps_files_to_ids():
             getattr(v, "__module__", None) == "kvqbench.quantizers.rtn" for v in vars(mod).values()), mid
     assert set(changed_methods(["kvqbench/numerics/hadamard.py"])) >= {"quarot", "kvarn"}
     assert "kivi" not in changed_methods(["kvqbench/numerics/hadamard.py"])
+    # a fast version affects the methods that use its reference steps, and only those
+    varn_users = changed_methods(["kvqbench/kernels/varn.py"])
+    assert "kvarn" in varn_users and "kivi" not in varn_users
+    assert changed_methods(["kvqbench/kernels/c/varn_sums.c"]) == varn_users
+    assert {"kivi", "rtn_token"} <= set(changed_methods(["kvqbench/kernels/c/rtnpack.c"]))
+    assert changed_methods(["kvqbench/kernels/build.py", "kvqbench/kernels/__init__.py"]) == []
     assert changed_methods(["kvqbench/quantizers/base.py"]) == list(registry())  # shared contract → all
     assert changed_methods(["kvqbench/quantizers/__init__.py", "README.md", "kvqbench/cli.py"]) == []
 

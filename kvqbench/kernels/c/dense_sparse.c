@@ -5,7 +5,7 @@
  * Per vector x of n fp32 values and k outliers per tail (n ≥ 2k + 1):
  *   hi = the (k+1)-th largest value, lo = the (k+1)-th smallest (the dense maximum and minimum);
  *   the outliers are the values > hi and the values < lo, listed by ascending index with their values;
- *   mid = (hi + lo) / 2, half = (hi − lo) / 2, y = (x − mid) / half (y = 0 where half ≤ 0),
+ *   mid = (hi + lo) / 2, half = (hi − lo) / 2, y = clamp((x − mid) / half, −1, 1) (y = 0 where half ≤ 0),
  *   code = #{j : mids[j] < y} for the ascending thresholds mids (the midpoints between levels).
  * Every arithmetic step is one fp32 IEEE operation (compiled with -ffp-contract=off), in the reference's order.
  *
@@ -96,7 +96,8 @@ static inline __attribute__((always_inline)) int one_vector(
       memcpy(&u, &v, 4);
       bad |= (u & 0x7f800000u) == 0x7f800000u;
       out |= (v > hi) | (v < lo);
-      y[t] = (v - mid) / div;
+      const float r = (v - mid) / div;  /* clamped to [-1, 1]: a dense extreme is exactly ±1 */
+      y[t] = r > 1.f ? 1.f : (r < -1.f ? -1.f : r);
       q[t] = 0;
     }
     if (bad) return 1;
