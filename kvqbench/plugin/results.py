@@ -181,7 +181,7 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
         records, prov if records else {}, folder, expected=expected, reason=reason,
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
         write_extra=extra, figures=figures, log=log, files=[bench] if bench is not None else [],
-        shard=None if state.shard is None else state.shard["shard"])
+        shard=None if state.shard is None else state.shard["shard"], keep=config.getoption("--kvq-keep"))
     if bench is not None and bench.parent.is_dir() and not any(bench.parent.iterdir()):
         bench.parent.rmdir()
     if not figures and res.out_dir is not None and Path(res.out_dir) == folder:

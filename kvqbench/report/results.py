@@ -17,6 +17,10 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 - an incomplete set never replaces a complete one: when the destination already holds a complete set,
   the new one goes to ``DEST/incomplete/`` and the old one is left alone (a later complete set removes
   that ``incomplete/`` folder);
+- a complete set never deletes the complete set it replaces: that one moves to
+  ``DEST/previous/<UTC start of its run>-<digest>/`` with one line saying where, and ``previous/`` keeps
+  the newest 5 such sets (``keep``; ``--kvq-keep N``, ``KVQBENCH_KEEP=N``), naming each one it removes
+  (:mod:`kvqbench.report.previous`);
 - when the destination cannot be written at all, everything goes to a fresh temporary folder whose path
   is logged.
 """
@@ -32,10 +36,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
+from kvqbench.report.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 
 __all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set",
            "check_writable",
-           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "BENCHMARK_JSON", "record_sort_key"]
+           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON", "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
@@ -47,8 +52,6 @@ BENCHMARK_JSON = "benchmark_exp4.json"
 SHARD_HINT = "join the shards with kvqbench merge"
 #: where an incomplete set goes when the destination already holds a complete one
 INCOMPLETE_DIR = "incomplete"
-#: where a complete set goes when a complete set of fewer cells (a narrower selection) replaces it
-PREVIOUS_DIR = "previous"
 
 Log = Callable[[str], None]
 UpdateBoard = Callable[[dict[str, Any]], None]
@@ -248,7 +251,8 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
                      comp: dict[str, Any] | None = None, catalog: dict[str, Any] | None = None,
                      update_board: UpdateBoard | None = None, write_extra: WriteExtra | None = None,
                      figures: bool = True, in_place: bool = False, log: Log | None = None,
-                     files: Iterable[str | os.PathLike] | None = None, shard: str | None = None) -> ResultSet:
+                     files: Iterable[str | os.PathLike] | None = None, shard: str | None = None,
+                     keep: int | None = None) -> ResultSet:
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
@@ -274,8 +278,11 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
             goes — ``incomplete/``, a fallback folder — and a kept broader set keeps its own. Given (even
             empty), the destination's files of those names from an earlier set are replaced or removed with
             it; ``None`` (a re-render, a merge) leaves them.
+        keep: how many complete sets displaced by complete ones ``out_dir/previous/`` keeps (default
+            ``KVQBENCH_KEEP``, else 5; see :mod:`kvqbench.report.previous`).
 
-    Returns a :class:`ResultSet`; ``paths`` is empty when there are no records. Exceptions raised by the
+    Returns a :class:`ResultSet`; ``paths`` is empty when there are no records; ``note`` holds every line
+    logged about where sets went (one per line). Exceptions raised by the
     hooks propagate (the files written so far stay in the staging folder, whose path is logged); an ``OSError`` writing the
     destination does not: the set is written to a temporary folder instead and ``note`` says where.
     """
@@ -289,6 +296,11 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     catalog = catalog if catalog is not None else catalog_dict()
     dest = Path(out_dir)
     note = None
+    try:
+        n_keep = keep_count(keep)
+    except ValueError as e:  # a bad KVQBENCH_KEEP never costs the results
+        n_keep = keep_count(DEFAULT_KEEP)
+        log(f"kvqbench: {e}; keeping the newest {n_keep}")
     if not comp["complete"] and not in_place and holds_complete_set(dest):
         note = (f"kvqbench: {comp['summary']} — the complete results in {dest} are kept; "
                 f"this run's results are in {dest / INCOMPLETE_DIR}")
@@ -304,8 +316,8 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     try:
         written, board = _write_all(recs, provenance, comp, staging, catalog, update_board, write_extra, figures, log)
         written += _take_files(own, staging)
-        kept = None if in_place else _keep_broader_set(dest, comp)
-        paths = _move_in(staging, dest, written, keep_figures=not figures and kept is None, also=also)
+        kept = [] if in_place else _keep_displaced_set(dest, comp, n_keep, log)
+        paths = _move_in(staging, dest, written, keep_figures=not figures and not kept, also=also)
     except OSError as e:
         if own:  # the session's own files out of the staging folder before it goes (or where they still are)
             staged = [staging / f.name for f in own if (staging / f.name).is_file()]
@@ -322,31 +334,20 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     stale = dest / INCOMPLETE_DIR
     if comp["complete"] and not in_place and (stale / "leaderboard.json").exists() and not holds_complete_set(stale):
         shutil.rmtree(stale, ignore_errors=True)  # an earlier partial run, superseded by this complete one
-    note = " ".join(n for n in (note, kept) if n) or None
     if note:
         log(note)
+    note = "\n".join(n for n in (note, *kept) if n) or None
     return ResultSet(paths, board, dest, comp, note)
 
 
-def _keep_broader_set(dest: Path, comp: dict[str, Any]) -> str | None:
-    """Before a complete set replaces the complete set in ``dest``: when the old one holds more cells (a
-    narrower run after a broader one, e.g. ``-k kivi`` after the main job), move its files to
-    ``dest/previous/`` (replacing an older one there) instead of deleting them, and say so."""
+def _keep_displaced_set(dest: Path, comp: dict[str, Any], keep: int, log: Log) -> list[str]:
+    """Before a complete set replaces the complete set in ``dest`` (a rerun, a narrower or broader
+    selection, a merge): move the old one's files to ``dest/previous/<id>/`` and apply the retention
+    (:func:`kvqbench.report.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
+    set (it goes to ``incomplete/``) or a ``dest`` without a complete set."""
     if not comp.get("complete") or not holds_complete_set(dest):
-        return None
-    old = read_json(dest / "leaderboard.json").get("completeness") or {}  # readable: holds_complete_set
-    old_n, new_n = int(old.get("expected") or 0), int(comp.get("expected") or 0)
-    if old_n <= new_n:
-        return None
-    prev = dest / PREVIOUS_DIR
-    shutil.rmtree(prev, ignore_errors=True)
-    prev.mkdir()
-    for pattern in (*OUTPUT_PATTERNS, BENCHMARK_JSON):
-        for p in dest.glob(pattern):
-            if p.is_file():
-                os.replace(p, prev / p.name)
-    return (f"kvqbench: {dest} held a complete set of {old_n} cells, more than this run's {new_n}: "
-            f"it is kept in {prev} (a later narrower run replaces it there)")
+        return []
+    return keep_displaced_set(dest, (*OUTPUT_PATTERNS, BENCHMARK_JSON), keep, log)
 
 
 def _take_files(files: list[Path] | None, folder: Path) -> list[Path]:
