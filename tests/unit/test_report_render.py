@@ -116,3 +116,53 @@ def test_terminal_says_why_a_set_without_end_to_end_ranks_on_relative_mse():
                           "source": "synthetic", "target": "e2e_prefill_kl_nats"}
     text = render_terminal(picked)
     assert "no end-to-end run" not in text and "Spearman rho 0.90" in text
+
+
+def _e2e_records(methods):
+    """exp5 records for ``methods`` on the sample's bit widths and seeds: KL exactly 0 for fp16 and at 16
+    bits (the exact points), the method's sample error / 10 elsewhere."""
+    from test_report_samples import BASE_ERR, BITS, SEEDS, _rec
+
+    out = []
+    for m in methods:
+        for b in BITS:
+            for s in SEEDS:
+                kl = 0.0 if m == "fp16" or b >= 16 else BASE_ERR.get(m, 0.4) / 10 * 4.0 ** (2 - b) * (1 + 0.02 * s)
+                out.append(_rec("exp5", m, b, s, "synthetic", {"e2e_prefill_kl_nats": kl, "e2e_decode_kl_nats": kl}))
+    return out
+
+
+def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
+    """``kvqbench run -k kvarn``: exp5 ran (its KL is in the table), yet predictivity needs Spearman ρ over
+    at least 4 methods with a non-zero KL; the line above the table names that, not a missing end-to-end
+    run. With every sample method (fp16 is exact: 3 damaged) the same reason names the three."""
+    from test_report_samples import board, records
+
+    from kvqbench.report.leaderboard import PREDICTIVITY_MIN_METHODS
+    from kvqbench.report.markdown import render_markdown, render_terminal
+
+    assert PREDICTIVITY_MIN_METHODS == 4
+    kvarn = [r for r in records() if r["method"] == "kvarn"] + _e2e_records(["kvarn"])
+    b = board(kvarn)
+    assert not b["headline"]["from_predictivity"]
+    text = render_terminal(b)
+    lines = text.splitlines()
+    why = next(i for i, ln in enumerate(lines) if ln.startswith("  (relative MSE:"))
+    assert lines[why] == ("  (relative MSE: its end-to-end run has 1 method with a non-zero KL (kvarn), and ranking "
+                          "tensor metrics against it takes at least 4, so it cannot pick the tensor metric that "
+                          "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
+    assert "e2e KL (nats)" in lines[why + 1]  # the table right below shows the end-to-end KL
+    assert "no end-to-end run" not in text
+    assert ("Ranked on `rel_mse`: its end-to-end run has 1 method with a non-zero KL (kvarn), and ranking tensor "
+            "metrics against it takes at least 4, so which tensor metric") in render_markdown(b)
+    every = board(records() + _e2e_records(["fp16", "rtn_token", "kivi", "kvarn"]))
+    assert "its end-to-end run has 3 methods with a non-zero KL (kivi, kvarn, rtn_token)" in render_terminal(every)
+    # without exp5 the reason is the missing end-to-end run
+    assert "(relative MSE: this result set has no end-to-end run, so it cannot pick" in render_terminal(board())
+    # enough damaged methods, but no tensor metric beside them (an end-to-end-only selection)
+    from kvqbench.report.markdown import no_predictivity_reason
+
+    e2e_only = board(_e2e_records(["rtn_token", "kivi", "kvarn", "other"]))
+    assert not e2e_only["headline"]["from_predictivity"]
+    assert no_predictivity_reason(e2e_only) == ("its end-to-end run has no tensor metric of experiments 1–3 beside "
+                                                "it for the same methods and settings")
