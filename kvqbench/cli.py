@@ -112,14 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--no-readme", action="store_true", help="leave the README alone")
     pub.add_argument("--no-figures", action="store_true", help="skip the figures")
     me = sub.add_parser("methods", help="list registered method ids, or those that changed files define",
-                        description="Print the registered method ids (entry points included), one per line, and a "
-                                    "pytest -k expression selecting them; with --changed FILE…, only the methods "
-                                    "those files affect (for CI on a method PR).")
+                        description="Print the registered method ids (entry points included) on one line, "
+                                    "separated by spaces; with --k-expr, a pytest -k expression selecting their "
+                                    "cells instead; with --changed FILE…, only the methods those files affect (for "
+                                    "CI on a method PR; an empty line when none).")
     me.add_argument("--changed", nargs="*", default=None, metavar="FILE",
                     help="changed paths (e.g. from git diff --name-only); prints the method ids they affect "
                          "(every method when the shared base/registry changes)")
     me.add_argument("--k-expr", action="store_true",
-                    help="print a pytest -k expression selecting exactly those methods' cells ('[kivi- or …')")
+                    help="print, instead of the ids, a pytest -k expression selecting exactly those methods' cells "
+                         "('[kivi- or …')")
     from kvqbench.perf import add_arguments as _perf_arguments  # torch-free at import
 
     _perf_arguments(sub.add_parser(

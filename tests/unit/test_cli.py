@@ -52,7 +52,18 @@ def test_methods_command_prints_ids_and_k_expression(capsys):
     assert main(["methods", "--changed", "docs/PAPERS.md"]) == 0
     assert capsys.readouterr().out.strip() == ""
     assert main(["methods"]) == 0
-    assert "fp16" in capsys.readouterr().out.split()
+    out = capsys.readouterr().out
+    from kvqbench.quantizers import registry
+
+    assert out == " ".join(registry()) + "\n" and "fp16" in out.split()  # one line, as the help says
+
+
+def test_methods_help_says_what_it_prints(capsys):
+    with pytest.raises(SystemExit):
+        main(["methods", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "on one line, separated by spaces" in text and "one per line" not in text
+    assert "with --k-expr, a pytest -k expression selecting their cells instead" in text
     assert k_expr(["a", "b"]) == "[a- or [b-"
 
 
