@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(no torch)",
                          description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures "
                                      "and the terminal table (no torch, no cell runs again); --rebuild also rebuilds "
-                                     "leaderboard.json from the per-experiment files.")
+                                     "leaderboard.json from the per-experiment files. Every JSON file it reads is "
+                                     "checked first: one that is truncated or not kvqbench's stops it with one line "
+                                     "naming the file (exit 2, nothing written).")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
     rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
@@ -303,7 +305,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out, rebuild=args.rebuild)
-    except (FileNotFoundError, ValueError) as e:  # ValueError: not a kvqbench leaderboard (names the file)
+    except (OSError, ValueError) as e:  # ValueError: an input file is truncated or not kvqbench's (names it)
         print(f"kvqbench report: {e}", file=sys.stderr)
         return 2
     for w in written:

@@ -28,6 +28,7 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -39,7 +40,7 @@ from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
 from kvqbench.report.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 
 __all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set",
-           "check_writable",
+           "check_writable", "experiment_files", "read_experiment_file", "experiment_file_problem", "RECORD_KEYS",
            "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON", "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
@@ -371,6 +372,68 @@ def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figure
     return ResultSet([str(p) for p in written], board, fb, comp, note, fallback=True)
 
 
+#: a per-experiment file's name: ``exp<N>_<source>.json``
+_EXP_FILE = re.compile(r"^(exp\d+)_(\w+)\.json$")
+#: what every cell record holds (:func:`record_sort_key` orders by them)
+RECORD_KEYS = ("experiment", "source", "method", "k_bits", "v_bits", "seed", "size")
+
+
+def experiment_files(folder: str | os.PathLike) -> list[Path]:
+    """The per-experiment files of a result set: ``folder/exp<N>_*.json``, sorted by name."""
+    return sorted(p for p in Path(folder).glob("exp[0-9]*_*.json") if p.is_file())
+
+
+def experiment_file_problem(path: Path, doc: Any) -> str | None:
+    """What is wrong with ``doc``, read from ``path``, as a per-experiment file, or ``None``: its name is
+    ``exp<N>_<source>.json``; it is an object with a ``provenance`` object, the ``experiment`` and ``source``
+    of its name, ``metrics_catalog`` and ``completeness`` objects when present and a ``cells`` list of records, each an object holding :data:`RECORD_KEYS` with the
+    file's experiment and source."""
+    m = _EXP_FILE.match(path.name)
+    if m is None:
+        return "its name is not exp<N>_<source>.json"
+    if not isinstance(doc, dict):
+        return f"top level is a JSON {type(doc).__name__}, not an object"
+    if not isinstance(doc.get("provenance"), dict):
+        return "no 'provenance' object"
+    for key, want in (("experiment", m.group(1)), ("source", m.group(2))):
+        if doc.get(key) != want:
+            return f"'{key}' is {doc.get(key)!r}, not {want!r} as its name says"
+    for key in ("metrics_catalog", "completeness"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
+    if not isinstance(doc.get("cells"), list):
+        return "no 'cells' list"
+    for i, cell in enumerate(doc["cells"]):
+        if not isinstance(cell, dict):
+            return f"cell {i} is a {type(cell).__name__}, not an object"
+        missing = [k for k in RECORD_KEYS if k not in cell]
+        if missing:
+            return f"cell {i} has no {', '.join(repr(k) for k in missing)}"
+        if (cell["experiment"], cell["source"]) != (m.group(1), m.group(2)):
+            return f"cell {i} is of {cell['experiment']}/{cell['source']}, not {m.group(1)}/{m.group(2)}"
+    return None
+
+
+def read_experiment_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check one per-experiment file (see :func:`experiment_file_problem`).
+
+    Raises:
+        ValueError: it is not valid JSON (truncated, not UTF-8) or not a kvqbench experiment file; one line
+            naming the file and what is wrong.
+        OSError: it cannot be read.
+    """
+    p = Path(path)
+    try:
+        doc = read_json(p)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{p} is not valid JSON ({e}); delete it or re-run the benchmark") from None
+    problem = experiment_file_problem(p, doc)
+    if problem is not None:
+        raise ValueError(f"{p} is not a kvqbench experiment file ({problem}); move it out of the folder or "
+                         "re-run the benchmark")
+    return doc
+
+
 def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None,
                                                        dict[str, Any]]:
     """Read a result set back from its per-experiment files ``folder/exp*_*.json``.
@@ -381,12 +444,13 @@ def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], di
 
     Raises:
         FileNotFoundError: no ``exp*_*.json`` in ``folder``.
-        ValueError: a file is not valid JSON or not a kvqbench experiment file (names it).
+        ValueError: a file is not valid JSON or not a kvqbench experiment file (names it;
+            :func:`read_experiment_file`).
     """
     from kvqbench.metrics import catalog_dict
 
     d = Path(folder)
-    files = sorted(p for p in d.glob("exp[0-9]*_*.json") if p.is_file())
+    files = experiment_files(d)
     if not files:
         raise FileNotFoundError(f"{d} holds no exp*_*.json files; point at a folder written by a kvqbench run")
     records: list[dict[str, Any]] = []
@@ -394,12 +458,7 @@ def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], di
     comp: dict[str, Any] | None = None
     catalog = catalog_dict()
     for f in files:
-        try:
-            doc = read_json(f)
-        except ValueError as e:
-            raise ValueError(f"{f} is not valid JSON ({e}); delete it or re-run the benchmark") from None
-        if not (isinstance(doc, dict) and isinstance(doc.get("cells"), list) and isinstance(doc.get("provenance"), dict)):
-            raise ValueError(f"{f} is not a kvqbench experiment file (no 'cells' list or 'provenance')")
+        doc = read_experiment_file(f)
         records += doc["cells"]
         provenance = provenance or doc["provenance"]
         comp = comp or doc.get("completeness")

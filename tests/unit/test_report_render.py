@@ -3,6 +3,7 @@ process where importing torch fails, and writes the figures there too."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -166,3 +167,58 @@ def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
     assert not e2e_only["headline"]["from_predictivity"]
     assert no_predictivity_reason(e2e_only) == ("its end-to-end run has no tensor metric of experiments 1–3 beside "
                                                 "it for the same methods and settings")
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["truncated", "foreign", "wrong_name", "bad_cell"])
+@pytest.mark.parametrize("rebuild", [False, True], ids=["report", "rebuild"])
+def test_report_checks_every_experiment_file_before_writing(tmp_path, capsys, case, rebuild):
+    """A truncated or foreign ``exp2_*.json`` stops ``kvqbench report DIR`` (and ``--rebuild``) with one line
+    naming the file, exit 2, and leaves every file as it was (the figures read those files)."""
+    from kvqbench.cli import main
+
+    out = write_results(tmp_path / "r")
+    f = out / "exp2_synthetic.json"
+    text = f.read_text()
+    if case == "truncated":
+        f.write_text(text[: len(text) // 2])
+        want = f"{f} is not valid JSON ("
+    elif case == "foreign":
+        f.write_text('{"name": "some other tool", "cells": 3}\n')
+        want = f"{f} is not a kvqbench experiment file (no 'provenance' object)"
+    elif case == "wrong_name":
+        f.rename(out / "exp2_synthetic_copy.json")  # a copy of exp2 under another source's name
+        f = out / "exp2_synthetic_copy.json"
+        want = f"{f} is not a kvqbench experiment file ('source' is 'synthetic', not 'synthetic_copy' as its name says)"
+    else:
+        doc = json.loads(text)
+        del doc["cells"][3]["method"]
+        f.write_text(json.dumps(doc))
+        want = f"{f} is not a kvqbench experiment file (cell 3 has no 'method')"
+    before = _snapshot(out)
+    assert main(["report", str(out), "--no-figures", *(["--rebuild"] if rebuild else [])]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.splitlines()) == 1 and cap.err.startswith(f"kvqbench report: {want}"), cap.err
+    assert _snapshot(out) == before  # nothing rewritten
+
+
+def test_report_refuses_a_foreign_leaderboard_and_rebuilds_a_truncated_one(tmp_path, capsys):
+    from kvqbench.cli import main
+
+    out = write_results(tmp_path / "r")
+    lb = out / "leaderboard.json"
+    lb.write_text('{"sources": []}\n')  # valid JSON, someone else's: not overwritten
+    before = _snapshot(out)
+    assert main(["report", str(out), "--no-figures"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvqbench report: {lb} is not a kvqbench leaderboard (no 'provenance'); re-run the benchmark or " \
+                  "point at a folder it wrote\n"
+    assert _snapshot(out) == before
+    lb.write_text('{"provenance": {')  # truncated: rebuilt from the valid per-experiment files, one line says so
+    assert main(["report", str(out), "--no-figures"]) == 0
+    assert capsys.readouterr().err == (f"kvqbench report: {lb} is not valid JSON; rebuilding it from "
+                                       f"{out}/exp*_*.json\n")
+    assert json.loads(lb.read_text())["sources"]["synthetic"]["stats"]
