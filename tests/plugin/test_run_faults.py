@@ -169,6 +169,15 @@ def test_a_model_without_real_cells_stops_the_run_before_any_cell(pytester, run)
     assert len(errors) == 1 and "/nonexistent" in errors[0], res.stderr.str()
 
 
+def test_a_bad_keep_count_in_the_environment_stops_the_run_before_any_cell(pytester, run):
+    res = run("--kvq-out", str(pytester.path / "o"), KVQBENCH_KEEP="lots")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and not run.marker.exists()
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert errors == ["ERROR: kvqbench: KVQBENCH_KEEP expects a count >= 0 of kept result sets; got 'lots'"]
+    res = run("--kvq-out", str(pytester.path / "o"), "--kvq-keep", "2", KVQBENCH_KEEP="lots")  # the option wins
+    res.assert_outcomes(passed=8)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (kvqbench[real])")
 def test_an_unloadable_model_stops_the_run_once_before_any_cell(pytester, run, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -231,6 +231,8 @@ def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, mon
     (["--kvq-seeds", "0"], "argument --kvq-seeds: --kvq-seeds expects a count of at least 1"),
     (["--kvq-figures", "maybe"], "argument --kvq-figures: invalid choice: 'maybe'"),
     (["--kvq-progress=-5"], "argument --kvq-progress: --kvq-progress expects seconds >= 0"),
+    (["--kvq-keep=-1"], "argument --kvq-keep: --kvq-keep expects a count >= 0 of kept result sets; got '-1'"),
+    (["--kvq-keep", "all"], "argument --kvq-keep: --kvq-keep expects a count >= 0 of kept result sets; got 'all'"),
 ])
 def test_run_rejects_a_bad_plugin_option_in_one_line_before_pytest(argv, message, capsys, pytest_calls):
     """A bad value of a kvqbench plugin option is caught with the plugin's own definition before pytest runs:
