@@ -256,10 +256,10 @@ def no_predictivity_reason(board: dict[str, Any]) -> str:
         return "this result set has no end-to-end run"
     if len(damaged) < PREDICTIVITY_MIN_METHODS:
         n = len(damaged)
-        return (f"its end-to-end run has {n} method{'' if n == 1 else 's'} with a non-zero KL"
+        return (f"the end-to-end run in this result set has {n} method{'' if n == 1 else 's'} with a non-zero KL"
                 + (f" ({', '.join(damaged)})" if damaged else "")
                 + f", and ranking tensor metrics against it takes at least {PREDICTIVITY_MIN_METHODS}")
-    return "its end-to-end run has no tensor metric of experiments 1–3 beside it for the same methods and settings"
+    return "the end-to-end run in this result set has no tensor metric of experiments 1–3 beside it for the same methods and settings"
 
 
 def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:

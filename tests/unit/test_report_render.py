@@ -149,15 +149,15 @@ def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
     text = render_terminal(b)
     lines = text.splitlines()
     why = next(i for i, ln in enumerate(lines) if ln.startswith("  (relative MSE:"))
-    assert lines[why] == ("  (relative MSE: its end-to-end run has 1 method with a non-zero KL (kvarn), and ranking "
+    assert lines[why] == ("  (relative MSE: the end-to-end run in this result set has 1 method with a non-zero KL (kvarn), and ranking "
                           "tensor metrics against it takes at least 4, so it cannot pick the tensor metric that "
                           "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
     assert "e2e KL (nats)" in lines[why + 1]  # the table right below shows the end-to-end KL
     assert "no end-to-end run" not in text
-    assert ("Ranked on `rel_mse`: its end-to-end run has 1 method with a non-zero KL (kvarn), and ranking tensor "
+    assert ("Ranked on `rel_mse`: the end-to-end run in this result set has 1 method with a non-zero KL (kvarn), and ranking tensor "
             "metrics against it takes at least 4, so which tensor metric") in render_markdown(b)
     every = board(records() + _e2e_records(["fp16", "rtn_token", "kivi", "kvarn"]))
-    assert "its end-to-end run has 3 methods with a non-zero KL (kivi, kvarn, rtn_token)" in render_terminal(every)
+    assert "the end-to-end run in this result set has 3 methods with a non-zero KL (kivi, kvarn, rtn_token)" in render_terminal(every)
     # without exp5 the reason is the missing end-to-end run
     assert "(relative MSE: this result set has no end-to-end run, so it cannot pick" in render_terminal(board())
     # enough damaged methods, but no tensor metric beside them (an end-to-end-only selection)
@@ -165,7 +165,7 @@ def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
 
     e2e_only = board(_e2e_records(["rtn_token", "kivi", "kvarn", "other"]))
     assert not e2e_only["headline"]["from_predictivity"]
-    assert no_predictivity_reason(e2e_only) == ("its end-to-end run has no tensor metric of experiments 1–3 beside "
+    assert no_predictivity_reason(e2e_only) == ("the end-to-end run in this result set has no tensor metric of experiments 1–3 beside "
                                                 "it for the same methods and settings")
 
 
