@@ -109,6 +109,10 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
         out_dir: where to write (default: the folder holding ``leaderboard.json``).
         rebuild: rebuild from the per-experiment files even when ``leaderboard.json`` is fine.
 
+    ``out_dir`` holding another result set: a rebuild keeps that set in ``out_dir/previous/`` (the rules of
+    :func:`kvqbench.report.results.write_result_set`); a re-render, which writes only the Markdown and the
+    figures, refuses (``ValueError``) rather than mix two sets.
+
     Every input file is checked before anything is written: each ``exp*_*.json``
     (:func:`kvqbench.report.results.read_experiment_file`) and ``leaderboard.json``
     (:func:`read_leaderboard`); a ``leaderboard.json`` that is not valid JSON (truncated) is rebuilt from
@@ -137,6 +141,9 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
                   file=sys.stderr)
             return _rebuild(folder, out_dir, echo=echo, figures=figures)
         raise
+    if not _same_folder(out, src.parent) and (out / "leaderboard.json").exists():
+        raise ValueError(f"{out} holds another result set (its leaderboard.json), whose LEADERBOARD.md and figures "
+                         f"this would replace; give --out an empty folder, or render into {src.parent}")
     written = [str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board)))]
     if echo:
         print(render_terminal(board))
@@ -148,6 +155,13 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
 
         written += [str(p) for p in write_figures(src.parent, out, log=log, jobs=0)]
     return written
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
 
 
 def _not_json(file: Path) -> bool:
@@ -163,8 +177,11 @@ def _rebuild(folder: Path, out_dir: str | Path | None, *, echo: bool, figures: b
     from kvqbench.report.results import load_result_set, write_result_set
 
     records, prov, comp, catalog = load_result_set(folder)
-    res = write_result_set(records, prov, Path(out_dir) if out_dir is not None else folder, comp=comp,
-                           catalog=catalog, figures=figures, in_place=True)
+    out = Path(out_dir) if out_dir is not None else folder
+    # into its own folder: the set replaces itself; elsewhere the rules of any new set apply (a complete
+    # set already there is kept in previous/)
+    res = write_result_set(records, prov, out, comp=comp, catalog=catalog, figures=figures,
+                           in_place=_same_folder(out, folder))
     if echo and res.board is not None:
         print(render_terminal(res.board))
     return res.paths

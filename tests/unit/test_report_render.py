@@ -222,3 +222,26 @@ def test_report_refuses_a_foreign_leaderboard_and_rebuilds_a_truncated_one(tmp_p
     assert capsys.readouterr().err == (f"kvqbench report: {lb} is not valid JSON; rebuilding it from "
                                        f"{out}/exp*_*.json\n")
     assert json.loads(lb.read_text())["sources"]["synthetic"]["stats"]
+
+
+def test_report_out_never_mixes_or_deletes_another_set(tmp_path, capsys):
+    """``report DIR --out OTHER`` where OTHER holds another complete set: a re-render (Markdown and figures
+    only) refuses in one line and writes nothing; ``--rebuild`` writes the set there and keeps OTHER's in
+    ``OTHER/previous/`` (like any new complete set)."""
+    from test_report_samples import records
+
+    from kvqbench.cli import main
+    from kvqbench.report.previous import kept_sets
+
+    src = write_results(tmp_path / "a")
+    other = write_results(tmp_path / "b", [r for r in records() if r["method"] != "kvarn"])
+    before = _snapshot(other)
+    assert main(["report", str(src), "--out", str(other), "--no-figures"]) == 2
+    assert capsys.readouterr().err == (f"kvqbench report: {other} holds another result set (its leaderboard.json), "
+                                       "whose LEADERBOARD.md and figures this would replace; give --out an empty "
+                                       f"folder, or render into {src}\n")
+    assert _snapshot(other) == before
+    assert main(["report", str(src), "--out", str(other), "--no-figures", "--rebuild"]) == 0
+    (kept,) = kept_sets(other)
+    assert {n: b for n, (b, _) in _snapshot(kept).items()} == {n: b for n, (b, _) in before.items()}
+    assert f"is kept in {kept}" in capsys.readouterr().err
