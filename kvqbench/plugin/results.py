@@ -117,8 +117,8 @@ def _point_benchmark_json(session: pytest.Session) -> None:
     """pytest-benchmark's JSON, when the user gave no ``--benchmark-json`` and it timed something, is
     written to a temporary folder (``BENCH_JSON_KEY`` in the stash) and joins the result set when it is
     written (:func:`write_results`: ``files`` of :func:`~kvqbench.report.results.write_result_set`), so it
-    goes wherever the set goes — the results folder, ``incomplete/``, a fallback folder — and a broader
-    set kept in ``previous/`` keeps its own."""
+    goes wherever the set goes — the results folder, ``incomplete/``, a fallback folder — and a set kept
+    in ``previous/`` keeps its own."""
     config = session.config
     bs = getattr(config, "_benchmarksession", None)
     if bs is None or is_worker(config) or STATE_KEY not in config.stash or SETTINGS_KEY not in config.stash:

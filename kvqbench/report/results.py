@@ -276,7 +276,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
         log: one-line messages (default stderr).
         files: a session's own files written elsewhere that belong to its set (pytest-benchmark's JSON,
             :data:`BENCHMARK_JSON`, written to a temporary folder): moved into the set and wherever it
-            goes — ``incomplete/``, a fallback folder — and a kept broader set keeps its own. Given (even
+            goes — ``incomplete/``, a fallback folder — and a displaced set kept in ``previous/`` keeps its own. Given (even
             empty), the destination's files of those names from an earlier set are replaced or removed with
             it; ``None`` (a re-render, a merge) leaves them.
         keep: how many complete sets displaced by complete ones ``out_dir/previous/`` keeps (default
@@ -300,7 +300,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     try:
         n_keep = keep_count(keep)
     except ValueError as e:  # a bad KVQBENCH_KEEP never costs the results
-        n_keep = keep_count(DEFAULT_KEEP)
+        n_keep = DEFAULT_KEEP
         log(f"kvqbench: {e}; keeping the newest {n_keep}")
     if not comp["complete"] and not in_place and holds_complete_set(dest):
         note = (f"kvqbench: {comp['summary']} — the complete results in {dest} are kept; "
@@ -385,9 +385,9 @@ def experiment_files(folder: str | os.PathLike) -> list[Path]:
 
 def experiment_file_problem(path: Path, doc: Any) -> str | None:
     """What is wrong with ``doc``, read from ``path``, as a per-experiment file, or ``None``: its name is
-    ``exp<N>_<source>.json``; it is an object with a ``provenance`` object, the ``experiment`` and ``source``
-    of its name, ``metrics_catalog`` and ``completeness`` objects when present and a ``cells`` list of records, each an object holding :data:`RECORD_KEYS` with the
-    file's experiment and source."""
+    ``exp<N>_<source>.json``; it is an object with a ``provenance`` object, the ``experiment`` and
+    ``source`` of its name, ``metrics_catalog`` and ``completeness`` objects when present and a ``cells``
+    list of records, each an object holding :data:`RECORD_KEYS` with the file's experiment and source."""
     m = _EXP_FILE.match(path.name)
     if m is None:
         return "its name is not exp<N>_<source>.json"
