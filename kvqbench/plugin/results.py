@@ -117,8 +117,8 @@ def _point_benchmark_json(session: pytest.Session) -> None:
     """pytest-benchmark's JSON, when the user gave no ``--benchmark-json`` and it timed something, is
     written to a temporary folder (``BENCH_JSON_KEY`` in the stash) and joins the result set when it is
     written (:func:`write_results`: ``files`` of :func:`~kvqbench.report.results.write_result_set`), so it
-    goes wherever the set goes — the results folder, ``incomplete/``, a fallback folder — and a broader
-    set kept in ``previous/`` keeps its own."""
+    goes wherever the set goes — the results folder, ``incomplete/``, a fallback folder — and a set kept
+    in ``previous/`` keeps its own."""
     config = session.config
     bs = getattr(config, "_benchmarksession", None)
     if bs is None or is_worker(config) or STATE_KEY not in config.stash or SETTINGS_KEY not in config.stash:
@@ -181,7 +181,7 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
         records, prov if records else {}, folder, expected=expected, reason=reason,
         update_board=lambda board: hook.pytest_kvqbench_update_leaderboard(config=config, board=board),
         write_extra=extra, figures=figures, log=log, files=[bench] if bench is not None else [],
-        shard=None if state.shard is None else state.shard["shard"])
+        shard=None if state.shard is None else state.shard["shard"], keep=config.getoption("--kvq-keep"))
     if bench is not None and bench.parent.is_dir() and not any(bench.parent.iterdir()):
         bench.parent.rmdir()
     if not figures and res.out_dir is not None and Path(res.out_dir) == folder:

@@ -486,6 +486,8 @@ PREDICTIVITY_TARGETS: tuple[str, ...] = ("e2e_prefill_kl_nats", "e2e_decode_kl_n
 PREDICTIVITY_EXPERIMENTS: tuple[str, ...] = ("exp1", "exp2", "exp3")
 PREDICTIVITY_BOOTSTRAP = 2000
 PREDICTIVITY_SEED = 0
+#: the fewest methods a predictivity group ranks (Spearman ρ across fewer says nothing)
+PREDICTIVITY_MIN_METHODS = 4
 
 
 def _rank_rows(a: Any) -> Any:
@@ -575,7 +577,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                 methods = sorted(m for m in {m for m, _ in pts}
                                  if all((m, s) in pts and name in stats_src[exp].get(m, {}).get(s, {})
                                         and not is_short(stats_src[exp][m][s][name]) for s in gset))
-                if len(methods) < 4:
+                if len(methods) < PREDICTIVITY_MIN_METHODS:
                     continue
                 xs = [[rank_key(better, stats_src[exp][m][s][name]["mean"]) for s in gset] for m in methods]
                 ys = [[pts[(m, s)] for s in gset] for m in methods]
@@ -649,4 +651,4 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     return rows
 
 
-__all__ += ["PREDICTIVITY_TARGETS", "predictivity", "spearman_rows", "choose_headline", "headline_budget"]
+__all__ += ["PREDICTIVITY_TARGETS", "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows", "choose_headline", "headline_budget"]

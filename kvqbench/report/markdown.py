@@ -235,6 +235,33 @@ def _rho_text(rho: Any, ci: Any) -> str:
     return f"{rho:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
 
 
+def no_predictivity_reason(board: dict[str, Any]) -> str:
+    """Why no tensor metric was picked by predictivity (the headline is relative MSE), as a clause: no
+    end-to-end run at all; an end-to-end run over too few methods with a non-zero KL (a ``-k kvarn`` run:
+    fp16 and 16-bit settings are exact, and ρ needs :data:`~kvqbench.report.leaderboard.PREDICTIVITY_MIN_METHODS`);
+    or no tensor metric of experiments 1–3 beside it for the same methods and settings."""
+    from kvqbench.report.leaderboard import PREDICTIVITY_MIN_METHODS, PREDICTIVITY_TARGETS
+
+    target = PREDICTIVITY_TARGETS[0]
+    damaged: list[str] = []  # the methods of the source with the most of them
+    ran = False
+    for src in (board.get("sources") or {}).values():
+        e2e = (src.get("stats") or {}).get("exp5") or {}
+        ran = ran or bool(e2e)
+        ms = sorted(m for m, by in e2e.items()
+                    if any(is_plain_setting(s) and (e.get(target) or {}).get("mean") not in (None, 0)
+                           for s, e in by.items()))
+        damaged = ms if len(ms) > len(damaged) else damaged
+    if not ran:
+        return "this result set has no end-to-end run"
+    if len(damaged) < PREDICTIVITY_MIN_METHODS:
+        n = len(damaged)
+        return (f"the end-to-end run in this result set has {n} method{'' if n == 1 else 's'} with a non-zero KL"
+                + (f" ({', '.join(damaged)})" if damaged else "")
+                + f", and ranking tensor metrics against it takes at least {PREDICTIVITY_MIN_METHODS}")
+    return "the end-to-end run in this result set has no tensor metric of experiments 1–3 beside it for the same methods and settings"
+
+
 def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
     """The headline of one source: the sentence naming the metric (and its ρ), the matched-budget rows
     ``[budget, best, bits, bits effective, metric value, end-to-end KL, runner-up]`` and their headers.
@@ -251,9 +278,9 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
                     f"Spearman ρ = {_rho_text(h.get('rho'), h.get('ci95'))} (95% bootstrap CI over methods) against "
                     f"the end-to-end next-token KL of {model}, {where}.")
     else:
-        sentence = (f"Ranked on `{metric}`: this result set has no predictivity (it needs the end-to-end experiment "
-                    "and the tensor experiments 1–3 on the same real source), so which tensor metric predicts model "
-                    "damage is unknown here; run both with the real model to find out.")
+        sentence = (f"Ranked on `{metric}`: {no_predictivity_reason(board)}, so which tensor metric predicts model "
+                    "damage is unknown here (that takes the end-to-end experiment and the tensor experiments 1–3 on "
+                    "the same source for at least 4 methods; the main job, `kvqbench run`, has them).")
     rows = []
     for b in src.get("headline") or []:
         kl = fmt(b.get("e2e_kl"), b.get("e2e_kl_ci95")) if b.get("e2e_kl") is not None else "—"
@@ -379,7 +406,7 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         out.append(f"kvqbench [{src_name}] {label} ({why}) at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
         if not head.get("from_predictivity"):  # docs/DESIGN.md §4: the headline follows predictivity, which needs exp5
-            out.append("  (relative MSE: this result set has no end-to-end run to pick the tensor metric that "
+            out.append(f"  (relative MSE: {no_predictivity_reason(board)}, so it cannot pick the tensor metric that "
                        "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
         out.append(tabulate(rows, headers=["rank", "method", metric, "bits eff."] + (["e2e KL (nats)"] if e2e else []),
                             tablefmt="simple"))

@@ -109,24 +109,41 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
         out_dir: where to write (default: the folder holding ``leaderboard.json``).
         rebuild: rebuild from the per-experiment files even when ``leaderboard.json`` is fine.
 
+    ``out_dir`` holding another result set: a rebuild keeps that set in ``out_dir/previous/`` (the rules of
+    :func:`kvqbench.report.results.write_result_set`); a re-render, which writes only the Markdown and the
+    figures, refuses (``ValueError``) rather than mix two sets.
+
+    Every input file is checked before anything is written: each ``exp*_*.json``
+    (:func:`kvqbench.report.results.read_experiment_file`) and ``leaderboard.json``
+    (:func:`read_leaderboard`); a ``leaderboard.json`` that is not valid JSON (truncated) is rebuilt from
+    valid per-experiment files, with one line saying so.
+
     Returns the written paths. Raises ``FileNotFoundError`` when there is neither a ``leaderboard.json``
     nor ``exp*_*.json`` files and ``ValueError`` when a file is not what it should be (names it;
     nothing written).
     """
+    from kvqbench.report.results import experiment_files, read_experiment_file
+
     d = Path(path)
     folder = d if d.is_dir() else d.parent
-    has_exps = folder.is_dir() and any(folder.glob("exp[0-9]*_*.json"))
-    if has_exps and (rebuild or not (folder / "leaderboard.json").exists()):
+    exps = experiment_files(folder) if folder.is_dir() else []
+    for f in exps:  # the figures and a rebuild read them: all checked before anything is written
+        read_experiment_file(f)
+    if exps and (rebuild or not (folder / "leaderboard.json").exists()):
         return _rebuild(folder, out_dir, echo=echo, figures=figures)
     src = leaderboard_path(path)
     out = Path(out_dir) if out_dir is not None else src.parent
     try:
         board = read_leaderboard(src)
     except ValueError:
-        if has_exps:
-            print(f"kvqbench report: {src} is unreadable; rebuilding it from {folder}/exp*_*.json", file=sys.stderr)
+        if exps and src == folder / "leaderboard.json" and _not_json(src):
+            print(f"kvqbench report: {src} is not valid JSON; rebuilding it from {folder}/exp*_*.json",
+                  file=sys.stderr)
             return _rebuild(folder, out_dir, echo=echo, figures=figures)
         raise
+    if not _same_folder(out, src.parent) and (out / "leaderboard.json").exists():
+        raise ValueError(f"{out} holds another result set (its leaderboard.json), whose LEADERBOARD.md and figures "
+                         f"this would replace; give --out an empty folder, or render into {src.parent}")
     written = [str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board)))]
     if echo:
         print(render_terminal(board))
@@ -140,12 +157,31 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     return written
 
 
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _not_json(file: Path) -> bool:
+    """Whether ``file`` is unreadable as JSON (a truncated write), as opposed to JSON of another shape."""
+    try:
+        read_json(file)
+    except ValueError:
+        return True
+    return False
+
+
 def _rebuild(folder: Path, out_dir: str | Path | None, *, echo: bool, figures: bool) -> list[str]:
     from kvqbench.report.results import load_result_set, write_result_set
 
     records, prov, comp, catalog = load_result_set(folder)
-    res = write_result_set(records, prov, Path(out_dir) if out_dir is not None else folder, comp=comp,
-                           catalog=catalog, figures=figures, in_place=True)
+    out = Path(out_dir) if out_dir is not None else folder
+    # into its own folder: the set replaces itself; elsewhere the rules of any new set apply (a complete
+    # set already there is kept in previous/)
+    res = write_result_set(records, prov, out, comp=comp, catalog=catalog, figures=figures,
+                           in_place=_same_folder(out, folder))
     if echo and res.board is not None:
         print(render_terminal(res.board))
     return res.paths

@@ -17,6 +17,10 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 - an incomplete set never replaces a complete one: when the destination already holds a complete set,
   the new one goes to ``DEST/incomplete/`` and the old one is left alone (a later complete set removes
   that ``incomplete/`` folder);
+- a complete set never deletes the complete set it replaces: that one moves to
+  ``DEST/previous/<UTC start of its run>-<digest>/`` with one line saying where, and ``previous/`` keeps
+  the newest 5 such sets (``keep``; ``--kvq-keep N``, ``KVQBENCH_KEEP=N``), naming each one it removes
+  (:mod:`kvqbench.report.previous`);
 - when the destination cannot be written at all, everything goes to a fresh temporary folder whose path
   is logged.
 """
@@ -24,6 +28,7 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -32,10 +37,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
+from kvqbench.report.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 
 __all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set",
-           "check_writable",
-           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "BENCHMARK_JSON", "record_sort_key"]
+           "check_writable", "experiment_files", "read_experiment_file", "experiment_file_problem", "RECORD_KEYS",
+           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON", "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
@@ -47,8 +53,6 @@ BENCHMARK_JSON = "benchmark_exp4.json"
 SHARD_HINT = "join the shards with kvqbench merge"
 #: where an incomplete set goes when the destination already holds a complete one
 INCOMPLETE_DIR = "incomplete"
-#: where a complete set goes when a complete set of fewer cells (a narrower selection) replaces it
-PREVIOUS_DIR = "previous"
 
 Log = Callable[[str], None]
 UpdateBoard = Callable[[dict[str, Any]], None]
@@ -248,7 +252,8 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
                      comp: dict[str, Any] | None = None, catalog: dict[str, Any] | None = None,
                      update_board: UpdateBoard | None = None, write_extra: WriteExtra | None = None,
                      figures: bool = True, in_place: bool = False, log: Log | None = None,
-                     files: Iterable[str | os.PathLike] | None = None, shard: str | None = None) -> ResultSet:
+                     files: Iterable[str | os.PathLike] | None = None, shard: str | None = None,
+                     keep: int | None = None) -> ResultSet:
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
@@ -271,11 +276,14 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
         log: one-line messages (default stderr).
         files: a session's own files written elsewhere that belong to its set (pytest-benchmark's JSON,
             :data:`BENCHMARK_JSON`, written to a temporary folder): moved into the set and wherever it
-            goes — ``incomplete/``, a fallback folder — and a kept broader set keeps its own. Given (even
+            goes — ``incomplete/``, a fallback folder — and a displaced set kept in ``previous/`` keeps its own. Given (even
             empty), the destination's files of those names from an earlier set are replaced or removed with
             it; ``None`` (a re-render, a merge) leaves them.
+        keep: how many complete sets displaced by complete ones ``out_dir/previous/`` keeps (default
+            ``KVQBENCH_KEEP``, else 5; see :mod:`kvqbench.report.previous`).
 
-    Returns a :class:`ResultSet`; ``paths`` is empty when there are no records. Exceptions raised by the
+    Returns a :class:`ResultSet`; ``paths`` is empty when there are no records; ``note`` holds every line
+    logged about where sets went (one per line). Exceptions raised by the
     hooks propagate (the files written so far stay in the staging folder, whose path is logged); an ``OSError`` writing the
     destination does not: the set is written to a temporary folder instead and ``note`` says where.
     """
@@ -289,6 +297,11 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     catalog = catalog if catalog is not None else catalog_dict()
     dest = Path(out_dir)
     note = None
+    try:
+        n_keep = keep_count(keep)
+    except ValueError as e:  # a bad KVQBENCH_KEEP never costs the results
+        n_keep = DEFAULT_KEEP
+        log(f"kvqbench: {e}; keeping the newest {n_keep}")
     if not comp["complete"] and not in_place and holds_complete_set(dest):
         note = (f"kvqbench: {comp['summary']} — the complete results in {dest} are kept; "
                 f"this run's results are in {dest / INCOMPLETE_DIR}")
@@ -304,8 +317,8 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     try:
         written, board = _write_all(recs, provenance, comp, staging, catalog, update_board, write_extra, figures, log)
         written += _take_files(own, staging)
-        kept = None if in_place else _keep_broader_set(dest, comp)
-        paths = _move_in(staging, dest, written, keep_figures=not figures and kept is None, also=also)
+        kept = [] if in_place else _keep_displaced_set(dest, comp, n_keep, log)
+        paths = _move_in(staging, dest, written, keep_figures=not figures and not kept, also=also)
     except OSError as e:
         if own:  # the session's own files out of the staging folder before it goes (or where they still are)
             staged = [staging / f.name for f in own if (staging / f.name).is_file()]
@@ -322,31 +335,20 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     stale = dest / INCOMPLETE_DIR
     if comp["complete"] and not in_place and (stale / "leaderboard.json").exists() and not holds_complete_set(stale):
         shutil.rmtree(stale, ignore_errors=True)  # an earlier partial run, superseded by this complete one
-    note = " ".join(n for n in (note, kept) if n) or None
     if note:
         log(note)
+    note = "\n".join(n for n in (note, *kept) if n) or None
     return ResultSet(paths, board, dest, comp, note)
 
 
-def _keep_broader_set(dest: Path, comp: dict[str, Any]) -> str | None:
-    """Before a complete set replaces the complete set in ``dest``: when the old one holds more cells (a
-    narrower run after a broader one, e.g. ``-k kivi`` after the main job), move its files to
-    ``dest/previous/`` (replacing an older one there) instead of deleting them, and say so."""
+def _keep_displaced_set(dest: Path, comp: dict[str, Any], keep: int, log: Log) -> list[str]:
+    """Before a complete set replaces the complete set in ``dest`` (a rerun, a narrower or broader
+    selection, a merge): move the old one's files to ``dest/previous/<id>/`` and apply the retention
+    (:func:`kvqbench.report.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
+    set (it goes to ``incomplete/``) or a ``dest`` without a complete set."""
     if not comp.get("complete") or not holds_complete_set(dest):
-        return None
-    old = read_json(dest / "leaderboard.json").get("completeness") or {}  # readable: holds_complete_set
-    old_n, new_n = int(old.get("expected") or 0), int(comp.get("expected") or 0)
-    if old_n <= new_n:
-        return None
-    prev = dest / PREVIOUS_DIR
-    shutil.rmtree(prev, ignore_errors=True)
-    prev.mkdir()
-    for pattern in (*OUTPUT_PATTERNS, BENCHMARK_JSON):
-        for p in dest.glob(pattern):
-            if p.is_file():
-                os.replace(p, prev / p.name)
-    return (f"kvqbench: {dest} held a complete set of {old_n} cells, more than this run's {new_n}: "
-            f"it is kept in {prev} (a later narrower run replaces it there)")
+        return []
+    return keep_displaced_set(dest, (*OUTPUT_PATTERNS, BENCHMARK_JSON), keep, log)
 
 
 def _take_files(files: list[Path] | None, folder: Path) -> list[Path]:
@@ -370,6 +372,68 @@ def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figure
     return ResultSet([str(p) for p in written], board, fb, comp, note, fallback=True)
 
 
+#: a per-experiment file's name: ``exp<N>_<source>.json``
+_EXP_FILE = re.compile(r"^(exp\d+)_(\w+)\.json$")
+#: what every cell record holds (:func:`record_sort_key` orders by them)
+RECORD_KEYS = ("experiment", "source", "method", "k_bits", "v_bits", "seed", "size")
+
+
+def experiment_files(folder: str | os.PathLike) -> list[Path]:
+    """The per-experiment files of a result set: ``folder/exp<N>_*.json``, sorted by name."""
+    return sorted(p for p in Path(folder).glob("exp[0-9]*_*.json") if p.is_file())
+
+
+def experiment_file_problem(path: Path, doc: Any) -> str | None:
+    """What is wrong with ``doc``, read from ``path``, as a per-experiment file, or ``None``: its name is
+    ``exp<N>_<source>.json``; it is an object with a ``provenance`` object, the ``experiment`` and
+    ``source`` of its name, ``metrics_catalog`` and ``completeness`` objects when present and a ``cells``
+    list of records, each an object holding :data:`RECORD_KEYS` with the file's experiment and source."""
+    m = _EXP_FILE.match(path.name)
+    if m is None:
+        return "its name is not exp<N>_<source>.json"
+    if not isinstance(doc, dict):
+        return f"top level is a JSON {type(doc).__name__}, not an object"
+    if not isinstance(doc.get("provenance"), dict):
+        return "no 'provenance' object"
+    for key, want in (("experiment", m.group(1)), ("source", m.group(2))):
+        if doc.get(key) != want:
+            return f"'{key}' is {doc.get(key)!r}, not {want!r} as its name says"
+    for key in ("metrics_catalog", "completeness"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
+    if not isinstance(doc.get("cells"), list):
+        return "no 'cells' list"
+    for i, cell in enumerate(doc["cells"]):
+        if not isinstance(cell, dict):
+            return f"cell {i} is a {type(cell).__name__}, not an object"
+        missing = [k for k in RECORD_KEYS if k not in cell]
+        if missing:
+            return f"cell {i} has no {', '.join(repr(k) for k in missing)}"
+        if (cell["experiment"], cell["source"]) != (m.group(1), m.group(2)):
+            return f"cell {i} is of {cell['experiment']}/{cell['source']}, not {m.group(1)}/{m.group(2)}"
+    return None
+
+
+def read_experiment_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check one per-experiment file (see :func:`experiment_file_problem`).
+
+    Raises:
+        ValueError: it is not valid JSON (truncated, not UTF-8) or not a kvqbench experiment file; one line
+            naming the file and what is wrong.
+        OSError: it cannot be read.
+    """
+    p = Path(path)
+    try:
+        doc = read_json(p)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{p} is not valid JSON ({e}); delete it or re-run the benchmark") from None
+    problem = experiment_file_problem(p, doc)
+    if problem is not None:
+        raise ValueError(f"{p} is not a kvqbench experiment file ({problem}); move it out of the folder or "
+                         "re-run the benchmark")
+    return doc
+
+
 def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None,
                                                        dict[str, Any]]:
     """Read a result set back from its per-experiment files ``folder/exp*_*.json``.
@@ -380,12 +444,13 @@ def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], di
 
     Raises:
         FileNotFoundError: no ``exp*_*.json`` in ``folder``.
-        ValueError: a file is not valid JSON or not a kvqbench experiment file (names it).
+        ValueError: a file is not valid JSON or not a kvqbench experiment file (names it;
+            :func:`read_experiment_file`).
     """
     from kvqbench.metrics import catalog_dict
 
     d = Path(folder)
-    files = sorted(p for p in d.glob("exp[0-9]*_*.json") if p.is_file())
+    files = experiment_files(d)
     if not files:
         raise FileNotFoundError(f"{d} holds no exp*_*.json files; point at a folder written by a kvqbench run")
     records: list[dict[str, Any]] = []
@@ -393,12 +458,7 @@ def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], di
     comp: dict[str, Any] | None = None
     catalog = catalog_dict()
     for f in files:
-        try:
-            doc = read_json(f)
-        except ValueError as e:
-            raise ValueError(f"{f} is not valid JSON ({e}); delete it or re-run the benchmark") from None
-        if not (isinstance(doc, dict) and isinstance(doc.get("cells"), list) and isinstance(doc.get("provenance"), dict)):
-            raise ValueError(f"{f} is not a kvqbench experiment file (no 'cells' list or 'provenance')")
+        doc = read_experiment_file(f)
         records += doc["cells"]
         provenance = provenance or doc["provenance"]
         comp = comp or doc.get("completeness")

@@ -69,19 +69,27 @@ def _files(folder):
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
-def test_a_narrower_run_keeps_the_broader_sets_own_timings_in_previous(pytester, run):
-    """A complete run of fewer cells moves the broader complete set to previous/ with pytest-benchmark's JSON
-    of that set (it used to be overwritten by the narrower run's, then moved there in its place); the folder
-    then holds the narrower set with its own timings."""
+def test_two_narrowing_runs_keep_both_broader_sets_in_previous(pytester, run):
+    """The issue's sequence: a complete run, then ``-k kivi``, then ``-k "kivi and k2v2"``. Each displaced
+    complete set moves, with pytest-benchmark's JSON of that set, to a folder of its own under previous/,
+    and one line says where; the folder then holds the narrowest set with its own timings."""
     out = pytester.path / "out"
     run("--kvq-out", str(out)).assert_outcomes(passed=8)
     complete = _files(out)
     res = run("--kvq-out", str(out), "-k", "kivi")
     assert res.ret == 0
-    assert _files(out / "previous") == complete  # every file of the broader set, its timings included
+    kivi = _files(out)
+    (first,) = (out / "previous").iterdir()
+    assert _files(first) == complete  # every file of the broader set, its timings included
+    res.stdout.fnmatch_lines([f"kvqbench: the complete set of 8 cells (run * UTC) that was in {out} is kept in {first}"])
+    res = run("--kvq-out", str(out), "-k", "kivi and k2v2", "--kvq-keep", "2")
+    assert res.ret == 0
+    second = next(p for p in (out / "previous").iterdir() if p != first)
+    assert _files(first) == complete and _files(second) == kivi  # both kept
+    res.stdout.fnmatch_lines([f"kvqbench: the complete set of 4 cells (run * UTC) that was in {out} is kept in {second}"])
     narrow = json.loads((out / "benchmark_exp4.json").read_text())["benchmarks"]
-    assert narrow and len(narrow) < 8 and all("kivi" in b["fullname"] for b in narrow)
-    assert json.loads((out / "leaderboard.json").read_text())["completeness"]["expected"] == len(narrow)
+    assert len(narrow) == 2 and all("kivi-k2v2" in b["fullname"] for b in narrow)
+    assert json.loads((out / "leaderboard.json").read_text())["completeness"]["expected"] == 2
 
 
 def test_interrupt_and_x_keep_the_complete_set_and_stamp_the_partial_one(pytester, run):
@@ -143,6 +151,31 @@ def test_a_bad_results_folder_stops_the_run_before_any_cell(pytester, run, case)
     assert not run.marker.exists(), "a cell ran before the folder check"
     errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
     assert errors == [f"ERROR: kvqbench: cannot write results: {want} (pass --kvq-out DIR with a writable folder)"]
+
+
+def test_a_model_without_real_cells_stops_the_run_before_any_cell(pytester, run):
+    """``--kvq-model`` without ``--kvq-real`` (``kvqbench run --smoke`` or ``--no-real``): no cell would use
+    the model, so the run stops with one line instead of running synthetic cells as if it had."""
+    res = run("--kvq-model", "/nonexistent", "--kvq-out", str(pytester.path / "o"))
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert not run.marker.exists(), "a cell ran before the model check"
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert errors == ["ERROR: kvqbench: --kvq-model /nonexistent is the model of the real-model cells, and none runs "
+                      "without --kvq-real (kvqbench run --smoke and --no-real run synthetic cells only): add "
+                      "--kvq-real, or drop --kvq-model"]
+    res = run("--kvq-real", "--kvq-model", "/nonexistent", "--kvq-out", str(pytester.path / "o"))
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and not run.marker.exists()
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert len(errors) == 1 and "/nonexistent" in errors[0], res.stderr.str()
+
+
+def test_a_bad_keep_count_in_the_environment_stops_the_run_before_any_cell(pytester, run):
+    res = run("--kvq-out", str(pytester.path / "o"), KVQBENCH_KEEP="lots")
+    assert res.ret == pytest.ExitCode.USAGE_ERROR and not run.marker.exists()
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert errors == ["ERROR: kvqbench: KVQBENCH_KEEP expects a count >= 0 of kept result sets; got 'lots'"]
+    res = run("--kvq-out", str(pytester.path / "o"), "--kvq-keep", "2", KVQBENCH_KEEP="lots")  # the option wins
+    res.assert_outcomes(passed=8)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (kvqbench[real])")

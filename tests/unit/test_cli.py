@@ -58,7 +58,18 @@ def test_methods_command_prints_ids_and_k_expression(capsys):
     assert main(["methods", "--changed", "docs/PAPERS.md"]) == 0
     assert capsys.readouterr().out.strip() == ""
     assert main(["methods"]) == 0
-    assert "fp16" in capsys.readouterr().out.split()
+    out = capsys.readouterr().out
+    from kvqbench.quantizers import registry
+
+    assert out == " ".join(registry()) + "\n" and "fp16" in out.split()  # one line, as the help says
+
+
+def test_methods_help_says_what_it_prints(capsys):
+    with pytest.raises(SystemExit):
+        main(["methods", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "on one line, separated by spaces" in text and "one per line" not in text
+    assert "with --k-expr, a pytest -k expression selecting their cells instead" in text
     assert k_expr(["a", "b"]) == "[a- or [b-"
 
 
@@ -226,6 +237,8 @@ def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, mon
     (["--kvq-seeds", "0"], "argument --kvq-seeds: --kvq-seeds expects a count of at least 1"),
     (["--kvq-figures", "maybe"], "argument --kvq-figures: invalid choice: 'maybe'"),
     (["--kvq-progress=-5"], "argument --kvq-progress: --kvq-progress expects seconds >= 0"),
+    (["--kvq-keep=-1"], "argument --kvq-keep: --kvq-keep expects a count >= 0 of kept result sets; got '-1'"),
+    (["--kvq-keep", "all"], "argument --kvq-keep: --kvq-keep expects a count >= 0 of kept result sets; got 'all'"),
 ])
 def test_run_rejects_a_bad_plugin_option_in_one_line_before_pytest(argv, message, capsys, pytest_calls):
     """A bad value of a kvqbench plugin option is caught with the plugin's own definition before pytest runs:

@@ -3,6 +3,7 @@ process where importing torch fails, and writes the figures there too."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -116,3 +117,131 @@ def test_terminal_says_why_a_set_without_end_to_end_ranks_on_relative_mse():
                           "source": "synthetic", "target": "e2e_prefill_kl_nats"}
     text = render_terminal(picked)
     assert "no end-to-end run" not in text and "Spearman rho 0.90" in text
+
+
+def _e2e_records(methods):
+    """exp5 records for ``methods`` on the sample's bit widths and seeds: KL exactly 0 for fp16 and at 16
+    bits (the exact points), the method's sample error / 10 elsewhere."""
+    from test_report_samples import BASE_ERR, BITS, SEEDS, _rec
+
+    out = []
+    for m in methods:
+        for b in BITS:
+            for s in SEEDS:
+                kl = 0.0 if m == "fp16" or b >= 16 else BASE_ERR.get(m, 0.4) / 10 * 4.0 ** (2 - b) * (1 + 0.02 * s)
+                out.append(_rec("exp5", m, b, s, "synthetic", {"e2e_prefill_kl_nats": kl, "e2e_decode_kl_nats": kl}))
+    return out
+
+
+def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
+    """``kvqbench run -k kvarn``: exp5 ran (its KL is in the table), yet predictivity needs Spearman ρ over
+    at least 4 methods with a non-zero KL; the line above the table names that, not a missing end-to-end
+    run. With every sample method (fp16 is exact: 3 damaged) the same reason names the three."""
+    from test_report_samples import board, records
+
+    from kvqbench.report.leaderboard import PREDICTIVITY_MIN_METHODS
+    from kvqbench.report.markdown import render_markdown, render_terminal
+
+    assert PREDICTIVITY_MIN_METHODS == 4
+    kvarn = [r for r in records() if r["method"] == "kvarn"] + _e2e_records(["kvarn"])
+    b = board(kvarn)
+    assert not b["headline"]["from_predictivity"]
+    text = render_terminal(b)
+    lines = text.splitlines()
+    why = next(i for i, ln in enumerate(lines) if ln.startswith("  (relative MSE:"))
+    assert lines[why] == ("  (relative MSE: the end-to-end run in this result set has 1 method with a non-zero KL (kvarn), and ranking "
+                          "tensor metrics against it takes at least 4, so it cannot pick the tensor metric that "
+                          "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
+    assert "e2e KL (nats)" in lines[why + 1]  # the table right below shows the end-to-end KL
+    assert "no end-to-end run" not in text
+    assert ("Ranked on `rel_mse`: the end-to-end run in this result set has 1 method with a non-zero KL (kvarn), and ranking tensor "
+            "metrics against it takes at least 4, so which tensor metric") in render_markdown(b)
+    every = board(records() + _e2e_records(["fp16", "rtn_token", "kivi", "kvarn"]))
+    assert "the end-to-end run in this result set has 3 methods with a non-zero KL (kivi, kvarn, rtn_token)" in render_terminal(every)
+    # without exp5 the reason is the missing end-to-end run
+    assert "(relative MSE: this result set has no end-to-end run, so it cannot pick" in render_terminal(board())
+    # enough damaged methods, but no tensor metric beside them (an end-to-end-only selection)
+    from kvqbench.report.markdown import no_predictivity_reason
+
+    e2e_only = board(_e2e_records(["rtn_token", "kivi", "kvarn", "other"]))
+    assert not e2e_only["headline"]["from_predictivity"]
+    assert no_predictivity_reason(e2e_only) == ("the end-to-end run in this result set has no tensor metric of experiments 1–3 beside "
+                                                "it for the same methods and settings")
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("case", ["truncated", "foreign", "wrong_name", "bad_cell"])
+@pytest.mark.parametrize("rebuild", [False, True], ids=["report", "rebuild"])
+def test_report_checks_every_experiment_file_before_writing(tmp_path, capsys, case, rebuild):
+    """A truncated or foreign ``exp2_*.json`` stops ``kvqbench report DIR`` (and ``--rebuild``) with one line
+    naming the file, exit 2, and leaves every file as it was (the figures read those files)."""
+    from kvqbench.cli import main
+
+    out = write_results(tmp_path / "r")
+    f = out / "exp2_synthetic.json"
+    text = f.read_text()
+    if case == "truncated":
+        f.write_text(text[: len(text) // 2])
+        want = f"{f} is not valid JSON ("
+    elif case == "foreign":
+        f.write_text('{"name": "some other tool", "cells": 3}\n')
+        want = f"{f} is not a kvqbench experiment file (no 'provenance' object)"
+    elif case == "wrong_name":
+        f.rename(out / "exp2_synthetic_copy.json")  # a copy of exp2 under another source's name
+        f = out / "exp2_synthetic_copy.json"
+        want = f"{f} is not a kvqbench experiment file ('source' is 'synthetic', not 'synthetic_copy' as its name says)"
+    else:
+        doc = json.loads(text)
+        del doc["cells"][3]["method"]
+        f.write_text(json.dumps(doc))
+        want = f"{f} is not a kvqbench experiment file (cell 3 has no 'method')"
+    before = _snapshot(out)
+    assert main(["report", str(out), "--no-figures", *(["--rebuild"] if rebuild else [])]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.splitlines()) == 1 and cap.err.startswith(f"kvqbench report: {want}"), cap.err
+    assert _snapshot(out) == before  # nothing rewritten
+
+
+def test_report_refuses_a_foreign_leaderboard_and_rebuilds_a_truncated_one(tmp_path, capsys):
+    from kvqbench.cli import main
+
+    out = write_results(tmp_path / "r")
+    lb = out / "leaderboard.json"
+    lb.write_text('{"sources": []}\n')  # valid JSON, someone else's: not overwritten
+    before = _snapshot(out)
+    assert main(["report", str(out), "--no-figures"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"kvqbench report: {lb} is not a kvqbench leaderboard (no 'provenance'); re-run the benchmark or " \
+                  "point at a folder it wrote\n"
+    assert _snapshot(out) == before
+    lb.write_text('{"provenance": {')  # truncated: rebuilt from the valid per-experiment files, one line says so
+    assert main(["report", str(out), "--no-figures"]) == 0
+    assert capsys.readouterr().err == (f"kvqbench report: {lb} is not valid JSON; rebuilding it from "
+                                       f"{out}/exp*_*.json\n")
+    assert json.loads(lb.read_text())["sources"]["synthetic"]["stats"]
+
+
+def test_report_out_never_mixes_or_deletes_another_set(tmp_path, capsys):
+    """``report DIR --out OTHER`` where OTHER holds another complete set: a re-render (Markdown and figures
+    only) refuses in one line and writes nothing; ``--rebuild`` writes the set there and keeps OTHER's in
+    ``OTHER/previous/`` (like any new complete set)."""
+    from test_report_samples import records
+
+    from kvqbench.cli import main
+    from kvqbench.report.previous import kept_sets
+
+    src = write_results(tmp_path / "a")
+    other = write_results(tmp_path / "b", [r for r in records() if r["method"] != "kvarn"])
+    before = _snapshot(other)
+    assert main(["report", str(src), "--out", str(other), "--no-figures"]) == 2
+    assert capsys.readouterr().err == (f"kvqbench report: {other} holds another result set (its leaderboard.json), "
+                                       "whose LEADERBOARD.md and figures this would replace; give --out an empty "
+                                       f"folder, or render into {src}\n")
+    assert _snapshot(other) == before
+    assert main(["report", str(src), "--out", str(other), "--no-figures", "--rebuild"]) == 0
+    (kept,) = kept_sets(other)
+    assert {n: b for n, (b, _) in _snapshot(kept).items()} == {n: b for n, (b, _) in before.items()}
+    assert f"is kept in {kept}" in capsys.readouterr().err

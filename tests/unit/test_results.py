@@ -220,26 +220,143 @@ def test_a_write_without_figures_keeps_the_figures_already_drawn(tmp_path):
     assert not stale_json.exists()
 
 
-def test_a_narrower_complete_run_keeps_the_broader_set_in_previous(tmp_path):
-    """A complete set of fewer cells (``-k kivi`` after the main job) does not delete the broader complete
-    set it replaces: that one moves to ``previous/`` and the note says so; a run of as many cells (a
-    rerun) replaces the set as before."""
-    from kvqbench.report.results import PREVIOUS_DIR
+def _set_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
-    out = tmp_path / "out"
-    broad = records(experiments=("exp1", "exp3"))
-    narrow = records(experiments=("exp1",))
-    assert len(broad) > len(narrow)
-    _write(out, broad, expected=len(broad))
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    res = _write(out, narrow, expected=len(narrow))
-    assert res.note and f"{len(broad)} cells" in res.note and str(out / PREVIOUS_DIR) in res.note
-    assert {p.name: p.read_bytes() for p in (out / PREVIOUS_DIR).iterdir()} == before  # every file, unchanged
-    assert json.loads((out / "leaderboard.json").read_text())["completeness"]["expected"] == len(narrow)
-    assert not list(out.glob("exp3_*.json"))  # the new set alone in the folder: runs never mix
-    res = _write(out, narrow, expected=len(narrow))  # a rerun of the same cells: replaced, previous/ untouched
-    assert res.note is None
-    assert {p.name: p.read_bytes() for p in (out / PREVIOUS_DIR).iterdir()} == before
+
+def _kept_name(files: dict[str, bytes], start: str) -> str:
+    """The folder name a displaced set gets: its run's UTC start, then the first 8 hex digits of the
+    SHA-256 of its leaderboard.json (computed here from the bytes, independently of the writer)."""
+    import datetime as dt
+    import hashlib
+
+    stamp = dt.datetime.fromisoformat(start).astimezone(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stamp}-{hashlib.sha256(files['leaderboard.json']).hexdigest()[:8]}"
+
+
+def test_no_sequence_of_runs_loses_a_complete_set(tmp_path):
+    """Complete, narrower, narrower again, broader, interrupted, failed and repeated runs into one folder:
+    after each, every complete set written so far is either the folder's own or kept, unchanged, in
+    ``previous/<start>-<digest>/`` (up to the retention, here 3), and the log says where each went and
+    which one the retention removed."""
+    out = tmp_path / "results"
+    prev = out / "previous"
+    every = records(experiments=("exp1", "exp3"))  # 48 cells
+    kivi = [r for r in every if r["method"] in ("fp16", "kivi")]  # 24
+    kivi2 = [r for r in kivi if r["k_bits"] == 2]  # 8
+    runs = [  # (records, expected, reason)
+        (every, len(every), None),  # A: the main job
+        (kivi, len(kivi), None),  # B: -k kivi            -> A kept
+        (kivi2, len(kivi2), None),  # C: -k "kivi and k2"  -> B kept (A still there)
+        (every, len(every), None),  # D: broader again     -> C kept
+        (every[:10], len(every), "interrupted"),  # E: Ctrl-C -> incomplete/, nothing moves
+        (every, len(every), None),  # F: one failed cell (below) -> incomplete/, nothing moves
+        (every, len(every), None),  # G: a rerun           -> D kept, A removed (retention 3)
+        (kivi, len(kivi), None),  # H: narrower          -> G kept, B removed
+    ]
+    runs[5] = ([{**r, "status": "failed"} if i == 0 else r for i, r in enumerate(every)], len(every), None)
+    complete_sets: list[tuple[str, dict[str, bytes]]] = []  # (start, files) of every complete set written
+    for i, (recs, expected, reason) in enumerate(runs):
+        start = f"2026-12-03T10:{i:02d}:00+00:00"
+        before = _set_files(out) if out.is_dir() else {}
+        logged: list[str] = []
+        res = write_result_set(recs, {**PROVENANCE, "start_time": start}, out, expected=expected, reason=reason,
+                               catalog=catalog(), figures=False, log=logged.append, keep=3)
+        if not res.completeness["complete"]:
+            assert res.out_dir == out / INCOMPLETE_DIR and _set_files(out) == before
+            assert logged == [f"kvqbench: {res.completeness['summary']} — the complete results in {out} are kept; "
+                              f"this run's results are in {out / INCOMPLETE_DIR}"]
+            continue
+        moved = []
+        if complete_sets:  # the folder's set is displaced: one line says where it went
+            old_start, old_files = complete_sets[-1]
+            n_old = json.loads(old_files["leaderboard.json"])["completeness"]["expected"]
+            target = prev / _kept_name(old_files, old_start)
+            moved = [f"kvqbench: the complete set of {n_old} cells (run 2026-12-03 10:{int(old_start[14:16]):02d} "
+                     f"UTC) that was in {out} is kept in {target}"]
+        complete_sets.append((start, _set_files(out)))
+        kept = complete_sets[-4:-1]  # before the folder's own: the newest 3
+        removed = complete_sets[-5:-4]  # the one the retention drops now
+        gone = [f"kvqbench: removed {prev / _kept_name(f, st)}, the complete set of "
+                f"{json.loads(f['leaderboard.json'])['completeness']['expected']} cells (run 2026-12-03 "
+                f"10:{int(st[14:16]):02d} UTC): {prev} keeps the newest 3 (--kvq-keep N or KVQBENCH_KEEP=N to "
+                "keep more)" for st, f in removed]
+        assert logged == moved + gone, i
+        assert res.note == "\n".join(moved + gone) or (not moved and res.note is None)
+        # every complete set: the folder's own, or kept unchanged (newest first)
+        listed = sorted((p.name for p in prev.iterdir()), reverse=True) if prev.is_dir() else []
+        assert listed == [_kept_name(f, st) for st, f in reversed(kept)]
+        for st, f in kept:
+            assert _set_files(prev / _kept_name(f, st)) == f
+        assert not (out / INCOMPLETE_DIR).exists()  # superseded by this complete set
+    assert len(complete_sets) == 6  # A B C D G H; E (interrupted) and F (failed) never displaced anything
+
+
+def test_retention_comes_from_keep_then_the_environment_then_five(tmp_path, monkeypatch):
+    from kvqbench.report.previous import DEFAULT_KEEP, keep_count, kept_sets
+
+    assert DEFAULT_KEEP == 5 and keep_count() == 5
+    monkeypatch.setenv("KVQBENCH_KEEP", "1")
+    assert keep_count() == 1 and keep_count(0) == 0
+    out = tmp_path / "r"
+    recs = records(experiments=("exp1",))
+    for minute in range(3):
+        write_result_set(recs, {**PROVENANCE, "start_time": f"2026-12-03T10:0{minute}:00+00:00"}, out,
+                         expected=len(recs), catalog=catalog(), figures=False, log=lambda m: None)
+    assert [p.name[:16] for p in kept_sets(out)] == ["20261203T100100Z"]  # KVQBENCH_KEEP=1: the newest
+    monkeypatch.setenv("KVQBENCH_KEEP", "many")
+    with pytest.raises(ValueError, match="KVQBENCH_KEEP expects a count >= 0 of kept result sets; got 'many'"):
+        keep_count()
+    logged: list[str] = []
+    write_result_set(recs, {**PROVENANCE, "start_time": "2026-12-03T10:03:00+00:00"}, out, expected=len(recs),
+                     catalog=catalog(), figures=False, log=logged.append)
+    assert logged[0] == ("kvqbench: KVQBENCH_KEEP expects a count >= 0 of kept result sets; got 'many'; "
+                         "keeping the newest 5")
+    assert len(kept_sets(out)) == 2  # nothing removed: 5 applied
+    logged.clear()
+    write_result_set(recs, {**PROVENANCE, "start_time": "2026-12-03T10:04:00+00:00"}, out, expected=len(recs),
+                     catalog=catalog(), figures=False, log=logged.append, keep=0)  # 0 keeps none
+    assert kept_sets(out) == [] and len(logged) == 1 + 3  # moved, then it and the 2 kept before removed
+    assert f"is kept in {out / 'previous' / '20261203T100300Z-'}" in logged[0]
+    assert all(ln.startswith(f"kvqbench: removed {out / 'previous'}/") for ln in logged[1:])
+
+
+def test_a_set_kept_flat_in_previous_moves_into_a_folder_of_its_own(tmp_path):
+    """``previous/`` holding one set's files directly (one displaced set, kept flat): the next displacement
+    moves those into a ``<start>-<digest>`` folder first (one line), then the folder's set next to it."""
+    out = tmp_path / "r"
+    recs = records(experiments=("exp1",))
+    flat = write_result_set(recs, {**PROVENANCE, "start_time": "2026-12-03T09:00:00+00:00"}, out / "previous",
+                            expected=len(recs), catalog=catalog(), figures=False, log=lambda m: None)
+    flat_files = _set_files(flat.out_dir)
+    _write(out, recs, expected=len(recs))
+    own = _set_files(out)
+    logged: list[str] = []
+    write_result_set(recs[:8], dict(PROVENANCE), out, expected=8, catalog=catalog(), figures=False,
+                     log=logged.append)
+    a, b = _kept_name(flat_files, "2026-12-03T09:00:00+00:00"), _kept_name(own, PROVENANCE["start_time"])
+    assert logged == [
+        f"kvqbench: the complete set of 24 cells (run 2026-12-03 09:00 UTC) kept in {out / 'previous'} moved to "
+        f"{out / 'previous' / a}",
+        f"kvqbench: the complete set of 24 cells (run 2026-01-01 00:00 UTC) that was in {out} is kept in "
+        f"{out / 'previous' / b}"]
+    assert _set_files(out / "previous" / a) == flat_files and _set_files(out / "previous" / b) == own
+    assert not _set_files(out / "previous")  # nothing left flat
+
+
+def test_only_kept_set_folders_count_and_go(tmp_path):
+    """The retention counts and removes only folders named like a kept set; anything else the user put in
+    ``previous/`` stays."""
+    out = tmp_path / "r"
+    recs = records(experiments=("exp1",))
+    (out / "previous" / "my-notes").mkdir(parents=True)
+    (out / "previous" / "README.txt").write_text("mine")
+    for minute in range(3):
+        write_result_set(recs, {**PROVENANCE, "start_time": f"2026-12-03T10:0{minute}:00+00:00"}, out,
+                         expected=len(recs), catalog=catalog(), figures=False, log=lambda m: None, keep=1)
+    names = sorted(p.name for p in (out / "previous").iterdir())
+    assert len(names) == 3 and names[0].startswith("20261203T100100Z-") and names[1:] == ["README.txt", "my-notes"]
+    assert (out / "previous" / "README.txt").read_text() == "mine"
 
 
 def test_a_shards_summary_says_it_ran_its_share():
