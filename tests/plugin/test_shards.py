@@ -14,8 +14,8 @@ import copy
 import json
 import os
 import re
-import shlex
 import secrets
+import shlex
 import shutil
 import signal
 import socket
