@@ -277,8 +277,8 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
         rootdir: the checkout (tasks run there; shipped to a remote cluster).
 
     Returns an exit code: 2 when Ray is missing, the cluster cannot be joined (one line saying what to do,
-    see :func:`join_problem`) or has no GPU for ``cuda``, else the worst of
-    the shards' pytest exit codes and the merge's (0 complete, 1 incomplete).
+    see :func:`join_problem`) or has no GPU for ``cuda``; 130 when interrupted (Ctrl-C) while the shards
+    run; else the worst of the shards' pytest exit codes and the merge's (0 complete, 1 incomplete).
     """
     log = log or (lambda m: print(m, flush=True))
     # read when Ray is imported / prints: every shard's lines (not "[repeated 2x …]"), and no colour codes
@@ -307,11 +307,13 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
     try:
         with _joining() if address else contextlib.nullcontext():
             ray.init(**init)
-    except (ConnectionError, RuntimeError, ValueError) as e:  # what ray.init raises for a join it refuses
+    except Exception as e:  # a join Ray refuses (ConnectionError, RuntimeError, its AuthenticationError …)
         if not address:
             raise
         log(_refusal(address, e))
         return 2
+    rcs: list[int] = []
+    folders: list[Path] = []
     try:
         res = ray.cluster_resources()
         kind = "GPU" if cuda else "CPU"
@@ -326,8 +328,6 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
         task = ray.remote(num_cpus=0 if cuda else 1, num_gpus=1 if cuda else 0, max_retries=0)(shard_task)
         cwd = None if address else str(rootdir)
         pending = {task.remote(i, n, pytest_args, cwd): i for i in range(1, n + 1)}
-        rcs: list[int] = []
-        folders: list[Path] = []
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)  # back in Python: Ctrl-C works
             if not ready:
@@ -350,6 +350,10 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
             rcs.append(0 if int(r["rc"]) == 5 else int(r["rc"]))  # 5: an empty shard ran no test
             log(f"kvqbench ray: shard {i}/{n} finished on {r['node']} in {r['seconds']}s (pytest exit {r['rc']}); "
                 f"{n - len(rcs)} to go, elapsed {time.time() - t0:.0f}s")
+    except KeyboardInterrupt:  # Ctrl-C while the shards run: one line, no traceback
+        log(f"kvqbench ray: interrupted; {len(folders)} finished shard folder(s) in {out_dir / 'shards'}, "
+            "nothing merged")
+        return 130
     finally:
         ray.shutdown()
     if not folders:
