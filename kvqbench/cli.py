@@ -291,9 +291,9 @@ def _run_ray(args: argparse.Namespace, cmd: list[str], extra: list[str]) -> int:
     out_dir = Path(out) if out else Path("results/smoke" if args.smoke else "results")
     _, fig = strip_option(rest, "--kvq-figures")  # the merge draws like one session would (auto: not for smoke)
     figures = fig == "on" or (fig != "off" and not args.smoke)
-    print(f"kvqbench run --ray: pytest {' '.join([*cmd, *rest])} in shards -> {out_dir}", flush=True)
     return run_on_ray([*cmd, *rest, "-n", "0"], address=args.ray or None, shards=args.shards, cuda=cuda,
-                      out_dir=out_dir.resolve(), rootdir=Path.cwd(), figures=figures)
+                      out_dir=out_dir.resolve(), rootdir=Path.cwd(), figures=figures,
+                      banner=f"kvqbench run --ray: pytest {' '.join([*cmd, *rest])} in shards -> {out_dir}")
 
 
 def _report(args: argparse.Namespace) -> int:

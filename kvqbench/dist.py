@@ -265,7 +265,8 @@ def shard_task(index: int, count: int, pytest_args: list[str], cwd: str | None) 
 
 
 def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | None, cuda: bool, out_dir: Path,
-               rootdir: Path, figures: bool = True, log: Callable[[str], None] | None = None) -> int:
+               rootdir: Path, figures: bool = True, log: Callable[[str], None] | None = None,
+               banner: str | None = None) -> int:
     """Run ``pytest_args`` as ``shards`` Ray tasks and merge them into ``out_dir``.
 
     Args:
@@ -275,6 +276,7 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
         cuda: one GPU per task (else one CPU).
         out_dir: where the merged result set goes; shard folders go to ``out_dir/shards/``.
         rootdir: the checkout (tasks run there; shipped to a remote cluster).
+        banner: a line logged once Ray has started or joined the cluster (what runs, where results go).
 
     Returns an exit code: 2 when Ray is missing, the cluster cannot be joined (one line saying what to do,
     see :func:`join_problem`) or has no GPU for ``cuda``; 130 when interrupted (Ctrl-C) while the shards
@@ -312,6 +314,8 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
             raise
         log(_refusal(address, e))
         return 2
+    if banner:
+        log(banner)
     rcs: list[int] = []
     folders: list[Path] = []
     try:

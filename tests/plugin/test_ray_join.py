@@ -19,10 +19,6 @@ import pytest
 from kvqbench import dist
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the line ``kvqbench run`` prints before it hands over to the Ray driver
-HEADER = "kvqbench run --ray: pytest"
-
-
 def _closed_port() -> int:
     """A port nothing listens on (bound, then released)."""
     with socket.socket() as s:
@@ -31,14 +27,14 @@ def _closed_port() -> int:
 
 
 def _run_ray(address: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, float, list[str]]:
-    """``kvqbench run --ray ADDRESS --smoke --no-real``: the process, its seconds and its lines after the header."""
+    """``kvqbench run --ray ADDRESS --smoke --no-real``: the process, its seconds and its output's lines."""
     full = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     full.update(env)
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--ray", address, "--smoke", "--no-real",
                         "--kvq-out", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env=full)
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if not ln.startswith(HEADER)]
+    lines = (r.stdout + r.stderr).splitlines()
     return r, time.time() - t0, lines
 
 

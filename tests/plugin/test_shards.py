@@ -338,6 +338,7 @@ def test_ray_run_through_a_started_clusters_address_merges_to_the_single_session
                            timeout=180, env=ray_cluster["env"])
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         assert f"joined {address} (1 CPU)" in r.stdout and "shard 1/1 finished" in r.stdout
+        assert r.stdout.startswith("kvqbench run --ray: pytest tests/bench -m smoke")  # what runs, once joined
         assert (out / "shards" / "shard-1-of-1" / "shard.json").is_file()
         _assert_same_run(out, runs / "single")
     # the same cluster without the token: Ray refuses the join; one line says what to set (one retry)
@@ -346,7 +347,7 @@ def test_ray_run_through_a_started_clusters_address_merges_to_the_single_session
     r = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--ray", ray_cluster["address"], "--smoke",
                         "--no-real", "--kvq-out", str(tmp_path / "refused")], cwd=ROOT, capture_output=True, text=True,
                        timeout=120, env={**env, "RAY_gcs_server_port_wait_time_s": "1"})
-    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if not ln.startswith("kvqbench run --ray: pytest")]
+    lines = (r.stdout + r.stderr).splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
     assert "token authentication: set RAY_AUTH_MODE=token" in lines[0] and time.time() - t0 < 60
     assert not (tmp_path / "refused").exists()
