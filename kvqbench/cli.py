@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "results/shards/shard-I-of-N (results/smoke/shards/… for smoke cells; or --kvq-out); join the N folders with kvqbench merge")
     r.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run the shards as Ray tasks and merge them (needs the dist extra): no ADDRESS = a local "
-                        "Ray instance on this machine; 'auto', HOST:6379 or ray://HOST:10001 joins a cluster. "
+                        "Ray instance on this machine; 'auto', HOST:6379 or ray://HOST:10001 joins a cluster (by address, "
+                        "a cluster with Ray's token authentication needs RAY_AUTH_MODE=token; docs/CLUSTER.md). "
                         "One GPU per shard with --device cuda, one CPU otherwise")
     r.add_argument("--shards", type=int, metavar="N", default=None,
                    help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
@@ -310,9 +311,9 @@ def _run_ray(args: argparse.Namespace, cmd: list[str], extra: list[str]) -> int:
     out_dir = Path(out) if out else Path("results/smoke" if args.smoke else "results")
     _, fig = strip_option(rest, "--kvq-figures")  # the merge draws like one session would (auto: not for smoke)
     figures = fig == "on" or (fig != "off" and not args.smoke)
-    print(f"kvqbench run --ray: pytest {' '.join([*cmd, *rest])} in shards -> {out_dir}", flush=True)
     return run_on_ray([*cmd, *rest, "-n", "0"], address=args.ray or None, shards=args.shards, cuda=cuda,
-                      out_dir=out_dir.resolve(), rootdir=Path.cwd(), figures=figures)
+                      out_dir=out_dir.resolve(), rootdir=Path.cwd(), figures=figures,
+                      banner=f"kvqbench run --ray: pytest {' '.join([*cmd, *rest])} in shards -> {out_dir}")
 
 
 def _report(args: argparse.Namespace) -> int:

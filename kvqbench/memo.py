@@ -19,6 +19,11 @@ of a cell can start while the seed-0 copy is still running on the other worker).
 its result instead of computing it a second time — never longer than a second computation would take,
 since the claimant started first. A claim whose process is gone, or that is released without a result
 (the computation raised), is not waited for: the waiter computes the value itself.
+
+Results are unpickled, so nothing is read from where another user could write: the shared folder must be
+the user's own and writable by no one else (the controller makes it with ``tempfile.mkdtemp``: mode 0700,
+an unpredictable name), and so must every result file in it (:mod:`kvqbench.privdir`). A folder or file
+that is not is refused with one ``RuntimeWarning`` line and its results are computed here instead.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ import os
 import pickle
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
+
+from kvqbench import privdir
 
 __all__ = ["ResultMemo"]
 
@@ -50,15 +58,25 @@ class ResultMemo:
     """Results by key, in this process and (optionally) in a folder shared with other processes.
 
     Args:
-        folder: a folder shared by the processes of one session, or ``None`` (this process only).
+        folder: a folder shared by the processes of one session, or ``None`` (this process only). A folder
+            another user could write (not the user's own, or group/world-writable) is refused with one
+            ``RuntimeWarning`` line: the store then keeps to this process.
     """
 
     def __init__(self, folder: str | os.PathLike | None = None) -> None:
         self.folder = Path(folder) if folder else None
+        if self.folder is not None:
+            try:
+                privdir.private_dir(self.folder)
+            except OSError as e:  # UnsafePathError: another user could write it
+                warnings.warn(f"kvqbench: result memo not shared ({e}); this process computes its own results",
+                              RuntimeWarning, stacklevel=2)
+                self.folder = None
         self._local: dict[str, Any] = {}
         self.hits = 0
         self.misses = 0
         self.waited = 0  # hits that waited for another process's computation
+        self._refused = False  # a result file was refused (said once)
 
     @staticmethod
     def digest(key: Any) -> str:
@@ -67,15 +85,23 @@ class ResultMemo:
 
     def get(self, key: Any) -> tuple[bool, Any]:
         """``(True, a private copy of the value)`` when ``key`` was stored here or by another process
-        sharing the folder, else ``(False, None)``. A file that cannot be read counts as absent."""
+        sharing the folder, else ``(False, None)``. A file that cannot be read counts as absent, and so does
+        one another user could write (refused with one ``RuntimeWarning`` line, the first time)."""
         d = self.digest(key)
         if d in self._local:
             return True, copy.deepcopy(self._local[d])
         if self.folder is not None:
             path = self.folder / f"{d}.pkl"
             try:
+                privdir.check_private_file(path)
                 with open(path, "rb") as f:
                     value = pickle.load(f)
+            except privdir.UnsafePathError as e:
+                if not self._refused:
+                    self._refused = True
+                    warnings.warn(f"kvqbench: result memo file refused ({e}); its result is computed here",
+                                  RuntimeWarning, stacklevel=2)
+                return False, None
             except (OSError, EOFError, pickle.UnpicklingError):
                 return False, None
             self._local[d] = value

@@ -157,8 +157,9 @@ def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestcon
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    """xdist controller: give every worker the session's shared result folder (see :mod:`kvqbench.memo`);
-    it is removed when the session ends."""
+    """xdist controller: give every worker the session's shared result folder (see :mod:`kvqbench.memo`),
+    made private (``tempfile.mkdtemp``: mode 0700, an unpredictable name; the workers check it before they
+    load from it); it is removed when the session ends."""
     import tempfile
 
     config = node.config

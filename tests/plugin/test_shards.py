@@ -1,6 +1,7 @@
 """Sharded runs: ``--kvq-shard I/N`` partitions the cell matrix the same way on every machine, and
-``kvqbench merge`` of the shards gives what one session gives — through the command line and through a
-real local Ray cluster (``kvqbench run --ray``) that the test starts itself.
+``kvqbench merge`` of the shards gives what one session gives — through the command line, through a
+local Ray instance (``kvqbench run --ray``) and through a real Ray cluster the test starts as a user would
+(``ray start --head``) and joins by its address (``--ray HOST:PORT`` and ``--ray ray://HOST:PORT``).
 
 The single-session run and the three shards are made once per test session (under pytest-xdist too: the
 first worker makes them under a file lock in the session's shared temporary folder, as pytest-xdist
@@ -13,10 +14,15 @@ import copy
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -279,6 +285,72 @@ def test_ray_run_on_a_local_cluster_merges_to_the_single_session(runs, tmp_path)
         assert re.search(rf"shard {i}/2: \d+ passed, \d+ deselected in [0-9.]+s", r.stdout), r.stdout
         log = (out / "shards" / f"shard-{i}-of-2" / "pytest.log").read_text()
         assert "kvqbench: wrote" in log and "passed" in log and len(log.splitlines()) > 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_cluster():
+    """A one-CPU Ray cluster started as a user starts one (``ray start --head --block`` in its own
+    session, Ray's token authentication on, with a token of its own rather than ~/.ray's), and the
+    environment a driver needs to join it; ended by SIGTERM to that process (it stops what it started;
+    not ``ray stop``, which would end every Ray instance of this user on the machine)."""
+    pytest.importorskip("ray", reason="needs Ray (pip install -e '.[dist]')")
+    ray_bin = Path(sys.executable).parent / "ray"
+    if not ray_bin.exists():
+        pytest.skip(f"no `ray` command beside {sys.executable}")
+    tmp = Path(tempfile.mkdtemp(prefix="kvq-ray-"))  # short: Ray's socket paths live under it
+    port, client_port = _free_port(), _free_port()
+    env = {**{k: v for k, v in os.environ.items() if k not in XDIST_VARS and k != "RAY_ADDRESS"},
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    log = open(tmp / "ray-start.log", "w+")
+    proc = subprocess.Popen([str(ray_bin), "start", "--head", "--port", str(port), "--ray-client-server-port",
+                             str(client_port), "--num-cpus", "1", "--temp-dir", str(tmp / "ray"),
+                             "--include-dashboard=false", "--disable-usage-stats", "--block"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 90
+        while "Ray runtime started" not in (tmp / "ray-start.log").read_text():
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail("ray start --head did not start:\n" + (tmp / "ray-start.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield {"address": f"127.0.0.1:{port}", "client": f"ray://127.0.0.1:{client_port}", "env": env}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the session ray start made for itself above
+            proc.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_ray_run_through_a_started_clusters_address_merges_to_the_single_session(runs, ray_cluster, tmp_path):
+    for form in ("address", "client"):
+        address, out = ray_cluster[form], tmp_path / form
+        r = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--ray", address, "--smoke", "--no-real",
+                            *SELECT[3:], "--kvq-out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=180, env=ray_cluster["env"])
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        assert f"joined {address} (1 CPU)" in r.stdout and "shard 1/1 finished" in r.stdout
+        assert r.stdout.startswith("kvqbench run --ray: pytest tests/bench -m smoke")  # what runs, once joined
+        assert (out / "shards" / "shard-1-of-1" / "shard.json").is_file()
+        _assert_same_run(out, runs / "single")
+    # the same cluster without the token: Ray refuses the join; one line says what to set (one retry)
+    env = {k: v for k, v in ray_cluster["env"].items() if not k.startswith("RAY_AUTH")}
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--ray", ray_cluster["address"], "--smoke",
+                        "--no-real", "--kvq-out", str(tmp_path / "refused")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**env, "RAY_gcs_server_port_wait_time_s": "1"})
+    lines = (r.stdout + r.stderr).splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    assert "token authentication: set RAY_AUTH_MODE=token" in lines[0] and time.time() - t0 < 60
+    assert not (tmp_path / "refused").exists()
 
 
 SBATCH_STANDIN = r'''#!/usr/bin/env bash

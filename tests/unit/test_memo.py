@@ -2,7 +2,9 @@
 
 import multiprocessing as mp
 import os
+import pickle
 import time
+from pathlib import Path
 
 import pytest
 
@@ -243,3 +245,73 @@ def test_seed_rows_started_while_another_worker_computes_the_group_waits_for_it(
     got = seed_rows(_cell("kvquant", 1), create("kvquant", 2, 2, seed=1), s, ResultMemo(tmp_path), rows)
     first.join()
     assert calls == [[0, 1, 2]] and got.metrics == {"seed": 1.0, "method_seed": 1.0}
+
+
+class _Trap:
+    """A pickle that, when loaded, creates ``marker``: proof that a file was unpickled."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _plant(folder, key, marker):
+    """A result file for ``key`` in ``folder`` that creates ``marker`` when loaded (as another user could plant)."""
+    path = Path(folder) / f"{ResultMemo.digest(key)}.pkl"
+    path.write_bytes(pickle.dumps(_Trap(marker)))
+    return path
+
+
+def test_a_planted_result_in_the_users_own_folder_is_loaded(tmp_path):
+    # the control for the refusals below: a file planted in a private folder IS unpickled
+    (tmp_path / "memo").mkdir(mode=0o700)
+    _plant(tmp_path / "memo", ("k",), tmp_path / "loaded")
+    path = tmp_path / "memo" / f"{ResultMemo.digest(('k',))}.pkl"
+    path.chmod(0o600)
+    assert ResultMemo(tmp_path / "memo").get(("k",))[0] and (tmp_path / "loaded").exists()
+
+
+def test_a_world_writable_folder_is_refused_and_recomputed(tmp_path):
+    folder = tmp_path / "memo"
+    folder.mkdir()
+    folder.chmod(0o777)
+    _plant(folder, ("k",), tmp_path / "loaded")
+    with pytest.warns(RuntimeWarning, match=r"result memo not shared \(folder .* is writable by group or others"):
+        memo = ResultMemo(folder)
+    assert memo.folder is None
+    assert memo.compute(("k",), lambda: "computed") == "computed" and memo.misses == 1
+    assert not (tmp_path / "loaded").exists()
+
+
+def test_a_folder_of_another_user_is_refused(tmp_path):
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    folder = tmp_path / "memo"
+    folder.mkdir(mode=0o700)
+    _plant(folder, ("k",), tmp_path / "loaded")
+    os.chown(folder, 65534, 65534)
+    with pytest.warns(RuntimeWarning, match="belongs to another user"):
+        memo = ResultMemo(folder)
+    assert memo.compute(("k",), lambda: "computed") == "computed" and not (tmp_path / "loaded").exists()
+
+
+@pytest.mark.parametrize("owner_or_mode", ["mode", "owner"])
+def test_a_writable_or_foreign_result_file_is_refused_once_and_recomputed(tmp_path, owner_or_mode):
+    folder = tmp_path / "memo"
+    folder.mkdir(mode=0o700)
+    planted = [_plant(folder, (k,), tmp_path / f"loaded-{k}") for k in ("a", "b")]
+    for p in planted:
+        if owner_or_mode == "mode":
+            p.chmod(0o666)
+        elif hasattr(os, "geteuid") and os.geteuid() == 0:
+            p.chmod(0o600)
+            os.chown(p, 65534, 65534)
+        else:
+            pytest.skip("giving a file to another user needs root")
+    memo = ResultMemo(folder)
+    with pytest.warns(RuntimeWarning, match="result memo file refused") as record:
+        assert memo.compute(("a",), lambda: "A") == "A" and memo.compute(("b",), lambda: "B") == "B"
+    assert len([w for w in record if "result memo" in str(w.message)]) == 1  # said once
+    assert memo.misses == 2 and not list(tmp_path.glob("loaded-*"))
