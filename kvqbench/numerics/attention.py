@@ -1,4 +1,4 @@
-"""Attention-level error numerics (SPEC §4.2): pure tensor functions, no knowledge of methods.
+"""Attention-level error numerics (docs/DESIGN.md §4): pure tensor functions, no knowledge of methods.
 
 Everything is computed in fp64. Shapes follow the benchmark layout: keys/values
 ``(batch, kv_heads, seq_len, head_dim)``, queries ``(batch, q_heads, n_queries, head_dim)`` with
@@ -276,7 +276,7 @@ def _check_hat(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor
 def attention_error(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor, v_hat: torch.Tensor
 ) -> AttentionError:
-    """Compare ``O = softmax(q·Kᵀ/√D)·V`` with ``Ô = softmax(q·K̂ᵀ/√D)·V̂`` (SPEC §4.2), in fp64, pooled over
+    """Compare ``O = softmax(q·Kᵀ/√D)·V`` with ``Ô = softmax(q·K̂ᵀ/√D)·V̂`` (docs/DESIGN.md §4), in fp64, pooled over
     the whole batch.
 
     Args:
@@ -329,7 +329,7 @@ def _reduce(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor, *
 
 def incoherence(x: torch.Tensor) -> torch.Tensor:
     """Per-channel incoherence ``max_c m_c / RMS_c(m)`` where ``m_c`` is the RMS of channel ``c`` over
-    the tokens (SPEC §4.3).
+    the tokens (docs/DESIGN.md §4).
 
     For a single token (``seq_len == 1``) this is ``max|x| / RMS(x)`` of the vector: ``√D`` for a one-hot
     outlier, 1 for a vector of equal magnitudes (e.g. the Hadamard rotation of a one-hot vector).

@@ -223,7 +223,7 @@ def test_scale_is_floored_range_over_levels(bits: int) -> None:
 @pytest.mark.parametrize("exp", [-100, -40, -20, 0, 20, 60])
 def test_range_floor_is_relative(kind: str, exp: int) -> None:
     """At any power-of-two scale 2^exp the round trip is exactly 2^exp times the round trip at scale 1
-    (the floor scales with the data below magnitude 1): tiny data no longer collapse to group minima."""
+    (the floor scales with the data below magnitude 1): tiny data do not collapse to group minima."""
     x = torch.randn(1, 2, 160, 32, generator=torch.Generator().manual_seed(5))
     x = x / x.abs().amax() * 1.5  # magnitude in [1, 2): the reference's EPS applies at scale 1
     s = 2.0**exp

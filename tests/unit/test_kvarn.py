@@ -178,7 +178,7 @@ def test_bad_params_raise(kwargs: dict) -> None:
 def test_scale_window_outside_normal_scales(kind: str) -> None:
     """Issue 9: tiles far outside unit scale are moved into KVarN's window by an exact power of two, so
     inputs 2^-40 and 2^-70 (both below the window) give round trips exactly 2^30 apart, and nothing
-    collapses (the 1e-10 scale floor used to decode every row to its minimum). Inside the window
+    collapses (without the window, the 1e-10 scale floor would decode every row to its minimum). Inside the window
     (this randn tensor at scale 1) the stored vectors carry no factor."""
     x = _x((1, 2, 160, 64), seed=21)
     q = KVarN(2)

@@ -222,7 +222,7 @@ def test_bad_params_raise(kwargs: dict) -> None:
 def test_zero_head_does_not_move_the_codebook(kind: str, bits: int) -> None:
     """Issue 9: a zero (or constant) head decodes exactly whatever the codebook, so it has no say in it:
     the codebook with an extra zero head equals the codebook of the other heads alone, and its levels
-    are distinct (a zero head used to pull levels onto 0)."""
+    are distinct (a zero head does not pull levels onto 0)."""
     g = torch.Generator().manual_seed(9)
     live = torch.randn(1, 2, 64, 32, generator=g)
     with_zero = torch.cat([torch.zeros(1, 1, 64, 32), live, torch.full((1, 1, 64, 32), 2.5)], dim=1)

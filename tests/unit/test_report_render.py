@@ -101,7 +101,7 @@ def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
 
 
 def test_terminal_says_why_a_set_without_end_to_end_ranks_on_relative_mse():
-    """SPEC §4.5: the headline metric is the one predictivity picks, which needs the end-to-end run; a set
+    """docs/DESIGN.md §4: the headline metric is the one predictivity picks, which needs the end-to-end run; a set
     without it (a smoke run) ranks on relative MSE, and the terminal table says why; one with it does not."""
     import copy
 

@@ -237,8 +237,8 @@ def test_bad_options_raise() -> None:
 @pytest.mark.parametrize("exp", [-110, -60, 60, 100])
 def test_norms_neither_overflow_nor_underflow(variant: str, exp: int) -> None:
     """Issue 9: ‖x‖ is computed from x/2^⌊log2 max|x|⌋, so at any power-of-two scale of fp32 data the round
-    trip is exactly that multiple of the round trip at scale 1 (it used to be NaN from an overflowing sum
-    of squares above ~1e19, and all zeros from an underflowing one below ~1e-19)."""
+    trip is exactly that multiple of the round trip at scale 1 (a plain sum of squares would overflow to NaN
+    above ~1e19 and underflow to zeros below ~1e-19)."""
     x = torch.randn(1, 2, 16, 64, generator=torch.Generator().manual_seed(4))
     q = TurboQuant(3, variant=variant)
     y1 = q.roundtrip(x, "k")
