@@ -105,7 +105,7 @@ def _gemma_missing() -> str | None:
 
 
 @pytest.mark.real
-def test_gemma3_270m_smoke_fp16_control_is_exact() -> None:
+def test_gemma3_270m_smoke_fp16_control_is_exact(pytestconfig) -> None:
     """Gemma 3 270M (262k vocabulary, 1 KV head of 256, sliding-window layers) at the smoke window:
     the fp16 control has KL exactly 0 and agreement exactly 1 in both regimes, and a 2-bit method
     damages it within the metric ranges."""
@@ -115,7 +115,9 @@ def test_gemma3_270m_smoke_fp16_control_is_exact() -> None:
     from kvqbench.quantizers import create
 
     cfg = E.CONFIG_BY_SIZE["smoke"]
-    src = E.load_source(model="gemma3-270m", window=cfg.window)
+    # the benchmark cells' capture cache: the converted model and the calibration capture are shared
+    src = E.load_source(model="gemma3-270m", window=cfg.window,
+                        cache_dir=str(pytestconfig.cache.mkdir("kvqbench_capture")))
     assert tuple(src.calibration.k.shape) == (18, 1, cfg.window, 256)
     ctl = E.run_endtoend(create("fp16", 2, 2), src, 0, cfg)
     for regime in E.REGIMES:
