@@ -520,7 +520,7 @@ def _block_metrics(ref: ReferenceSide, blocks: Any, targets: torch.Tensor) -> di
 
 _REFERENCES: dict[tuple, ReferenceSide] = {}
 #: the most bytes of reference logits kept per process (at least one reference is always kept)
-_MAX_REFERENCE_BYTES = 512 * 2**20
+_MAX_REFERENCE_BYTES = 2**30
 
 
 def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig) -> list[ReferenceSide]:
