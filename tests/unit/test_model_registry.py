@@ -58,6 +58,16 @@ def test_parts_are_assembled_checked_and_remembered(tmp_path, monkeypatch) -> No
     assert registry.model_file("fake", cache_dir=cache) == path
 
 
+def test_a_damaged_assembled_copy_is_assembled_again(tmp_path, monkeypatch) -> None:
+    _fake_model(tmp_path, monkeypatch, CHUNKS)
+    cache = tmp_path / "cache"
+    path = registry.model_file("fake", cache_dir=cache)
+    st = path.stat()
+    path.write_bytes(b"?" * st.st_size)  # same size, other bytes, a new mtime
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert registry.model_file("fake", cache_dir=cache).read_bytes() == b"".join(CHUNKS)
+
+
 def test_resolve_names_a_registered_model_by_its_hash(tmp_path, monkeypatch) -> None:
     model = _fake_model(tmp_path, monkeypatch, CHUNKS)
     monkeypatch.setattr(registry, "_default_dir", lambda: tmp_path / "cache")

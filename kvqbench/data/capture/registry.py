@@ -154,7 +154,8 @@ def model_file(name: str, *, cache_dir: str | os.PathLike[str] | None = None) ->
     """The verified GGUF file of the registered model ``name``.
 
     A one-part model's file is used where its package installed it; a model in several parts is
-    assembled into ``cache_dir`` (default: ``user_cache_dir("models")``) the first time. The file's size
+    assembled into ``cache_dir`` (default: ``user_cache_dir("models")``) the first time (and again when
+    that copy no longer matches). The file's size
     and SHA-256 must match the pinned values; a match is remembered (path, size, mtime) in
     ``cache_dir``, so an unchanged file is not hashed again.
 
@@ -167,6 +168,7 @@ def model_file(name: str, *, cache_dir: str | os.PathLike[str] | None = None) ->
     model = MODELS[name]
     parts = [_part_path(model, p) for p in model.parts]
     folder = Path(cache_dir) if cache_dir is not None else None
+    fresh = False
     if len(parts) == 1:
         path = parts[0]
     else:
@@ -174,9 +176,13 @@ def model_file(name: str, *, cache_dir: str | os.PathLike[str] | None = None) ->
         path = folder / model.file_name
         if not (path.is_file() and path.stat().st_size == model.size):
             _assemble(parts, path)
+            fresh = True
     if _verified(folder, path):
         return path
     digest = _sha256(path)
+    if digest != model.sha256 and len(parts) > 1 and not fresh:  # our earlier copy damaged: assemble again
+        _assemble(parts, path)
+        digest = _sha256(path)
     if digest != model.sha256:
         if len(parts) > 1:
             path.unlink(missing_ok=True)  # our assembly of damaged parts: made again next time
