@@ -372,7 +372,7 @@ def _cache_kwarg(fn: Any) -> str:
 #: positions whose logits the LM head computes at a time, in blocks aligned to multiples of it (below
 #: about 16 rows a CPU GEMM may take another kernel path, another summation order: every run computes a
 #: position's logits in the same block shape, so they are bitwise the same for the same hidden states)
-HEAD_BLOCK = 16
+HEAD_BLOCK = 64
 
 
 @torch.no_grad()

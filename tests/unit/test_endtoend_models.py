@@ -83,10 +83,11 @@ def test_pre_rope_keys_are_unrotated_with_each_layers_own_table(tiny_gemma) -> N
     torch.testing.assert_close(got, own, rtol=1e-4, atol=1e-4)
 
 
-def test_logits_come_in_aligned_blocks(tiny_gemma) -> None:
+def test_logits_come_in_aligned_blocks(tiny_gemma, monkeypatch) -> None:
     """head_blocks covers [first, stop) in order with HEAD_BLOCK-aligned blocks whose logits are the
     model's."""
     net, ids, own = tiny_gemma
+    monkeypatch.setattr(E, "HEAD_BLOCK", 16)
     hidden = E.run_hidden_rows(net, [ids], [(0, W)], None)[0]
     blocks = list(E.head_blocks(net, hidden, 5, 21))
     assert [(a, b) for a, b, _ in blocks] == [(5, 16), (16, 21)]
