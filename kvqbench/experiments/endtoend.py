@@ -32,6 +32,18 @@ positions and its p99 over positions, top-1 agreement with the unquantized model
 next-token cross-entropy of the true next token, nats/token, minus the unquantized model's on the same
 positions) and the bits billed (mean over layers of K and V bits per element at the full window).
 
+Logits are never held for a whole window: the model's decoder runs under the regime's schedule and keeps
+its final hidden states, and the LM head (:func:`kvqbench.data.capture.lm_logits`) turns them into
+logits :data:`HEAD_BLOCK` positions at a time, each block scored at once — so a 262k vocabulary (Gemma 3)
+costs a block of ``(HEAD_BLOCK, vocab)`` logits, not ``(W, vocab)``. Blocks are aligned to absolute
+positions, so the quantized and the unquantized run compute every logit with the same matrix shapes and
+the fp16 control stays bitwise exact.
+
+Sliding-window layers (Gemma 3's local attention) need nothing of their own: the cache keeps every token
+(a plain ``DynamicCache``, never the model's sliding one), the model's mask hides the tokens outside the
+window, and the method quantizes what the cache holds. Models with one RoPE table per layer type (Gemma
+3's local and global RoPE) give each layer its own table for the pre-RoPE path.
+
 Text: window ``i`` (``i`` = the cell's seed) is tokens ``[(i+1)·W, (i+2)·W)`` of the corpus token stream;
 data-dependent methods (KVQuant's codebooks) are calibrated, per layer, on tokens ``[0, W)`` — an
 independent part of the same text, with its Fisher weights (a capture with gradients), as experiments
@@ -62,7 +74,8 @@ from kvqbench.quantizers.base import Quantizer, StreamPolicy
 
 __all__ = ["source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
            "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side",
-           "ReferenceSide", "RowsHook", "run_model_rows", "run_endtoend_rows"]
+           "ReferenceSide", "RowsHook", "run_model_rows", "run_endtoend_rows", "run_hidden_rows", "head_blocks",
+           "model_rope", "HEAD_BLOCK"]
 
 EXPERIMENT = "exp5"
 REGIMES: tuple[str, str] = ("prefill", "decode")
@@ -122,8 +135,9 @@ class KVCacheHook:
         methods: one configured (and fitted) quantizer per decoder layer.
         streaming: ``True`` — each method's stream policy (decode); ``False`` — no rules, every arrival
             quantized as a whole (prefill in one call = one round trip per layer and kind).
-        cos, sin: the model's RoPE tables ``(positions, head_dim)`` for every position the cache will
-            see; needed when a method quantizes pre-RoPE keys.
+        cos, sin: the model's RoPE tables for every position the cache will see, ``(positions,
+            head_dim)`` for every layer or ``(layers, positions, head_dim)`` per layer; needed when a
+            method quantizes pre-RoPE keys.
     Raises:
         ValueError: a pre-RoPE method without RoPE tables.
     """
@@ -140,6 +154,13 @@ class KVCacheHook:
 
     def _pre(self, layer: int) -> bool:
         return self.methods[layer].k_pre_rope
+
+    def _rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s RoPE tables ``(positions, head_dim)``."""
+        assert self.cos is not None and self.sin is not None
+        if self.cos.dim() == 3:
+            return self.cos[layer], self.sin[layer]
+        return self.cos, self.sin
 
     @torch.no_grad()
     def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
@@ -170,20 +191,21 @@ class KVCacheHook:
         length = int(k_out.shape[-2])
         start = length - int(k_new.shape[-2])
         k_in = k_new
-        if self._pre(layer):
-            k_in = apply_rope(k_new, self.cos[start:length], -self.sin[start:length])  # RoPE⁻¹
+        rope = self._rope(layer) if self._pre(layer) else None
+        if rope is not None:
+            k_in = apply_rope(k_new, rope[0][start:length], -rope[1][start:length])  # RoPE⁻¹
         self.k[layer].extend(k_in)
         self.v[layer].extend(v_new)
-        self._state(self.k[layer], k_out, self._pre(layer))
-        self._state(self.v[layer], v_out, False)
+        self._state(self.k[layer], k_out, rope)
+        self._state(self.v[layer], v_out, None)
 
-    def _state(self, stream: Stream, out: torch.Tensor, pre: bool) -> None:
+    def _state(self, stream: Stream, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         res = stream.result(0)
         s, q = res.boundary(stream.length)
         if q > s:
             xh = res.x_hat[..., s:q, :]
-            if pre:
-                xh = apply_rope(xh, self.cos[s:q], self.sin[s:q])
+            if rope is not None:
+                xh = apply_rope(xh, rope[0][s:q], rope[1][s:q])
             out[..., s:q, :] = xh.to(out.dtype)
 
     def bits_billed(self) -> float:
@@ -292,13 +314,28 @@ class RealSource:
         return list(self._windows[index])
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's RoPE tables ``(length, head_dim)`` for positions ``0 … length−1``."""
-        from kvqbench.data.capture import _decoder
+        """The model's RoPE tables per layer ``(layers, length, head_dim)`` fp32 for positions
+        ``0 … length−1`` (a model with one table per layer type, e.g. Gemma 3, gives each layer its type's)."""
+        return model_rope(self.net, length, self.device)
 
-        pos = torch.arange(length, device=self.device)[None]
-        dummy = torch.zeros(1, length, 1, device=self.device, dtype=torch.float32)
-        cos, sin = _decoder(self.net).rotary_emb(dummy, pos)
-        return cos[0].float(), sin[0].float()
+
+def model_rope(net: Any, length: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """``net``'s RoPE tables per decoder layer ``(layers, length, head_dim)`` fp32 for positions
+    ``0 … length−1``, from its own rotary-embedding module (called once per layer type where its config
+    has ``layer_types`` and the module takes one)."""
+    from kvqbench.data.capture import _decoder
+
+    rotary = _decoder(net).rotary_emb
+    pos = torch.arange(length, device=device)[None]
+    dummy = torch.zeros(1, length, 1, device=device, dtype=torch.float32)
+    n_layers = int(net.config.num_hidden_layers)
+    types = getattr(net.config, "layer_types", None)
+    if types is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
+        cos, sin = rotary(dummy, pos)
+        return cos[0].float().expand(n_layers, -1, -1), sin[0].float().expand(n_layers, -1, -1)
+    table = {t: rotary(dummy, pos, t) for t in dict.fromkeys(types)}
+    return (torch.stack([table[t][0][0].float() for t in types]),
+            torch.stack([table[t][1][0].float() for t in types]))
 
 
 _SOURCES: dict[tuple, RealSource] = {}
@@ -327,23 +364,64 @@ def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str 
     return _SOURCES[key]
 
 
-def _cache_kwarg(net: Any) -> str:
-    params = inspect.signature(net.forward).parameters
+def _cache_kwarg(fn: Any) -> str:
+    params = inspect.signature(fn).parameters
     return "cache" if "cache" in params else "past_key_values"  # transformers >= 5 renamed it
 
 
-#: the fewest rows for which the LM head is computed when a forward call needs only its last few logits:
-#: below about 16 rows a CPU GEMM may take another kernel path (another summation order), so the kept
-#: rows are computed as part of a block at least this tall and their logits stay bit-identical
-MIN_HEAD_ROWS = 16
+#: positions whose logits the LM head computes at a time, in blocks aligned to multiples of it (below
+#: about 16 rows a CPU GEMM may take another kernel path, another summation order: every run computes a
+#: position's logits in the same block shape, so they are bitwise the same for the same hidden states)
+HEAD_BLOCK = 64
 
 
-def _keep_kwarg(net: Any) -> str | None:
-    params = inspect.signature(net.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):  # transformers >= 4.50 / 4.46–4.49
-        if name in params:
-            return name
-    return None
+@torch.no_grad()
+def run_hidden_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
+                    hook: KVCacheHook | RowsHook | None) -> torch.Tensor:
+    """Run ``net``'s decoder over several token sequences of one length, one batch row each, in forward
+    calls of the spans ``chunks``, with a cache that applies ``hook`` (give each row its own hook with
+    :class:`RowsHook`).
+
+    On a CPU every row's values are bitwise those of a one-row run of the same sequence and hook (the
+    model computes each row's values by the same kernels; checked by ``tests/unit/test_endtoend.py``):
+    batching saves time, mostly in the short forward calls of the decode regime, whose matrix products
+    are too small to use the CPU well one row at a time.
+
+    Returns:
+        The final hidden states (after the model's last norm) ``(len(rows), len(row), hidden_size)`` in
+        the model's dtype; :func:`head_blocks` turns them into logits.
+    Raises:
+        ValueError: no rows, or rows of different lengths.
+    """
+    from kvqbench.data.capture import _decoder
+
+    if not rows or len({len(r) for r in rows}) != 1:
+        raise ValueError(f"rows must be one or more token sequences of one length, got lengths "
+                         f"{[len(r) for r in rows]}")
+    decoder = _decoder(net)
+    dev = next(net.parameters()).device
+    x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
+    n = int(x.shape[0])
+    cache = quantized_cache(hook)
+    kw = _cache_kwarg(decoder.forward)
+    out = []
+    for a, b in chunks:
+        pos = torch.arange(a, b, device=dev)[None].expand(n, -1)
+        out.append(decoder(input_ids=x[:, a:b], position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state)
+    return torch.cat(out, 1)
+
+
+def head_blocks(net: Any, hidden: torch.Tensor, first: int, stop: int):
+    """The logits of positions ``[first, stop)`` of one row's final hidden states ``hidden``
+    ``(positions, hidden_size)``, as ``(a, b, logits)`` blocks ``(b − a, vocab)`` fp32 in order; the LM
+    head runs on the :data:`HEAD_BLOCK`-aligned blocks that hold them."""
+    from kvqbench.data.capture import lm_logits
+
+    length = int(hidden.shape[0])
+    for s in range(first - first % HEAD_BLOCK, stop, HEAD_BLOCK):
+        e = min(s + HEAD_BLOCK, length)
+        a, b = max(s, first), min(e, stop)
+        yield a, b, lm_logits(net, hidden[s:e]).float()[a - s:b - s]
 
 
 @torch.no_grad()
@@ -352,10 +430,8 @@ def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], h
     """Run ``net`` over ``ids`` in forward calls of the spans ``chunks`` with a cache that applies ``hook``.
 
     Args:
-        first: logits are needed from position ``first`` on only: a forward call that ends before, or
-            starts well before it computes its LM head on its last ``max(stop − first, MIN_HEAD_ROWS)``
-            rows only (the KV cache, hence every later logit, is unaffected; the kept logits are the very
-            same values). ``0``: every position.
+        first: logits are returned from position ``first`` on (the LM head runs on the blocks that hold
+            them only; the KV cache, hence every later logit, is unaffected). ``0``: every position.
     Returns:
         Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t``
         predicts token ``t+1``).
@@ -366,66 +442,42 @@ def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], h
 @torch.no_grad()
 def run_model_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
                    hook: KVCacheHook | RowsHook | None, *, first: int = 0) -> torch.Tensor:
-    """:func:`run_model` over several token sequences of one length at once, one batch row each (the
-    same forward calls, each with a batch of ``len(rows)``); give each row its own hook with
-    :class:`RowsHook`.
-
-    On a CPU every row's logits are bitwise those of a one-row run of the same sequence and hook (the
-    model computes each row's values by the same kernels; checked by ``tests/unit/test_endtoend.py``):
-    batching saves time, mostly in the short forward calls of the decode regime, whose matrix products
-    are too small to use the CPU well one row at a time.
+    """:func:`run_model` over several token sequences of one length at once (see
+    :func:`run_hidden_rows`); holds every logit, so meant for small vocabularies and tests — the
+    experiment scores :func:`head_blocks` one block at a time.
 
     Returns:
         Logits ``(len(rows), len(row) − first, vocab)`` fp32.
     Raises:
         ValueError: no rows, or rows of different lengths.
     """
-    if not rows or len({len(r) for r in rows}) != 1:
-        raise ValueError(f"rows must be one or more token sequences of one length, got lengths "
-                         f"{[len(r) for r in rows]}")
-    dev = next(net.parameters()).device
-    x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
-    n = int(x.shape[0])
-    cache = quantized_cache(hook)
-    kw = _cache_kwarg(net)
-    keep_kw = _keep_kwarg(net) if first > 0 else None
-    out: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for a, b in chunks:
-        extra: dict[str, Any] = {}
-        need = b - max(first, a)  # positions of this call whose logits are wanted
-        keep = min(b - a, max(need, MIN_HEAD_ROWS) if need > 0 else 1)
-        if keep_kw is not None and keep < b - a:
-            extra[keep_kw] = keep
-        pos = torch.arange(a, b, device=dev)[None].expand(n, -1)
-        res = net(input_ids=x[:, a:b], position_ids=pos, use_cache=True, **{kw: cache}, **extra)
-        start = b - int(res.logits.shape[1])  # the position of the logits' first row
-        if need > 0:
-            for r in range(n):
-                out[r].append(res.logits[r, max(first, start) - start:].float())
-    return torch.stack([torch.cat(o, 0) for o in out])
+    hidden = run_hidden_rows(net, rows, chunks, hook)
+    stop = int(hidden.shape[1])
+    return torch.stack([torch.cat([lg for _, _, lg in head_blocks(net, h, first, stop)], 0) for h in hidden])
 
 
 @dataclass(frozen=True)
 class ReferenceSide:
     """The unquantized side of :func:`next_token_metrics` for some positions, computed once and shared
-    by every method's cell on the same text: ``log p`` and ``p`` ``(positions, vocab)`` fp64, the top-1
-    tokens and the cross-entropy of the true next tokens ``(positions,)``."""
+    by every method's cell on the same text: the logits ``(positions, vocab)`` fp32, the top-1 tokens
+    and the cross-entropy of the true next tokens ``(positions,)`` fp64."""
 
-    logp: torch.Tensor
-    p: torch.Tensor
+    logits: torch.Tensor
     top1: torch.Tensor
     nll: torch.Tensor
 
 
 def reference_side(logits_ref: torch.Tensor, targets: torch.Tensor) -> ReferenceSide:
     """:class:`ReferenceSide` of the unquantized ``logits_ref`` ``(positions, vocab)`` and the true next
-    tokens ``targets`` ``(positions,)`` (computed in float64)."""
-    lp = torch.log_softmax(logits_ref.double(), -1)
-    t = targets.to(lp.device).long()[:, None]
-    return ReferenceSide(lp, lp.exp(), logits_ref.argmax(-1), -lp.gather(-1, t)[:, 0])
+    tokens ``targets`` ``(positions,)`` (cross-entropy in float64, :data:`_METRIC_ROWS` rows at a time)."""
+    t = targets.to(logits_ref.device).long()[:, None]
+    nll = [-torch.log_softmax(logits_ref[r:r + _METRIC_ROWS].double(), -1).gather(-1, t[r:r + _METRIC_ROWS])[:, 0]
+           for r in range(0, int(logits_ref.shape[0]), _METRIC_ROWS)]
+    nll_all = torch.cat(nll) if nll else torch.zeros(0, dtype=torch.float64)
+    return ReferenceSide(logits_ref.float(), logits_ref.argmax(-1), nll_all)
 
 
-#: rows of :func:`next_token_metrics`' fp64 work at a time on a CPU (2 × vocab 49 152 × 8 B ≈ 0.8 MB)
+#: rows of :func:`next_token_metrics`' fp64 work at a time (2 × vocab 49 152 × 8 B ≈ 0.8 MB)
 _METRIC_ROWS = 2
 
 
@@ -441,44 +493,53 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
     precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once).
     """
     ref = reference_side(logits_ref, targets) if reference is None else reference
-    t = targets.to(logits.device).long()[:, None]
-    n = int(logits.shape[0])
-    # on a CPU a few rows at a time: each row's values are the same as in one pass over all rows (every op
-    # here is per row), but the fp64 temporaries stay in cache instead of a few 100 MB fresh arrays
-    step = _METRIC_ROWS if logits.device.type == "cpu" else max(n, 1)
-    kls, nlls = [], []
-    for r in range(0, max(n, 1), step):
-        lq = torch.log_softmax(logits[r:r + step].double(), -1)
-        kls.append(kl_rows(ref.logp[r:r + step], lq, ref.p[r:r + step]))
-        nlls.append(-lq.gather(-1, t[r:r + step])[:, 0])
+    return _block_metrics(ref, [(0, int(logits.shape[0]), logits)], targets)
+
+
+def _block_metrics(ref: ReferenceSide, blocks: Any, targets: torch.Tensor) -> dict[str, Any]:
+    """:func:`next_token_metrics` from the logits given as ``(a, b, logits[a:b])`` blocks covering the
+    reference's positions in order; every value is per position, so the result does not depend on the
+    blocking. The fp64 work runs :data:`_METRIC_ROWS` rows at a time (each row's values are the same as
+    in one pass, but the temporaries stay small)."""
+    t = targets.long()[:, None]
+    kls, nlls, agree = [], [], []
+    for a, b, lg in blocks:
+        agree.append(ref.top1[a:b].to(lg.device) == lg.argmax(-1))
+        for r in range(0, b - a, _METRIC_ROWS):
+            x, y = a + r, min(a + r + _METRIC_ROWS, b)
+            lp = torch.log_softmax(ref.logits[x:y].double(), -1)
+            lq = torch.log_softmax(lg[r:r + y - x].double(), -1)
+            kls.append(kl_rows(lp, lq.to(lp.device), lp.exp()))
+            nlls.append(-lq.gather(-1, t[x:y].to(lq.device))[:, 0].to(lp.device))
     kl, nll = torch.cat(kls), torch.cat(nlls)
-    agree = (ref.top1 == logits.argmax(-1)).double()
+    agr = torch.cat(agree).double()
     return {"kl_nats": float(kl.mean()), "kl_p99_nats": float(torch.quantile(kl, 0.99)),
-            "top1_agree": float(agree.mean()), "dloss_nats": float((nll - ref.nll).mean()),
+            "top1_agree": float(agr.mean()), "dloss_nats": float((nll - ref.nll.to(nll.device)).mean()),
             "loss_ref_nats": float(ref.nll.mean()), "kl_per_position": [float(v) for v in kl]}
 
 
-_REFERENCES: dict[tuple, tuple[torch.Tensor, ReferenceSide]] = {}
-#: the most (window, regime) references kept per process
-_MAX_REFERENCES = 8
+_REFERENCES: dict[tuple, ReferenceSide] = {}
+#: the most bytes of reference logits kept per process (at least one reference is always kept)
+_MAX_REFERENCE_BYTES = 2**30
 
 
-def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig
-                ) -> list[tuple[torch.Tensor, ReferenceSide]]:
-    """Per window of ``rows``: the unquantized logits of its scored positions (``cfg.scored(regime)``)
-    under the regime's forward schedule, and their :class:`ReferenceSide` (cached per process: every
-    method's cell on the same window reuses them). The windows not cached yet run as one batch
-    (:func:`run_model_rows`)."""
+def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig) -> list[ReferenceSide]:
+    """Per window of ``rows``: the :class:`ReferenceSide` of its scored positions (``cfg.scored(regime)``)
+    under the regime's forward schedule (cached per process within :data:`_MAX_REFERENCE_BYTES`: every
+    method's cell on the same window reuses it). The windows not cached yet run as one batch
+    (:func:`run_hidden_rows`)."""
     a, b = cfg.scored(regime)
     keys = [(src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
              tuple(cfg.chunks(regime)), (a, b)) for ids in rows]
     got = {k: _REFERENCES[k] for k in keys if k in _REFERENCES}
     todo = {k: ids for k, ids in zip(keys, rows) if k not in got}
     if todo:
-        logits = run_model_rows(src.net, list(todo.values()), cfg.chunks(regime), None, first=a)[:, :b - a]
-        for (key, ids), lg in zip(todo.items(), logits):
-            got[key] = (lg, reference_side(lg, torch.tensor(ids[a + 1:b + 1], dtype=torch.long)))
-            while len(_REFERENCES) >= _MAX_REFERENCES:
+        hidden = run_hidden_rows(src.net, list(todo.values()), cfg.chunks(regime), None)
+        for (key, ids), h in zip(todo.items(), hidden):
+            logits = torch.cat([lg for _, _, lg in head_blocks(src.net, h, a, b)], 0)
+            got[key] = reference_side(logits, torch.tensor(ids[a + 1:b + 1], dtype=torch.long))
+            size = got[key].logits.numel() * 4
+            while _REFERENCES and sum(r.logits.numel() * 4 for r in _REFERENCES.values()) + size > _MAX_REFERENCE_BYTES:
                 _REFERENCES.pop(next(iter(_REFERENCES)))
             _REFERENCES[key] = got[key]
     return [got[k] for k in keys]
@@ -492,14 +553,26 @@ def _layer(data: KVData, i: int) -> KVData:
                                k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), calibration=None)
 
 
-def layer_methods(method: Quantizer, calibration: KVData) -> list[Quantizer]:
+def layer_methods(method: Quantizer, calibration: KVData,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Quantizer]:
     """One copy of ``method`` per decoder layer; a data-dependent one is fitted on that layer's
-    calibration tokens (with their Fisher weights), a local one is used as it is."""
+    calibration tokens (with their Fisher weights), a local one is used as it is.
+
+    ``rope``: the per-layer RoPE tables ``(layers, ≥ tokens, head_dim)`` (:func:`model_rope`); a layer
+    whose captured ``k_pre`` is not un-rotated with its own table (``meta["k_pre_own_rope_layers"]`` of a
+    model with one table per layer type) is fitted on its cached keys un-rotated with its own table, the
+    keys the hook hands it."""
+    own = calibration.meta.get("k_pre_own_rope_layers")
+    layers = calibration.meta.get("layers") or list(range(int(calibration.k.shape[0])))
     out = []
     for i in range(int(calibration.k.shape[0])):
         m = copy.deepcopy(method)
         if not m.local_stats:
-            fit_method(m, _layer(calibration, i))
+            cal = _layer(calibration, i)
+            if m.k_pre_rope and own is not None and layers[i] not in own and rope is not None:
+                t = int(cal.k.shape[-2])
+                cal = dataclasses.replace(cal, k_pre=apply_rope(cal.k, rope[0][i, :t], -rope[1][i, :t]))
+            fit_method(m, cal)
         out.append(m)
     return out
 
@@ -550,9 +623,9 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     if not methods or len(methods) != len(window_indices):
         raise ValueError(f"one window per method: got {len(methods)} methods and {len(window_indices)} windows")
     rows = [src.window_ids(i) for i in window_indices]
-    per_row = [layer_methods(m, src.calibration) for m in methods]
-    pre_rope = any(m.k_pre_rope for ms in per_row for m in ms)
+    pre_rope = any(m.k_pre_rope for m in methods)
     cos, sin = src.rope(cfg.window) if pre_rope else (None, None)
+    per_row = [layer_methods(m, src.calibration, None if cos is None else (cos, sin)) for m in methods]
     targets = [torch.tensor(ids[1:], dtype=torch.long) for ids in rows]
     results = []
     for method, i, ids in zip(methods, window_indices, rows):
@@ -566,11 +639,11 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     for regime in cfg.regimes:
         hooks = [KVCacheHook(ms, streaming=regime == "decode", cos=cos, sin=sin) for ms in per_row]
         a, b = cfg.scored(regime)
-        logits = run_model_rows(src.net, rows, cfg.chunks(regime), hooks[0] if len(hooks) == 1 else RowsHook(hooks),
-                                first=a)[:, :b - a]
+        hidden = run_hidden_rows(src.net, rows, cfg.chunks(regime), hooks[0] if len(hooks) == 1 else RowsHook(hooks))
         refs = _references(src, rows, regime, cfg)
-        for res, hook, lg, (ref, side), tg in zip(results, hooks, logits, refs, targets):
-            m = next_token_metrics(ref, lg, tg[a:b], reference=side)
+        for res, hook, h, side, tg in zip(results, hooks, hidden, refs, targets):
+            blocks = ((x - a, y - a, lg) for x, y, lg in head_blocks(src.net, h, a, b))
+            m = _block_metrics(side, blocks, tg[a:b])
             pre = f"e2e_{regime}_"
             for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
                 res.metrics[pre + name] = m[name]

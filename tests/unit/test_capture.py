@@ -29,6 +29,7 @@ from kvqbench.data.capture import (
     load_model,
     loading,
     models,
+    registry,
     store,
 )
 
@@ -235,7 +236,7 @@ def _fake_gguf(tmp_path: Path) -> Path:
 
 def test_missing_transformers_names_what_to_install(tmp_path, monkeypatch) -> None:
     fake = _fake_gguf(tmp_path)
-    monkeypatch.setattr(models, "default_model_path", lambda: fake)  # what _resolve calls
+    monkeypatch.setattr(registry, "model_file", lambda name, **kw: fake)  # what _resolve calls
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
     with pytest.raises(MissingDependencyError) as info:
         capture_kv(seq_len=8)

