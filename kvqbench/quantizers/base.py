@@ -25,13 +25,14 @@ import difflib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 import torch
 
 from kvqbench.numerics.packing import pack_bits, unpack_bits
 
 __all__ = [
+    "reuse",
     "Kind",
     "Stored",
     "QuantizedTensor",
@@ -204,6 +205,22 @@ def check_finite(x: torch.Tensor, *stats: torch.Tensor, name: str = "x") -> None
     if not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} contains {bad} NaN/Inf values; clean the capture before quantizing")
+
+
+def reuse(scratch: dict | None, key: Any, sources: tuple[torch.Tensor | None, ...], build: Callable[[], Any]) -> Any:
+    """``build()``, kept in a fit's ``scratch`` (see :meth:`Quantizer.fit`) under ``key`` and returned again
+    while ``sources`` are the very same tensor objects at the same in-place version; without ``scratch``
+    just ``build()``. For work that later fits on the same calibration tensors can share (e.g. sorted data
+    used by every bit width); what ``build`` returns must not depend on anything but ``key`` and ``sources``."""
+    if scratch is None:
+        return build()
+    versions = tuple(None if t is None else t._version for t in sources)
+    hit = scratch.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], sources)) and hit[1] == versions:
+        return hit[2]
+    value = build()
+    scratch[key] = (sources, versions, value)
+    return value
 
 
 def _canonical_layout(x: torch.Tensor) -> torch.Tensor:

@@ -1,36 +1,22 @@
 """KVQuant — pre-RoPE per-channel keys, per-token values, non-uniform codebooks, dense-and-sparse outliers.
 
-Based on Hooper et al., "KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache
-Quantization", arXiv:2401.18079: §3.1 per-channel key quantization, §3.2 pre-RoPE keys, §3.3
-non-uniform quantization (sensitivity-weighted k-means codebooks, one per layer), §3.4 per-vector
-dense-and-sparse quantization, attention-sink-aware fp16 first token.
+Based on Hooper et al., arXiv:2401.18079: §3.1 per-channel keys, §3.2 pre-RoPE keys, §3.3 non-uniform
+codebooks (sensitivity-weighted k-means, one per layer), §3.4 per-vector dense-and-sparse quantization.
 
-A *vector* is one K channel over the tokens (``[T]`` per batch, head and channel) or one V token over
-head_dim (``[D]``). Per vector:
+A *vector* is one K channel over the tokens or one V token over head_dim. Per vector (the reference step
+:func:`kvqbench.numerics.dense_sparse.quantize`):
 
-1. outliers: the ``n_tail = round(outlier_frac/2 · n)`` smallest and ``n_tail`` largest entries
-   (0.5 % per tail at the default 1 %) are kept exactly in a sparse side store;
-2. the dense range ``[lo, hi]`` is taken over the remaining entries; midpoint ``m = (hi + lo)/2``,
-   half-range ``r = (hi − lo)/2``; normalized ``y = (x − m)/r`` lies in ``[−1, 1]``;
-3. ``y`` snaps to the nearest of ``2^b`` centroids of the layer's codebook (layer = index of dim 0);
-   decode ``x̂ = c[q]·r + m``, then the outliers are written back.
+1. outliers: the ``n_tail = round(outlier_frac/2 · n)`` smallest and largest entries are kept exactly in a
+   sparse side store (§3.4);
+2. the dense range ``[lo, hi]`` of the rest gives ``m = (hi + lo)/2``, ``r = (hi − lo)/2`` and
+   ``y = clamp((x − m)/r, −1, 1)``;
+3. ``y`` snaps to the nearest of the ``2^b`` levels of the layer's codebook (§3.3); decode ``x̂ = c[q]·r + m``,
+   then the outliers are written back.
 
-Steps 1–3 are the reference step ``dense_sparse.quantize`` (:func:`kvqbench.numerics.dense_sparse.quantize`;
-a fast version lives in :mod:`kvqbench.kernels.dense_sparse`).
-
-Codebooks: weighted 1-D k-means (:func:`kvqbench.numerics.kmeans.kmeans_1d`) on the normalized dense
-calibration values of each layer, weighted by Fisher information (squared gradients) when
-:meth:`KVQuant.fit` receives ``k_grad2``/``v_grad2``, unweighted otherwise. If :meth:`~KVQuant.quantize`
-is called for a kind that was never fitted, the codebook is fitted in-sample (unweighted) on the tensor
-being quantized, for that call only (the instance is not modified).
-
-Stored (effective bits), per tensor: packed codes (``b`` bits per dense-quantized element); per vector
-midpoint and half-range (fp16 each); per outlier its value (fp16) and its index inside the vector
-(16 bits; 32 if a vector is longer than 65 536); a CSR pointer per vector (+1), 32 bits; the codebook,
-``2^b`` fp16 centroids per layer; the fp16 sink token if enabled. For K of shape (1, 1, 4096, 128) at
-nuq2 1 %: ``2 + 32/4096 + 40·32/4096 + 32·129/(4096·128) + …`` ≈ **2.33**. For V at D = 128 one
-outlier per tail is 1.56 % of the vector and the per-token midpoint/half-range and pointer each cost
-0.25 bits: ≈ 3.0 bits at nuq2.
+Codebooks: weighted 1-D k-means on each layer's normalized dense calibration values, weighted by Fisher
+information when :meth:`KVQuant.fit` gets ``k_grad2``/``v_grad2``, else unweighted; a kind never fitted is
+fitted in-sample for that call only. Storage and bits (≈ 2.33 effective bits for K at nuq2, 1 %):
+docs/DESIGN.md §7.5.
 """
 
 from __future__ import annotations
@@ -50,6 +36,7 @@ from kvqbench.quantizers.base import (
     StreamPolicy,
     check_finite,
     register,
+    reuse,
     validate_kv,
 )
 
@@ -234,27 +221,13 @@ class KVQuant(Quantizer):
 
     def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None,
                       scratch: dict | None = None, grad2_src: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-layer codebook ``[B, 2^b]`` from the calibration tensor ``x`` (Fisher weights ``grad2``).
-
-        The sorted k-means data (:meth:`_samples`) do not depend on the bit width, nor on the seed unless
-        k-means subsamples; with a ``scratch`` dict (see :meth:`fit`) they are kept there, with ``x`` and
-        ``grad2_src`` (the weights as passed to ``fit``), and reused by a later fit on the same tensors.
-        The levels are made strictly increasing (:func:`distinct_levels`)."""
-        if scratch is None:
-            samples = self._samples(x, kind, grad2)
-        else:
-            key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
-                   self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
-            src = (x, grad2_src)
-            versions = tuple(None if t is None else t._version for t in src)
-            hit = scratch.get(key)
-            if hit is not None and all(a is b for a, b in zip(hit[0], src)) and hit[1] == versions:
-                samples = hit[2]
-            else:
-                samples = self._samples(x, kind, grad2)
-                scratch[key] = (src, versions, samples)
-        cb = kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters)
-        return distinct_levels(cb)
+        """Per-layer codebook ``[B, 2^b]`` (§3.3) from the calibration tensor ``x`` (Fisher weights ``grad2``),
+        its levels strictly increasing (:func:`distinct_levels`). The sorted k-means data depend neither on
+        the bit width nor, without subsampling, on the seed: shared through ``scratch`` (:func:`reuse`)."""
+        key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
+               self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
+        samples = reuse(scratch, key, (x, grad2_src), lambda: self._samples(x, kind, grad2))
+        return distinct_levels(kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters))
 
     @torch.no_grad()
     def fit(
