@@ -50,7 +50,8 @@ case "$mode" in
         i="${SLURM_ARRAY_TASK_ID:?__shard runs inside a Slurm array task}"
         out="${KVQ_OUT:-results}"
         activate
-        cache="${KVQ_CAPTURE_CACHE:-${TMPDIR:-/tmp}/kvqbench-capture}"
+        # the user's own cache folder on the node (kvqbench refuses one another user could write)
+        cache="${KVQ_CAPTURE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvqbench/capture}"
         echo "kvqbench slurm: shard $i/$n on $(hostname)"
         # pytest's exit code 5 = the shard got no cell (more shards than cells): not a failure
         rc=0
