@@ -408,11 +408,11 @@ def run_model_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tup
 @dataclass(frozen=True)
 class ReferenceSide:
     """The unquantized side of :func:`next_token_metrics` for some positions, computed once and shared
-    by every method's cell on the same text: ``log p`` and ``p`` ``(positions, vocab)`` fp64, the top-1
-    tokens and the cross-entropy of the true next tokens ``(positions,)``."""
+    by every method's cell on the same text: the logits ``(positions, vocab)`` fp32 (``log p`` and ``p``
+    are taken from them in fp64 a few rows at a time where they are used, as for the quantized side),
+    the top-1 tokens and the cross-entropy of the true next tokens ``(positions,)``."""
 
-    logp: torch.Tensor
-    p: torch.Tensor
+    logits: torch.Tensor
     top1: torch.Tensor
     nll: torch.Tensor
 
@@ -422,14 +422,14 @@ def reference_side(logits_ref: torch.Tensor, targets: torch.Tensor) -> Reference
     tokens ``targets`` ``(positions,)`` (computed in float64)."""
     lp = torch.log_softmax(logits_ref.double(), -1)
     t = targets.to(lp.device).long()[:, None]
-    return ReferenceSide(lp, lp.exp(), logits_ref.argmax(-1), -lp.gather(-1, t)[:, 0])
+    return ReferenceSide(logits_ref, logits_ref.argmax(-1), -lp.gather(-1, t)[:, 0])
 
 
 #: rows of :func:`next_token_metrics`' fp64 work at a time on a CPU (2 × vocab 49 152 × 8 B ≈ 0.8 MB)
 _METRIC_ROWS = 2
 
 
-def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, *,
+def next_token_metrics(logits_ref: torch.Tensor | None, logits: torch.Tensor, targets: torch.Tensor, *,
                        reference: ReferenceSide | None = None) -> dict[str, Any]:
     """Next-token damage of ``logits`` against ``logits_ref`` ``(positions, vocab)``.
 
@@ -438,8 +438,14 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
     (its 99th percentile over positions, linear interpolation), ``top1_agree`` (share of positions whose
     argmax agrees, in ``[0, 1]``), ``dloss_nats`` (mean cross-entropy of ``targets`` under ``logits``
     minus under ``logits_ref``), ``loss_ref_nats`` and the per-position KL list. ``reference``: the
-    precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once).
+    precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once;
+    ``logits_ref`` may then be ``None``).
+
+    Raises:
+        ValueError: neither ``logits_ref`` nor ``reference`` given.
     """
+    if reference is None and logits_ref is None:
+        raise ValueError("next_token_metrics needs logits_ref or reference")
     ref = reference_side(logits_ref, targets) if reference is None else reference
     t = targets.to(logits.device).long()[:, None]
     n = int(logits.shape[0])
@@ -449,7 +455,8 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
     kls, nlls = [], []
     for r in range(0, max(n, 1), step):
         lq = torch.log_softmax(logits[r:r + step].double(), -1)
-        kls.append(kl_rows(ref.logp[r:r + step], lq, ref.p[r:r + step]))
+        lp_ref = torch.log_softmax(ref.logits[r:r + step].double(), -1)
+        kls.append(kl_rows(lp_ref, lq, lp_ref.exp()))
         nlls.append(-lq.gather(-1, t[r:r + step])[:, 0])
     kl, nll = torch.cat(kls), torch.cat(nlls)
     agree = (ref.top1 == logits.argmax(-1)).double()
@@ -458,15 +465,15 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
             "loss_ref_nats": float(ref.nll.mean()), "kl_per_position": [float(v) for v in kl]}
 
 
-_REFERENCES: dict[tuple, tuple[torch.Tensor, ReferenceSide]] = {}
+_REFERENCES: dict[tuple, ReferenceSide] = {}
 #: the most (window, regime) references kept per process
 _MAX_REFERENCES = 8
 
 
 def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig
-                ) -> list[tuple[torch.Tensor, ReferenceSide]]:
-    """Per window of ``rows``: the unquantized logits of its scored positions (``cfg.scored(regime)``)
-    under the regime's forward schedule, and their :class:`ReferenceSide` (cached per process: every
+                ) -> list[ReferenceSide]:
+    """Per window of ``rows``: the :class:`ReferenceSide` of the unquantized logits of its scored positions
+    (``cfg.scored(regime)``) under the regime's forward schedule (cached per process: every
     method's cell on the same window reuses them). The windows not cached yet run as one batch
     (:func:`run_model_rows`)."""
     a, b = cfg.scored(regime)
@@ -477,7 +484,7 @@ def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: En
     if todo:
         logits = run_model_rows(src.net, list(todo.values()), cfg.chunks(regime), None, first=a)[:, :b - a]
         for (key, ids), lg in zip(todo.items(), logits):
-            got[key] = (lg, reference_side(lg, torch.tensor(ids[a + 1:b + 1], dtype=torch.long)))
+            got[key] = reference_side(lg, torch.tensor(ids[a + 1:b + 1], dtype=torch.long))
             while len(_REFERENCES) >= _MAX_REFERENCES:
                 _REFERENCES.pop(next(iter(_REFERENCES)))
             _REFERENCES[key] = got[key]
@@ -569,8 +576,8 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
         logits = run_model_rows(src.net, rows, cfg.chunks(regime), hooks[0] if len(hooks) == 1 else RowsHook(hooks),
                                 first=a)[:, :b - a]
         refs = _references(src, rows, regime, cfg)
-        for res, hook, lg, (ref, side), tg in zip(results, hooks, logits, refs, targets):
-            m = next_token_metrics(ref, lg, tg[a:b], reference=side)
+        for res, hook, lg, side, tg in zip(results, hooks, logits, refs, targets):
+            m = next_token_metrics(None, lg, tg[a:b], reference=side)
             pre = f"e2e_{regime}_"
             for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
                 res.metrics[pre + name] = m[name]

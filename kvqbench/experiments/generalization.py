@@ -150,7 +150,7 @@ def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
         ``v_codebook_gap``, ``codebook_gap`` (per-layer lists for real data) and the cross / in-sample
         relative MSEs in ``extra``. Exactly 0 for methods whose ``fit`` is a no-op.
     """
-    fit_b, eval_b = data.cached("exp1_fit_eval_batches", lambda: fit_eval_batches(data))
+    fit_b, eval_b = data.cached("exp1_fit_eval_batches", lambda: fit_eval_batches(data), scope="exp1_codebook_gap")
     res = CellResult()
     # one codebook per layer (index of dim 0): fit on all layers at once, then read the error per layer
     cross = roundtrip_kv(fit_on(method, fit_b), eval_b, fit=False)

@@ -60,6 +60,7 @@ from kvqbench.data.capture.store import (
     _save_atomic,
     _trusted_dir,
 )
+from kvqbench.data.memory import release_freed
 from kvqbench.data.types import KVData
 
 __all__ = [
@@ -147,6 +148,7 @@ def capture_kv(
 
     if cache_dir is None:
         data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        release_freed()  # the forward and backward pass's activations and gradients
         _check_finite(data, ref.name, None)
         return data
     folder = _trusted_dir(cache_dir)
@@ -154,9 +156,11 @@ def capture_kv(
     with _capture_lock(path):
         cached = _load_cached(path, seq_len=seq_len, with_grads=with_grads)
         if cached is not None:
+            release_freed()  # the file's buffers
             _check_finite(cached, ref.name, path)
             return cached.to(dev)
         data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype, folder)
         _check_finite(data, ref.name, None)
         _save_atomic(data, path)
+    release_freed()  # the forward and backward pass's activations and gradients
     return data

@@ -1,7 +1,8 @@
 """Loading a model once per process, and the GGUF conversion cache.
 
 :func:`load_model` keeps up to four ``(model, tokenizer)`` instances per process, keyed by the resolved
-model, device and dtype. A GGUF model's weights are dequantized by transformers on load; with a
+model, device and dtype; a capture uses such an instance when there is one and otherwise loads a model
+that it does not keep (:func:`_model_for_capture`). A GGUF model's weights are dequantized by transformers on load; with a
 ``cache_dir`` the converted weights and tokenizer are kept there as a plain safetensors folder
 (:func:`_converted_dir`, written atomically, checked on load), so later processes load them instead of
 converting the GGUF file again. Like captures, they are loaded only from a folder of the user's own
@@ -36,6 +37,7 @@ from kvqbench.data.capture.models import (
     _torch_dtype,
 )
 from kvqbench.data.capture.store import _trusted_dir
+from kvqbench.data.memory import release_freed
 
 __all__ = ["load_model"]
 
@@ -83,7 +85,21 @@ def _load_resolved(ref: _ModelRef, device: str, dtype: torch.dtype = torch.float
             if len(_MODELS) >= 4:
                 _MODELS.pop(next(iter(_MODELS)))
             _MODELS[key] = _load_fresh(ref, device, dtype, None if cache_dir is None else _trusted_dir(cache_dir))
+            release_freed()  # a GGUF file's conversion buffers
         return _MODELS[key]
+
+
+def _model_for_capture(ref: _ModelRef, device: str, dtype: torch.dtype = torch.float32,
+                       cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:
+    """The process-wide instance of ``ref`` when one is loaded (:func:`load_model`), else a fresh one that
+    is not kept: a capture runs the model once, and its weights are freed when the capture returns
+    instead of staying resident in a process that does not run the model again. Loaded the same way as
+    :func:`_load_resolved` (the same weights)."""
+    with _MODELS_LOCK:
+        held = _MODELS.get((ref, device, dtype))
+    if held is not None:
+        return held
+    return _load_fresh(ref, device, dtype, None if cache_dir is None else _trusted_dir(cache_dir))
 
 
 def _load_fresh(ref: _ModelRef, device: str, dtype: torch.dtype, cache_dir: Path | None) -> tuple[Any, Any]:
