@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData
 from kvqbench.experiments.common import check_positive_ints, fit_method, roundtrip_kv, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
@@ -144,6 +145,7 @@ def _stream_states(method: Quantizer, data: KVData, block: int) -> tuple[StreamR
     return sk, sv
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig | None = None) -> SeriesCellResult:
     """Run experiment 2 for one method on one data source.

@@ -53,6 +53,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData, apply_rope
 from kvqbench.experiments.common import check_positive_ints, fit_method, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
@@ -534,6 +535,7 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
     return run_endtoend_rows([method], src, [window_index], config)[0]
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indices: Sequence[int],
                       config: EndToEndConfig | None = None) -> list[CellResult]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import roundtrip_kv
@@ -125,6 +126,7 @@ def _incoherence_per_layer(x: torch.Tensor) -> list[float]:
     return incoherence(x).mean(-1).tolist()
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     """Run experiment 3 for one method on one data source.

@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvqbench.data import KVData
-from kvqbench.data import memory
+from kvqbench.data import KVData, memory
 
 
 def _data() -> KVData:
@@ -116,3 +115,35 @@ def test_a_capture_does_not_keep_a_model_it_loaded(monkeypatch):
     held, _ = loading._load_resolved(ref, "cpu", torch.float32)  # what load_model keeps …
     assert loading._model_for_capture(ref, "cpu", torch.float32)[0] is held  # … a capture uses
     assert len(made) == 2
+
+
+def test_release_if_grown_releases_only_past_the_step(monkeypatch):
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "_TRIM", [lambda pad: calls.append(pad) or 1])
+    resident = [1000]
+    monkeypatch.setattr(memory, "_resident", lambda: resident[0])
+    monkeypatch.setattr(memory, "_AFTER_LAST", [1000])
+    resident[0] = 1000 + 100
+    assert memory.release_if_grown(step=100) is False and calls == []  # grew by the step, not more
+    resident[0] = 1000 + 101
+    assert memory.release_if_grown(step=100) is True and calls == [0]
+    assert memory._AFTER_LAST == [1101]  # the next step counts from here
+    assert memory.release_if_grown(step=100) is False and calls == [0]
+
+
+def test_release_after_releases_also_when_the_call_raises(monkeypatch):
+    seen: list[str] = []
+    monkeypatch.setattr(memory, "release_if_grown", lambda: seen.append("released") or True)
+
+    @memory.release_after
+    def cell(x):
+        """doc"""
+        if x < 0:
+            raise ValueError("negative")
+        seen.append("ran")
+        return 2 * x
+
+    assert cell(3) == 6 and seen == ["ran", "released"] and cell.__doc__ == "doc"
+    with pytest.raises(ValueError, match="negative"):
+        cell(-1)
+    assert seen == ["ran", "released", "released"]
