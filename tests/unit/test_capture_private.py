@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +87,26 @@ def test_a_world_writable_cache_folder_is_refused_in_one_line(tmp_path, fake_mod
     fallback = privdir.fallback_dir("capture")
     assert str(fallback) in msg and (fallback / "kv-fake.pt").is_file()
     assert stat.S_IMODE(os.stat(fallback).st_mode) == 0o700
+    assert fallback in store._REMOVE_AT_EXIT
+
+
+def test_the_fallback_folder_is_removed_when_the_process_exits(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    code = (
+        "import sys, tempfile, warnings\n"
+        f"tempfile.tempdir = {str(tmp_path)!r}\n"
+        "from kvqbench.data.capture import store\n"
+        "warnings.simplefilter('ignore')\n"
+        f"d = store._trusted_dir({str(shared)!r})\n"
+        "(d / 'kv-x.pt').write_bytes(b'x')\n"
+        "print(d)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    fallback = Path(out.stdout.strip())
+    assert fallback.parent == tmp_path and fallback != shared and not fallback.exists()
 
 
 def test_a_group_writable_capture_file_is_not_loaded(tmp_path, fake_model):

@@ -10,15 +10,18 @@ wait and load it.
 A capture is trusted as a computed result, so it is loaded only from a folder of the user's own
 (:mod:`kvqbench.privdir`): a cache folder or capture file that another user could write (another owner,
 or group/world-writable) is refused in one :class:`CaptureCacheWarning` line, and the capture is run
-again into a private folder of this process (:func:`~kvqbench.privdir.fallback_dir`).
+again into a private folder of this process (:func:`~kvqbench.privdir.fallback_dir`, removed when the
+process exits).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
+import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -59,6 +62,9 @@ def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, 
     return cache_dir / f"kv-{slug}-T{seq_len}-{key}.pt"
 
 
+_REMOVE_AT_EXIT: set[Path] = set()
+
+
 def _trusted_dir(cache_dir: str | os.PathLike[str]) -> Path:
     """``cache_dir`` when it is a folder only this user can write (created mode 0700 when missing), else a
     private folder of this process after one :class:`CaptureCacheWarning` line saying why."""
@@ -66,6 +72,9 @@ def _trusted_dir(cache_dir: str | os.PathLike[str]) -> Path:
         return privdir.private_dir(cache_dir)
     except privdir.UnsafePathError as e:
         fallback = privdir.fallback_dir("capture")
+        if fallback not in _REMOVE_AT_EXIT:  # a capture there is this process's only: nothing left behind
+            _REMOVE_AT_EXIT.add(fallback)
+            atexit.register(shutil.rmtree, fallback, True)
         warnings.warn(f"kvqbench: capture cache refused: {e}; capturing into {fallback} instead",
                       CaptureCacheWarning, stacklevel=3)
         return fallback
