@@ -1,4 +1,4 @@
-"""Seeded synthetic K/V/Q with heavy-tailed token norms and persistent key outlier channels (SPEC §2).
+"""Seeded synthetic K/V/Q with heavy-tailed token norms and persistent key outlier channels (docs/DESIGN.md §2).
 
 Generative model (every tensor ``(batch, heads, seq_len, head_dim)``, fp32):
 

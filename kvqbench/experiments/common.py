@@ -1,6 +1,6 @@
 """Shared plumbing of the experiments: round-tripping K and V of a data source through a method.
 
-Pre- vs post-RoPE (SPEC §2): a method with ``k_pre_rope = True`` receives the pre-RoPE keys where the
+Pre- vs post-RoPE (docs/DESIGN.md §2): a method with ``k_pre_rope = True`` receives the pre-RoPE keys where the
 data source has them, and its output is rotated back with the captured RoPE before being compared
 with the cached keys. RoPE is orthogonal per pair, so reconstruction MSE is unaffected.
 """
