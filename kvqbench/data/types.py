@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from kvqbench.data.memory import release_freed
+
 __all__ = ["KVData", "apply_rope", "rotate_half"]
 
 
@@ -55,6 +57,7 @@ class KVData:
             tokens of the text) on which data-dependent methods fit their state (KVQuant's codebooks),
             so that no method is scored on the tensor it was calibrated on; ``None`` = fit in-sample.
         cache: memoized derived values (see :meth:`cached`).
+        cache_scopes: the scope of each value of ``cache`` that has one (see :meth:`cached`).
     """
 
     source: str
@@ -72,13 +75,34 @@ class KVData:
     #: input statistics), memoized by the experiments so that every method's cell on the same data
     #: reuses them (see :meth:`cached`); never copied by :meth:`window`/:meth:`to`, never compared.
     cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    cache_scopes: dict[Any, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def cached(self, key: Any, build: Any) -> Any:
+    def cached(self, key: Any, build: Any, *, scope: str | None = None) -> Any:
         """``build()`` the first time ``key`` is asked for on this object, the stored value afterwards.
-        The tensors must not be modified in place — they are shared by every caller."""
+        The tensors must not be modified in place — they are shared by every caller.
+
+        ``scope``: the one experiment that uses the value (e.g. ``"exp2"``). The object keeps the scoped
+        values of one scope at a time: asking for a value of another scope drops them (and hands their
+        memory back, :func:`kvqbench.data.memory.release_freed`); asked for again, a dropped value is
+        built again — the same value, ``build`` being a function of this data only. Values without a
+        scope (shared by several experiments) are kept."""
+        if scope is not None:
+            self.keep_scope(scope)
         if key not in self.cache:
             self.cache[key] = build()
+            if scope is not None:
+                self.cache_scopes[key] = scope
         return self.cache[key]
+
+    def keep_scope(self, scope: str) -> None:
+        """Drop the cached values of every scope but ``scope`` (see :meth:`cached`) and hand their memory
+        back; an experiment that caches nothing calls it so that it does not run beside the values of
+        the one before."""
+        stale = [k for k, s in self.cache_scopes.items() if s != scope]
+        if stale:
+            for k in stale:
+                del self.cache[k], self.cache_scopes[k]
+            release_freed()
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

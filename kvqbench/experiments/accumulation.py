@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData
 from kvqbench.experiments.common import check_positive_ints, fit_method, roundtrip_kv, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
@@ -144,6 +145,7 @@ def _stream_states(method: Quantizer, data: KVData, block: int) -> tuple[StreamR
     return sk, sv
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig | None = None) -> SeriesCellResult:
     """Run experiment 2 for one method on one data source.
@@ -169,35 +171,40 @@ def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig
     res = SeriesCellResult()
     res.series["context_lengths"] = list(grid)
 
-    # the exact side of every prefix, shared by both regimes
-    # (exact: they depend on the data and the grid only, so every method's cell on this data reuses them)
-    refs = data.cached(("exp2_refs", cfg.n_queries, tuple(grid)), lambda: {
-        length: attention_reference(_queries(data.q, length, cfg.n_queries), data.k[..., :length, :],
-                                    data.v[..., :length, :]) for length in grid})
-    # the static reconstruction and its errors per length: a decode state equal to it (e.g. a method that
-    # quantizes every token on its own, or fp16) has the same errors, computed once
-    static: dict[int, tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]]] = {}
-    for regime in cfg.regimes:
-        per_len: list[list[dict[str, float]]] = []  # [length][layer] → fields
-        if regime == "static":
-            for length in grid:
+    # one prefix at a time: its exact side (shared by both regimes, then dropped: the exact sides of every
+    # prefix at once would take about as much memory as the data) and the errors of each regime's state
+    data.keep_scope("exp2")
+    streams = {"decode": _stream_states(method, data, block)} if "decode" in cfg.regimes else {}
+    errors: dict[str, list[list[dict[str, float]]]] = {regime: [] for regime in cfg.regimes}  # [length][layer]
+    bits: list[float] = []
+    fp16_share: list[float] = []
+    for length in grid:
+        ref = attention_reference(_queries(data.q, length, cfg.n_queries), data.k[..., :length, :],
+                                  data.v[..., :length, :])
+        # the static reconstruction and its errors: a decode state equal to it (e.g. a method that
+        # quantizes every token on its own, or fp16) has the same errors, computed once
+        static: tuple[torch.Tensor, torch.Tensor, list[dict[str, float]]] | None = None
+        for regime in cfg.regimes:
+            if regime == "static":
                 rt = roundtrip_kv(method, data.truncate(length), fit=False)
                 rt.tally(res.extra)
-                per_len.append(_layer_errors(refs[length], rt.k_hat, rt.v_hat))
-                static[length] = (rt.k_hat, rt.v_hat, per_len[-1])
-        else:
-            sk, sv = _stream_states(method, data, block)
-            bits, fp16_share = [], []
-            for length in grid:
+                errors[regime].append(_layer_errors(ref, rt.k_hat, rt.v_hat))
+                static = (rt.k_hat, rt.v_hat, errors[regime][-1])
+            else:
+                sk, sv = streams[regime]
                 k_state, v_state = sk.state(data.k, length), sv.state(data.v, length)
                 tally_nonfinite(res.extra, k=k_state, v=v_state)
-                same = static.get(length)
-                if same is not None and torch.equal(k_state, same[0]) and torch.equal(v_state, same[1]):
-                    per_len.append([dict(ly) for ly in same[2]])
+                if static is not None and torch.equal(k_state, static[0]) and torch.equal(v_state, static[1]):
+                    errors[regime].append([dict(ly) for ly in static[2]])
                 else:
-                    per_len.append(_layer_errors(refs[length], k_state, v_state))
+                    errors[regime].append(_layer_errors(ref, k_state, v_state))
                 bits.append(0.5 * (sk.effective_bits(length) + sv.effective_bits(length)))
                 fp16_share.append(0.5 * (sk.fp16_tokens(length) + sv.fp16_tokens(length)) / length)
+        del ref, static
+    for regime in cfg.regimes:
+        per_len = errors[regime]
+        if regime == "decode":
+            sk, sv = streams[regime]
             res.metrics["decode_k_bits_effective"] = sk.effective_bits(t)
             res.metrics["decode_v_bits_effective"] = sv.effective_bits(t)
             res.metrics["decode_bits_effective"] = 0.5 * (sk.effective_bits(t) + sv.effective_bits(t))

@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData
 from kvqbench.experiments.common import fit_method, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
@@ -161,6 +162,7 @@ def _benchmark_stats(benchmark: Any) -> dict[str, float] | None:
             "mean_ms": st.mean * 1e3, "rounds": int(st.rounds)}
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_cost(method: Quantizer, data: KVData, config: CostConfig | None = None,
              benchmark: Callable[[Callable[[], Any]], Any] | None = None) -> CellResult:

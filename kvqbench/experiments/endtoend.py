@@ -65,6 +65,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData, apply_rope
 from kvqbench.experiments.common import check_positive_ints, fit_method, tally_nonfinite
 from kvqbench.experiments.reconstruction import CellResult
@@ -481,7 +482,7 @@ def reference_side(logits_ref: torch.Tensor, targets: torch.Tensor) -> Reference
 _METRIC_ROWS = 2
 
 
-def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, *,
+def next_token_metrics(logits_ref: torch.Tensor | None, logits: torch.Tensor, targets: torch.Tensor, *,
                        reference: ReferenceSide | None = None) -> dict[str, Any]:
     """Next-token damage of ``logits`` against ``logits_ref`` ``(positions, vocab)``.
 
@@ -490,8 +491,14 @@ def next_token_metrics(logits_ref: torch.Tensor, logits: torch.Tensor, targets: 
     (its 99th percentile over positions, linear interpolation), ``top1_agree`` (share of positions whose
     argmax agrees, in ``[0, 1]``), ``dloss_nats`` (mean cross-entropy of ``targets`` under ``logits``
     minus under ``logits_ref``), ``loss_ref_nats`` and the per-position KL list. ``reference``: the
-    precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once).
+    precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once;
+    ``logits_ref`` may then be ``None``).
+
+    Raises:
+        ValueError: neither ``logits_ref`` nor ``reference`` given.
     """
+    if reference is None and logits_ref is None:
+        raise ValueError("next_token_metrics needs logits_ref or reference")
     ref = reference_side(logits_ref, targets) if reference is None else reference
     return _block_metrics(ref, [(0, int(logits.shape[0]), logits)], targets)
 
@@ -600,6 +607,7 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
     return run_endtoend_rows([method], src, [window_index], config)[0]
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indices: Sequence[int],
                       config: EndToEndConfig | None = None) -> list[CellResult]:

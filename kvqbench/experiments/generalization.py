@@ -36,6 +36,7 @@ import dataclasses
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.data.types import KVData
 from kvqbench.experiments.common import fit_scratch, roundtrip_kv
@@ -138,6 +139,7 @@ def _describe(batch: KVData) -> dict:
             "channel_gain": batch.meta.get("channel_gain")}
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
     """The codebook-generalization gap cell (experiment ``exp1``), per layer for real data.
@@ -150,7 +152,7 @@ def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
         ``v_codebook_gap``, ``codebook_gap`` (per-layer lists for real data) and the cross / in-sample
         relative MSEs in ``extra``. Exactly 0 for methods whose ``fit`` is a no-op.
     """
-    fit_b, eval_b = data.cached("exp1_fit_eval_batches", lambda: fit_eval_batches(data))
+    fit_b, eval_b = data.cached("exp1_fit_eval_batches", lambda: fit_eval_batches(data), scope="exp1_codebook_gap")
     res = CellResult()
     # one codebook per layer (index of dim 0): fit on all layers at once, then read the error per layer
     cross = roundtrip_kv(fit_on(method, fit_b), eval_b, fit=False)
@@ -172,6 +174,7 @@ def run_codebook_gap(method: Quantizer, data: KVData) -> CellResult:
     return res
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_group_size(method: Quantizer, data: KVData) -> CellResult:
     """The group-size sensitivity cell: reconstruction error of ``method`` (configured with its

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import roundtrip_kv
@@ -125,6 +126,7 @@ def _incoherence_per_layer(x: torch.Tensor) -> list[float]:
     return incoherence(x).mean(-1).tolist()
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
     """Run experiment 3 for one method on one data source.
@@ -174,9 +176,9 @@ def run_outliers(method: Quantizer, data: KVData) -> SeriesCellResult:
             f"{kv}_incoherence": sum(_mean_incoherence(x_in[i : i + 1]) for i in layers) / len(layers),
             f"{kv}_incoherence_hadamard": sum(_mean_incoherence(hadamard_transform(x_in[i : i + 1]))
                                               for i in layers) / len(layers),
-        }))
+        }, scope="exp3"))
     k_inc = data.cached("exp3_k_incoherence_per_layer",
-                        lambda: [_mean_incoherence(data.k[i : i + 1]) for i in layers])
+                        lambda: [_mean_incoherence(data.k[i : i + 1]) for i in layers], scope="exp3")
     res.add("k_incoherence_shift", [
         a / max(b, 1e-300) - 1.0 for a, b in zip(_incoherence_per_layer(k_hat64), k_inc)
     ])

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvqbench.data.memory import release_after
 from kvqbench.data.types import KVData
 from kvqbench.experiments.common import as_f64, roundtrip_kv
 from kvqbench.numerics import metrics as M
@@ -63,6 +64,7 @@ def _tensor_metrics(res: CellResult, kv: str, data: KVData, x_hat: torch.Tensor)
     res.add(f"{kv}_norm_bias", M.norm_bias_of_norms(te.nx, te.ny))
 
 
+@release_after  # the cell's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_reconstruction(method: Quantizer, data: KVData) -> CellResult:
     """Run experiment 1 for one method on one data source.

@@ -37,7 +37,6 @@ Importing this package does not import transformers; only :func:`load_model` / :
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,7 +59,15 @@ from kvqbench.data.capture.models import (  # noqa: F401
     check_model,
     default_model_path,
 )
-from kvqbench.data.capture.store import _cache_path, _capture_lock, _check_finite, _load_cached, _save_atomic
+from kvqbench.data.capture.store import (
+    _cache_path,
+    _capture_lock,
+    _check_finite,
+    _load_cached,
+    _save_atomic,
+    _trusted_dir,
+)
+from kvqbench.data.memory import release_freed
 from kvqbench.data.types import KVData
 
 __all__ = [
@@ -107,7 +114,10 @@ def capture_kv(
             layers, with_grads, corpus hash, device type and library versions, and reloaded on the next
             call with the same key instead of running the model. Concurrent callers with the same key
             (shards or xdist workers on one machine) wait on a lock file next to it, so the model is
-            run once and the others reuse its capture.
+            run once and the others reuse its capture. A folder or file another user could write
+            (another owner, group/world-writable) is never loaded from: one :class:`CaptureCacheWarning`
+            line, and the capture runs again (into a private folder of this process for a refused
+            folder).
         dtype: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"``: the dtype the model is loaded
             and run in (half the memory of fp32 for a large model). The captured tensors are returned in
             fp32 either way (exact copies of the model's values); ``meta["capture_dtype"]`` says which.
@@ -148,15 +158,19 @@ def capture_kv(
 
     if cache_dir is None:
         data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype)
+        release_freed()  # the forward and backward pass's activations and gradients
         _check_finite(data, ref.name, None)
         return data
-    path = _cache_path(Path(cache_dir), ref, seq_len, layer_spec, with_grads, dev, dtype)
+    folder = _trusted_dir(cache_dir)
+    path = _cache_path(folder, ref, seq_len, layer_spec, with_grads, dev, dtype)
     with _capture_lock(path):
         cached = _load_cached(path, seq_len=seq_len, with_grads=with_grads)
         if cached is not None:
+            release_freed()  # the file's buffers
             _check_finite(cached, ref.name, path)
             return cached.to(dev)
-        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype, cache_dir)
+        data = _run_capture(ref, seq_len, layers, with_grads, dev, dtype, folder)
         _check_finite(data, ref.name, None)
         _save_atomic(data, path)
+    release_freed()  # the forward and backward pass's activations and gradients
     return data

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvqbench.data.capture.loading import _load_resolved
+from kvqbench.data.capture.loading import _model_for_capture
 from kvqbench.data.capture.models import _ModelRef, _torch_dtype
 from kvqbench.data.corpus import corpus_sha256, corpus_text
 from kvqbench.data.types import KVData, apply_rope
@@ -206,7 +206,7 @@ def _run_capture(
 ) -> KVData:
     import transformers
 
-    net, tokenizer = _load_resolved(ref, str(dev), _torch_dtype(dtype), cache_dir)
+    net, tokenizer = _model_for_capture(ref, str(dev), _torch_dtype(dtype), cache_dir)
     n_layers, q_heads, kv_heads, head_dim = _config_dims(net.config)
     max_pos = getattr(net.config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > int(max_pos):

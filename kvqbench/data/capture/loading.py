@@ -1,10 +1,12 @@
 """Loading a model once per process, and the GGUF conversion cache.
 
 :func:`load_model` keeps up to four ``(model, tokenizer)`` instances per process, keyed by the resolved
-model, device and dtype. A GGUF model's weights are dequantized by transformers on load; with a
+model, device and dtype; a capture uses such an instance when there is one and otherwise loads a model
+that it does not keep (:func:`_model_for_capture`). A GGUF model's weights are dequantized by transformers on load; with a
 ``cache_dir`` the converted weights and tokenizer are kept there as a plain safetensors folder
 (:func:`_converted_dir`, written atomically, checked on load), so later processes load them instead of
-converting the GGUF file again.
+converting the GGUF file again. Like captures, they are loaded only from a folder of the user's own
+(:func:`kvqbench.data.capture.store._trusted_dir`), from files no other user can write.
 
 Importing this module does not import transformers.
 """
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvqbench import privdir
 from kvqbench.data.capture.errors import CaptureCacheWarning
 from kvqbench.data.capture.models import (
     DEFAULT_MODEL,
@@ -33,6 +36,8 @@ from kvqbench.data.capture.models import (
     _resolve,
     _torch_dtype,
 )
+from kvqbench.data.capture.store import _trusted_dir
+from kvqbench.data.memory import release_freed
 
 __all__ = ["load_model"]
 
@@ -53,7 +58,8 @@ def load_model(model: str = DEFAULT_MODEL, *, device: torch.device | str = "cpu"
         cache_dir: for a GGUF model, a folder (the capture cache) where its dequantized weights and
             tokenizer are kept after the first load, so later processes load that folder instead of
             converting the GGUF file again; the very same weights and token ids (tested). ``None``:
-            convert every time.
+            convert every time. A folder another user could write is refused in one
+            :class:`CaptureCacheWarning` line (a private folder of this process is used instead).
 
     Raises:
         MissingDependencyError: transformers (and, for GGUF, gguf/accelerate) or a registered model's
@@ -81,8 +87,22 @@ def _load_resolved(ref: _ModelRef, device: str, dtype: torch.dtype = torch.float
         if key not in _MODELS:
             if len(_MODELS) >= 4:
                 _MODELS.pop(next(iter(_MODELS)))
-            _MODELS[key] = _load_fresh(ref, device, dtype, None if cache_dir is None else Path(cache_dir))
+            _MODELS[key] = _load_fresh(ref, device, dtype, None if cache_dir is None else _trusted_dir(cache_dir))
+            release_freed()  # a GGUF file's conversion buffers
         return _MODELS[key]
+
+
+def _model_for_capture(ref: _ModelRef, device: str, dtype: torch.dtype = torch.float32,
+                       cache_dir: str | os.PathLike[str] | None = None) -> tuple[Any, Any]:
+    """The process-wide instance of ``ref`` when one is loaded (:func:`load_model`), else a fresh one that
+    is not kept: a capture runs the model once, and its weights are freed when the capture returns
+    instead of staying resident in a process that does not run the model again. Loaded the same way as
+    :func:`_load_resolved` (the same weights)."""
+    with _MODELS_LOCK:
+        held = _MODELS.get((ref, device, dtype))
+    if held is not None:
+        return held
+    return _load_fresh(ref, device, dtype, None if cache_dir is None else _trusted_dir(cache_dir))
 
 
 def _load_fresh(ref: _ModelRef, device: str, dtype: torch.dtype, cache_dir: Path | None) -> tuple[Any, Any]:
@@ -131,13 +151,17 @@ def _converted_dir(cache_dir: Path, ref: _ModelRef, dtype: torch.dtype) -> Path:
 
 
 def _load_converted(folder: Path, dtype: torch.dtype) -> tuple[Any, Any] | None:
-    """``(tokenizer, model)`` from a converted folder, or ``None`` when it is missing, incomplete or
-    unreadable (then the GGUF file is converted again, with a one-line warning for a broken folder)."""
+    """``(tokenizer, model)`` from a converted folder, or ``None`` when it is missing, incomplete,
+    unreadable or writable by another user (then the GGUF file is converted again, with a one-line
+    warning for a broken or refused folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (folder / _CONVERTED_MARK).is_file():
         return None
     try:
+        privdir.private_dir(folder)
+        for f in folder.iterdir():
+            privdir.check_private_file(f)
         mark = json.loads((folder / _CONVERTED_MARK).read_text())
         weights = folder / "model.safetensors"
         if weights.stat().st_size != int(mark["weights_bytes"]):
@@ -145,7 +169,7 @@ def _load_converted(folder: Path, dtype: torch.dtype) -> tuple[Any, Any] | None:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         net = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, **{_dtype_kw(): dtype})
     except Exception as e:  # a broken cache entry costs one conversion, never the run
-        warnings.warn(f"kvqbench: converted model cache {folder.name} unreadable ({type(e).__name__}: {e}); "
+        warnings.warn(f"kvqbench: converted model cache {folder.name} not loaded ({type(e).__name__}: {e}); "
                       "converting the GGUF file again", CaptureCacheWarning, stacklevel=2)
         return None
     return tokenizer, net
@@ -167,6 +191,8 @@ def _save_converted(folder: Path, net: Any, tokenizer: Any) -> None:
         tokenizer.save_pretrained(str(tmp))
         (tmp / _CONVERTED_MARK).write_text(json.dumps(
             {"weights_bytes": (tmp / "model.safetensors").stat().st_size, "format": _CONVERTED_FORMAT}))
+        for f in tmp.iterdir():
+            f.chmod(0o600)  # only this user's, whatever the umask
         try:
             os.replace(tmp, folder)
             tmp = None

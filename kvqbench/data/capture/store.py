@@ -3,18 +3,25 @@
 A capture is stored as one torch file named by a hash of what determines it (model weights, token count,
 layers, gradients, corpus, device type, library versions, capture dtype). The file records the shapes,
 dtypes, token count and a sha256 over the tensors' bytes; a file that does not match what it records is
-reported in one :class:`CaptureCacheWarning` line and captured again. A lock per file (in the temporary
-folder) lets concurrent processes on one machine share a capture: the first runs the model, the others
+reported in one :class:`CaptureCacheWarning` line and captured again. A lock per file (in the folder's
+``locks/``) lets concurrent processes on one machine share a capture: the first runs the model, the others
 wait and load it.
+
+A capture is trusted as a computed result, so it is loaded only from a folder of the user's own
+(:mod:`kvqbench.privdir`): a cache folder or capture file that another user could write (another owner,
+or group/world-writable) is refused in one :class:`CaptureCacheWarning` line, and the capture is run
+again into a private folder of this process (:func:`~kvqbench.privdir.fallback_dir`, removed when the
+process exits).
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
-import tempfile
+import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -22,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvqbench import privdir
 from kvqbench.data.capture.errors import CaptureCacheWarning, NonFiniteCaptureError
 from kvqbench.data.corpus import corpus_sha256
 from kvqbench.data.types import KVData
@@ -54,14 +62,31 @@ def _cache_path(cache_dir: Path, ref: _ModelRef, seq_len: int, layer_spec: Any, 
     return cache_dir / f"kv-{slug}-T{seq_len}-{key}.pt"
 
 
+_REMOVE_AT_EXIT: set[Path] = set()
+
+
+def _trusted_dir(cache_dir: str | os.PathLike[str]) -> Path:
+    """``cache_dir`` when it is a folder only this user can write (created mode 0700 when missing), else a
+    private folder of this process after one :class:`CaptureCacheWarning` line saying why."""
+    try:
+        return privdir.private_dir(cache_dir)
+    except privdir.UnsafePathError as e:
+        fallback = privdir.fallback_dir("capture")
+        if fallback not in _REMOVE_AT_EXIT:  # a capture there is this process's only: nothing left behind
+            _REMOVE_AT_EXIT.add(fallback)
+            atexit.register(shutil.rmtree, fallback, True)
+        warnings.warn(f"kvqbench: capture cache refused: {e}; capturing into {fallback} instead",
+                      CaptureCacheWarning, stacklevel=3)
+        return fallback
+
+
 def _capture_lock(path: Path) -> Any:
-    """A lock per cache file, shared by every process on this machine (a file in the temporary folder,
-    so the cache folder holds only captures): the first caller captures, the others wait and load."""
+    """A lock per cache file, shared by every process on this machine (``locks/<name>.lock`` beside it, in
+    the same private folder): the first caller captures, the others wait and load."""
     from filelock import FileLock
 
-    locks = Path(tempfile.gettempdir()) / "kvqbench-locks"
-    locks.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(locks / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".lock")))
+    locks = privdir.private_dir(path.parent / "locks")
+    return FileLock(str(locks / (path.name + ".lock")))
 
 
 def _tensor_digest(obj: dict[str, Any]) -> str:
@@ -93,7 +118,7 @@ def _save_atomic(data: KVData, path: Path) -> None:
     obj["content_sha256"] = _tensor_digest(obj)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:  # only this user's
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -145,13 +170,18 @@ def _cache_problem(obj: Any, seq_len: int | None, with_grads: bool | None) -> st
 def _load_cached(path: Path, *, seq_len: int | None = None, with_grads: bool | None = None) -> KVData | None:
     """The capture stored at ``path``, or ``None`` when there is none or it is not valid (unreadable,
     another format, a missing tensor, wrong dtypes/shapes/token count, a content-hash mismatch): then a
-    one-line :class:`CaptureCacheWarning` names the file and the caller re-captures."""
+    one-line :class:`CaptureCacheWarning` names the file and the caller re-captures. A file another user
+    could write (another owner, group/world-writable, not a regular file) is refused the same way,
+    unread."""
     try:
+        privdir.check_private_file(path)
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         return None
+    except privdir.UnsafePathError as e:
+        problem: str | None = f"is refused: {e}"
     except Exception as e:  # truncated, not a torch file, written by an incompatible torch …
-        problem: str | None = f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        problem = f"is unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     else:
         problem = _cache_problem(obj, seq_len, with_grads)
     if problem is None:
