@@ -158,18 +158,51 @@ def model_context(model: str) -> int | None:
 
     ref = _resolve(model)
     if ref.gguf_file is not None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(Path(ref.source) / ref.gguf_file))
-        for name, field in reader.fields.items():
-            if name.endswith(".context_length"):
-                return int(field.parts[field.data[0]][0])
-        return None
+        return _gguf_context(Path(ref.source) / ref.gguf_file)
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(ref.source, local_files_only=ref.local)
     n = getattr(cfg, "max_position_embeddings", None)
     return None if n is None else int(n)
+
+
+#: GGUF metadata value types of a fixed size → their size in bytes (8: string, 9: array)
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_INTS = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+
+
+def _gguf_context(path: Path) -> int | None:
+    """The ``<arch>.context_length`` of a GGUF file (format 2 or 3), read from its header alone: the
+    metadata pairs in order, skipping every other value (the tokenizer's arrays among them)."""
+    import struct
+
+    with open(path, "rb") as f:
+        def unpack(fmt: str) -> Any:
+            return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def skip(kind: int) -> None:
+            if kind == 8:
+                f.seek(unpack("<Q"), 1)
+            elif kind == 9:
+                inner, n = unpack("<I"), unpack("<Q")
+                if inner in _GGUF_SIZES:
+                    f.seek(n * _GGUF_SIZES[inner], 1)
+                else:
+                    for _ in range(n):
+                        skip(inner)
+            else:
+                f.seek(_GGUF_SIZES[kind], 1)
+
+        if f.read(4) != b"GGUF" or unpack("<I") < 2:
+            return None
+        unpack("<Q")  # tensors
+        for _ in range(unpack("<Q")):
+            key = f.read(unpack("<Q")).decode("utf-8", "replace")
+            kind = unpack("<I")
+            if key.endswith(".context_length") and kind in _GGUF_INTS:
+                return int(unpack(_GGUF_INTS[kind]))
+            skip(kind)
+    return None
 
 
 def check_context(model: str, tokens: int, context: int | None = None) -> None:
