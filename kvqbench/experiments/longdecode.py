@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,8 +139,8 @@ class LongDecodeConfig:
 
 #: the configuration of the cells per cell size (``smoke``: the test suite; ``long``: the long tier)
 CONFIG_BY_SIZE: dict[str, LongDecodeConfig] = {
-    "smoke": LongDecodeConfig(length=128, prompt=32, prefill=64, block=32, bin=32, free_tokens=6, noise_draws=1,
-                              passkey_lengths=(64, 96)),
+    "smoke": LongDecodeConfig(length=96, prompt=32, prefill=64, block=32, bin=32, free_tokens=3, noise_draws=1,
+                              passkey_lengths=(64, 80)),
     "long": LongDecodeConfig(),
 }
 
@@ -308,7 +309,7 @@ def long_text(src: RealSource, seed: int, config: LongDecodeConfig, *, folder: P
         if ids is None:
             ids = sample_continuation(src.net, prompt, config.length, seed=seed, temperature=config.temperature,
                                       top_k=config.top_k, banned=getattr(src.tokenizer, "all_special_ids", ()))
-            tmp = path.with_name(f".{path.name}.tmp")
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"key": key, "ids": ids, "sha256": _ids_sha(ids)}), encoding="utf-8")
             tmp.replace(path)
     return ids
@@ -482,13 +483,17 @@ class _Scorer:
     """Per-position next-token KL and top-1 agreement of each row against its reference logits, and the
     Δ loss, accumulated call by call."""
 
-    def __init__(self, refs: Sequence[torch.Tensor], rows: Sequence[list[int]], scored: tuple[int, int]) -> None:
-        self.refs, self.rows, (self.a0, self.b0) = refs, rows, scored
+    def __init__(self, refs: Sequence[torch.Tensor], rows: Sequence[list[int]], scored: tuple[int, int],
+                 hooks: Sequence[KVCacheHook] = ()) -> None:
+        self.refs, self.rows, (self.a0, self.b0), self.hooks = refs, rows, scored, list(hooks)
+        self.at_end: list[tuple[float, dict]] = []  # per hook: bits billed and its state at the text's end
         self.kl: list[list[float]] = [[] for _ in rows]
         self.agree: list[list[float]] = [[] for _ in rows]
         self.dloss: list[list[float]] = [[] for _ in rows]
 
     def __call__(self, a: int, logits: torch.Tensor) -> None:
+        if a + int(logits.shape[1]) == len(self.rows[0]):
+            self.at_end = [(h.bits_billed(), h.describe()) for h in self.hooks]
         lo, hi = max(a, self.a0), min(a + int(logits.shape[1]), self.b0)
         if hi <= lo:
             return
@@ -550,7 +555,7 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
 
     refs = [_reference(src, ids, cfg) for ids in rows]
     hooks = hooks_of(range(len(rows)))
-    scorer = _Scorer([r[0] for r in refs], rows, cfg.scored())
+    scorer = _Scorer([r[0] for r in refs], rows, cfg.scored(), hooks)
     free = decode(src.net, rows, cfg.chunks(), hooks[0] if len(hooks) == 1 else RowsHook(hooks), score=scorer,
                   free_tokens=cfg.free_tokens)
     results = []
@@ -558,8 +563,7 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
     for r, (method, seed, ids, hook) in enumerate(zip(methods, seeds, rows, hooks)):
         res = LongDecodeResult()
         res.metrics.update(_curve_metrics(scorer.kl[r], scorer.agree[r], scorer.dloss[r], cfg))
-        res.metrics["long_bits_billed"] = hook.bits_billed()
-        desc = hook.describe()
+        res.metrics["long_bits_billed"], desc = scorer.at_end[r]
         res.series["kl_curve"] = {"bin": cfg.bin, **binned(scorer.kl[r], a0, cfg.bin)}
         res.series["top1_curve"] = {"bin": cfg.bin, **binned(scorer.agree[r], a0, cfg.bin)}
         res.extra.update({"text_tokens": cfg.length, "text_seed": seed, "text_sha256": _ids_sha(ids),
@@ -578,7 +582,7 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
                                          "reference": refs[r][1].tolist()}
         results.append(res)
     if cfg.noise_draws:
-        _noise_floor(src, cfg, rows, refs, [r for r in noise_rows if r < len(rows)], hooks_of, results)
+        _noise_floor(src, cfg, rows, seeds, refs, [r for r in noise_rows if r < len(rows)], hooks_of, results)
     if passkey:
         from kvqbench.experiments.passkey import run_passkey_rows
 
@@ -589,7 +593,8 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
     return results
 
 
-def _noise_floor(src: RealSource, cfg: LongDecodeConfig, rows: list[list[int]], refs: list, noise_rows: list[int],
+def _noise_floor(src: RealSource, cfg: LongDecodeConfig, rows: list[list[int]], seeds: Sequence[int], refs: list,
+                 noise_rows: list[int],
                  hooks_of: Callable[[Sequence[int]], list[KVCacheHook]], results: list[LongDecodeResult]) -> None:
     """The noise draws of ``noise_rows`` (see module doc), batched as rows; results in ``extra["noise"]`` and
     the metrics ``long_kl_noise_sd_nats`` / ``long_kl_last_quarter_noise_sd_nats`` (sample standard deviation
@@ -599,7 +604,7 @@ def _noise_floor(src: RealSource, cfg: LongDecodeConfig, rows: list[list[int]], 
     draws: dict[int, list[dict]] = {r: [] for r in noise_rows}
     for d in range(cfg.noise_draws):
         hooks = hooks_of(noise_rows)
-        pert = [PerturbedHook(h, cfg.noise_rel, seed=1_000_003 * (d + 1) + r) for h, r in zip(hooks, noise_rows)]
+        pert = [PerturbedHook(h, cfg.noise_rel, seed=1_000_003 * (d + 1) + seeds[r]) for h, r in zip(hooks, noise_rows)]
         sub = [rows[r] for r in noise_rows]
         scorer = _Scorer([refs[r][0] for r in noise_rows], sub, cfg.scored())
         decode(src.net, sub, cfg.chunks(), pert[0] if len(pert) == 1 else RowsHook(pert), score=scorer)
