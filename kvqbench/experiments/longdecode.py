@@ -54,6 +54,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import check_positive_ints, tally_nonfinite
 from kvqbench.experiments.endtoend import (
     KVCacheHook,
@@ -64,7 +65,6 @@ from kvqbench.experiments.endtoend import (
     next_token_metrics,
     quantized_cache,
 )
-from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.quantizers.base import Quantizer
 
 __all__ = ["LongDecodeConfig", "CONFIG_BY_SIZE", "ContextTooShortError", "check_context", "model_context",
@@ -441,15 +441,8 @@ def _divergence(tokens: torch.Tensor, ref: torch.Tensor) -> tuple[int, float]:
     return first, (sum(same) / len(same) if same else 1.0)
 
 
-@dataclass
-class LongDecodeResult(CellResult):
-    """A cell's record of experiment 6 with ``series`` (the KL curve, the passkey table)."""
-
-    series: dict = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        if self.series is None:
-            self.series = {}
+#: a cell's record of experiment 6: metrics, ``series`` (the KL curve, the passkey table) and ``extra``
+LongDecodeResult = SeriesCellResult
 
 
 # --------------------------------------------------------------------------------------------------
