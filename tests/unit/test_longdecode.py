@@ -2,7 +2,7 @@
 the text cache and the controls.
 
 Tests marked ``real`` load SmolLM2 once per process (shared through ``load_model``'s cache) and run texts
-of at most 96 tokens; they are skipped with the reason when the real-model dependencies are missing.
+of at most 64 tokens; they are skipped with the reason when the real-model dependencies are missing.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def real(fn):
     return pytest.mark.real(pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))(fn))
 
 
-#: the real tests' configuration: a 96-token text, two blocks after a 32-token prefill, one passkey length
-SMALL = LD.LongDecodeConfig(length=96, prompt=32, prefill=32, block=32, bin=32, free_tokens=4, noise_draws=1,
+#: the real tests' configuration: a 64-token text, one block after a 32-token prefill, one passkey length
+SMALL = LD.LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=32, free_tokens=4, noise_draws=1,
                             passkey_lengths=(64,))
 
 
@@ -171,10 +171,10 @@ def test_model_context_reads_the_models_own_config(src) -> None:
 
 @real
 def test_the_text_is_generated_once_and_read_back_byte_identical(src, tmp_path, monkeypatch) -> None:
-    cfg = dataclasses.replace(SMALL, length=48, prompt=16, prefill=16)
+    cfg = dataclasses.replace(SMALL, length=24, prompt=16, prefill=16, block=8)
     ids = LD.long_text(src, 0, cfg, folder=tmp_path)
-    (path,) = tmp_path.glob("text-*-T48-seed0-*.json")
-    assert len(ids) == 48 and ids[:16] == src.window_ids(0)[:16]
+    (path,) = tmp_path.glob("text-*-T24-seed0-*.json")
+    assert len(ids) == 24 and ids[:16] == src.window_ids(0)[:16]
     assert json.loads(path.read_text())["sha256"] == LD._ids_sha(ids)
     special = set(src.tokenizer.all_special_ids)
     assert not special & set(ids[16:])  # the text runs to T: no end-of-text token
@@ -262,5 +262,5 @@ def test_rtn_token_long_decode_equals_one_prefill_on_the_same_cache(src) -> None
 def test_a_short_context_stops_before_any_text_is_generated(src, monkeypatch) -> None:
     monkeypatch.setattr(src.net.config, "max_position_embeddings", 64)
     monkeypatch.setattr(LD, "long_text", lambda *a, **k: pytest.fail("a text was generated"))
-    with pytest.raises(LD.ContextTooShortError, match="context of 64 tokens, shorter than the 100 tokens"):
+    with pytest.raises(LD.ContextTooShortError, match="context of 64 tokens, shorter than the 68 tokens"):
         LD.run_longdecode_rows([create("fp16", 16, 16)], src, [0], SMALL)
