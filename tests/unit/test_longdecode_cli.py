@@ -52,3 +52,21 @@ def test_run_long_stops_in_one_line_when_the_context_is_too_short(pytest_calls, 
     assert err.startswith("kvqbench run --long: --kvq-model tiny: model tiny has a context of 1024 tokens")
     assert f"shorter than the {need} tokens" in err and len(err.strip().splitlines()) == 1
     assert not pytest_calls  # pytest never started
+
+
+def test_the_plugin_stops_a_long_session_whose_model_context_is_too_short(monkeypatch):
+    """``pytest -m long`` without ``kvqbench run``: the plugin checks the collected long cells' model before
+    any cell runs (one line); sessions without long cells never look."""
+    from kvqbench.plugin.collection import long_context_problem
+    from kvqbench.plugin.state import Settings
+
+    monkeypatch.setattr(LD, "model_context", lambda model: 1024)
+    s = Settings(real=True, model="tiny")
+    long_cell = "tests/bench/test_exp6_longdecode.py::test_longdecode[kivi-k2v2-seed0-real-long]"
+    smoke_cell = "tests/bench/test_exp6_longdecode.py::test_longdecode_smoke[kivi-k2v2-seed0-real-smoke]"
+    line = long_context_problem(s, [smoke_cell, long_cell])
+    assert line == (f"kvqbench: --kvq-model tiny: model tiny has a context of 1024 tokens, shorter than the "
+                    f"{LD.CONFIG_BY_SIZE['long'].context} tokens the long-decode cells need")
+    assert long_context_problem(s, [smoke_cell]) is None
+    monkeypatch.setattr(LD, "model_context", lambda model: 8192)
+    assert long_context_problem(s, [long_cell]) is None
