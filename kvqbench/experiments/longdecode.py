@@ -20,8 +20,9 @@ others wait and read it), so every run and worker on a machine decodes the very 
 the text in blocks of ``block`` tokens, each method under its stream policy; scored at the positions a
 decoder produces, ``t ∈ [P−1, T−1)``, against the unquantized model under the same forward schedule (so
 the fp16 control is bitwise exact). Metrics: the next-token ``KL(p‖p̂)`` per position (nats) as a curve of
-fixed bins of ``bin`` positions (``series["kl_curve"]``), its least-squares slope per 1 000 positions, its
-mean over every scored position and over the last quarter, top-1 agreement over the last quarter, Δ loss,
+consecutive bins of ``bin`` decoded positions (``series["kl_curve"]``), its least-squares slope per 1 000
+positions, its mean over every scored position and over the last quarter, top-1 agreement over the last
+quarter, Δ loss,
 and the bits billed at T (every segment's stored bits + 16 bits per fp16 element, mean over layers; the
 share of fp16 tokens at T is in ``extra``: at T in the thousands a method's fp16 windows are a few percent
 of the cache).
@@ -409,18 +410,15 @@ class PerturbedHook:
 # --------------------------------------------------------------------------------------------------
 # metrics
 def binned(values: Sequence[float], first: int, width: int) -> dict[str, list[float]]:
-    """Means of per-position ``values`` (the first at position ``first``) over fixed bins of ``width``
-    positions ``[j·width, (j+1)·width)``; returns ``{"start": [...], "stop": [...], "mean": [...]}``
-    with each bin's covered positions (the first and last bins may be partial)."""
+    """Means of per-position ``values`` (the first at position ``first``) over consecutive bins of ``width``
+    positions from ``first`` on, ``[first + j·width, first + (j+1)·width)``; returns ``{"start": [...],
+    "stop": [...], "mean": [...]}`` with each bin's positions (the last bin may be partial)."""
     out: dict[str, list[float]] = {"start": [], "stop": [], "mean": []}
-    stop = first + len(values)
-    j = first // width
-    while j * width < stop:
-        a, b = max(j * width, first), min((j + 1) * width, stop)
-        out["start"].append(a)
-        out["stop"].append(b)
-        out["mean"].append(math.fsum(values[a - first:b - first]) / (b - a))
-        j += 1
+    for i in range(0, len(values), width):
+        part = values[i:i + width]
+        out["start"].append(first + i)
+        out["stop"].append(first + i + len(part))
+        out["mean"].append(math.fsum(part) / len(part))
     return out
 
 

@@ -69,7 +69,7 @@ def test_binned_means_are_the_means_of_each_bins_positions() -> None:
     first, width = 5, 4
     values = [float(first + i) for i in range(10)]  # value = position: a bin's mean is its middle position
     got = LD.binned(values, first, width)
-    assert got["start"] == [5, 8, 12] and got["stop"] == [8, 12, 15]
+    assert got["start"] == [5, 9, 13] and got["stop"] == [9, 13, 15]
     assert got["mean"] == [(a + b - 1) / 2 for a, b in zip(got["start"], got["stop"])]
 
 
