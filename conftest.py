@@ -90,7 +90,7 @@ def _suite_results_in_tmp(config: pytest.Config) -> None:
 _TESTS = Path(__file__).parent / "tests"
 _BENCH = _TESTS / "bench"
 #: marks that only benchmark cells carry
-_CELL_MARKS = frozenset({"smoke", "full", "kvq"})
+_CELL_MARKS = frozenset({"smoke", "full", "long", "kvq"})
 #: an identifier of pytest's -m grammar
 _IDENT = re.compile(r"(?:\w|:|\+|-|\.|\[|\]|\\|/)+")
 

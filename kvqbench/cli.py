@@ -1,6 +1,6 @@
 """The ``kvqbench`` console command, for people who do not think in pytest.
 
-    kvqbench run [--smoke|--full] [--no-real] [pytest args…]   run the benchmark cells (calls pytest)
+    kvqbench run [--smoke|--full|--long] [--no-real] [pytest args…]   run the benchmark cells (calls pytest)
     kvqbench report DIR [--no-figures]                         re-render tables and figures from saved JSON
     kvqbench merge SHARD_DIR… --out DIR                        join the folders of a sharded run into one result set
     kvqbench compare BASE NEW [--fail-on metric:percent]       per-metric deltas between two result sets (a CI gate)
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "still saved, --benchmark-verbose shows the table); add --kvq-real for the "
                            "real-model smoke cells too")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
+    size.add_argument("--long", action="store_true",
+                      help="the long tier: long-decode and passkey cells on the real model (exp6; 2 seeds unless "
+                           "--kvq-seeds is given) into results/long (or --kvq-out); stops with one line when "
+                           "the model's context is shorter than they need")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
                                                           "--smoke implies it unless --kvq-real is given)")
     r.add_argument("--tests", default="tests/bench", help="folder of the benchmark cells (default tests/bench)")
@@ -229,7 +233,13 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"kvqbench run: {tests}/ not found — run from the kvqbench repository root, or pass --tests DIR",
               file=sys.stderr)
         return 2
-    cmd = [str(tests), "-m", "smoke" if args.smoke else "full"]
+    cmd = [str(tests), "-m", "smoke" if args.smoke else "long" if args.long else "full"]
+    if args.long:
+        problem = _long_tier_problem(extra)
+        if problem:
+            print(f"kvqbench run --long: {problem}", file=sys.stderr)
+            return 2
+        extra = _long_tier_defaults(extra)
     if not args.no_real and not args.smoke and "--kvq-real" not in extra:  # --smoke: synthetic unless asked
         cmd.append("--kvq-real")
     if args.shard is not None or args.ray is not None or args.shards is not None:
@@ -261,6 +271,45 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     steady_allocator_for_workers(os.environ)
     print("kvqbench run: pytest " + " ".join(cmd), flush=True)
     return _pytest_main(cmd)
+
+
+#: the long tier's seeds when ``--kvq-seeds`` is not given
+LONG_SEEDS = "2"
+
+
+def _option_value(extra: list[str], name: str) -> str | None:
+    """The value of ``name`` among pytest arguments (``--name V`` or ``--name=V``; the last one wins)."""
+    value = None
+    for i, a in enumerate(extra):
+        if a == name and i + 1 < len(extra):
+            value = extra[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def _long_tier_defaults(extra: list[str]) -> list[str]:
+    """``extra`` with the long tier's results folder (``results/long``) and seeds (:data:`LONG_SEEDS`)
+    where not given."""
+    out = list(extra)
+    if _option_value(out, "--kvq-out") is None:
+        out += ["--kvq-out", "results/long"]
+    if _option_value(out, "--kvq-seeds") is None:
+        out += ["--kvq-seeds", LONG_SEEDS]
+    return out
+
+
+def _long_tier_problem(extra: list[str]) -> str | None:
+    """One line when the model of ``--kvq-model`` (default smollm2) has a shorter context than the long
+    tier's cells need, or cannot be read; ``None`` otherwise."""
+    from kvqbench.experiments.longdecode import CONFIG_BY_SIZE, check_context
+
+    model = _option_value(extra, "--kvq-model") or "smollm2"
+    try:
+        check_context(model, CONFIG_BY_SIZE["long"].context)
+    except (ImportError, OSError, ValueError) as e:
+        return f"--kvq-model {model}: {e}"
+    return None
 
 
 def _pytest_main(cmd: list[str]) -> int:

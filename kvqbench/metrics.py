@@ -28,7 +28,7 @@ class Metric:
         unit: unit string (``"1"`` for dimensionless ratios).
         better: ranking direction (see module doc).
         description: one line a reader of the leaderboard understands.
-        experiment: the experiment that emits it (``exp1`` … ``exp5``).
+        experiment: the experiment that emits it (``exp1`` … ``exp6``).
         scale_free: comparable across layers/models (ranked on the mean over layers for real data).
         headline: shown in the summary tables.
     """
@@ -256,6 +256,51 @@ for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
     register_metric(Metric(f"e2e_{_r}_bits_billed", "bits/element", "lower",
                            f"end-to-end, {_R}: K and V bits per element the cache holds at the end of the window "
                            "(stored segments + fp16 tokens at 16 bits), mean over layers", "exp5"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Experiment 6 — long decode and retrieval on the real model (docs/DESIGN.md §4);
+# kvqbench/experiments/longdecode.py, kvqbench/experiments/passkey.py. p = the unquantized model's
+# next-token distribution on the same long text under the same forward schedule.
+register_metric(Metric("long_kl_nats", "nats", "lower",
+                       "long decode: mean over the decoded positions of the next-token KL(p‖p̂), teacher-forced "
+                       "on the model's own sampled text", "exp6"))
+register_metric(Metric("long_kl_last_quarter_nats", "nats", "lower",
+                       "long decode: mean next-token KL(p‖p̂) over the last quarter of the decoded positions "
+                       "(every token attends to thousands of cached ones)", "exp6"))
+register_metric(Metric("long_top1_last_quarter", "1", "higher",
+                       "long decode: share of the last quarter's positions whose top-1 next token agrees with "
+                       "the unquantized model's", "exp6"))
+register_metric(Metric("long_kl_slope_per_1k", "nats/1k tokens", "lower",
+                       "long decode: least-squares slope of the per-position KL against the position, per 1 000 "
+                       "positions (> 0: damage builds up)", "exp6"))
+register_metric(Metric("long_dloss_nats", "nats/token", "lower",
+                       "long decode: Δ loss — mean next-token cross-entropy of the text minus the unquantized "
+                       "model's", "exp6"))
+register_metric(Metric("long_bits_billed", "bits/element", "lower",
+                       "long decode: K and V bits per element the cache holds at the end of the text (stored "
+                       "segments + fp16 tokens at 16 bits), mean over layers", "exp6"))
+register_metric(Metric("long_kl_noise_sd_nats", "nats", "lower",
+                       "long decode: standard deviation of long_kl_nats over the run and its draws with the "
+                       "cached K/V perturbed at relative 1e-7 (the spread float noise alone causes)", "exp6"))
+register_metric(Metric("long_kl_last_quarter_noise_sd_nats", "nats", "lower",
+                       "long decode: standard deviation of long_kl_last_quarter_nats over the run and its "
+                       "perturbed draws (float noise alone)", "exp6"))
+register_metric(Metric("free_first_divergence_tokens", "tokens", "higher",
+                       "free-running: greedy tokens after the long text until the first that differs from the "
+                       "unquantized model's greedy continuation (all of them when none does)", "exp6"))
+register_metric(Metric("free_match_share", "1", "higher",
+                       "free-running: share of the greedy continuation's positions whose token equals the "
+                       "unquantized model's", "exp6"))
+register_metric(Metric("passkey_logp_drop_nats", "nats", "lower",
+                       "passkey: the unquantized model's log-probability of the key's tokens minus the "
+                       "method's, mean over prompts (lengths × depths)", "exp6"))
+register_metric(Metric("passkey_rank_worst", "1", "lower",
+                       "passkey: worst rank among the key's tokens (0 = each is the top-1 token), mean over "
+                       "prompts", "exp6"))
+register_metric(Metric("passkey_match", "1", "higher",
+                       "passkey: exact-match share (every key token top-1) over the prompts the unquantized "
+                       "model retrieves, at lengths where it retrieves ≥ 90 % of them", "exp6"))
 
 
 #: metrics whose values vary from run to run (wall-clock timing; peak memory on CUDA); determinism

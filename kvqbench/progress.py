@@ -63,7 +63,7 @@ __all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prio
            "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR",
            "HISTORY_VERSION", "HISTORY_NEW"]
 
-_TAGS = ("real", "synthetic", "full", "smoke")
+_TAGS = ("real", "synthetic", "full", "smoke", "long")
 
 #: the committed per-test durations of a fresh-clone run of the test suite and of the main job
 #: (the history format of :meth:`Progress.updated_history`; regenerate with ``scripts/eta_prior.py``)

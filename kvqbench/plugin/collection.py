@@ -63,12 +63,30 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
     if state is None or state.expected is not None:
         return
     state.expected = list(nodeids)
+    problem = long_context_problem(config.stash[SETTINGS_KEY], nodeids)
+    if problem:
+        raise pytest.UsageError(problem)
     if nodeids:
         out = out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
         problem = check_writable(out)
         if problem:
             raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
                                     "(pass --kvq-out DIR with a writable folder)")
+
+
+def long_context_problem(s: Settings, nodeids: list[str]) -> str | None:
+    """One line when the collected cells hold long-tier cells (size ``long``) and the real model's context
+    is shorter than they need (:func:`kvqbench.experiments.longdecode.check_context`); ``None`` otherwise."""
+    cells = [parse_nodeid(n).cell for n in nodeids]
+    if not s.real or not any(c is not None and c.size == "long" for c in cells):
+        return None
+    from kvqbench.experiments.longdecode import CONFIG_BY_SIZE, check_context
+
+    try:
+        check_context(s.model, CONFIG_BY_SIZE["long"].context)
+    except (ImportError, OSError, ValueError) as e:
+        return f"kvqbench: --kvq-model {s.model}: {e}"
+    return None
 
 
 def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -111,6 +111,11 @@ def _select_layers(data, idx: list[int]):
                                k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
 
 
+#: cell sizes whose model source is calibrated like another size's end-to-end window (the long tier
+#: like the full-size cells)
+CALIBRATION_SIZE: dict[str, str] = {"long": "full"}
+
+
 @pytest.fixture
 def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
     """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
@@ -122,7 +127,8 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
     cache_dir = kvq_settings.capture_cache
     if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
         cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
-    where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[cell.size].window, "device": kvq_settings.device}
+    size = CALIBRATION_SIZE.get(cell.size, cell.size)
+    where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[size].window, "device": kvq_settings.device}
     fresh, t = not source_loaded(**where), time.time()
     src = load_source(**where, cache_dir=cache_dir)
     if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration

@@ -124,6 +124,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in (
         "smoke: tiny benchmark cells (the whole matrix in well under a minute on 2 CPU cores)",
         "full: benchmark cells at the real sizes (the main job)",
+        "long: long-context benchmark cells (the long tier: kvqbench run --long)",
         "real: needs the real-model KV capture (transformers + a model)",
         "kvq(experiment, **axes): a benchmark-cell test; the kvqbench plugin parametrizes its `cell` argument",
     ):

@@ -1,0 +1,266 @@
+"""Experiment 6 (long decode, free-running divergence, noise floor, passkey): the schedule, the metrics,
+the text cache and the controls.
+
+Tests marked ``real`` load SmolLM2 once per process (shared through ``load_model``'s cache) and run texts
+of at most 64 tokens; they are skipped with the reason when the real-model dependencies are missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from kvqbench.experiments import longdecode as LD
+from kvqbench.experiments import passkey as PK
+from kvqbench.experiments.endtoend import KVCacheHook
+from kvqbench.quantizers import create
+
+
+def _missing() -> str | None:
+    from kvqbench.data.capture import MissingDependencyError, _require_real_deps, default_model_path
+
+    try:
+        _require_real_deps(gguf=True, default_model=True)
+        default_model_path()
+    except MissingDependencyError as e:
+        return str(e)
+    return None
+
+
+_MISSING = _missing()
+
+
+def real(fn):
+    """Mark a test as needing the real model; skip it with the reason when the deps are missing."""
+    return pytest.mark.real(pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))(fn))
+
+
+#: the real tests' configuration: a 64-token text, one block after a 32-token prefill, one passkey length
+SMALL = LD.LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=32, free_tokens=4, noise_draws=1,
+                            passkey_lengths=(64,))
+
+
+# ------------------------------------------------------------------------------------------------
+# no model
+def test_config_rejects_a_schedule_with_a_short_last_arrival() -> None:
+    with pytest.raises(ValueError, match="multiple of block"):
+        LD.LongDecodeConfig(length=100, prompt=16, prefill=32, block=32)
+    with pytest.raises(ValueError, match="shorter than the text"):
+        LD.LongDecodeConfig(length=64, prompt=64, prefill=32, block=32)
+    with pytest.raises(ValueError, match="passkey_depths"):
+        LD.LongDecodeConfig(passkey_depths=(0.5, 1.5))
+    cfg = LD.LongDecodeConfig(length=128, prompt=16, prefill=64, block=32, free_tokens=8, passkey_lengths=(100,))
+    assert cfg.chunks() == [(0, 64), (64, 96), (96, 128)] and cfg.scored() == (63, 127) and cfg.context == 136
+
+
+def test_the_long_tier_decodes_at_least_2048_tokens_with_two_passkey_lengths_up_to_2048() -> None:
+    long = LD.CONFIG_BY_SIZE["long"]
+    assert long.length >= 2048 and len(long.passkey_lengths) >= 2 and max(long.passkey_lengths) >= 2048
+    assert set(long.passkey_depths) == {0.1, 0.5, 0.9}
+    smoke = LD.CONFIG_BY_SIZE["smoke"]
+    assert smoke.length <= 512 and max(smoke.passkey_lengths) <= 512
+
+
+def test_binned_means_are_the_means_of_each_bins_positions() -> None:
+    first, width = 5, 4
+    values = [float(first + i) for i in range(10)]  # value = position: a bin's mean is its middle position
+    got = LD.binned(values, first, width)
+    assert got["start"] == [5, 9, 13] and got["stop"] == [9, 13, 15]
+    assert got["mean"] == [(a + b - 1) / 2 for a, b in zip(got["start"], got["stop"])]
+
+
+def test_slope_per_1k_of_a_line_is_its_slope() -> None:
+    first = 127
+    values = [0.5 + 0.003 * (first + i) for i in range(300)]
+    assert LD.slope_per_1k(values, first) == pytest.approx(3.0, rel=1e-9)
+    with pytest.raises(ValueError):
+        LD.slope_per_1k([1.0], 0)
+
+
+def test_divergence_counts_tokens_until_the_first_difference() -> None:
+    assert LD._divergence(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 9, 4])) == (2, 0.75)
+    assert LD._divergence(torch.tensor([1, 2]), torch.tensor([1, 2])) == (2, 1.0)
+
+
+def test_perturbed_hook_moves_each_element_by_a_fixed_relative_factor() -> None:
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 2, 10, 8, generator=g)
+    v = torch.randn(1, 2, 10, 8, generator=g)
+    rel = 1e-3  # large enough to see; the cells use 1e-7
+
+    def run(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        h = LD.PerturbedHook(None, rel, seed)
+        return [h.update(0, k[..., :6, :], v[..., :6, :], k[..., :6, :], v[..., :6, :]),
+                h.update(0, k[..., 6:, :], v[..., 6:, :], k, v)]
+
+    (k1, v1), (k2, v2) = run(3)
+    assert torch.equal(k2[..., :6, :], k1) and torch.equal(v2[..., :6, :], v1)  # a token keeps its factor
+    ratio = torch.cat([(k2 / k).flatten(), (v2 / v).flatten()]) - 1
+    assert float(ratio.abs().max()) < 7 * rel and 0.5 * rel < float(ratio.std()) < 2 * rel
+    assert torch.equal(run(3)[1][0], k2) and not torch.equal(run(4)[1][0], k2)
+
+
+class _CharTokenizer:
+    """One token per character (its code point): every digit of the text is a token of its own."""
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.mark.parametrize("depth", [0.1, 0.5, 0.9])
+def test_passkey_prompt_holds_its_key_once_at_its_depth_and_the_answer_last(depth) -> None:
+    tok = _CharTokenizer()
+    p = PK.passkey_prompt(tok, 900, depth, random.Random(1))
+    text = "".join(chr(i) for i in p.ids)
+    assert p.length == 900 and len(p.key) == 5 and p.key.isdigit()
+    assert text.endswith("The pass key is " + p.key) and p.answer_tokens == 6  # " " + 5 digits
+    assert text.count(p.key) == 2 and sum(c.isdigit() for c in text) == 10  # key sentence and answer only
+    sentence = text.index(" The pass key is " + p.key + ".")
+    assert sentence == p.key_at
+    intro = len(PK._INTRO)
+    filler = 900 - intro - len(" The pass key is " + p.key + ". Remember it.") - len(PK._QUESTION) - 6
+    assert abs((p.key_at - intro) - depth * filler) <= max(len(s) for s in PK._FILLER)  # nearest sentence end
+
+
+def test_passkey_prompts_derive_from_the_seed() -> None:
+    tok = _CharTokenizer()
+    a = PK.passkey_prompts(tok, 0, (300, 400), (0.1, 0.9))
+    assert [p.length for p in a] == [300, 300, 400, 400] and [p.depth for p in a] == [0.1, 0.9, 0.1, 0.9]
+    assert a == PK.passkey_prompts(tok, 0, (300, 400), (0.1, 0.9))
+    assert [p.key for p in a] != [p.key for p in PK.passkey_prompts(tok, 1, (300, 400), (0.1, 0.9))]
+    with pytest.raises(ValueError, match="too short"):
+        PK.passkey_prompt(tok, 50, 0.5, random.Random(0))
+
+
+def test_answer_scores_are_log_probabilities_and_ranks() -> None:
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 5.0]])
+    got = PK.answer_scores(logits, [0, 2])  # token 0 is top-1 in row 0; token 2 ranks behind 3 and 1 in row 1
+    lp = torch.log_softmax(logits.double(), -1)
+    assert got["ranks"] == [0, 2] and got["match"] is False
+    assert got["logp_nats"] == pytest.approx(float(lp[0, 0] + lp[1, 2]), abs=1e-12)
+    assert PK.answer_scores(logits, [0, 3])["match"] is True
+
+
+def test_check_context_is_one_line() -> None:
+    with pytest.raises(LD.ContextTooShortError) as e:
+        LD.check_context("m", 4096, context=2048)
+    assert str(e.value) == "model m has a context of 2048 tokens, shorter than the 4096 tokens the long-decode cells need"
+    LD.check_context("m", 2048, context=2048)
+
+
+# ------------------------------------------------------------------------------------------------
+# the real model
+@pytest.fixture(scope="module")
+def src():
+    if _MISSING is not None:
+        pytest.skip(_MISSING)
+    from kvqbench.experiments.endtoend import load_source
+
+    torch.set_num_threads(1)
+    return load_source(model="smollm2", window=64)
+
+
+@real
+def test_model_context_reads_the_models_own_config(src) -> None:
+    assert LD.model_context("smollm2") == int(src.net.config.max_position_embeddings) >= 8192
+
+
+@real
+def test_the_text_is_generated_once_and_read_back_byte_identical(src, tmp_path, monkeypatch) -> None:
+    cfg = dataclasses.replace(SMALL, length=24, prompt=16, prefill=16, block=8)
+    ids = LD.long_text(src, 0, cfg, folder=tmp_path)
+    (path,) = tmp_path.glob("text-*-T24-seed0-*.json")
+    assert len(ids) == 24 and ids[:16] == src.window_ids(0)[:16]
+    assert json.loads(path.read_text())["sha256"] == LD._ids_sha(ids)
+    special = set(src.tokenizer.all_special_ids)
+    assert not special & set(ids[16:])  # the text runs to T: no end-of-text token
+    calls = []
+    monkeypatch.setattr(LD, "sample_continuation", lambda *a, **k: calls.append(1) or [])
+    assert LD.long_text(src, 0, cfg, folder=tmp_path) == ids and not calls  # read back, not generated
+    monkeypatch.undo()
+    obj = json.loads(path.read_text())
+    obj["ids"][20] += 1  # a file that does not hold what its hash says is generated again: the same text
+    path.write_text(json.dumps(obj))
+    assert LD.long_text(src, 0, cfg, folder=tmp_path) == ids
+
+
+@real
+def test_fp16_control_is_exact_in_every_regime(src) -> None:
+    (res,) = LD.run_longdecode_rows([create("fp16", 16, 16)], src, [0], SMALL)
+    m = res.metrics
+    assert (m["long_kl_nats"], m["long_kl_last_quarter_nats"], m["long_top1_last_quarter"], m["long_dloss_nats"]) \
+        == (0.0, 0.0, 1.0, 0.0)
+    assert res.series["kl_curve"]["mean"] == [0.0] * len(res.series["kl_curve"]["mean"])
+    assert res.extra["free_running"]["method"] == res.extra["free_running"]["reference"]
+    assert m["free_first_divergence_tokens"] == SMALL.free_tokens and m["free_match_share"] == 1.0
+    table = res.series["passkey"]
+    assert table["logp_nats"] == table["logp_ref_nats"] and m["passkey_logp_drop_nats"] == 0.0
+    assert m["long_bits_billed"] == 16.0
+    # the noise draw perturbs the exact cache: float noise alone, tiny but not zero
+    assert 0.0 < res.extra["noise"]["per_draw"]["long_kl_nats"][0] < 1e-6
+
+
+@real
+def test_a_quantized_method_damages_the_long_decode(src) -> None:
+    (res,) = LD.run_longdecode_rows([create("rtn_token", 2, 2)], src, [0], SMALL, passkey=False)
+    m = res.metrics
+    assert m["long_kl_nats"] > 0.1 and m["long_top1_last_quarter"] < 1.0
+    assert m["long_kl_noise_sd_nats"] > 0.0 and "passkey_match" not in m
+    assert res.extra["fp16_share_at_T"] == {"k": 0.0, "v": 0.0}
+
+
+@real
+def test_rtn_token_long_decode_equals_one_prefill_on_the_same_cache(src) -> None:
+    """Per-token statistics and no fp16 window: the long decode quantizes every token as one prefill of the
+    same text does. Checked in parts a rounding near-tie cannot break (the two schedules compute K/V with
+    float noise between them):
+
+    1. segment invariance — every layer's decoded cache equals one round trip of the very K/V it received;
+    2. the two caches differ per element by at most the inputs' own difference plus one quantization step;
+    3. the prefill's quantized cache, replayed through the long decode's schedule, gives the prefill's logits
+       up to the schedule's own float noise (the unquantized model's decode-vs-prefill difference)."""
+    cfg = SMALL
+    ids = LD.long_text(src, 0, cfg)
+    n_layers = src.n_layers
+    m = create("rtn_token", 4, 4)
+
+    def logits(chunks, hook) -> torch.Tensor:
+        parts: list[torch.Tensor] = []
+        LD.decode(src.net, [ids], chunks, hook, score=lambda a, lg: parts.append(lg[0]))
+        return torch.cat(parts, 0)
+
+    pre_hook = KVCacheHook([m] * n_layers, streaming=False)
+    pre = logits([(0, cfg.length)], pre_hook)
+    dec_hook = KVCacheHook([m] * n_layers, streaming=True)
+    logits(cfg.chunks(), dec_hook)
+    for layer in range(n_layers):
+        for kind, d, p in (("k", dec_hook.k[layer], pre_hook.k[layer]), ("v", dec_hook.v[layer], pre_hook.v[layer])):
+            x_dec, xh_dec, x_pre, xh_pre = d.x, d.x_hat, p.x, p.x_hat
+            assert torch.equal(xh_dec, m.dequantize(m.quantize(x_dec, kind))), (layer, kind)  # 1
+            rng = torch.maximum(x_dec.amax(-1, keepdim=True) - x_dec.amin(-1, keepdim=True),
+                                x_pre.amax(-1, keepdim=True) - x_pre.amin(-1, keepdim=True))
+            bound = (x_dec - x_pre).abs() + rng / (2**4 - 1) * (1 + 1e-5) + 1e-6
+            assert bool(((xh_dec - xh_pre).abs() <= bound).all()), (layer, kind)  # 2
+
+    class Replay:
+        def update(self, layer, k_new, v_new, k_all, v_all):
+            n = int(k_all.shape[-2])
+            return pre_hook.k[layer].x_hat[..., :n, :].to(k_all.dtype), pre_hook.v[layer].x_hat[..., :n, :].to(v_all.dtype)
+
+    replayed = logits(cfg.chunks(), Replay())
+    noise = float((logits(cfg.chunks(), None) - logits([(0, cfg.length)], None)).abs().max())
+    assert float((replayed - pre).abs().max()) <= 10 * noise + 1e-4  # 3
+    assert float((pre - logits([(0, cfg.length)], None)).abs().max()) > 1e-2  # 4 bits does something
+    assert [(s.start, s.stop) for s in dec_hook.k[0].segments] == cfg.chunks()
+
+
+@real
+def test_a_short_context_stops_before_any_text_is_generated(src, monkeypatch) -> None:
+    monkeypatch.setattr(src.net.config, "max_position_embeddings", 64)
+    monkeypatch.setattr(LD, "long_text", lambda *a, **k: pytest.fail("a text was generated"))
+    with pytest.raises(LD.ContextTooShortError, match="context of 64 tokens, shorter than the 68 tokens"):
+        LD.run_longdecode_rows([create("fp16", 16, 16)], src, [0], SMALL)
