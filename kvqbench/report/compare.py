@@ -51,7 +51,7 @@ __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "
            "render_comparison"]
 
 #: experiments whose values move between runs of the same seeds: the end-to-end run (docs/DESIGN.md §4)
-NOISY_EXPERIMENTS = frozenset({"exp5"})
+NOISY_EXPERIMENTS = frozenset({"exp5", "exp6"})
 _TIME_UNITS = {"s", "ms", "us", "µs", "ns", "gb/s", "bytes", "mib", "gib", "mb"}
 _TIME_NAME = re.compile(r"(latency|throughput|(^|_)time(_|$)|peak_mem|_(ms|us|ns|s)$|gbps|gb_s)")
 #: changes smaller than this (relative) are "unchanged" — float noise, not a result
