@@ -29,7 +29,7 @@ from kvqbench.numerics.rtn import PerToken, compute_dtype, dequantize_packed, qu
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
 
-__all__ = ["PolarQuant", "to_polar", "from_polar", "group_codes", "midpoints"]
+__all__ = ["PolarQuant", "to_polar", "from_polar", "wrap_angle", "group_codes", "midpoints"]
 
 TWO_PI = 2.0 * math.pi
 #: benchmark budget of one (min, max) pair: the min is a zero-point (FP16), the range a scale (FP8)
@@ -48,9 +48,15 @@ def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     rho = torch.hypot(a, b)
-    phi = torch.atan2(b, a)
+    return rho, wrap_angle(torch.atan2(b, a))
+
+
+@kernels.reference("polarquant.wrap_angle")
+def wrap_angle(phi: torch.Tensor) -> torch.Tensor:
+    """§3: atan2's angles ``(−π, π]`` (any shape) folded into ``[0, 2π)``: ``+2π`` where negative, then ``0``
+    where that rounds to ``2π``. ``phi`` is consumed: its storage may hold the result."""
     phi = torch.where(phi < 0, phi + TWO_PI, phi)
-    return rho, phi.masked_fill_(phi >= TWO_PI, 0.0)
+    return phi.masked_fill_(phi >= TWO_PI, 0.0)
 
 
 def from_polar(rho: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
