@@ -36,7 +36,7 @@ from typing import Any, Literal
 import torch
 
 from kvqbench.numerics.hadamard import hadamard_matrix
-from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
+from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
@@ -91,11 +91,6 @@ def qjl_matrix(seed: int, dim: int) -> torch.Tensor:
     """The seeded QJL matrix ``S`` ``(dim, dim)`` of i.i.d. N(0, 1): the second draw of the same
     generator as :func:`haar_orthogonal`. A fresh copy (float64, CPU)."""
     return _draws(seed, dim)[1].clone()
-
-
-def _lookup(cent: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``cent[idx]``: the centroid of every code (``idx`` uint8 ``(n, D)``)."""
-    return cent.index_select(0, idx.reshape(-1).to(torch.int32)).view(idx.shape)
 
 
 @register
@@ -214,7 +209,7 @@ class TurboQuant(Quantizer):
             idx = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
             qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
             if self.variant == "prod":  # ũ = Πᵀ c[idx], needed only for the residual
-                u_hat = _lookup(cent, idx) @ pi
+                u_hat = reconstruct(cent, idx) @ pi
         if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
             r = u if u_hat is None else u - u_hat
@@ -232,7 +227,7 @@ class TurboQuant(Quantizer):
         if mse_bits > 0:  # §3.1: ũ = Πᵀ c[idx]
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            u_hat = _lookup(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
+            u_hat = reconstruct(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
         if meta["variant"] == "prod":  # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
             signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
