@@ -231,8 +231,8 @@ class TurboQuant(Quantizer):
         if meta["variant"] == "prod":  # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
             signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
-            u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s)
-        return (u_hat * norm).reshape(qt.shape)  # times ‖x‖
+            u_hat.add_((math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s))
+        return u_hat.mul_(norm).reshape(qt.shape)  # times ‖x‖
 
     # ------------------------------------------------------------------------------------------
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
