@@ -35,13 +35,14 @@ from typing import Any, Literal
 
 import torch
 
+from kvqbench import kernels
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
-__all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix"]
+__all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix", "unit_rows"]
 
 MAX_BITS = 8
 VARIANTS = ("mse", "prod")
@@ -91,6 +92,20 @@ def qjl_matrix(seed: int, dim: int) -> torch.Tensor:
     """The seeded QJL matrix ``S`` ``(dim, dim)`` of i.i.d. N(0, 1): the second draw of the same
     generator as :func:`haar_orthogonal`. A fresh copy (float64, CPU)."""
     return _draws(seed, dim)[1].clone()
+
+
+@kernels.reference("turboquant.unit_rows")
+def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """§3 (unit vectors, norms stored apart): every row of ``x`` ``(n, D)`` (fp32/fp64) as ``u = x/‖x‖``
+    ``(n, D)`` (a zero row stays 0), its norm ``‖x‖`` ``(n, 1)`` and ``max|x|`` ``(n, 1)`` (which holds any NaN/Inf
+    of the row). Both are computed from ``x / 2^⌊log2 max|x|⌋`` (exact), so that the sum of squares neither
+    overflows nor underflows."""
+    amax = torch.maximum(x.amin(-1, keepdim=True).neg(), x.amax(-1, keepdim=True))
+    p = pow2_floor(amax)
+    u = x / p
+    norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+    u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
+    return u, norm * p, amax
 
 
 @register
@@ -192,15 +207,9 @@ class TurboQuant(Quantizer):
         qt = self._new_qt(x, kind, bits, **meta)
         cdt = compute_dtype(x.dtype)
         xf = x.to(cdt).reshape(-1, d)  # one row per token
-        # §3 (unit vectors, norms stored apart): ‖x‖ and u = x/‖x‖, computed from x / 2^⌊log2 max|x|⌋ (exact) so
-        # that the sum of squares neither overflows nor underflows; max|x| holds any NaN/Inf of the token
-        amax = torch.maximum(xf.amin(-1, keepdim=True).neg(), xf.amax(-1, keepdim=True))  # max|x|
+        u, norm, amax = unit_rows(xf)  # §3: unit vectors, norms stored apart
         check_finite(x, amax, name=kind.upper())
-        p = pow2_floor(amax)
-        u = xf / p
-        norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-        u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))  # a zero vector stays 0
-        qt.fields["norm"] = Stored((norm * p).reshape(*x.shape[:-1], 1), 16)
+        qt.fields["norm"] = Stored(norm.reshape(*x.shape[:-1], 1), 16)
         mse_bits = self._mse_bits(bits, self.variant)
         u_hat = None  # ũ, the MSE stage's reconstruction (none at b = 1 of the prod variant)
         if mse_bits > 0:  # §3.1, Algorithm 1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
