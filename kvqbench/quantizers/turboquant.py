@@ -35,7 +35,6 @@ from typing import Any, Literal
 
 import torch
 
-from kvqbench import kernels
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
 from kvqbench.numerics.rtn import compute_dtype
@@ -94,7 +93,6 @@ def qjl_matrix(seed: int, dim: int) -> torch.Tensor:
     return _draws(seed, dim)[1].clone()
 
 
-@kernels.reference("turboquant.unit_rows")
 def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """§3 (unit vectors, norms stored apart): every row of ``x`` ``(n, D)`` (fp32/fp64) as ``u = x/‖x‖``
     ``(n, D)`` (a zero row stays 0), its norm ``‖x‖`` ``(n, 1)`` and ``max|x|`` ``(n, 1)`` (which holds any NaN/Inf
