@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from kvqbench import kernels
 from kvqbench.numerics.rtn import PerToken, compute_dtype, dequantize_packed, quantize_packed
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 from kvqbench.quantizers.rtn import _check_group_size
 
-__all__ = ["PolarQuant", "to_polar", "from_polar"]
+__all__ = ["PolarQuant", "to_polar", "from_polar", "wrap_angle", "group_codes", "midpoints"]
 
 TWO_PI = 2.0 * math.pi
 #: benchmark budget of one (min, max) pair: the min is a zero-point (FP16), the range a scale (FP8)
@@ -47,15 +48,24 @@ def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     half = x.shape[-1] // 2
     a, b = x[..., :half], x[..., half:]
     rho = torch.hypot(a, b)
-    phi = torch.atan2(b, a)
+    return rho, wrap_angle(torch.atan2(b, a))
+
+
+@kernels.reference("polarquant.wrap_angle")
+def wrap_angle(phi: torch.Tensor) -> torch.Tensor:
+    """§3: atan2's angles ``(−π, π]`` (any shape) folded into ``[0, 2π)``: ``+2π`` where negative, then ``0``
+    where that rounds to ``2π``. ``phi`` is consumed: its storage may hold the result."""
     phi = torch.where(phi < 0, phi + TWO_PI, phi)
-    phi = torch.where(phi >= TWO_PI, torch.zeros_like(phi), phi)
-    return rho, phi
+    return phi.masked_fill_(phi >= TWO_PI, 0.0)
 
 
 def from_polar(rho: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
     """§3: the inverse of :func:`to_polar`: ``(…, P)``, ``(…, P)`` → ``(…, 2P)`` (``rho = 0`` gives exactly 0)."""
-    return torch.cat([rho * torch.cos(phi), rho * torch.sin(phi)], dim=-1)
+    p = phi.shape[-1]
+    out = torch.empty(*phi.shape[:-1], 2 * p, dtype=phi.dtype, device=phi.device)
+    torch.mul(rho, torch.cos(phi), out=out[..., :p])
+    torch.mul(rho, torch.sin(phi), out=out[..., p:])
+    return out
 
 
 def _floor_quantize(v: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
@@ -75,10 +85,28 @@ def _token_groups(v: torch.Tensor, g: int) -> torch.Tensor:
     return v.reshape(*v.shape[:-2], -1, g, v.shape[-1])
 
 
-def _midpoint(idx: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, bits: int) -> torch.Tensor:
-    """§4: the bin midpoint ``mn + (idx + ½)·s``."""
+@kernels.reference("polarquant.group_codes")
+def group_codes(v: torch.Tensor, g: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """§4 for one polar component ``v`` ``(B, H, T, P)`` (fp32 or fp64): the min and max of every pair over
+    each group of ``g`` consecutive tokens, ``(B, H, nG, 1, P)`` in ``v``'s dtype, and every value's code
+    ``(B, H, T, P)`` ``uint8`` in ``[0, 2**bits)`` (:func:`_floor_quantize`)."""
+    vg = _token_groups(v, g)
+    mn = vg.amin(dim=-2, keepdim=True)
+    mx = vg.amax(dim=-2, keepdim=True)
+    codes = _floor_quantize(vg, mn, mx, bits).reshape(*v.shape[:-2], -1, v.shape[-1])[..., : v.shape[-2], :]
+    return codes, mn, mx
+
+
+@kernels.reference("polarquant.midpoints")
+def midpoints(codes: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, g: int, bits: int) -> torch.Tensor:
+    """§4, decoding: every code ``(B, H, T, P)`` (integer) to its bin's midpoint ``mn + (idx + ½)·s``,
+    ``s = (mx − mn)/2**bits``, with ``mn``, ``mx`` ``(B, H, nG, 1, P)`` per group of ``g`` consecutive tokens;
+    ``(B, H, T, P)`` in ``mn``'s dtype."""
+    t = codes.shape[-2]
+    cg = _token_groups(codes, g)
     s = (mx - mn) / (1 << bits)
-    return (idx.to(mn.dtype) + 0.5) * s + mn
+    mid = (cg.to(mn.dtype) + 0.5) * s + mn
+    return mid.reshape(*cg.shape[:-3], -1, cg.shape[-1])[..., :t, :]
 
 
 @register
@@ -150,13 +178,9 @@ class PolarQuant(Quantizer):
                 f"polarquant pairs channels (j, j + D/2) as RoPE does and needs an even head_dim, got {d}"
             )
         qt = self._new_qt(x, kind, bits, group_size=self.group_size)
-        t, g = x.shape[-2], self.group_size
         rho, phi = to_polar(x.to(compute_dtype(x.dtype)))  # §3: (B, H, T, P), one (ρ, φ) per RoPE pair
         for name, v in (("rho", rho), ("phi", phi)):
-            vg = _token_groups(v, g)  # §4: groups of G tokens, (B, H, nG, G, P)
-            mn = vg.amin(dim=-2, keepdim=True)
-            mx = vg.amax(dim=-2, keepdim=True)
-            codes = _floor_quantize(vg, mn, mx, bits).reshape(*v.shape[:-2], -1, v.shape[-1])[..., :t, :]
+            codes, mn, mx = group_codes(v, self.group_size, bits)  # §4: min/max per group of G tokens, codes
             qt.add_codes(f"{name}_codes", codes, bits)
             qt.fields[f"{name}_min"] = Stored(mn.movedim(-1, -3), 16)  # (B, H, P, nG, 1)
             qt.fields[f"{name}_max"] = Stored(mx.movedim(-1, -3), 16)
@@ -177,12 +201,10 @@ class PolarQuant(Quantizer):
         if qt.kind == "v":
             return dequantize_packed(qt["codes"], qt.meta["codes.shape"], qt.meta["codes.bits"], qt["zero"],
                                      qt["scale"], PerToken())
-        t, g = qt.shape[-2], qt.meta["group_size"]
         polar = []
         for name in ("rho", "phi"):  # §4: every code decodes to its bin's midpoint
-            cg = _token_groups(qt.codes(f"{name}_codes", torch.uint8), g)
             mn, mx = qt[f"{name}_min"].movedim(-3, -1), qt[f"{name}_max"].movedim(-3, -1)  # (B, H, nG, 1, P)
-            polar.append(_midpoint(cg, mn, mx, qt.bits).reshape(*cg.shape[:-3], -1, cg.shape[-1])[..., :t, :])
+            polar.append(midpoints(qt.codes(f"{name}_codes", torch.uint8), mn, mx, qt.meta["group_size"], qt.bits))
         return from_polar(*polar)  # §3: back to the rotate-half pairs
 
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:

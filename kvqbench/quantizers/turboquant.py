@@ -36,12 +36,12 @@ from typing import Any, Literal
 import torch
 
 from kvqbench.numerics.hadamard import hadamard_matrix
-from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid
+from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
-__all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix"]
+__all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix", "unit_rows"]
 
 MAX_BITS = 8
 VARIANTS = ("mse", "prod")
@@ -93,9 +93,17 @@ def qjl_matrix(seed: int, dim: int) -> torch.Tensor:
     return _draws(seed, dim)[1].clone()
 
 
-def _lookup(cent: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``cent[idx]``: the centroid of every code (``idx`` uint8 ``(n, D)``)."""
-    return cent.index_select(0, idx.reshape(-1).to(torch.int32)).view(idx.shape)
+def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """§3 (unit vectors, norms stored apart): every row of ``x`` ``(n, D)`` (fp32/fp64) as ``u = x/‖x‖``
+    ``(n, D)`` (a zero row stays 0), its norm ``‖x‖`` ``(n, 1)`` and ``max|x|`` ``(n, 1)`` (which holds any NaN/Inf
+    of the row). Both are computed from ``x / 2^⌊log2 max|x|⌋`` (exact), so that the sum of squares neither
+    overflows nor underflows."""
+    amax = torch.maximum(x.amin(-1, keepdim=True).neg(), x.amax(-1, keepdim=True))
+    p = pow2_floor(amax)
+    u = x / p
+    norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
+    u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
+    return u, norm * p, amax
 
 
 @register
@@ -197,15 +205,9 @@ class TurboQuant(Quantizer):
         qt = self._new_qt(x, kind, bits, **meta)
         cdt = compute_dtype(x.dtype)
         xf = x.to(cdt).reshape(-1, d)  # one row per token
-        # §3 (unit vectors, norms stored apart): ‖x‖ and u = x/‖x‖, computed from x / 2^⌊log2 max|x|⌋ (exact) so
-        # that the sum of squares neither overflows nor underflows; max|x| holds any NaN/Inf of the token
-        amax = torch.maximum(xf.amin(-1, keepdim=True).neg(), xf.amax(-1, keepdim=True))  # max|x|
+        u, norm, amax = unit_rows(xf)  # §3: unit vectors, norms stored apart
         check_finite(x, amax, name=kind.upper())
-        p = pow2_floor(amax)
-        u = xf / p
-        norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
-        u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))  # a zero vector stays 0
-        qt.fields["norm"] = Stored((norm * p).reshape(*x.shape[:-1], 1), 16)
+        qt.fields["norm"] = Stored(norm.reshape(*x.shape[:-1], 1), 16)
         mse_bits = self._mse_bits(bits, self.variant)
         u_hat = None  # ũ, the MSE stage's reconstruction (none at b = 1 of the prod variant)
         if mse_bits > 0:  # §3.1, Algorithm 1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
@@ -214,7 +216,7 @@ class TurboQuant(Quantizer):
             idx = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
             qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
             if self.variant == "prod":  # ũ = Πᵀ c[idx], needed only for the residual
-                u_hat = _lookup(cent, idx) @ pi
+                u_hat = reconstruct(cent, idx) @ pi
         if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
             r = u if u_hat is None else u - u_hat
@@ -232,12 +234,12 @@ class TurboQuant(Quantizer):
         if mse_bits > 0:  # §3.1: ũ = Πᵀ c[idx]
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            u_hat = _lookup(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
+            u_hat = reconstruct(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
         if meta["variant"] == "prod":  # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
             s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
             signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
-            u_hat = u_hat + (math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s)
-        return (u_hat * norm).reshape(qt.shape)  # times ‖x‖
+            u_hat.add_((math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s))
+        return u_hat.mul_(norm).reshape(qt.shape)  # times ‖x‖
 
     # ------------------------------------------------------------------------------------------
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
