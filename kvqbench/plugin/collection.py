@@ -57,7 +57,7 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
     """Remember the collected cells (controller) and, when there are any, check before the first one runs
     that the results folder can be written (a one-line usage error otherwise)."""
     from kvqbench.plugin.results import out_dir
-    from kvqbench.report.results import check_writable
+    from kvqbench.report.results import run_folder_problem
 
     state = config.stash.get(STATE_KEY, None)
     if state is None or state.expected is not None:
@@ -68,10 +68,10 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
         raise pytest.UsageError(problem)
     if nodeids:
         out = out_dir(config, config.stash[SETTINGS_KEY], None, state.expected)
-        problem = check_writable(out)
+        problem = run_folder_problem(out)
         if problem:
             raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
-                                    "(pass --kvq-out DIR with a writable folder)")
+                                    "(pass --kvq-out DIR with a folder of your own)")
 
 
 def long_context_problem(s: Settings, nodeids: list[str]) -> str | None:

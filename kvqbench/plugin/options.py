@@ -173,12 +173,12 @@ def pytest_configure(config: pytest.Config) -> None:
             _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
     if s.out_dir is not None and not is_worker(config):  # an explicit folder: check it at once
         from kvqbench.plugin.results import out_dir
-        from kvqbench.report.results import check_writable
+        from kvqbench.report.results import run_folder_problem
 
-        problem = check_writable(out_dir(config, s, None))
+        problem = run_folder_problem(s.out_dir if not str(s.out_dir).strip() else out_dir(config, s, None))
         if problem:
             raise pytest.UsageError(f"kvqbench: cannot write results: {problem} "
-                                    "(pass --kvq-out DIR with a writable folder)")
+                                    "(pass --kvq-out DIR with a folder of your own)")
     config.stash[SETTINGS_KEY] = s
     config.stash[STATE_KEY] = SessionState(t0=time.time())
 

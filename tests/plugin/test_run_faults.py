@@ -150,7 +150,38 @@ def test_a_bad_results_folder_stops_the_run_before_any_cell(pytester, run, case)
     assert res.ret == pytest.ExitCode.USAGE_ERROR
     assert not run.marker.exists(), "a cell ran before the folder check"
     errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
-    assert errors == [f"ERROR: kvqbench: cannot write results: {want} (pass --kvq-out DIR with a writable folder)"]
+    assert errors == [f"ERROR: kvqbench: cannot write results: {want} (pass --kvq-out DIR with a folder of your own)"]
+
+
+@pytest.mark.parametrize("case", ["empty", "published"])
+def test_an_empty_or_published_results_folder_stops_the_run_before_any_cell(pytester, run, case):
+    """``--kvq-out ''`` would write into the current folder, and a published leaderboard folder is written
+    only by ``kvqbench publish``: both are one line before any cell, and a published folder is untouched."""
+    from kvqbench.report.publish import _FOLDER_README
+
+    if case == "empty":
+        target, want = "", "an empty folder name (it would write into the current folder)"
+    else:
+        pub = pytester.path / "leaderboard"
+        pub.mkdir()
+        (pub / "README.md").write_text(_FOLDER_README)
+        target = str(pub)
+        want = (f"{pub} holds a published leaderboard ({pub / 'README.md'} says so): run into another folder "
+                "and publish from there with kvqbench publish")
+    res = run("--kvq-out", target)
+    assert res.ret == pytest.ExitCode.USAGE_ERROR
+    assert not run.marker.exists(), "a cell ran before the folder check"
+    errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
+    assert errors == [f"ERROR: kvqbench: cannot write results: {want} (pass --kvq-out DIR with a folder of your own)"]
+    if case == "published":
+        assert sorted(q.name for q in pub.iterdir()) == ["README.md"]
+
+
+def test_pytest_help_lists_the_options(pytester) -> None:
+    """``pytest --help`` shows the plugin's options (no configure-time error on unparsed defaults)."""
+    res = pytester.runpytest_subprocess("--help")
+    assert res.ret == 0
+    assert any("--kvq-progress" in ln for ln in res.outlines)
 
 
 def test_a_model_without_real_cells_stops_the_run_before_any_cell(pytester, run):
