@@ -183,35 +183,35 @@ class Kitty(Quantizer):
         n_boost = boost_count(d, self.boost_fraction)
         if n_boost > 255:
             raise ValueError(f"{n_boost} boosted channels do not fit the uint8 channel map; lower boost_fraction")
-        # §4: pages of G tokens, (B, H, nP, D, G) channel-major; a partial last page padded with its last token
+        # §4: pages of G tokens, (B·H·nP, G, D) token-major; a partial last page padded with its last token
         n_pages = math.ceil(t / g)
         pad = n_pages * g - t
         xp = torch.cat([xf, xf[:, :, -1:].expand(b, h, pad, d)], dim=2) if pad else xf
-        pf = xp.reshape(b, h, n_pages, g, d).transpose(-1, -2).reshape(-1, d, g)  # (B·H·nP, D, G)
+        pf = xp.reshape(-1, g, d)  # page channels are its columns
         # §3: per page and head, the n_boost channels of largest mean |K| over the page's real tokens
         if pad:
             valid = (torch.arange(n_pages * g, device=x.device) < t).reshape(n_pages, g).to(pf.dtype)
             vmask = valid.repeat(b * h, 1)  # (B·H·nP, G)
-            score = (pf.abs() * vmask[:, None, :]).sum(-1) / vmask.sum(-1)[:, None]
+            score = (pf.abs() * vmask[:, :, None]).sum(1) / vmask.sum(-1)[:, None]
         else:
-            score = pf.abs().sum(-1) / g
+            score = pf.abs().sum(1) / g  # (B·H·nP, D)
         top = torch.topk(score, n_boost, dim=-1).indices  # slot j = j-th largest mean |K|
         cmap = torch.full(score.shape, n_boost, dtype=torch.int64, device=x.device)
         cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
         # §3: asym RTN per page channel, b + 2 bits for a boosted channel, b for the others
-        lo, hi = pf.amin(-1, keepdim=True), pf.amax(-1, keepdim=True)
+        lo, hi = pf.amin(1, keepdim=True), pf.amax(1, keepdim=True)  # (B·H·nP, 1, D)
         check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
-        levels = torch.where((cmap < n_boost).unsqueeze(-1), (1 << (bits + BOOST_EXTRA_BITS)) - 1,
+        levels = torch.where((cmap < n_boost).unsqueeze(1), (1 << (bits + BOOST_EXTRA_BITS)) - 1,
                              (1 << bits) - 1).to(pf.dtype)
         scale = _scale(lo, hi, levels)
         q = _asym_codes(pf, lo, scale, levels, torch.uint8 if bits + BOOST_EXTRA_BITS <= 8 else torch.int16)
         # §4: the low plane (b bits of every element, token-major) and the high plane (the top 2 bits of the
         # boosted channels, in slot order)
-        low = (q & ((1 << bits) - 1)).transpose(-1, -2).to(torch.uint8)  # (B·H·nP, G, D)
-        high = (torch.gather(q, 1, top.unsqueeze(-1).expand(-1, -1, g)) >> bits).to(torch.uint8)
+        low = (q & ((1 << bits) - 1)).to(torch.uint8)  # (B·H·nP, G, D)
+        high = (torch.gather(q, 2, top.unsqueeze(1).expand(-1, g, -1)) >> bits).to(torch.uint8)  # (…, G, n_boost)
         qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)
         qt.add_codes("low", low.reshape(b, h, n_pages * g, d)[:, :, :t], bits)
-        high = high.view(b, h, n_pages, n_boost, g).permute(0, 1, 3, 2, 4).reshape(b, h, n_boost, n_pages * g)
+        high = high.view(b, h, n_pages, g, n_boost).permute(0, 1, 4, 2, 3).reshape(b, h, n_boost, n_pages * g)
         qt.add_codes("high", high[..., :t], BOOST_EXTRA_BITS)
         qt.add_codes("channel_map", cmap.view(b, h, n_pages, d), _INDEX_BITS)
         qt.fields["scale"] = Stored(scale.view(b, h, n_pages, d), 16)
@@ -227,18 +227,21 @@ class Kitty(Quantizer):
         n_pages = scale.shape[2]
         pad = n_pages * g - t
         # the code of every element: the low plane, plus the high plane's top bits in boosted channels
-        low = torch.nn.functional.pad(qt.codes("low"), (0, 0, 0, pad))  # (B, H, nP·G, D)
-        q = low.view(b, h, n_pages, g, d).transpose(-1, -2).reshape(-1, d, g)  # (B·H·nP, D, G)
+        code = torch.uint8 if bits + BOOST_EXTRA_BITS <= 8 else torch.int16  # holds every full code
+        low = qt.codes("low", code)
+        low = torch.nn.functional.pad(low, (0, 0, 0, pad)) if pad else low  # (B, H, nP·G, D)
+        q = low.view(-1, g, d)  # (B·H·nP, G, D)
         if n_boost:
             cmap = qt.codes("channel_map").view(-1, d)  # slot, or n_boost for a plain channel
-            high = torch.nn.functional.pad(qt.codes("high"), (0, pad))  # (B, H, n_boost, nP·G)
-            high = high.view(b, h, n_boost, n_pages, g).permute(0, 1, 3, 2, 4).reshape(-1, n_boost, g)
+            high = qt.codes("high", code)
+            high = torch.nn.functional.pad(high, (0, pad)) if pad else high  # (B, H, n_boost, nP·G)
+            high = high.view(b, h, n_boost, n_pages, g).permute(0, 1, 3, 4, 2).reshape(-1, g, n_boost)
             # slot → channel (plain channels all land on the dropped slot n_boost)
             chan = torch.empty(cmap.shape[0], n_boost + 1, dtype=torch.int64, device=cmap.device)
             chan.scatter_(-1, cmap, torch.arange(d, device=cmap.device).expand_as(cmap))
-            q = q.scatter_add(1, chan[:, :n_boost].unsqueeze(-1).expand(-1, -1, g), high << bits)
-        xq = q.to(scale.dtype) * scale.reshape(-1, d, 1) + lo.reshape(-1, d, 1)  # §3: x̂ = q·scale + lo
-        return xq.transpose(-1, -2).reshape(b, h, n_pages * g, d)[:, :, :t]
+            q = q.scatter_add(2, chan[:, :n_boost].unsqueeze(1).expand(-1, g, -1), high << bits)
+        xq = q.to(scale.dtype) * scale.reshape(-1, 1, d) + lo.reshape(-1, 1, d)  # §3: x̂ = q·scale + lo
+        return xq.view(b, h, n_pages * g, d)[:, :, :t]
 
     # ------------------------------------------------------------------------------------------
     def _k_bits(self, bits: int, shape: tuple[int, int, int, int], aux: int) -> float:
