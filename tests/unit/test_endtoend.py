@@ -11,29 +11,13 @@ import math
 
 import pytest
 import torch
+from realmodel import MISSING, real
 
 from kvqbench.experiments import endtoend as E
 from kvqbench.quantizers import create
 from kvqbench.quantizers.fp16 import FP16
 
-
-def _missing() -> str | None:
-    from kvqbench.data.capture import MissingDependencyError, _require_real_deps, default_model_path
-
-    try:
-        _require_real_deps(gguf=True, default_model=True)
-        default_model_path()
-    except MissingDependencyError as e:
-        return str(e)
-    return None
-
-
-_MISSING = _missing()
-
-
-def real(fn):
-    """Mark a test as needing the real model; skip it with the reason when the deps are missing."""
-    return pytest.mark.real(pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))(fn))
+_MISSING = MISSING
 
 W = 48  # tokens of the hook tests' text
 P = 32

@@ -13,30 +13,14 @@ import random
 
 import pytest
 import torch
+from realmodel import MISSING, real
 
 from kvqbench.experiments import longdecode as LD
 from kvqbench.experiments import passkey as PK
 from kvqbench.experiments.endtoend import KVCacheHook
 from kvqbench.quantizers import create
 
-
-def _missing() -> str | None:
-    from kvqbench.data.capture import MissingDependencyError, _require_real_deps, default_model_path
-
-    try:
-        _require_real_deps(gguf=True, default_model=True)
-        default_model_path()
-    except MissingDependencyError as e:
-        return str(e)
-    return None
-
-
-_MISSING = _missing()
-
-
-def real(fn):
-    """Mark a test as needing the real model; skip it with the reason when the deps are missing."""
-    return pytest.mark.real(pytest.mark.skipif(_MISSING is not None, reason=str(_MISSING))(fn))
+_MISSING = MISSING
 
 
 #: the real tests' configuration: a 64-token text, one block after a 32-token prefill, one passkey length
