@@ -35,7 +35,7 @@ def _progress_interval(text: str) -> float:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     g = parser.getgroup("kvqbench", "kvqbench — KV-cache quantization benchmark")
-    g.addoption("--kvq-progress", action="store", default=10.0, type=_progress_interval, metavar="SECONDS",
+    g.addoption("--kvq-progress", action="store", default=10, type=_progress_interval, metavar="SECONDS",
                 help="print 'kvqbench: done/total tests, elapsed, ETA' at most every SECONDS (default 10; 0 = off)")
 
 
