@@ -97,7 +97,7 @@ class RoundTrip:
     v_qt: QuantizedTensor
 
     def tally(self, extra: dict) -> None:
-        """Add this round trip's non-finite counts to ``extra`` (:func:`tally_nonfinite`)."""
+        """Add the non-finite counts of the round trip to ``extra`` (:func:`tally_nonfinite`)."""
         tally_nonfinite(extra, k=self.k_hat, v=self.v_hat)
 
     @property
