@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
+
+# the checkout this script belongs to, not whichever kvqbench is installed (a script's own folder comes first)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 #: (batch, kv_heads, seq_len, head_dim, dtype, scale, seed)
 CASES = [

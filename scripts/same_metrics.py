@@ -23,7 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvqbench.report.compare import is_timing
+# the checkout this script belongs to, not whichever kvqbench is installed (a script's own folder comes first)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvqbench.report.compare import is_timing  # noqa: E402
 
 #: keys whose values are allowed to differ between two runs of the same cells
 VOLATILE = {"provenance", "duration_s", "extra", "start_time", "git_commit", "timings", "benchmark", "fit_ms",
