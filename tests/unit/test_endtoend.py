@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from realmodel import MISSING, real
+from realmodel import MISSING, Replay, check_decode_cache, real
 
 from kvqbench.experiments import endtoend as E
 from kvqbench.quantizers import create
@@ -158,26 +158,9 @@ def test_rtn_token_decode_equals_prefill_for_any_block(model, block) -> None:
     pre = E.run_model(net, ids, [(0, W)], pre_hook)
     dec_hook = E.KVCacheHook([m] * n_layers, streaming=True)
     E.run_model(net, ids, _decode_chunks(block), dec_hook)
-    for layer in range(n_layers):
-        for kind, d_stream, p_stream in (("k", dec_hook.k[layer], pre_hook.k[layer]),
-                                         ("v", dec_hook.v[layer], pre_hook.v[layer])):
-            x_dec, xh_dec = d_stream.x[..., :W, :], d_stream.x_hat[..., :W, :]
-            assert torch.equal(xh_dec, m.dequantize(m.quantize(x_dec, kind))), (layer, kind)  # 1
-            x_pre, xh_pre = p_stream.x[..., :W, :], p_stream.x_hat[..., :W, :]
-            rng = torch.maximum(x_dec.amax(-1, keepdim=True) - x_dec.amin(-1, keepdim=True),
-                                x_pre.amax(-1, keepdim=True) - x_pre.amin(-1, keepdim=True))
-            bound = (x_dec - x_pre).abs() + rng / (2**4 - 1) * (1 + 1e-5) + 1e-6
-            assert bool(((xh_dec - xh_pre).abs() <= bound).all()), (layer, kind)  # 2
+    check_decode_cache(m, 4, dec_hook, pre_hook, n_layers, length=W)  # 1, 2
 
-    class Replay:
-        """The prefill's quantized cache, handed out position by position as decode asks for it."""
-
-        def update(self, layer, k_new, v_new, k_all, v_all):
-            n = int(k_all.shape[-2])
-            return (pre_hook.k[layer].x_hat[..., :n, :].to(k_all.dtype),
-                    pre_hook.v[layer].x_hat[..., :n, :].to(v_all.dtype))
-
-    replayed = E.run_model(net, ids, _decode_chunks(block), Replay())
+    replayed = E.run_model(net, ids, _decode_chunks(block), Replay(pre_hook))
     noise = float((_plain(net, ids, _decode_chunks(block)) - _plain(net, ids, [(0, W)])).abs().max())
     assert float((replayed - pre).abs().max()) <= 10 * noise + 1e-4  # 3
     assert float((pre - _plain(net, ids, [(0, W)])).abs().max()) > 1e-2  # 4 bits does something

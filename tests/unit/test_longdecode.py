@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from realmodel import MISSING, real
+from realmodel import MISSING, Replay, check_decode_cache, real
 
 from kvqbench.experiments import longdecode as LD
 from kvqbench.experiments import passkey as PK
@@ -221,21 +221,9 @@ def test_rtn_token_long_decode_equals_one_prefill_on_the_same_cache(src) -> None
     pre = logits([(0, cfg.length)], pre_hook)
     dec_hook = KVCacheHook([m] * n_layers, streaming=True)
     logits(cfg.chunks(), dec_hook)
-    for layer in range(n_layers):
-        for kind, d, p in (("k", dec_hook.k[layer], pre_hook.k[layer]), ("v", dec_hook.v[layer], pre_hook.v[layer])):
-            x_dec, xh_dec, x_pre, xh_pre = d.x, d.x_hat, p.x, p.x_hat
-            assert torch.equal(xh_dec, m.dequantize(m.quantize(x_dec, kind))), (layer, kind)  # 1
-            rng = torch.maximum(x_dec.amax(-1, keepdim=True) - x_dec.amin(-1, keepdim=True),
-                                x_pre.amax(-1, keepdim=True) - x_pre.amin(-1, keepdim=True))
-            bound = (x_dec - x_pre).abs() + rng / (2**4 - 1) * (1 + 1e-5) + 1e-6
-            assert bool(((xh_dec - xh_pre).abs() <= bound).all()), (layer, kind)  # 2
+    check_decode_cache(m, 4, dec_hook, pre_hook, n_layers)  # 1, 2
 
-    class Replay:
-        def update(self, layer, k_new, v_new, k_all, v_all):
-            n = int(k_all.shape[-2])
-            return pre_hook.k[layer].x_hat[..., :n, :].to(k_all.dtype), pre_hook.v[layer].x_hat[..., :n, :].to(v_all.dtype)
-
-    replayed = logits(cfg.chunks(), Replay())
+    replayed = logits(cfg.chunks(), Replay(pre_hook))
     noise = float((logits(cfg.chunks(), None) - logits([(0, cfg.length)], None)).abs().max())
     assert float((replayed - pre).abs().max()) <= 10 * noise + 1e-4  # 3
     assert float((pre - logits([(0, cfg.length)], None)).abs().max()) > 1e-2  # 4 bits does something
