@@ -19,12 +19,20 @@ lives in :mod:`kvqbench.kernels.dense_sparse`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvqbench import kernels
 from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, sorted_samples
 
-__all__ = ["split", "normalize", "dense_mask", "quantize", "calibration_samples"]
+__all__ = ["outlier_count_per_tail", "split", "normalize", "dense_mask", "quantize", "calibration_samples"]
+
+
+def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
+    """Outliers kept per tail of a vector of ``n`` entries: ``round_half_up(outlier_frac/2 · n)``, capped so
+    at least one dense entry remains (``2·n_tail <= n − 1``)."""
+    return 0 if n <= 0 else max(0, min(int(math.floor(outlier_frac / 2 * n + 0.5)), (n - 1) // 2))
 
 
 def split(vec: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,57 +1,31 @@
-"""KVQuant — pre-RoPE per-channel keys, per-token values, non-uniform codebooks, dense-and-sparse outliers.
+"""KVQuant (Hooper et al., arXiv:2401.18079): pre-RoPE per-channel K (§3.1, §3.2), per-token V, per-layer
+non-uniform codebooks (§3.3) and per-vector dense-and-sparse outliers (§3.4).
 
-Based on Hooper et al., arXiv:2401.18079: §3.1 per-channel keys, §3.2 pre-RoPE keys, §3.3 non-uniform
-codebooks (sensitivity-weighted k-means, one per layer), §3.4 per-vector dense-and-sparse quantization.
-
-A *vector* is one K channel over the tokens or one V token over head_dim. Per vector (the reference step
-:func:`kvqbench.numerics.dense_sparse.quantize`):
-
-1. outliers: the ``n_tail = round(outlier_frac/2 · n)`` smallest and largest entries are kept exactly in a
-   sparse side store (§3.4);
-2. the dense range ``[lo, hi]`` of the rest gives ``m = (hi + lo)/2``, ``r = (hi − lo)/2`` and
-   ``y = clamp((x − m)/r, −1, 1)``;
-3. ``y`` snaps to the nearest of the ``2^b`` levels of the layer's codebook (§3.3); decode ``x̂ = c[q]·r + m``,
-   then the outliers are written back.
-
-Codebooks: weighted 1-D k-means on each layer's normalized dense calibration values, weighted by Fisher
-information when :meth:`KVQuant.fit` gets ``k_grad2``/``v_grad2``, else unweighted; a kind never fitted is
-fitted in-sample for that call only. Storage and bits (≈ 2.33 effective bits for K at nuq2, 1 %):
+A *vector* is one K channel over the tokens or one V token over head_dim. Per vector
+(:func:`kvqbench.numerics.dense_sparse.quantize`): the ``round(outlier_frac/2 · n)`` smallest and largest
+entries are kept exactly (§3.4); the rest's range ``[lo, hi]`` gives ``m = (hi + lo)/2``, ``r = (hi − lo)/2``,
+``y = clamp((x − m)/r, −1, 1)``, which snaps to the nearest of the layer codebook's ``2^b`` levels (§3.3);
+decode ``x̂ = c[q]·r + m`` and write the outliers back. Codebooks: 1-D k-means per layer on normalized dense
+calibration values, Fisher-weighted when :meth:`KVQuant.fit` gets squared gradients. Storage and bits:
 docs/DESIGN.md §7.5.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from kvqbench.numerics import dense_sparse
+from kvqbench.numerics.dense_sparse import outlier_count_per_tail
 from kvqbench.numerics.kmeans import SortedSamples, distinct_levels, kmeans_sorted
-from kvqbench.quantizers.base import (
-    Kind,
-    QuantizedTensor,
-    Quantizer,
-    Stored,
-    StreamPolicy,
-    check_finite,
-    register,
-    reuse,
-    validate_kv,
-)
+from kvqbench.quantizers.base import (Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, check_finite,
+                                     register, reuse, validate_kv)
 
 __all__ = ["KVQuant", "outlier_count_per_tail", "distinct_levels"]
 
 POINTER_BITS = 32
 VALUE_BITS = 16
-
-
-def outlier_count_per_tail(n: int, outlier_frac: float) -> int:
-    """Outliers kept per tail of a vector of ``n`` entries: ``round_half_up(outlier_frac/2 · n)``,
-    capped so at least one dense entry remains (``2·n_tail <= n − 1``)."""
-    if n <= 0:
-        return 0
-    return max(0, min(int(math.floor(outlier_frac / 2 * n + 0.5)), (n - 1) // 2))
 
 
 def _index_bits(n: int) -> int:
@@ -97,27 +71,17 @@ class KVQuant(Quantizer):
     local_stats = False
     finite_check = "stats"  # every element is a sparse outlier or inside its vector's dense [lo, hi]
     deltas = (
-        "Without squared gradients passed to fit() (synthetic data), the codebooks come from unweighted "
-        "k-means instead of Fisher-weighted k-means.",
-        "Calibration set: the benchmark fits the codebooks on an independent batch of the same source "
-        "(synthetic: the generator at another seed; real: the next seq_len tokens of the same text, with "
-        "their Fisher weights), not on the paper's separate calibration corpus; the scored tensor is "
-        "never the one the codebook was fitted on.",
-        "If quantize() is called for a kind that was never fitted, the codebook is fitted in-sample "
-        "(unweighted) on the tensor being quantized.",
-        "K's per-channel outlier thresholds and dense ranges are computed on the tensor being quantized "
-        "(the paper calibrates K's per-channel thresholds offline); outliers are chosen by count "
-        "(round(0.5% · n) per tail, by rank) rather than by a value threshold, so each vector holds "
-        "exactly the outliers it is billed for.",
-        "Outlier values and normalization parameters are held at working precision and billed as fp16; "
-        "outlier positions therefore reconstruct the input exactly.",
-        "k-means: weighted-quantile initialization, at most calib_samples values per layer (seeded "
-        "subsample), Lloyd iterations to convergence.",
-        "Q-Norm (re-normalizing the dequantized distribution) is not implemented.",
-        "Zero or constant vectors (half-range 0, decoded exactly by any codebook) get weight 0 in k-means, "
-        "and a layer whose data hold fewer distinct values than levels gets the missing levels by halving "
-        "the widest gaps of [−1, 1]: the codebook never repeats a level.",
-        "Attention-sink fp16 first token is an option, off by default.",
+        "Without squared gradients passed to fit() (synthetic data) the k-means is unweighted, not Fisher-weighted.",
+        "Codebooks are fitted on an independent batch of the same source (synthetic: another seed; real: the "
+        "next seq_len tokens, with their Fisher weights), not on a separate calibration corpus; a kind never "
+        "fitted is fitted in-sample (unweighted) on the tensor being quantized.",
+        "K's per-channel outliers and dense ranges are computed on the tensor being quantized, not calibrated "
+        "offline; outliers are chosen by count (round(0.5% · n) per tail), not by a value threshold.",
+        "Outlier values and normalization parameters are billed as fp16; outliers reconstruct exactly.",
+        "k-means: weighted-quantile initialization, a seeded subsample of at most calib_samples values per "
+        "layer, Lloyd iterations to convergence; zero or constant vectors get weight 0, and missing distinct "
+        "levels are made by halving the widest gaps of [−1, 1].",
+        "Q-Norm is not implemented; the attention-sink fp16 first token is an option, off by default.",
     )
 
     def __init__(
@@ -132,14 +96,16 @@ class KVQuant(Quantizer):
         calib_samples: int | None = 1 << 18,
     ) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        if not isinstance(outlier_frac, (int, float)) or not 0 <= float(outlier_frac) < 1:
-            raise ValueError(f"outlier_frac must be in [0, 1), got {outlier_frac!r}")
-        if not isinstance(attention_sink, bool):
-            raise ValueError(f"attention_sink must be a bool, got {attention_sink!r}")
-        if not isinstance(kmeans_iters, int) or kmeans_iters < 0:
-            raise ValueError(f"kmeans_iters must be an int >= 0, got {kmeans_iters!r}")
-        if calib_samples is not None and (not isinstance(calib_samples, int) or calib_samples < 1):
-            raise ValueError(f"calib_samples must be a positive int or None, got {calib_samples!r}")
+        for ok, nm, val, want in (
+            (isinstance(outlier_frac, (int, float)) and 0 <= float(outlier_frac) < 1, "outlier_frac", outlier_frac,
+             "in [0, 1)"),
+            (isinstance(attention_sink, bool), "attention_sink", attention_sink, "a bool"),
+            (isinstance(kmeans_iters, int) and kmeans_iters >= 0, "kmeans_iters", kmeans_iters, "an int >= 0"),
+            (calib_samples is None or (isinstance(calib_samples, int) and calib_samples >= 1), "calib_samples",
+             calib_samples, "a positive int or None"),
+        ):
+            if not ok:
+                raise ValueError(f"{nm} must be {want}, got {val!r}")
         self.outlier_frac = float(outlier_frac)
         self.attention_sink = attention_sink
         self.kmeans_iters = kmeans_iters
@@ -148,22 +114,12 @@ class KVQuant(Quantizer):
         self._fisher: dict[str, bool] = {}
 
     def params(self) -> dict[str, Any]:
-        return {
-            **super().params(),
-            "outlier_frac": self.outlier_frac,
-            "attention_sink": self.attention_sink,
-            "kmeans_iters": self.kmeans_iters,
-            "calib_samples": self.calib_samples,
-        }
+        return {**super().params(), **{nm: getattr(self, nm) for nm in
+                                       ("outlier_frac", "attention_sink", "kmeans_iters", "calib_samples")}}
 
     def stream_policy(self, kind: Kind) -> StreamPolicy:
         """The first token stays fp16 when ``attention_sink`` is on; nothing else."""
         return StreamPolicy(sink_tokens=1 if self.attention_sink else 0)
-
-    @property
-    def fitted(self) -> dict[str, bool]:
-        """kind → whether a codebook was fitted (value: Fisher-weighted or not is in ``fisher_weighted``)."""
-        return {k: k in self._codebooks for k in ("k", "v")}
 
     @property
     def fisher_weighted(self) -> dict[str, bool]:
@@ -191,43 +147,37 @@ class KVQuant(Quantizer):
         return vec.reshape(b_, h, d, t).transpose(-1, -2) if kind == "k" else vec.reshape(b_, h, t, d)
 
     # --- calibration -------------------------------------------------------------------------
-    def _samples(self, x: torch.Tensor, kind: str, grad2: torch.Tensor | None) -> SortedSamples:
-        """The k-means data of every layer of the calibration tensor ``x`` (§3.3): its normalized dense values,
-        weighted by ``grad2`` (:func:`kvqbench.numerics.dense_sparse.calibration_samples`; seeded subsample)."""
-        vec = self._vectors(self._body(x).to(torch.float32), kind)
-        w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
-        return dense_sparse.calibration_samples(vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac), w,
-                                                max_samples=self.calib_samples,
-                                                generator=torch.Generator().manual_seed(self.seed))
-
     def _subsampled(self, shape: tuple[int, ...], kind: str) -> bool:
-        """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (then the
-        samples depend on the seed)."""
-        if self.calib_samples is None:
-            return False
+        """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (only then does
+        the seed matter)."""
         _, h, t, d = shape
-        t = t - 1 if self.attention_sink else t
+        t -= int(self.attention_sink)
         n_vec, n = (h * d, t) if kind == "k" else (h * t, d)
-        return n_vec * (n - 2 * outlier_count_per_tail(n, self.outlier_frac)) > self.calib_samples
+        dense = n_vec * (n - 2 * outlier_count_per_tail(n, self.outlier_frac))
+        return self.calib_samples is not None and dense > self.calib_samples
 
     def seeded_for(self, shape: tuple[int, ...]) -> bool:
-        """The seed enters only through k-means' subsample (:meth:`_subsampled`): ``False`` for tensors of
-        ``shape`` (and any with fewer tokens: the dense count grows with the tokens) whose K and V codebooks
-        are fitted on all their dense values."""
-        if len(shape) != 4:
-            return True
-        return any(self.bits_for(kind) < 16 and self._subsampled(tuple(shape), kind)  # type: ignore[arg-type]
-                   for kind in ("k", "v"))
+        """``False`` for tensors of ``shape`` (or fewer tokens) whose K and V codebooks are fitted on all
+        their dense values: the seed enters only through k-means' subsample."""
+        return len(shape) != 4 or any(self.bits_for(kind) < 16 and self._subsampled(tuple(shape), kind)
+                                      for kind in ("k", "v"))  # type: ignore[arg-type]
 
     def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None,
                       scratch: dict | None = None, grad2_src: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-layer codebook ``[B, 2^b]`` (§3.3) from the calibration tensor ``x`` (Fisher weights ``grad2``),
-        its levels strictly increasing (:func:`distinct_levels`). The sorted k-means data depend neither on
-        the bit width nor, without subsampling, on the seed: shared through ``scratch`` (:func:`reuse`)."""
+        """Per-layer codebook ``[B, 2^b]`` (§3.3), levels strictly increasing (:func:`distinct_levels`), from
+        k-means on the normalized dense values of the calibration tensor ``x`` weighted by ``grad2``
+        (:func:`kvqbench.numerics.dense_sparse.calibration_samples`), sorted once per ``scratch``."""
+        def samples() -> SortedSamples:
+            vec = self._vectors(self._body(x).to(torch.float32), kind)
+            w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
+            return dense_sparse.calibration_samples(
+                vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac), w,
+                max_samples=self.calib_samples, generator=torch.Generator().manual_seed(self.seed))
+
         key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
                self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
-        samples = reuse(scratch, key, (x, grad2_src), lambda: self._samples(x, kind, grad2))
-        return distinct_levels(kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters))
+        return distinct_levels(kmeans_sorted(reuse(scratch, key, (x, grad2_src), samples), 2**bits,
+                                             n_iter=self.kmeans_iters))
 
     @torch.no_grad()
     def fit(
@@ -240,24 +190,12 @@ class KVQuant(Quantizer):
         scratch: dict | None = None,
         **calib: Any,
     ) -> "KVQuant":
-        """Fit one codebook per layer for K (pre-RoPE) and/or V on calibration tensors.
-
-        Args:
-            k, v: ``(layers, kv_heads, seq_len, head_dim)`` calibration tensors (either may be None).
-            k_grad2, v_grad2: squared gradients of the loss w.r.t. ``k``/``v`` (Fisher information),
-                same shapes; when given, k-means is weighted by them (arXiv:2401.18079 §3.3).
-            scratch: optional dict that lives as long as these calibration tensors (e.g. the calibration
-                batch's :attr:`~kvqbench.data.types.KVData.cache`): the sorted k-means data, which depend
-                neither on the bit width nor (without subsampling) on the seed, are kept there and reused
-                by later fits on the same tensor objects (checked by identity and in-place version), so
-                the fits of every bit width and seed sort the data once. The codebooks are the same, bit
-                for bit, as without it.
-            **calib: other calibration data is ignored.
-        Returns:
-            ``self``.
-        Raises:
-            TypeError / ValueError: invalid tensors, or a gradient whose shape differs from its tensor.
-        """
+        """Fit one codebook per layer (§3.3) for K (pre-RoPE) and/or V on ``(layers, kv_heads, seq_len,
+        head_dim)`` calibration tensors ``k``/``v`` (either may be None), Fisher-weighted by the squared
+        gradients ``k_grad2``/``v_grad2`` (same shapes) when given. ``scratch``: see :func:`base.reuse` — the
+        sorted k-means data, independent of bit width and (without subsampling) of the seed, are sorted once
+        per calibration tensor; the codebooks are bit-identical without it. Other ``calib`` is ignored.
+        Returns ``self``. Raises TypeError / ValueError: invalid tensors, or a gradient of another shape."""
         for kind, x, g in (("k", k, k_grad2), ("v", v, v_grad2)):
             if x is None:
                 continue
@@ -296,15 +234,10 @@ class KVQuant(Quantizer):
         else:
             qt.meta["codebook"] = "fisher" if self._fisher.get(kind) else "calibrated"
         cb = cb.to(device=x.device, dtype=torch.float32)
-        if cb.shape[-1] != 2**bits:
-            raise ValueError(f"fitted {kind} codebook has {cb.shape[-1]} centroids, need {2**bits}; refit")
-        if cb.shape[0] == 1 and x.shape[0] > 1:
-            cb = cb.expand(x.shape[0], -1)
-        if cb.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"{kind} codebook was fitted on {cb.shape[0]} layers but the tensor has {x.shape[0]} "
-                "(dim 0 is the layer axis); fit on tensors with the same number of layers"
-            )
+        if cb.shape[-1] != 2**bits or cb.shape[0] not in (1, x.shape[0]):
+            raise ValueError(f"{kind} codebook {tuple(cb.shape)} needs {2**bits} levels for each of the tensor's "
+                             f"{x.shape[0]} layers (dim 0 is the layer axis); fit on tensors like this one")
+        cb = cb.expand(x.shape[0], -1)
         vec = self._vectors(body, kind)  # K per channel (§3.1), V per token
         n_vec, n = vec.shape[1:]
         codes, out_idx, mid, half, outlier_value = dense_sparse.quantize(  # outliers, normalize, snap (§3.4)

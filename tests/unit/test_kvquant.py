@@ -7,6 +7,7 @@ import torch
 
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
+from kvqbench.numerics import dense_sparse
 from kvqbench.quantizers.kvquant import KVQuant, outlier_count_per_tail
 
 
@@ -252,13 +253,13 @@ def test_fit_scratch_shares_the_sorted_data_and_changes_no_codebook(monkeypatch)
     k, v = _x((2, 2, 300, 16), 1), _x((2, 2, 300, 16), 2)
     g2 = _x((2, 2, 300, 16), 3) ** 2
     calls = []
-    orig = KVQuant._samples
+    orig = dense_sparse.calibration_samples
 
-    def counting(self, *a, **kw):
-        calls.append(self.seed)
-        return orig(self, *a, **kw)
+    def counting(*a, generator, **kw):
+        calls.append(generator.initial_seed())
+        return orig(*a, generator=generator, **kw)
 
-    monkeypatch.setattr(KVQuant, "_samples", counting)
+    monkeypatch.setattr(dense_sparse, "calibration_samples", counting)
     scratch: dict = {}
     for seed in (0, 1):
         for bits in (2, 3, 4):
