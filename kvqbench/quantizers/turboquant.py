@@ -213,14 +213,14 @@ class TurboQuant(Quantizer):
         if mse_bits > 0:  # §3.1, Algorithm 1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
-            idx = nearest_centroid(u @ pi.T, thr, dtype=torch.uint8)
+            idx = nearest_centroid(u @ pi.T.contiguous(), thr, dtype=torch.uint8)  # Πᵀ laid out for the product
             qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
             if self.variant == "prod":  # ũ = Πᵀ c[idx], needed only for the residual
                 u_hat = reconstruct(cent, idx) @ pi
         if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
             s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
             r = u if u_hat is None else u - u_hat
-            qt.add_codes("qjl", (r @ s.T >= 0).to(torch.uint8).reshape(x.shape), 1)
+            qt.add_codes("qjl", (r @ s.T.contiguous() >= 0).to(torch.uint8).reshape(x.shape), 1)
             res_norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
             qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
         return qt
