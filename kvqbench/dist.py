@@ -69,6 +69,10 @@ TAIL_LINES = 40
 SHARD_LOG = "pytest.log"
 #: seconds the driver waits for a cluster's port to accept a TCP connection before it gives up
 PROBE_TIMEOUT_S = 5.0
+#: seconds a join may take once the address's port answers (``$KVQBENCH_RAY_JOIN_TIMEOUT`` overrides): past
+#: them the run stops with one line — a port that accepts connections but is not a Ray head keeps Ray's
+#: native client retrying for minutes
+JOIN_TIMEOUT_S = 60.0
 
 
 def strip_option(args: list[str], name: str, *, has_value: bool = True) -> tuple[list[str], str | None]:
@@ -196,6 +200,23 @@ def _joining() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _join_timeout() -> float:
+    try:
+        return max(0.1, float(os.environ.get("KVQBENCH_RAY_JOIN_TIMEOUT", JOIN_TIMEOUT_S)))
+    except ValueError:
+        return JOIN_TIMEOUT_S
+
+
+def _give_up(address: str, log: Callable[[str], None]) -> None:
+    """The join took longer than :func:`_join_timeout`: one line, exit 2 (Ray's retries run in native code
+    that a Python exception would not stop)."""
+    log(f"kvqbench run --ray {address}: the port answers but no Ray cluster joined within {_join_timeout():g} s: "
+        "is the address a Ray head's GCS port (`ray start --head`, default 6379) or, with ray://, its Ray "
+        "Client server (10001)?")
+    sys.stdout.flush()
+    os._exit(2)
+
+
 def _refusal(address: str, e: BaseException) -> str:
     """One line for a join that ``ray.init`` refused with ``e``."""
     chain, cur = [], e
@@ -308,7 +329,16 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
     t0 = time.time()
     try:
         with _joining() if address else contextlib.nullcontext():
-            ray.init(**init)
+            watchdog = None
+            if address:
+                watchdog = threading.Timer(_join_timeout(), _give_up, args=(address, log))
+                watchdog.daemon = True
+                watchdog.start()
+            try:
+                ray.init(**init)
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
     except Exception as e:  # a join Ray refuses (ConnectionError, RuntimeError, its AuthenticationError …)
         if not address:
             raise

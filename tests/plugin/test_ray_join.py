@@ -124,3 +124,16 @@ def test_ctrl_c_ends_a_join_that_ray_keeps_retrying(tmp_path):
                 proc.wait()
             for c in held:
                 c.close()
+
+
+def test_a_port_that_answers_but_is_not_ray_ends_in_one_line_after_the_join_timeout(tmp_path):
+    """The same port as above, left alone: past ``$KVQBENCH_RAY_JOIN_TIMEOUT`` seconds the run says so in
+    one line and exits 2 on its own."""
+    with socket.socket() as server:
+        server.bind(("0.0.0.0", 0))
+        server.listen(16)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        r, seconds, lines = _run_ray(address, tmp_path, KVQBENCH_RAY_JOIN_TIMEOUT="4")
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    assert lines[0].startswith(f"kvqbench run --ray {address}: the port answers but no Ray cluster joined within 4 s")
+    assert 4 <= seconds < 4 + 30 and not (tmp_path / "out").exists()
