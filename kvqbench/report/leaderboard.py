@@ -234,9 +234,10 @@ def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
 
 
 def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``."""
+    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``, with the
+    methods whose 95% CI overlaps it (``ties``, :func:`best_at_budgets`)."""
     return [{"budget": m["budget"], "method": m["method"], "setting": m["setting"], "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"], "runner_up": m["runner_up"]}
+             PARETO_QUALITY: m["quality"], "ties": m["ties"], "runner_up": m["runner_up"]}
             for m in _exp1_front(stats_src, budgets)["matched_budget"]]
 
 
@@ -342,6 +343,8 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             # which tensor metrics predict model damage (exp5 against exp1–exp3), None without exp5
             "predictivity": predictivity(st, catalog),
         }
+    from kvqbench.report.headline import choose_headline, headline_budget
+
     headline = choose_headline(sources, catalog)
     for src in sources.values():
         src["headline"] = headline_budget(src["stats"], headline, catalog)
@@ -464,18 +467,57 @@ def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", qualit
             and (q["bits"] < p["bits"] or q["quality"] < p["quality"]) for q in pts)
         if p["on_front"]:
             front.append({k: p[k] for k in ("method", "setting", "bits", "quality")})
-    matched = []
-    for b in budgets:
-        ok = sorted((p for p in pts if p["bits"] <= b + 1e-9), key=lambda p: (p["quality"], p["bits"], p["method"]))
-        matched.append({"budget": b, "method": ok[0]["method"] if ok else None,
-                        "setting": ok[0]["setting"] if ok else None, "bits": ok[0]["bits"] if ok else None,
-                        "quality": ok[0]["quality"] if ok else None,
-                        "runner_up": ok[1]["method"] if len(ok) > 1 else None})
+    matched = [{"budget": r["budget"], "method": r["method"], "setting": r["setting"], "bits": r["bits"],
+                "quality": r["value"], "ties": r["ties"], "runner_up": r["runner_up"]}
+               for r in best_at_budgets([{**p, "mean": p["quality"]} for p in pts], budgets)]
     return {"experiment": experiment, "quality": quality, "bits": bits, "points": pts, "front": front,
             "matched_budget": matched}
 
 
-__all__ += ["pareto_metric", "FP16_ACCUMULATION_TOL"]
+def best_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] = BUDGETS, *, better: str = "lower",
+                    floor: float = 0.0) -> list[dict[str, Any]]:
+    """The best point at each bits budget ``≤ b`` and the methods tied with it.
+
+    Args:
+        points: ``{method, setting, bits, mean, ci95}`` (``ci95`` ``None`` for one seed).
+        budgets: bits/element budgets.
+        better: the direction of ``mean`` (``lower``, ``higher``, ``zero``).
+        floor: a noise floor in the units of ``mean``: intervals are widened by it (0: the 95% CIs alone).
+
+    Each method is represented by its best point within the budget (ties broken by fewer bits). The best
+    has the best mean (then fewer bits, then name); every other method whose interval ``mean ± (ci95 +
+    floor)`` overlaps the best's is a tie (the overlap rule of :func:`rankings`). Returns per budget
+    ``{"budget", "method", "setting", "bits", "value", "ci95", "ties": [{method, setting, bits, value,
+    ci95}] (best mean first), "runner_up"}`` (the second method, tied or not; ``method`` ``None`` when no
+    point fits).
+    """
+    out = []
+    for b in budgets:
+        own: dict[str, dict[str, Any]] = {}
+        for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
+                        key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"], p["setting"])):
+            own.setdefault(p["method"], p)
+        ranked = sorted(own.values(), key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"]))
+        if not ranked:
+            out.append({"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
+                        "ties": [], "runner_up": None})
+            continue
+
+        def iv(p: dict[str, Any]) -> tuple[float, float]:
+            lo, hi = _interval({"mean": p["mean"], "ci95": (p["ci95"] or 0.0) + floor}, better)
+            return lo, hi
+
+        top = ranked[0]
+        lo, hi = iv(top)
+        ties = [{"method": p["method"], "setting": p["setting"], "bits": p["bits"], "value": p["mean"], "ci95": p["ci95"]}
+                for p in ranked[1:] if not (iv(p)[0] > hi or iv(p)[1] < lo)]
+        out.append({"budget": b, "method": top["method"], "setting": top["setting"], "bits": top["bits"],
+                    "value": top["mean"], "ci95": top["ci95"], "ties": ties,
+                    "runner_up": ranked[1]["method"] if len(ranked) > 1 else None})
+    return out
+
+
+__all__ += ["pareto_metric", "best_at_budgets", "FP16_ACCUMULATION_TOL"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -594,61 +636,4 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
     return out
 
 
-#: the headline metric when no end-to-end run says which tensor metric predicts damage best
-DEFAULT_HEADLINE_METRIC = PARETO_QUALITY
-
-
-def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = None) -> dict[str, Any]:
-    """The leaderboard's headline metric: the scale-free tensor metric (comparable across layers and
-    models, docs/DESIGN.md §2) with the highest pooled Spearman ρ against the first predictivity target
-    (within-bit-width ρ where only one bit width ran) on a source that ran exp5; ``rel_mse`` (with
-    ``from_predictivity: False``) when none did. Pooled, because the headline compares methods across bit
-    widths at matched budgets."""
-    catalog = catalog or {}
-    for src_name in sorted(sources, key=lambda s: (s != "real", s)):
-        pr = sources[src_name].get("predictivity") or {}
-        by_group = (pr.get("targets") or {}).get(PREDICTIVITY_TARGETS[0]) or {}
-        group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-        rows = [r for r in by_group.get(group, []) if r["rho"] is not None
-                and (catalog.get(r["metric"]) or {}).get("scale_free", True)] if group else []
-        if rows:
-            best = rows[0]
-            return {"metric": best["metric"], "experiment": best["experiment"], "rho": best["rho"],
-                    "ci95": best["ci95"], "group": group, "target": PREDICTIVITY_TARGETS[0], "source": src_name,
-                    "from_predictivity": True}
-    return {"metric": DEFAULT_HEADLINE_METRIC, "experiment": "exp1", "rho": None, "ci95": None, "group": None,
-            "target": PREDICTIVITY_TARGETS[0], "source": None, "from_predictivity": False}
-
-
-def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
-                    budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best method at each matched effective-bits budget on the headline metric, with its end-to-end
-    KL (mean over seeds, ``None`` where exp5 did not run that setting).
-
-    Bits: exp1's effective bits of the same (method, setting) — for a pseudo-decode metric (``decode_*``)
-    the bits a decoding cache bills (exp2 ``decode_bits_effective``). Exact 16-bit settings are not
-    budget points. Same selection rule as :func:`pareto_metric`, on the metric's badness (its
-    better-direction); ``quality`` in the rows is the metric's own mean.
-    """
-    metric, exp = headline["metric"], headline["experiment"]
-    better = (catalog.get(metric) or {}).get("better", "lower")
-    bits_exp, bits_name = ("exp2", "decode_bits_effective") if metric.startswith("decode_") else ("exp1", "bits_effective")
-    merged: dict[str, Any] = {}
-    for m, by in stats_src.get(exp, {}).items():
-        for s, metrics in by.items():
-            b = stats_src.get(bits_exp, {}).get(m, {}).get(s, {}).get(bits_name)
-            if metric in metrics and b is not None and not is_exact_setting(s):
-                e = metrics[metric]
-                merged.setdefault(m, {})[s] = {"quality": {**e, "mean": rank_key(better, e["mean"])}, "bits": b}
-    rows = pareto_metric({"h": merged}, experiment="h", quality="quality", bits="bits", budgets=budgets)["matched_budget"]
-    e2e = stats_src.get("exp5", {})
-    for r in rows:
-        if r["method"]:
-            r["quality"] = stats_src[exp][r["method"]][r["setting"]][metric]["mean"]
-        ent = e2e.get(r["method"], {}).get(r["setting"], {}).get(headline["target"]) if r["method"] else None
-        r["e2e_kl"] = ent["mean"] if ent else None
-        r["e2e_kl_ci95"] = ent["ci95"] if ent else None
-    return rows
-
-
-__all__ += ["PREDICTIVITY_TARGETS", "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows", "choose_headline", "headline_budget"]
+__all__ += ["PREDICTIVITY_TARGETS", "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows"]

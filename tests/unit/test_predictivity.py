@@ -14,10 +14,10 @@ from scipy.stats import spearmanr
 from kvqbench.report.leaderboard import (
     PREDICTIVITY_TARGETS,
     assemble,
-    choose_headline,
     predictivity,
     spearman_rows,
 )
+from kvqbench.report.headline import choose_headline
 from kvqbench.report.markdown import render_markdown
 from kvqbench.report.publish import render_digest
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
