@@ -130,7 +130,8 @@ def headline_rule(stats_src: dict[str, Any], predictivity_src: dict[str, Any] | 
         top = rows[0]  # predictivity lists rows best first (ρ to 12 decimals, then name)
         return {**base, "metric": top["metric"], "experiment": top["experiment"], "rho": top["rho"], "ci95": top["ci95"],
                 "default_measured": False, "replaced_default": True, "challenger": None}
-    settings = ([s for s in by_group if s != "pooled"] if group == "pooled" else [group])
+    settings = (list((predictivity_src or {}).get("pooled_settings") or [s for s in by_group if s != "pooled"])
+                if group == "pooled" else [group])
     settings = sorted(settings, key=setting_order)
     n_boot = (predictivity_src or {}).get("n_boot") or PREDICTIVITY_BOOTSTRAP
     seed = (predictivity_src or {}).get("seed", PREDICTIVITY_SEED)

@@ -581,7 +581,8 @@ def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, 
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
                  seed: int = PREDICTIVITY_SEED) -> dict[str, Any] | None:
     """Spearman ρ between every scalar tensor metric of exp1–exp3 and the end-to-end KL of exp5, across
-    methods, within each bit width and pooled over bit widths, with a bootstrap 95 % CI over methods.
+    methods, within each bit width and pooled over the bit widths that at least 4 methods ran
+    (``pooled_settings``), with a bootstrap 95 % CI over methods.
 
     A point is one (method, setting) that has both the metric and the target (means over seeds); variant
     settings are left out, and so are exact points (target exactly 0: the fp16 control, 16-bit
@@ -590,7 +591,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
     ``higher`` metrics negated, ``zero`` metrics by magnitude), so ρ > 0 means "more tensor error, more
     model damage"; bits/element metrics are budgets, not errors, and are left out. A group needs at least
     4 methods. Returns ``None`` without exp5; else ``{"targets": {target: {group: [rows best first]}},
-    "groups", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
+    "groups", "pooled_settings", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
     n_points}`` (``rho`` ``None`` when undefined).
     """
     e2e = stats_src.get("exp5") or {}
@@ -610,7 +611,10 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
         if not pts:
             continue
         settings = sorted({s for _, s in pts}, key=setting_order)
-        groups = [(s, [s]) for s in settings] + ([("pooled", settings)] if len(settings) > 1 else [])
+        # pooled over the settings that enough methods ran (a width run for a few methods only, such as
+        # exp5's 8 bits, would otherwise leave only those methods in the pooled group)
+        pooled = [s for s in settings if sum(1 for _, s2 in pts if s2 == s) >= PREDICTIVITY_MIN_METHODS]
+        groups = [(s, [s]) for s in settings] + ([("pooled", pooled)] if len(pooled) > 1 else [])
         by_group: dict[str, list[dict[str, Any]]] = {}
         for gname, gset in groups:
             rows = []
@@ -632,6 +636,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                 by_group[gname] = rows
                 groups_seen.add(gname)
         out["targets"][target] = by_group
+        out.setdefault("pooled_settings", pooled if len(pooled) > 1 else [])
     out["groups"] = sorted(groups_seen - {"pooled"}, key=setting_order) + (["pooled"] if "pooled" in groups_seen else [])
     return out
 

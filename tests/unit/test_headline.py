@@ -145,3 +145,34 @@ def test_best_at_budgets_ties_follow_the_overlap_rule():
     assert r2["method"] == "x" and [t["method"] for t in r2["ties"]] == ["y"]
     assert r3["method"] == "w" and r3["ties"] == []  # one seed: a point; nothing within it
     assert [t["method"] for t in best_at_budgets(pts, (2.0,), floor=0.1)[0]["ties"]] == ["y", "z"]
+
+
+def test_a_width_run_for_a_few_methods_joins_the_budgets_not_the_pooled_predictivity():
+    """exp5 at 8 bits for three lean methods only (their 8-bit cache fits 8.25 bits): the ≤ 8.25 budget
+    ranks on their measured 8-bit KL, while predictivity stays pooled over the widths every method ran."""
+    perfect = {m: v / 3 for m, v in KL.items()}
+    recs = _records(perfect, perfect)
+    lean = ("a", "c", "f")  # overheads 0, 0.25, 0.125 bits
+    for m in lean:
+        for seed in (0, 1):
+            recs.append(_rec("exp5", m, 8, seed, "real", {"e2e_prefill_kl_nats": KL[m] / 256 * (1 + 0.01 * seed),
+                                                          "e2e_prefill_bits_billed": 8 + OVERHEAD[m]}))
+    b = _board(recs)
+    pr = b["sources"]["real"]["predictivity"]
+    assert pr["pooled_settings"] == ["k2v2", "k4v4"] and "k8v8" not in pr["groups"]
+    row = next(r for r in b["sources"]["real"]["headline"] if r["budget"] == 8.25)
+    assert (row["method"], row["setting"]) == ("f", "k8v8")  # the lowest 8-bit KL of the three
+    assert b["headline"]["metric"] == DEFAULT
+
+
+def test_budget_bits_run_only_where_they_can_be_a_budget_point():
+    """exp5's marker adds 8 bits for the methods whose 8-bit cache fits 8.25 bits/element: per-tensor RTN
+    (two parameters per tensor) does; per-token RTN (fp16 parameters for every 64-element token) and the
+    fp16 control do not."""
+    pytest.importorskip("torch")
+    from kvqbench.plugin.collection import BUDGET_SHAPE, fits_largest_budget
+
+    assert BUDGET_SHAPE[-1] == 64
+    assert fits_largest_budget("rtn_tensor", 8)
+    assert not fits_largest_budget("rtn_token", 8) and not fits_largest_budget("fp16", 8)
+    assert fits_largest_budget("rtn_token", 4)  # 4 bits + its overhead is well within 8.25
