@@ -190,8 +190,8 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     """The best method at each matched bits/element budget of one source, with its ties.
 
     Ranked on the end-to-end target (``headline["target"]``, e.g. ``e2e_prefill_kl_nats``) where this
-    source has it, else on the headline tensor metric (its better-direction). Exact settings (16 bits, the
-    fp16 control's KL of 0), variant settings and short entries are not budget points.
+    source has it, else on the headline tensor metric (its better-direction). Exact (16-bit) settings, variant
+    settings and short entries are not budget points; the fp16 control bills 16 bits and fits no budget.
 
     Returns one row per budget: ``{"budget", "criterion", "method", "setting", "bits", "value", "ci95",
     "ties": [{method, setting, bits, value, ci95}], "quality", "quality_ci95", "e2e_kl", "e2e_kl_ci95"}``
@@ -208,8 +208,6 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
         for s, metrics in by.items():
             e = metrics.get(crit)
             if e is None or is_short(e) or not is_plain_setting(s) or is_exact_setting(s):
-                continue
-            if has_e2e and e["mean"] == 0 and m == "fp16":
                 continue
             b = _bits_of(stats_src, m, s, crit)
             if b is not None:
