@@ -425,9 +425,10 @@ def _listed(items: list, n: int = 5) -> str:
 
 
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
-    """A short table per source: methods ranked by the board's headline metric (the tensor metric that
-    best predicts end-to-end damage, ``board["headline"]``; relative MSE when that source did not record
-    it) at the lowest bit-width that ran, with effective bits and, where exp5 ran, the end-to-end KL."""
+    """A short table per source at the lowest bit-width that ran: methods ranked by the end-to-end KL where
+    exp5 measured it (as the first screen of ``LEADERBOARD.md``), else by the board's headline tensor metric
+    (``board["headline"]``; relative MSE when that source did not record it), with the headline metric and
+    effective bits beside."""
     board = canonical(board)
     out = []
     comp = board.get("completeness") or {}
@@ -444,23 +445,28 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
             continue
         s = settings[0]
 
-        eff, e2e = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
-                    for name in ("bits_effective", "e2e_prefill_kl_nats"))
+        target = head.get("target") or "e2e_prefill_kl_nats"
+        eff, e2e, tensor = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
+                            for name in ("bits_effective", target, metric))
+        # where the end-to-end KL was measured the table ranks on it, like the first screen of LEADERBOARD.md
+        ranked = src["rankings"][target]["by_setting"][s] if e2e else rk["by_setting"][s]
         rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
-                 fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
-                + ([fmt(e2e.get(r["method"], {}).get("mean"))] if e2e else [])
-                for r in rk["by_setting"][s][:max_rows]]
+                 *([fmt(r["mean"], r["ci95"])] if e2e else []),
+                 fmt(tensor.get(r["method"], {}).get("mean"), tensor.get(r["method"], {}).get("ci95")),
+                 fmt(eff.get(r["method"], {}).get("mean"))]
+                for r in ranked[:max_rows]]
         flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
         label = f"headline {metric}" if metric == head.get("metric") else metric
         why = f"{rk.get('experiment', '?')}"
         if metric == head.get("metric") and head.get("from_predictivity") and head.get("rho") is not None:
             on = f" on {head['source']}" if head.get("source") and head["source"] != src_name else ""
             why += f"; Spearman rho {head['rho']:.2f} with {head.get('target')}{on}"
-        out.append(f"kvqbench [{src_name}] {label} ({why}) at {s} (cells: {_cells_text(src['cells'])})"
+        by = f"ranked by end-to-end KL ({target}), {label} ({why}) beside it" if e2e else f"{label} ({why})"
+        out.append(f"kvqbench [{src_name}] {by} at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
         if not head.get("from_predictivity"):  # docs/DESIGN.md §4: the headline follows predictivity, which needs exp5
             out.append(f"  (relative MSE: {no_predictivity_reason(board)}, so it cannot pick the tensor metric that "
                        "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
-        out.append(tabulate(rows, headers=["rank", "method", metric, "bits eff."] + (["e2e KL (nats)"] if e2e else []),
+        out.append(tabulate(rows, headers=["rank", "method", *(["e2e KL (nats)"] if e2e else []), metric, "bits eff."],
                             tablefmt="simple"))
     return "\n".join(out)
