@@ -176,3 +176,17 @@ def test_budget_bits_run_only_where_they_can_be_a_budget_point():
     assert fits_largest_budget("rtn_tensor", 8)
     assert not fits_largest_budget("rtn_token", 8) and not fits_largest_budget("fp16", 8)
     assert fits_largest_budget("rtn_token", 4)  # 4 bits + its overhead is well within 8.25
+
+
+def test_terminal_table_ranks_real_data_as_the_first_screen_does():
+    """The table printed after a run ranks real data on the measured KL (f before c, d, e), not on the
+    tensor metric that disagrees with it, and shows that metric beside it."""
+    from kvqbench.report.markdown import render_terminal
+
+    perfect = {m: v / 3 for m, v in KL.items()}
+    tensor = dict(perfect, f=0.9)
+    text = render_terminal(_board(_records(tensor, tensor)))
+    real = text.split("kvqbench [synthetic]")[0].splitlines()
+    assert "ranked by end-to-end KL (e2e_prefill_kl_nats)" in real[0] and DEFAULT in real[1]
+    order = [ln.split()[1] for ln in real[3:]]
+    assert order == sorted(KL, key=KL.get)  # lowest KL first
