@@ -404,7 +404,7 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
 
 
 def _tied(b: dict[str, Any]) -> str:
-    """``\`kvquant\` = \`kitty\``` for a matched-budget row with ties; ``—`` when no point fits."""
+    """The best method and its ties as ``a = b`` (method ids in backticks); ``—`` when no point fits."""
     if not b.get("method"):
         return "—"
     return " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b.get("ties") or [])])

@@ -11,13 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
+from kvqbench.report.headline import choose_headline
 from kvqbench.report.leaderboard import (
     PREDICTIVITY_TARGETS,
     assemble,
     predictivity,
     spearman_rows,
 )
-from kvqbench.report.headline import choose_headline
 from kvqbench.report.markdown import render_markdown
 from kvqbench.report.publish import render_digest
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
