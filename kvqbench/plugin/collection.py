@@ -122,6 +122,23 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
         config.hook.pytest_deselected(items=deselected)
 
 
+#: the K/V shape ``(batch, kv_heads, seq_len, head_dim)`` on which a marker's ``budget_bits`` are held
+#: against the largest matched budget: a 64-wide head over 1024 tokens (SmolLM2's head, the narrowest of
+#: the models, where per-element overheads weigh most)
+BUDGET_SHAPE = (1, 1, 1024, 64)
+
+
+def fits_largest_budget(method: str, bits: int) -> bool:
+    """Whether ``method`` at ``bits`` (K and V) can be a matched-budget point: its nominal bits per element
+    on :data:`BUDGET_SHAPE`, mean of K and V, are at most the largest budget
+    (:data:`kvqbench.report.leaderboard.BUDGETS`)."""
+    from kvqbench.quantizers import create
+    from kvqbench.report.leaderboard import BUDGETS
+
+    q = create(method, bits)
+    return (q.nominal_bits("k", BUDGET_SHAPE) + q.nominal_bits("v", BUDGET_SHAPE)) / 2 <= BUDGETS[-1] + 1e-9
+
+
 def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
     from kvqbench.quantizers import get, registry
 
@@ -136,6 +153,9 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
     # command line always wins, for every experiment
     bits = list(s.bits) if s.bits_explicit or not marker.kwargs.get("bits") else list(marker.kwargs["bits"])
     pairs = [(b, b) for b in bits]
+    # widths an experiment adds only for the methods that can be a matched-budget point there (its marker's
+    # ``budget_bits``, e.g. 8: the largest budget, 8.25 bits, fits only the leanest methods at 8 bits)
+    extra = [] if s.bits_explicit else [b for b in marker.kwargs.get("budget_bits") or () if b not in bits]
     variants: dict[str, tuple] = marker.kwargs.get("variants") or {}
     combos: list[tuple[tuple[str, Any], ...]] = [()]
     for axis, values in variants.items():
@@ -147,10 +167,11 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
         sources = [src for src in sources if src in only_sources]
     sizes = marker.kwargs.get("sizes") or ("smoke", "full")
     cells = []
+    fits: dict[tuple[str, int], bool] = {}
     for size in sizes:
         for src in sources:
             for m in methods:
-                for kb, vb in pairs:
+                for kb, vb in pairs + [(b, b) for b in extra if fits.setdefault((m, b), fits_largest_budget(m, b))]:
                     for var in combos:
                         for seed in seeds:
                             cells.append(Cell(exp, m, kb, vb, seed, src, size, var))

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
-from kvqbench.cells import is_exact_setting, is_plain_setting, parse_nodeid, setting_order, setting_tag
+from kvqbench.cells import is_plain_setting, parse_nodeid, setting_order, setting_tag
 from kvqbench.metrics import rank_key
 
 __all__ = [
@@ -234,9 +234,10 @@ def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
 
 
 def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``."""
+    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``, with the
+    methods whose 95% CI overlaps it (``ties``, :func:`best_at_budgets`)."""
     return [{"budget": m["budget"], "method": m["method"], "setting": m["setting"], "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"], "runner_up": m["runner_up"]}
+             PARETO_QUALITY: m["quality"], "ties": m["ties"], "runner_up": m["runner_up"]}
             for m in _exp1_front(stats_src, budgets)["matched_budget"]]
 
 
@@ -342,6 +343,8 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             # which tensor metrics predict model damage (exp5 against exp1–exp3), None without exp5
             "predictivity": predictivity(st, catalog),
         }
+    from kvqbench.report.headline import choose_headline, headline_budget
+
     headline = choose_headline(sources, catalog)
     for src in sources.values():
         src["headline"] = headline_budget(src["stats"], headline, catalog)
@@ -464,18 +467,57 @@ def pareto_metric(stats_src: dict[str, Any], *, experiment: str = "exp2", qualit
             and (q["bits"] < p["bits"] or q["quality"] < p["quality"]) for q in pts)
         if p["on_front"]:
             front.append({k: p[k] for k in ("method", "setting", "bits", "quality")})
-    matched = []
-    for b in budgets:
-        ok = sorted((p for p in pts if p["bits"] <= b + 1e-9), key=lambda p: (p["quality"], p["bits"], p["method"]))
-        matched.append({"budget": b, "method": ok[0]["method"] if ok else None,
-                        "setting": ok[0]["setting"] if ok else None, "bits": ok[0]["bits"] if ok else None,
-                        "quality": ok[0]["quality"] if ok else None,
-                        "runner_up": ok[1]["method"] if len(ok) > 1 else None})
+    matched = [{"budget": r["budget"], "method": r["method"], "setting": r["setting"], "bits": r["bits"],
+                "quality": r["value"], "ties": r["ties"], "runner_up": r["runner_up"]}
+               for r in best_at_budgets([{**p, "mean": p["quality"]} for p in pts], budgets)]
     return {"experiment": experiment, "quality": quality, "bits": bits, "points": pts, "front": front,
             "matched_budget": matched}
 
 
-__all__ += ["pareto_metric", "FP16_ACCUMULATION_TOL"]
+def best_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] = BUDGETS, *, better: str = "lower",
+                    floor: float = 0.0) -> list[dict[str, Any]]:
+    """The best point at each bits budget ``≤ b`` and the methods tied with it.
+
+    Args:
+        points: ``{method, setting, bits, mean, ci95}`` (``ci95`` ``None`` for one seed).
+        budgets: bits/element budgets.
+        better: the direction of ``mean`` (``lower``, ``higher``, ``zero``).
+        floor: a noise floor in the units of ``mean``: intervals are widened by it (0: the 95% CIs alone).
+
+    Each method is represented by its best point within the budget (ties broken by fewer bits). The best
+    has the best mean (then fewer bits, then name); every other method whose interval ``mean ± (ci95 +
+    floor)`` overlaps the best's is a tie (the overlap rule of :func:`rankings`). Returns per budget
+    ``{"budget", "method", "setting", "bits", "value", "ci95", "ties": [{method, setting, bits, value,
+    ci95}] (best mean first), "runner_up"}`` (the second method, tied or not; ``method`` ``None`` when no
+    point fits).
+    """
+    out = []
+    for b in budgets:
+        own: dict[str, dict[str, Any]] = {}
+        for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
+                        key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"], p["setting"])):
+            own.setdefault(p["method"], p)
+        ranked = sorted(own.values(), key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"]))
+        if not ranked:
+            out.append({"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
+                        "ties": [], "runner_up": None})
+            continue
+
+        def iv(p: dict[str, Any]) -> tuple[float, float]:
+            lo, hi = _interval({"mean": p["mean"], "ci95": (p["ci95"] or 0.0) + floor}, better)
+            return lo, hi
+
+        top = ranked[0]
+        lo, hi = iv(top)
+        ties = [{"method": p["method"], "setting": p["setting"], "bits": p["bits"], "value": p["mean"], "ci95": p["ci95"]}
+                for p in ranked[1:] if not (iv(p)[0] > hi or iv(p)[1] < lo)]
+        out.append({"budget": b, "method": top["method"], "setting": top["setting"], "bits": top["bits"],
+                    "value": top["mean"], "ci95": top["ci95"], "ties": ties,
+                    "runner_up": ranked[1]["method"] if len(ranked) > 1 else None})
+    return out
+
+
+__all__ += ["pareto_metric", "best_at_budgets", "FP16_ACCUMULATION_TOL"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -539,7 +581,8 @@ def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, 
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
                  seed: int = PREDICTIVITY_SEED) -> dict[str, Any] | None:
     """Spearman ρ between every scalar tensor metric of exp1–exp3 and the end-to-end KL of exp5, across
-    methods, within each bit width and pooled over bit widths, with a bootstrap 95 % CI over methods.
+    methods, within each bit width and pooled over the bit widths that at least 4 methods ran
+    (``pooled_settings``), with a bootstrap 95 % CI over methods.
 
     A point is one (method, setting) that has both the metric and the target (means over seeds); variant
     settings are left out, and so are exact points (target exactly 0: the fp16 control, 16-bit
@@ -548,7 +591,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
     ``higher`` metrics negated, ``zero`` metrics by magnitude), so ρ > 0 means "more tensor error, more
     model damage"; bits/element metrics are budgets, not errors, and are left out. A group needs at least
     4 methods. Returns ``None`` without exp5; else ``{"targets": {target: {group: [rows best first]}},
-    "groups", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
+    "groups", "pooled_settings", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
     n_points}`` (``rho`` ``None`` when undefined).
     """
     e2e = stats_src.get("exp5") or {}
@@ -568,7 +611,10 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
         if not pts:
             continue
         settings = sorted({s for _, s in pts}, key=setting_order)
-        groups = [(s, [s]) for s in settings] + ([("pooled", settings)] if len(settings) > 1 else [])
+        # pooled over the settings that enough methods ran (a width run for a few methods only, such as
+        # exp5's 8 bits, would otherwise leave only those methods in the pooled group)
+        pooled = [s for s in settings if sum(1 for _, s2 in pts if s2 == s) >= PREDICTIVITY_MIN_METHODS]
+        groups = [(s, [s]) for s in settings] + ([("pooled", pooled)] if len(pooled) > 1 else [])
         by_group: dict[str, list[dict[str, Any]]] = {}
         for gname, gset in groups:
             rows = []
@@ -590,65 +636,9 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                 by_group[gname] = rows
                 groups_seen.add(gname)
         out["targets"][target] = by_group
+        out.setdefault("pooled_settings", pooled if len(pooled) > 1 else [])
     out["groups"] = sorted(groups_seen - {"pooled"}, key=setting_order) + (["pooled"] if "pooled" in groups_seen else [])
     return out
 
 
-#: the headline metric when no end-to-end run says which tensor metric predicts damage best
-DEFAULT_HEADLINE_METRIC = PARETO_QUALITY
-
-
-def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = None) -> dict[str, Any]:
-    """The leaderboard's headline metric: the scale-free tensor metric (comparable across layers and
-    models, docs/DESIGN.md §2) with the highest pooled Spearman ρ against the first predictivity target
-    (within-bit-width ρ where only one bit width ran) on a source that ran exp5; ``rel_mse`` (with
-    ``from_predictivity: False``) when none did. Pooled, because the headline compares methods across bit
-    widths at matched budgets."""
-    catalog = catalog or {}
-    for src_name in sorted(sources, key=lambda s: (s != "real", s)):
-        pr = sources[src_name].get("predictivity") or {}
-        by_group = (pr.get("targets") or {}).get(PREDICTIVITY_TARGETS[0]) or {}
-        group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-        rows = [r for r in by_group.get(group, []) if r["rho"] is not None
-                and (catalog.get(r["metric"]) or {}).get("scale_free", True)] if group else []
-        if rows:
-            best = rows[0]
-            return {"metric": best["metric"], "experiment": best["experiment"], "rho": best["rho"],
-                    "ci95": best["ci95"], "group": group, "target": PREDICTIVITY_TARGETS[0], "source": src_name,
-                    "from_predictivity": True}
-    return {"metric": DEFAULT_HEADLINE_METRIC, "experiment": "exp1", "rho": None, "ci95": None, "group": None,
-            "target": PREDICTIVITY_TARGETS[0], "source": None, "from_predictivity": False}
-
-
-def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
-                    budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best method at each matched effective-bits budget on the headline metric, with its end-to-end
-    KL (mean over seeds, ``None`` where exp5 did not run that setting).
-
-    Bits: exp1's effective bits of the same (method, setting) — for a pseudo-decode metric (``decode_*``)
-    the bits a decoding cache bills (exp2 ``decode_bits_effective``). Exact 16-bit settings are not
-    budget points. Same selection rule as :func:`pareto_metric`, on the metric's badness (its
-    better-direction); ``quality`` in the rows is the metric's own mean.
-    """
-    metric, exp = headline["metric"], headline["experiment"]
-    better = (catalog.get(metric) or {}).get("better", "lower")
-    bits_exp, bits_name = ("exp2", "decode_bits_effective") if metric.startswith("decode_") else ("exp1", "bits_effective")
-    merged: dict[str, Any] = {}
-    for m, by in stats_src.get(exp, {}).items():
-        for s, metrics in by.items():
-            b = stats_src.get(bits_exp, {}).get(m, {}).get(s, {}).get(bits_name)
-            if metric in metrics and b is not None and not is_exact_setting(s):
-                e = metrics[metric]
-                merged.setdefault(m, {})[s] = {"quality": {**e, "mean": rank_key(better, e["mean"])}, "bits": b}
-    rows = pareto_metric({"h": merged}, experiment="h", quality="quality", bits="bits", budgets=budgets)["matched_budget"]
-    e2e = stats_src.get("exp5", {})
-    for r in rows:
-        if r["method"]:
-            r["quality"] = stats_src[exp][r["method"]][r["setting"]][metric]["mean"]
-        ent = e2e.get(r["method"], {}).get(r["setting"], {}).get(headline["target"]) if r["method"] else None
-        r["e2e_kl"] = ent["mean"] if ent else None
-        r["e2e_kl_ci95"] = ent["ci95"] if ent else None
-    return rows
-
-
-__all__ += ["PREDICTIVITY_TARGETS", "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows", "choose_headline", "headline_budget"]
+__all__ += ["PREDICTIVITY_TARGETS", "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows"]

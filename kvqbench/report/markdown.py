@@ -170,7 +170,7 @@ def render_markdown(board: dict[str, Any]) -> str:
             lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
             lines += ["### Effective bits per element (K and V mean)", "", _headline_matrix(src, board, "bits_effective"), ""]
             settings = _settings(exp1)
-            lines += ["### Rankings at each bit-width", ""]
+            lines += ["### Rankings at each bit-width by relative MSE (exp1)", ""]
             for t in _ranking_tables(src, settings):
                 lines += [t, ""]
             pf = src.get("pareto", {})
@@ -185,18 +185,19 @@ def render_markdown(board: dict[str, Any]) -> str:
                               "this table.", ""]
             mb = src.get("matched_budget") or []
             if mb:
-                lines += ["### Best method at a matched budget (effective bits ≤ budget)", ""]
-                lines += [tabulate([[f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
-                                     fmt(b["bits_effective"]), fmt(b["rel_mse"]), b.get("runner_up") or "—"] for b in mb],
-                                   headers=["budget", "best", "bits", "bits effective", "rel. MSE", "runner-up"],
+                lines += ["### Best method at a matched budget by relative MSE alone (exp1 reconstruction; the first "
+                          "screen ranks by end-to-end KL where it was measured)", ""]
+                lines += [tabulate([[f"≤ {b['budget']}", _tied(b), b["setting"] or "—",
+                                     fmt(b["bits_effective"]), fmt(b["rel_mse"])] for b in mb],
+                                   headers=["budget", "best (= tied within 95% CI)", "bits", "bits effective", "rel. MSE"],
                                    tablefmt="github"), ""]
             dk = (src.get("pareto_decode_kl") or {}).get("matched_budget") or []
             if any(b["method"] for b in dk):
-                lines += ["### Best method at a matched budget while decoding (pseudo-decode attention KL vs "
+                lines += ["### Best method at a matched budget by pseudo-decode attention KL alone (exp2 decoding; "
                           "bits billed, fp16 windows at 16)", ""]
-                lines += [tabulate([[f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
-                                     fmt(b["bits"]), fmt(b["quality"]), b.get("runner_up") or "—"] for b in dk],
-                                   headers=["budget", "best", "bits", "bits billed", "KL(p‖p̂) nats", "runner-up"],
+                lines += [tabulate([[f"≤ {b['budget']}", _tied(b), b["setting"] or "—",
+                                     fmt(b["bits"]), fmt(b["quality"])] for b in dk],
+                                   headers=["budget", "best (= tied within 95% CI)", "bits", "bits billed", "KL(p‖p̂) nats"],
                                    tablefmt="github"), ""]
             low = settings[0] if settings else None
             if low:
@@ -262,42 +263,87 @@ def no_predictivity_reason(board: dict[str, Any]) -> str:
     return "the end-to-end run in this result set has no tensor metric of experiments 1–3 beside it for the same methods and settings"
 
 
+def _rule_lines(board: dict[str, Any]) -> str:
+    """The headline-metric rule and how it came out on this board (:mod:`kvqbench.report.headline`)."""
+    from kvqbench.report.headline import RULE_TEXT
+    from kvqbench.report.leaderboard import PREDICTIVITY_BOOTSTRAP, PREDICTIVITY_SEED
+
+    h = board.get("headline") or {}
+    metric = h.get("metric", "rel_mse")
+    default = h.get("default")
+    if not h.get("from_predictivity"):
+        return (f"Headline tensor metric `{metric}`: {no_predictivity_reason(board)}, so which tensor metric predicts "
+                "model damage is unknown here (that takes the end-to-end experiment and the tensor experiments 1–3 on "
+                "the same source for at least 4 methods; the main job, `kvqbench run`, has them).")
+    where = "pooled over bit widths" if h.get("group") == "pooled" else f"at {h.get('group')}"
+    model = ((board.get("sources", {}).get(h.get("source"), {}).get("data") or {}).get("model")) or "the real model"
+    text = (f"Headline tensor metric `{metric}` ({h.get('experiment')}): Spearman ρ = {_rho_text(h.get('rho'), h.get('ci95'))} "
+            f"(95% bootstrap CI over methods) against the end-to-end next-token KL of {model}, {where}.")
+    if default is None:
+        return text
+    rule = RULE_TEXT.format(default=default, n_boot=h.get("n_boot") or PREDICTIVITY_BOOTSTRAP,
+                            seed=h.get("seed", PREDICTIVITY_SEED) if h.get("seed") is not None else PREDICTIVITY_SEED)
+    c = h.get("challenger")
+    if not h.get("default_measured", True):
+        outcome = "the default was not measured on this data, so the scale-free metric with the highest ρ stands in"
+    elif c is None:
+        outcome = "no other scale-free metric was measured beside it, so the default stays"
+    else:
+        diff = f"ρ(`{c['metric']}`) − ρ(`{default}`) = {_rho_text(c['diff'], c.get('diff_ci95'))}"
+        outcome = (f"`{c['metric']}` replaces it ({diff})" if h.get("replaced_default")
+                   else f"the default stays: its strongest challenger gives {diff}")
+    return f"{text} Rule: {rule}; here {outcome}."
+
+
 def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
-    """The headline of one source: the sentence naming the metric (and its ρ), the matched-budget rows
-    ``[budget, best, bits, bits effective, metric value, end-to-end KL, runner-up]`` and their headers.
-    Shared by ``LEADERBOARD.md`` and the README digest."""
+    """The headline of one source: the sentences naming the ranking criterion and the headline metric with
+    its rule, the matched-budget rows and their headers. Shared by ``LEADERBOARD.md`` and the README
+    digest. A source with an end-to-end run ranks on its KL (bits billed by the same cells), the headline
+    tensor metric of the same setting beside it; one without ranks on the headline tensor metric. Methods
+    whose 95% CI overlaps the best's are ties, written ``a = b``."""
     from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
 
     h = board.get("headline") or {}
     metric = h.get("metric", "rel_mse")
-    if h.get("from_predictivity"):
-        where = "pooled over bit widths" if h.get("group") == "pooled" else f"at {h.get('group')}"
-        model = ((board.get("sources", {}).get(h.get("source"), {}).get("data") or {}).get("model")) or "the real model"
-        sentence = (f"Ranked on `{metric}` ({h.get('experiment')}), the scale-free tensor metric that best predicts model damage "
-                    f"(metrics in units of the data, which do not compare across layers or models, are not candidates): "
-                    f"Spearman ρ = {_rho_text(h.get('rho'), h.get('ci95'))} (95% bootstrap CI over methods) against "
-                    f"the end-to-end next-token KL of {model}, {where}.")
-    else:
-        sentence = (f"Ranked on `{metric}`: {no_predictivity_reason(board)}, so which tensor metric predicts model "
-                    "damage is unknown here (that takes the end-to-end experiment and the tensor experiments 1–3 on "
-                    "the same source for at least 4 methods; the main job, `kvqbench run`, has them).")
-    rows = []
-    for b in src.get("headline") or []:
-        kl = fmt(b.get("e2e_kl"), b.get("e2e_kl_ci95")) if b.get("e2e_kl") is not None else "—"
-        rows.append([f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
-                     fmt(b["bits"]), fmt(b["quality"]), kl, b.get("runner_up") or "—"])
     target = h.get("target", PREDICTIVITY_TARGETS[0])
-    headers = ["budget (bits/elt)", "best", "bits", "bits effective", metric, f"end-to-end KL (`{target}`)", "runner-up"]
+    rows_in = src.get("headline") or []
+    e2e = any(str(b.get("criterion", "")).startswith("e2e_") for b in rows_in)
+    if e2e:
+        crit = (f"Ranked on measured end-to-end damage: next-token KL `{target}` (mean ± 95% CI over text windows) at "
+                f"the bits per element the same cells billed; the headline tensor metric of the same setting beside it.")
+    else:
+        crit = (f"Ranked on the headline tensor metric `{metric}` (no end-to-end run on this data), at experiment 1's "
+                "effective bits per element.")
+    chosen_here = h.get("source") in (None, src_name) or h.get("source") not in (board.get("sources") or {})
+    rule = _rule_lines(board) if chosen_here else (
+        f"Headline tensor metric `{metric}` ({h.get('experiment')}), chosen on the {h.get('source')} data by the rule "
+        "stated there.")
+    sentence = f"{crit} Methods whose 95% CI overlaps the best's are ties (`a = b`), best mean first. {rule}"
+    rows = []
+    for b in rows_in:
+        ties = b.get("ties") or []
+        best = " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in ties)]) if b["method"] else "—"
+        value = b.get("value", b.get("quality"))
+        row = [f"≤ {b['budget']}", best, b["setting"] or "—", fmt(b["bits"]), fmt(value, b.get("ci95"))]
+        if e2e:
+            row.append(fmt(b.get("quality"), b.get("quality_ci95")))
+        row.append("; ".join(f"{t['method']} {t['setting']}: {fmt(t['value'], t.get('ci95'))} @ {fmt(t['bits'])} b"
+                             for t in ties) or "—")
+        rows.append(row)
+    headers = (["budget (bits/elt)", "best", "bits", "bits billed", f"end-to-end KL (`{target}`)", metric, "tied (value @ bits)"]
+               if e2e else ["budget (bits/elt)", "best", "bits", "bits effective", metric, "tied (value @ bits)"])
     return sentence, rows, headers
 
 
 def headline_screen(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> list[str]:
-    """One screen per source: the best method at each matched effective-bits budget on the headline
-    metric, with its end-to-end KL, and one line naming the metric and its ρ."""
+    """One screen per source: the best method at each matched budget — by end-to-end KL where it was
+    measured, else by the headline tensor metric — with its ties, and the rule that names the metric."""
     sentence, rows, headers = headline_lines(board, src_name, src)
     data = src.get("data") or {}
     what = f" ({data.get('model')})" if src_name == "real" and data.get("model") else ""
-    out = [f"## {src_name}{what}: best method at a matched budget", "", sentence, ""]
+    by = "end-to-end KL" if any(str(b.get("criterion", "")).startswith("e2e_") for b in src.get("headline") or []) \
+        else f"`{(board.get('headline') or {}).get('metric', 'rel_mse')}`"
+    out = [f"## {src_name}{what}: best method at a matched budget, by {by}", "", sentence, ""]
     if rows:
         out += [tabulate(rows, headers=headers, tablefmt="github"), ""]
     out += [f"Cells: {_cells_text(src.get('cells', {}))} · seeds {src.get('seeds')} · sizes "
@@ -357,6 +403,13 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     return out
 
 
+def _tied(b: dict[str, Any]) -> str:
+    """The best method and its ties as ``a = b`` (method ids in backticks); ``—`` when no point fits."""
+    if not b.get("method"):
+        return "—"
+    return " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b.get("ties") or [])])
+
+
 def completeness_banner(board: dict[str, Any]) -> str | None:
     """``**INCOMPLETE** — incomplete: 78 of 435 cells finished, interrupted …`` for a partial result set
     (``board["completeness"]``, see :func:`kvqbench.report.results.completeness`), else ``None``."""
@@ -372,9 +425,10 @@ def _listed(items: list, n: int = 5) -> str:
 
 
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
-    """A short table per source: methods ranked by the board's headline metric (the tensor metric that
-    best predicts end-to-end damage, ``board["headline"]``; relative MSE when that source did not record
-    it) at the lowest bit-width that ran, with effective bits and, where exp5 ran, the end-to-end KL."""
+    """A short table per source at the lowest bit-width that ran: methods ranked by the end-to-end KL where
+    exp5 measured it (as the first screen of ``LEADERBOARD.md``), else by the board's headline tensor metric
+    (``board["headline"]``; relative MSE when that source did not record it), with the headline metric and
+    effective bits beside."""
     board = canonical(board)
     out = []
     comp = board.get("completeness") or {}
@@ -391,23 +445,28 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
             continue
         s = settings[0]
 
-        eff, e2e = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
-                    for name in ("bits_effective", "e2e_prefill_kl_nats"))
+        target = head.get("target") or "e2e_prefill_kl_nats"
+        eff, e2e, tensor = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
+                            for name in ("bits_effective", target, metric))
+        # where the end-to-end KL was measured the table ranks on it, like the first screen of LEADERBOARD.md
+        ranked = src["rankings"][target]["by_setting"][s] if e2e else rk["by_setting"][s]
         rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
-                 fmt(r["mean"], r["ci95"]), fmt(eff.get(r["method"], {}).get("mean"))]
-                + ([fmt(e2e.get(r["method"], {}).get("mean"))] if e2e else [])
-                for r in rk["by_setting"][s][:max_rows]]
+                 *([fmt(r["mean"], r["ci95"])] if e2e else []),
+                 fmt(tensor.get(r["method"], {}).get("mean"), tensor.get(r["method"], {}).get("ci95")),
+                 fmt(eff.get(r["method"], {}).get("mean"))]
+                for r in ranked[:max_rows]]
         flagged = [d["name"] for d in src.get("data_quality", []) if d["ok"] is False]
         label = f"headline {metric}" if metric == head.get("metric") else metric
         why = f"{rk.get('experiment', '?')}"
         if metric == head.get("metric") and head.get("from_predictivity") and head.get("rho") is not None:
             on = f" on {head['source']}" if head.get("source") and head["source"] != src_name else ""
             why += f"; Spearman rho {head['rho']:.2f} with {head.get('target')}{on}"
-        out.append(f"kvqbench [{src_name}] {label} ({why}) at {s} (cells: {_cells_text(src['cells'])})"
+        by = f"ranked by end-to-end KL ({target}), {label} ({why}) beside it" if e2e else f"{label} ({why})"
+        out.append(f"kvqbench [{src_name}] {by} at {s} (cells: {_cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
         if not head.get("from_predictivity"):  # docs/DESIGN.md §4: the headline follows predictivity, which needs exp5
             out.append(f"  (relative MSE: {no_predictivity_reason(board)}, so it cannot pick the tensor metric that "
                        "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
-        out.append(tabulate(rows, headers=["rank", "method", metric, "bits eff."] + (["e2e KL (nats)"] if e2e else []),
+        out.append(tabulate(rows, headers=["rank", "method", *(["e2e KL (nats)"] if e2e else []), metric, "bits eff."],
                             tablefmt="simple"))
     return "\n".join(out)

@@ -164,7 +164,7 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
     metric = (board.get("headline") or {}).get("metric") or "rel_mse"
     for src_name, src in sorted((board.get("sources") or {}).items()):
         sentence, rows_h, headers = headline_lines(board, src_name, src)
-        lines += ["", f"**{src_name}** — best method at a matched budget (effective bits/element ≤ budget). {sentence}", ""]
+        lines += ["", f"**{src_name}** — best method at a matched budget (bits/element ≤ budget). {sentence}", ""]
         lines.append(tabulate(rows_h, headers=headers, tablefmt="github") if rows_h else "_no results_")
         rk = ((src.get("rankings") or {}).get(metric) or {}).get("by_setting") or {}
         eff = ((src.get("rankings") or {}).get("bits_effective") or {}).get("by_setting") or {}

@@ -2,7 +2,9 @@
 
 One case per (method × bits × seed) on the real source only (``--kvq-real``); the seed picks the text
 window (and seeds random methods). Bits swept by default: 2 and 4, like experiment 2 (16 bits is exact
-for every method; ``--kvq-bits`` overrides). The cells of one method and bits at the seeds of a group
+for every method), and 8 for the methods whose 8-bit cache fits the largest matched budget (8.25 bits per
+element; :func:`kvqbench.plugin.collection.fits_largest_budget`), so that budget ranks on a measured
+8-bit KL; ``--kvq-bits`` overrides all of it. The cells of one method and bits at the seeds of a group
 (``kvq_seed_rows``: 0, 1, 2 by default) run as the rows of one batch, each row with its own method and
 cache (:func:`~kvqbench.experiments.endtoend.run_endtoend_rows`), computed by whichever of them runs
 first: the values are those of one window at a time, in less time.
@@ -16,7 +18,7 @@ from kvqbench.experiments.common import check_roundtrip_finite
 from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, REGIMES, run_endtoend_rows
 
 
-@pytest.mark.kvq(experiment="exp5", bits=(2, 4), sources=("real",))
+@pytest.mark.kvq(experiment="exp5", bits=(2, 4), budget_bits=(8,), sources=("real",))
 def test_endtoend(cell, kvq_model, kvq_record, kvq_seed_rows):
     def windows(methods, seeds):  # window i = seed i
         return run_endtoend_rows(methods, kvq_model, seeds, CONFIG_BY_SIZE[cell.size])

@@ -172,6 +172,22 @@ def test_explicit_bits_apply_to_every_experiment(pytester, plugin_loaded_once):
     assert "k8v8" in out and "k2v2" not in out and "k4v4" not in out
 
 
+def test_budget_bits_add_a_width_only_for_methods_that_fit_the_largest_budget(pytester, plugin_loaded_once):
+    """A marker's ``budget_bits=(8,)`` adds 8-bit cells for the methods whose 8-bit cache fits 8.25 bits per
+    element (here ``rtn_tensor``: two parameters per tensor), not for ``rtn_token`` (fp16 parameters for
+    every token) nor the fp16 control; ``--kvq-bits`` replaces the whole sweep."""
+    pytester.makepyfile(test_cells=CELL_TEST.replace('kvq(experiment="exp1")', 'kvq(experiment="exp2", bits=(2, 4), budget_bits=(8,))'))
+    i = plugin_loaded_once.index("--kvq-bits")
+    args = plugin_loaded_once[:i] + plugin_loaded_once[i + 2:]
+    j = args.index("--kvq-methods")
+    args[j + 1] = "fp16,rtn_token,rtn_tensor"
+    out = pytester.runpytest_subprocess(*args, "--collect-only", "-q").stdout.str()
+    assert "rtn_tensor-k8v8" in out and "rtn_token-k8v8" not in out and "fp16-k8v8" not in out
+    assert "rtn_token-k4v4" in out and "fp16-k2v2" in out
+    out = pytester.runpytest_subprocess(*args, "--kvq-bits", "2", "--collect-only", "-q").stdout.str()
+    assert "k8v8" not in out and "rtn_tensor-k2v2" in out
+
+
 def test_provenance_command_is_the_pytest_invocation(pytester, plugin_loaded_once):
     pytester.makepyfile(test_cells=CELL_TEST)
     res = pytester.runpytest_subprocess(*plugin_loaded_once, "-k", "kivi", "--kvq-out", str(pytester.path / "o"))

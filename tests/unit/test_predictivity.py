@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
+from kvqbench.report.headline import choose_headline
 from kvqbench.report.leaderboard import (
     PREDICTIVITY_TARGETS,
     assemble,
-    choose_headline,
     predictivity,
     spearman_rows,
 )

@@ -154,7 +154,7 @@ def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
                           "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
     assert "e2e KL (nats)" in lines[why + 1]  # the table right below shows the end-to-end KL
     assert "no end-to-end run" not in text
-    assert ("Ranked on `rel_mse`: the end-to-end run in this result set has 1 method with a non-zero KL (kvarn), and ranking tensor "
+    assert ("Headline tensor metric `rel_mse`: the end-to-end run in this result set has 1 method with a non-zero KL (kvarn), and ranking tensor "
             "metrics against it takes at least 4, so which tensor metric") in render_markdown(b)
     every = board(records() + _e2e_records(["fp16", "rtn_token", "kivi", "kvarn"]))
     assert "the end-to-end run in this result set has 3 methods with a non-zero KL (kivi, kvarn, rtn_token)" in render_terminal(every)

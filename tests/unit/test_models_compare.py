@@ -1,0 +1,111 @@
+"""Two models side by side (kvqbench/report/models.py, figures/models.py): end-to-end KL ranks and their
+rank correlation, the headline metric's predictivity out of sample, and the KL-vs-KL figure. Torch-free;
+synthetic statistics with known rank relations."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from kvqbench.report.headline import HEADLINE_DEFAULT
+from kvqbench.report.leaderboard import assemble
+from kvqbench.report.models import predictivity_transfer, rank_table, render_rank_table, render_transfer
+from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
+
+KL_A = {"fp16": 0.0, "a": 1.6, "b": 1.3, "c": 1.0, "d": 0.8, "e": 0.6, "f": 0.45, "g": 0.3, "h": 0.2}
+KL_B = dict(KL_A, c=0.7, d=1.1)  # model B swaps c and d: one adjacent swap
+
+
+def _stats(kl: dict[str, float], *, k4_factor: float = 1 / 16) -> dict:
+    """One model's stats: exp5 KL at k2v2 and k4v4 (two seeds, 95% CI), fp16 exact."""
+    e2e: dict = {}
+    for m, v in kl.items():
+        for s, f in (("k2v2", 1.0), ("k4v4", k4_factor)):
+            e2e.setdefault(m, {})[s] = {"e2e_prefill_kl_nats": {"mean": v * f, "ci95": 0.01 * v * f, "n": 2, "n_asked": 2}}
+    return {"exp5": e2e}
+
+
+def test_rank_table_ranks_and_rho_between_models():
+    t = rank_table({"A": _stats(KL_A), "B": _stats(KL_B)})
+    assert t["models"] == ["A", "B"] and t["settings"] == ["k2v2", "k4v4"]
+    rows = {r["method"]: r for r in t["rows"]}
+    assert "fp16" not in rows  # exact: KL 0 on both, not ranked
+    by_kl_a = sorted((v, m) for m, v in KL_A.items() if v)
+    for i, (_, m) in enumerate(by_kl_a):
+        assert rows[m]["A"]["k2v2"]["rank"] == i + 1 == rows[m]["A"]["k4v4"]["rank"]
+    assert (rows["c"]["B"]["k2v2"]["rank"], rows["d"]["B"]["k2v2"]["rank"]) == (rows["d"]["A"]["k2v2"]["rank"],
+                                                                               rows["c"]["A"]["k2v2"]["rank"])
+    # one adjacent swap among n = 8: ρ = 1 − 6·Σd²/(n(n²−1)) = 1 − 12/504
+    for s in ("k2v2", "k4v4"):
+        assert t["rho"][s]["rho"] == pytest.approx(1 - 12 / 504) and t["rho"][s]["n_methods"] == 8
+    assert [r["method"] for r in t["rows"]] == [m for _, m in by_kl_a]  # model A's order
+    md = render_rank_table(t)
+    assert "k2v2: ρ = +0.98 over 8 methods" in md and "| `h`" in md
+    with pytest.raises(ValueError, match="exactly two"):
+        rank_table({"A": _stats(KL_A), "B": _stats(KL_B), "C": _stats(KL_A)})
+
+
+def test_rank_table_skips_methods_one_model_lacks():
+    b = _stats({m: v for m, v in KL_B.items() if m != "h"})
+    t = rank_table({"A": _stats(KL_A), "B": b})
+    rows = {r["method"]: r for r in t["rows"]}
+    assert rows["h"]["B"] == {} and rows["h"]["A"]["k2v2"]["rank"] == 1
+    assert t["rho"]["k2v2"]["n_methods"] == 7
+
+
+def _model_records(kl: dict[str, float], tensor: dict[str, dict[str, float]]) -> list[dict]:
+    out = []
+    for m, v in kl.items():
+        for bits, f in ((2, 1.0), (4, 1 / 16)):
+            for seed in (0, 1):
+                j = 1 + 0.01 * seed
+                out.append(_rec("exp1", m, bits, seed, "real", {"bits_effective": bits + 0.25}))
+                out.append(_rec("exp2", m, bits, seed, "real", {name: vals[m] * f * j for name, vals in tensor.items()}))
+                out.append(_rec("exp5", m, bits, seed, "real", {"e2e_prefill_kl_nats": v * f * j}))
+    return out
+
+
+def _model(kl: dict[str, float], tensor: dict[str, dict[str, float]]) -> dict:
+    src = assemble(_model_records(kl, tensor), catalog(), copy.deepcopy(PROVENANCE))["sources"]["real"]
+    return {"stats": src["stats"], "predictivity": src["predictivity"]}
+
+
+def test_predictivity_transfer_both_ways():
+    """On A the declared default ranks methods as A's KL does; on B another metric does and the default is
+    scrambled: the choice made on A does not transfer to B, and B's choice (the other metric) transfers
+    to A only if it predicts A too — here it is scrambled on A."""
+    kl = {m: v for m, v in KL_A.items() if m != "fp16"}
+    scrambled = dict(zip(kl, [0.5, 0.2, 0.9, 0.3, 1.1, 0.4, 0.8, 0.6]))
+    d, other = HEADLINE_DEFAULT["metric"], "static_out_rel_mse"
+    a = _model(kl, {d: kl, other: scrambled})
+    b = _model(kl, {d: scrambled, other: kl})
+    tr = predictivity_transfer({"A": a, "B": b}, catalog())
+    ab, ba = tr["directions"]
+    assert (ab["from"], ab["metric"], ab["transfers"], ab["best_on_to"]) == ("A", d, False, other)
+    assert (ba["from"], ba["metric"], ba["transfers"], ba["best_on_to"]) == ("B", other, False, d)
+    assert ab["rho_from"] == pytest.approx(1.0) and ab["rho_to"] < ab["rho_from"]
+    rows = {r["metric"]: r for r in tr["metrics"]}
+    assert rows[d]["A"]["rho"] == pytest.approx(1.0) and rows[d]["B"]["rho"] == ab["rho_to"]
+    same = predictivity_transfer({"A": a, "B": _model(kl, {d: kl, other: scrambled})}, catalog())
+    assert all(x["transfers"] for x in same["directions"])
+    text = render_transfer(tr)
+    assert f"Chosen on A: `{d}`" in text and f"it does not transfer: on B the rule picks `{other}`" in text
+
+
+def test_kl_models_figure_one_point_per_method_and_bits(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
+    from kvqbench.report.figures import save
+    from kvqbench.report.figures.models import FILE, draw_models
+
+    figs: dict = {}
+    orig = save.finish
+    monkeypatch.setattr(save, "finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    path = draw_models({"A": _stats(KL_A), "B": _stats(KL_B)}, tmp_path)
+    assert path == tmp_path / FILE and path.stat().st_size > 0
+    ax = figs[FILE].axes[0]
+    pts = sorted(tuple(map(float, c.get_offsets()[0])) for c in ax.collections)
+    want = sorted((KL_A[m] * f, KL_B[m] * f) for m in KL_A if KL_A[m] for f in (1.0, 1 / 16))
+    assert [v for p in pts for v in p] == pytest.approx([v for p in want for v in p])  # 8 methods × 2 bit widths; fp16 (KL 0) has no place on log axes
+    assert ax.get_xscale() == ax.get_yscale() == "log"
+    assert draw_models({"A": {}, "B": {}}, tmp_path) is None
