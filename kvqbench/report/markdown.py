@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order
 from kvqbench.report.io import to_jsonable
+from kvqbench.report.longdecode import markdown_lines as longdecode_lines
 
 __all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner", "headline_lines",
            "headline_screen"]
@@ -165,6 +166,7 @@ def render_markdown(board: dict[str, Any]) -> str:
         lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
                   + _cells_text(src["cells"]), ""]
         lines += _endtoend_tables(src, board)
+        lines += longdecode_lines(src, board)
         exp1 = src["stats"].get("exp1", {})
         if exp1:
             lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
@@ -282,12 +284,17 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
                     "damage is unknown here (that takes the end-to-end experiment and the tensor experiments 1–3 on "
                     "the same source for at least 4 methods; the main job, `kvqbench run`, has them).")
     rows = []
+    long = any("long_kl" in b for b in src.get("headline") or [])  # exp6 ran: its KL beside exp5's
     for b in src.get("headline") or []:
         kl = fmt(b.get("e2e_kl"), b.get("e2e_kl_ci95")) if b.get("e2e_kl") is not None else "—"
+        lk = ([(fmt(b["long_kl"], b.get("long_kl_ci95")) + (f" @ {b['long_bits_billed']:.3g} b"
+                                                              if b.get("long_bits_billed") is not None else ""))
+               if b.get("long_kl") is not None else "—"] if long else [])
         rows.append([f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—",
-                     fmt(b["bits"]), fmt(b["quality"]), kl, b.get("runner_up") or "—"])
+                     fmt(b["bits"]), fmt(b["quality"]), kl, *lk, b.get("runner_up") or "—"])
     target = h.get("target", PREDICTIVITY_TARGETS[0])
-    headers = ["budget (bits/elt)", "best", "bits", "bits effective", metric, f"end-to-end KL (`{target}`)", "runner-up"]
+    headers = ["budget (bits/elt)", "best", "bits", "bits effective", metric, f"end-to-end KL (`{target}`)",
+               *(["long-decode KL (`long_kl_nats`) @ bits billed at T"] if long else []), "runner-up"]
     return sentence, rows, headers
 
 
