@@ -142,7 +142,7 @@ class LongDecodeConfig:
 #: tokens — one passkey depth, as the passkey prompts are most of a smoke cell's tokens; ``long``: the
 #: long tier)
 CONFIG_BY_SIZE: dict[str, LongDecodeConfig] = {
-    "smoke": LongDecodeConfig(length=96, prompt=32, prefill=64, block=32, bin=32, free_tokens=3, noise_draws=1,
+    "smoke": LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=16, free_tokens=3, noise_draws=1,
                               passkey_lengths=(64, 80), passkey_depths=(0.5,)),
     "long": LongDecodeConfig(),
 }

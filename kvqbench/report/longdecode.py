@@ -43,7 +43,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``long_decode`` entry of one source from its exp6 records (``None`` when none passed).
 
     Returns ``{"kl_curve": {method: {setting: {"start", "stop", "mean", "ci95", "n"}}}, "fp16_share_at_T":
-    {method: {setting: share}}, "passkey_reference": {"lengths", "accuracy", "rank_worst", "n_seeds", "floor"},
+    {method: {setting: share}}, "passkey_reference": {"lengths", "depths", "accuracy", "rank_worst", "n_seeds", "floor"},
     "passkey_accuracy": {method: {setting: [share or None per length]}}, "text_tokens", "prefill_tokens",
     "bin"}``: the KL curve's bins (decoded positions ``[start, stop)``) with the mean over seeds of each
     bin's mean KL and its 95 % half-width (seeds whose bins differ from the first seed's are left out);
@@ -63,6 +63,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     ref_rank: dict[int, list[list[float]]] = defaultdict(list)
     lengths: list[int] | None = None
     floor: float | None = None
+    depths: list[float] = []
     for r in recs:
         key = (r["method"], setting_key(r))
         series, extra = r.get("series") or {}, r.get("extra") or {}
@@ -74,7 +75,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
             shares[key].append(_mean([float(v) for v in fs.values()]))
         pk = series.get("passkey")
         if pk and pk.get("lengths"):
-            lengths = lengths or list(pk["lengths"])
+            lengths, depths = lengths or list(pk["lengths"]), depths or list(pk.get("depths") or [])
             if list(pk["lengths"]) == lengths:
                 acc[key].append(list(pk.get("accuracy") or [None] * len(lengths)))
                 ref_acc[r["seed"]].append([float(a) for a in pk["ref_accuracy"]])
@@ -98,7 +99,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         per_seed_rank = [[_mean(col) for col in zip(*ref_rank[sd])] for sd in seeds]  # scores the same prompts
         out["passkey_reference"] = {"lengths": lengths, "accuracy": [_mean(list(c)) for c in zip(*per_seed)],
                                     "rank_worst": [_mean(list(c)) for c in zip(*per_seed_rank)],
-                                    "n_seeds": len(seeds), "floor": floor}
+                                    "n_seeds": len(seeds), "floor": floor, "depths": depths}
     first = recs[0].get("extra") or {}
     out["text_tokens"] = first.get("text_tokens")
     out["prefill_tokens"] = first.get("prefill_tokens")
@@ -288,8 +289,9 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
                     for n, a in zip(lengths, ref["accuracy"]))
     ranks = ", ".join(f"{n} tokens {r:.2g}" for n, r in zip(lengths, ref["rank_worst"]))
     floor_text = f"≥ {_pct(floor)}" if floor is not None else "high enough"
+    at = ", ".join(_pct(d) for d in ref.get("depths") or [])
     return ["### Passkey retrieval", "",
-            "A 5-digit key in filler at depths of 10 %, 50 % and 90 %, then the question; scored teacher-forced "
+            f"A 5-digit key in filler at depth {at or '—'} of it, then the question; scored teacher-forced "
             "after one prefill of the prompt under each method's stream policy. The log-probability drop is the "
             "unquantized model's log-probability of the key's tokens minus the method's (nats, mean over prompts); "
             "the worst rank is the largest rank among the key's tokens (0: each is the top-1 token), mean over "
