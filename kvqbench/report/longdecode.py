@@ -20,11 +20,11 @@ from typing import Any, Iterable
 
 from tabulate import tabulate
 
-from kvqbench.cells import is_plain_setting, parse_setting, setting_order
-from kvqbench.report.leaderboard import mean_ci, setting_key
+from kvqbench.cells import is_plain_setting, setting_order
+from kvqbench.report.leaderboard import is_short, mean_ci, setting_key
 
-__all__ = ["EXPERIMENT", "summarize", "ranked_with_floor", "long_column", "markdown_lines", "NOISE_OF",
-           "LONG_PREDICTIVITY_TARGETS"]
+__all__ = ["EXPERIMENT", "summarize", "ranked_with_floor", "markdown_lines", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
+           "CI_SHARE_TARGET"]
 
 EXPERIMENT = "exp6"
 #: the metric whose noise-floor metric decides ties (``name → its noise standard deviation``)
@@ -149,24 +149,12 @@ def _fmt(x: Any, ci: Any = None) -> str:
     return fmt(x, ci)
 
 
-def _val(e: dict[str, Any] | None, digits: int = 4) -> str:
+def _val(e: dict[str, Any] | None) -> str:
     if not e:
         return "—"
     from kvqbench.report.markdown import value_text
 
     return value_text(e)
-
-
-def long_column(stats_src: dict[str, Any], method: str | None, setting: str | None) -> str:
-    """``mean ± ci @ bits b`` of the long-decode KL of ``(method, setting)`` with the bits billed at T,
-    for a column of the first screen; ``—`` where exp6 did not run it."""
-    if not method or not setting:
-        return "—"
-    metrics = stats_src.get(EXPERIMENT, {}).get(method, {}).get(setting, {})
-    e, b = metrics.get("long_kl_nats"), metrics.get("long_bits_billed")
-    if not e:
-        return "—"
-    return _val(e) + (f" @ {b['mean']:.3g} b" if b else "")
 
 
 def _settings(stats6: dict[str, Any]) -> list[str]:
@@ -190,8 +178,11 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
         have = {m: by[s] for m, by in stats6.items() if "long_kl_nats" in by.get(s, {})}
         if not have:
             continue
-        ranked = ranked_with_floor({m: (e["long_kl_nats"]["mean"], e["long_kl_nats"]["ci95"],
-                                        _noise(stats6, m, s, "long_kl_nats")) for m, e in have.items()})
+        short = sorted(m for m, e in have.items() if is_short(e["long_kl_nats"]))  # fewer seeds than asked:
+        ranked = ranked_with_floor({m: (e["long_kl_nats"]["mean"], e["long_kl_nats"]["ci95"],  # not ranked
+                                        _noise(stats6, m, s, "long_kl_nats")) for m, e in have.items()
+                                    if m not in short})
+        ranked += [{"method": m, "rank": "—", "ties": []} for m in short]
         rows = []
         for r in ranked:
             e = have[r["method"]]
@@ -205,6 +196,7 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
             "rank", "method", "KL nats", "KL last quarter", "top-1 last quarter", "KL slope /1k tokens",
             "Δ loss nats/token", "bits billed at T", "fp16 share at T", "noise floor (sd)",
             "tied with (CI or noise floor)"], tablefmt="github"), ""]
+        out += _ci_line(have)
     if not out:
         return []
     t, p = summary.get("text_tokens"), summary.get("prefill_tokens")
@@ -217,6 +209,24 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
             "standard deviation of the KL over the run and its draws with the cached K/V perturbed at relative "
             "1e-7 (float noise alone); methods whose KL differs by less than it, or whose CIs overlap, are "
             "ties and share a rank.", "", *out]
+
+
+#: the largest 95 % half-width over seeds, as a share of the mean, at which a long-decode KL is precise
+#: enough to compare methods
+CI_SHARE_TARGET = 0.25
+
+
+def _ci_line(have: dict[str, dict[str, Any]]) -> list[str]:
+    """One line under a setting's long-decode table: which methods' KL has a 95 % half-width over
+    :data:`CI_SHARE_TARGET` of its mean (none without two seeds; exact zeros are left out)."""
+    shares = {m: e["long_kl_nats"]["ci95"] / e["long_kl_nats"]["mean"] for m, e in have.items()
+              if e["long_kl_nats"].get("ci95") is not None and e["long_kl_nats"]["mean"] > 0}
+    if not shares:
+        return []
+    wide = [f"`{m}` {100 * v:.0f} %" for m, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v > CI_SHARE_TARGET]
+    head = (f"95% half-width over seeds ≤ {100 * CI_SHARE_TARGET:.0f} % of the mean KL for "
+            f"{len(shares) - len(wide)} of {len(shares)} methods")
+    return [head + (f"; wider: {', '.join(wide)}." if wide else "."), ""]
 
 
 def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, Any]) -> list[str]:
