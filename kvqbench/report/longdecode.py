@@ -351,12 +351,29 @@ def _predictivity_lines(src: dict[str, Any], board: dict[str, Any], top: int = 6
     return out
 
 
+def _budget_table(src: dict[str, Any]) -> list[str]:
+    """The best method at each matched budget of bits billed at T on the long-decode KL
+    (:func:`kvqbench.report.leaderboard.pareto_metric`'s rule)."""
+    from kvqbench.report.leaderboard import pareto_metric
+
+    stats6 = src["stats"][EXPERIMENT]
+    pm = pareto_metric(src["stats"], experiment=EXPERIMENT, quality="long_kl_nats", bits="long_bits_billed")
+    if not any(b["method"] for b in pm["matched_budget"]):
+        return []
+    rows = [[f"≤ {b['budget']}", f"`{b['method']}`" if b["method"] else "—", b["setting"] or "—", _fmt(b["bits"]),
+             _val(stats6[b["method"]][b["setting"]]["long_kl_nats"]) if b["method"] else "—", b["runner_up"] or "—"]
+            for b in pm["matched_budget"]]
+    return ["### Best method at a matched budget over a long decode (long-decode KL vs bits billed at T)", "",
+            tabulate(rows, headers=["budget", "best", "bits", "bits billed at T", "long-decode KL nats", "runner-up"],
+                     tablefmt="github"), ""]
+
+
 def markdown_lines(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
-    """The exp6 sections of one source in ``LEADERBOARD.md`` (none when exp6 did not run): long-decode
-    KL with the noise floor and ties, KL vs decoded position with slopes, free-running divergence, passkey
+    """The exp6 sections of one source in ``LEADERBOARD.md`` (none when exp6 did not run): the best
+    method at each budget of bits billed at T, long-decode KL with the noise floor and ties, KL vs decoded position with slopes, free-running divergence, passkey
     retrieval, and predictivity against the long-decode KL and the passkey drop."""
     if not (src.get("stats") or {}).get(EXPERIMENT):
         return []
     summary = src.get("long_decode") or {}
-    return (_kl_tables(src, board, summary) + _curve_tables(src, board, summary) + _free_table(src, board)
+    return (_budget_table(src) + _kl_tables(src, board, summary) + _curve_tables(src, board, summary) + _free_table(src, board)
             + _passkey_table(src, board, summary) + _predictivity_lines(src, board))

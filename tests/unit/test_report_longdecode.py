@@ -284,3 +284,11 @@ def test_a_method_short_of_seeds_is_listed_but_not_ranked():
     b = _row(rows, "b")
     assert b[0] == "—" and "(n=1/2)" in b[2] and rows[-1] == b
     assert _row(rows, "a")[0] == "5"
+
+
+def test_matched_budget_over_a_long_decode(md):
+    rows = _table(md, "### Best method at a matched budget over a long decode")
+    by = {r[0]: r for r in rows[1:]}
+    assert by["≤ 2.25"][1] == "—"  # every quantizing method bills 2.5 at k2v2, 4.5 at k4v4; fp16 16
+    assert by["≤ 2.5"][1:4] == ["`e`", "k2v2", "2.5"] and by["≤ 2.5"][5] == "d"
+    assert by["≤ 8.25"][1:4] == ["`e`", "k4v4", "4.5"]
