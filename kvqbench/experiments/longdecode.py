@@ -138,10 +138,12 @@ class LongDecodeConfig:
         return max(self.length + self.free_tokens, *self.passkey_lengths)
 
 
-#: the configuration of the cells per cell size (``smoke``: the test suite; ``long``: the long tier)
+#: the configuration of the cells per cell size (``smoke``: the test suite, every regime on the fewest
+#: tokens — one passkey depth, as the passkey prompts are most of a smoke cell's tokens; ``long``: the
+#: long tier)
 CONFIG_BY_SIZE: dict[str, LongDecodeConfig] = {
-    "smoke": LongDecodeConfig(length=96, prompt=32, prefill=64, block=32, bin=32, free_tokens=3, noise_draws=1,
-                              passkey_lengths=(64, 80)),
+    "smoke": LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=16, free_tokens=3, noise_draws=1,
+                              passkey_lengths=(64, 80), passkey_depths=(0.5,)),
     "long": LongDecodeConfig(),
 }
 

@@ -195,11 +195,12 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
 
     Returns one row per budget: ``{"budget", "criterion", "method", "setting", "bits", "value", "ci95",
     "ties": [{method, setting, bits, value, ci95}], "quality", "quality_ci95", "e2e_kl", "e2e_kl_ci95"}``
+    and, where the source ran exp6, ``"long_kl", "long_kl_ci95", "long_bits_billed"`` (bits billed at T)
     (``method`` ``None`` where nothing fits); ``value`` is the criterion's mean, ``quality`` the headline
     tensor metric's mean of the same (method, setting) (``None`` where it was not measured).
     """
     metric, exp, target = headline["metric"], headline["experiment"], headline.get("target", PREDICTIVITY_TARGETS[0])
-    e2e = stats_src.get("exp5") or {}
+    e2e, long = stats_src.get("exp5") or {}, stats_src.get("exp6") or {}
     has_e2e = any(target in e for by in e2e.values() for s, e in by.items() if is_plain_setting(s))
     crit_exp, crit = ("exp5", target) if has_e2e else (exp, metric)
     better = "lower" if has_e2e else (catalog.get(metric) or {}).get("better", "lower")
@@ -218,4 +219,9 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
         k = e2e.get(r["method"], {}).get(r["setting"], {}).get(target) if r["method"] else None
         r.update(criterion=crit, quality=q["mean"] if q else None, quality_ci95=q["ci95"] if q else None,
                  e2e_kl=k["mean"] if k else None, e2e_kl_ci95=k["ci95"] if k else None)
+        if long:  # exp6: the long-decode KL of the same (method, setting), with the bits billed at T
+            by = long.get(r["method"], {}).get(r["setting"], {}) if r["method"] else {}
+            r.update(long_kl=(by.get("long_kl_nats") or {}).get("mean"),
+                     long_kl_ci95=(by.get("long_kl_nats") or {}).get("ci95"),
+                     long_bits_billed=(by.get("long_bits_billed") or {}).get("mean"))
     return rows

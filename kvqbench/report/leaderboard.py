@@ -311,8 +311,11 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
     """Build the leaderboard document from every record of a session.
 
     Returns ``{"provenance", "metrics_catalog", "methods", "sources": {source: {stats, rankings,
-    pareto, matched_budget, data_quality, cells: {passed, failed, skipped}, failures, data}}}``.
+    pareto, matched_budget, data_quality, cells: {passed, failed, skipped}, failures, data, predictivity,
+    long_decode}}}`` (``long_decode``: :func:`kvqbench.report.longdecode.summarize`).
     """
+    from kvqbench.report.longdecode import summarize as summarize_long
+
     stats = aggregate(records)
     methods: dict[str, Any] = {}
     for r in records:
@@ -340,8 +343,10 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             # the bits a cache really holds (fp16 sink/window tokens billed at 16)
             "pareto_decode_kl": pareto_metric(st),
             "data_quality": data_quality(recs),
-            # which tensor metrics predict model damage (exp5 against exp1–exp3), None without exp5
+            # which tensor metrics predict model damage (exp5/exp6 against exp1–exp3), None without either
             "predictivity": predictivity(st, catalog),
+            # exp6's curves, fp16 shares and passkey accuracies per length (None without exp6)
+            "long_decode": summarize_long(recs),
         }
     from kvqbench.report.headline import choose_headline, headline_budget
 
@@ -522,8 +527,11 @@ __all__ += ["pareto_metric", "best_at_budgets", "FP16_ACCUMULATION_TOL"]
 
 # ------------------------------------------------------------------------------------------------
 # predictivity — which tensor metrics predict model damage (experiment 5, docs/DESIGN.md §4)
-#: the end-to-end quantities tensor metrics are correlated with (the first is the headline target)
-PREDICTIVITY_TARGETS: tuple[str, ...] = ("e2e_prefill_kl_nats", "e2e_decode_kl_nats")
+#: the model-damage quantities tensor metrics are correlated with, each from the experiment the catalog
+#: names (the first is the headline target): the short-window KL of exp5, the long-decode KL and the
+#: passkey log-probability drop of exp6
+PREDICTIVITY_TARGETS: tuple[str, ...] = ("e2e_prefill_kl_nats", "e2e_decode_kl_nats", "long_kl_nats",
+                                         "passkey_logp_drop_nats")
 #: experiments whose scalar metrics are candidates
 PREDICTIVITY_EXPERIMENTS: tuple[str, ...] = ("exp1", "exp2", "exp3")
 PREDICTIVITY_BOOTSTRAP = 2000
@@ -580,9 +588,10 @@ def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, 
 
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
                  seed: int = PREDICTIVITY_SEED) -> dict[str, Any] | None:
-    """Spearman ρ between every scalar tensor metric of exp1–exp3 and the end-to-end KL of exp5, across
-    methods, within each bit width and pooled over the bit widths that at least 4 methods ran
-    (``pooled_settings``), with a bootstrap 95 % CI over methods.
+    """Spearman ρ between every scalar tensor metric of exp1–exp3 and each model-damage target
+    (:data:`PREDICTIVITY_TARGETS`: the end-to-end KL of exp5, the long-decode KL and the passkey
+    log-probability drop of exp6), across methods, within each bit width and pooled over the bit widths
+    that at least 4 methods ran (``pooled_settings``), with a bootstrap 95 % CI over methods.
 
     A point is one (method, setting) that has both the metric and the target (means over seeds); variant
     settings are left out, and so are exact points (target exactly 0: the fp16 control, 16-bit
@@ -590,15 +599,17 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
     :func:`is_short`), which are not ranked anywhere. Metrics are taken as *badness* (lower = better:
     ``higher`` metrics negated, ``zero`` metrics by magnitude), so ρ > 0 means "more tensor error, more
     model damage"; bits/element metrics are budgets, not errors, and are left out. A group needs at least
-    4 methods. Returns ``None`` without exp5; else ``{"targets": {target: {group: [rows best first]}},
+    4 methods. Returns ``None`` without exp5 and exp6; else ``{"targets": {target: {group: [rows best first]}},
     "groups", "pooled_settings", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
     n_points}`` (``rho`` ``None`` when undefined).
     """
-    e2e = stats_src.get("exp5") or {}
-    if not e2e:
+    def target_exp(target: str) -> str:
+        return (catalog.get(target) or {}).get("experiment", "exp5")
+
+    if not any(stats_src.get(target_exp(t)) for t in PREDICTIVITY_TARGETS):
         return None
     out: dict[str, Any] = {"targets": {}, "n_boot": n_boot, "seed": seed,
-                           "excluded": "exact points (end-to-end KL exactly 0: fp16 control, 16-bit settings), "
+                           "excluded": "exact points (target exactly 0: fp16 control, 16-bit settings), "
                                        "variant settings, bits/element metrics, settings with failed seeds"}
     candidates = sorted({(exp, name) for exp in PREDICTIVITY_EXPERIMENTS for by in stats_src.get(exp, {}).values()
                          for metrics in by.values() for name in metrics
@@ -606,6 +617,7 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                          and catalog[name].get("unit") != "bits/element"})
     groups_seen: set[str] = set()
     for target in PREDICTIVITY_TARGETS:
+        e2e = stats_src.get(target_exp(target)) or {}
         pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
                if is_plain_setting(s) and target in e and e[target]["mean"] != 0 and not is_short(e[target])}
         if not pts:

@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order
 from kvqbench.report.io import to_jsonable
+from kvqbench.report.longdecode import markdown_lines as longdecode_lines
 
 __all__ = ["render_markdown", "render_terminal", "fmt", "canonical", "completeness_banner", "headline_lines",
            "headline_screen"]
@@ -165,6 +166,7 @@ def render_markdown(board: dict[str, Any]) -> str:
         lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
                   + _cells_text(src["cells"]), ""]
         lines += _endtoend_tables(src, board)
+        lines += longdecode_lines(src, board)
         exp1 = src["stats"].get("exp1", {})
         if exp1:
             lines += ["### Relative MSE (mean of K and V) by bit-width", "", _headline_matrix(src, board, "rel_mse"), ""]
@@ -320,6 +322,7 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
         "stated there.")
     sentence = f"{crit} Methods whose 95% CI overlaps the best's are ties (`a = b`), best mean first. {rule}"
     rows = []
+    long = any("long_kl" in b for b in rows_in)  # exp6 ran: its KL beside the ranking
     for b in rows_in:
         ties = b.get("ties") or []
         best = " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in ties)]) if b["method"] else "—"
@@ -327,11 +330,16 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
         row = [f"≤ {b['budget']}", best, b["setting"] or "—", fmt(b["bits"]), fmt(value, b.get("ci95"))]
         if e2e:
             row.append(fmt(b.get("quality"), b.get("quality_ci95")))
+        if long:
+            row.append(fmt(b["long_kl"], b.get("long_kl_ci95")) + (f" @ {b['long_bits_billed']:.3g} b" if
+                       b.get("long_bits_billed") is not None else "") if b.get("long_kl") is not None else "—")
         row.append("; ".join(f"{t['method']} {t['setting']}: {fmt(t['value'], t.get('ci95'))} @ {fmt(t['bits'])} b"
                              for t in ties) or "—")
         rows.append(row)
-    headers = (["budget (bits/elt)", "best", "bits", "bits billed", f"end-to-end KL (`{target}`)", metric, "tied (value @ bits)"]
-               if e2e else ["budget (bits/elt)", "best", "bits", "bits effective", metric, "tied (value @ bits)"])
+    long_col = ["long-decode KL (`long_kl_nats`) @ bits billed at T"] if long else []
+    headers = (["budget (bits/elt)", "best", "bits", "bits billed", f"end-to-end KL (`{target}`)", metric, *long_col,
+                "tied (value @ bits)"] if e2e else
+               ["budget (bits/elt)", "best", "bits", "bits effective", metric, *long_col, "tied (value @ bits)"])
     return sentence, rows, headers
 
 

@@ -7,7 +7,7 @@ Real source only (``--kvq-real``). Two tiers:
   × seed; the seed picks the corpus prompt of the long text (and seeds random methods). The cells of one
   method and bits at the seeds of a group (``kvq_seed_rows``) run as the rows of one batch; the group's
   first seed also gets the noise-floor draws.
-* ``smoke`` (the test suite with ``--kvq-real``): the same computation on a text of a few hundred tokens,
+* ``smoke`` (the test suite with ``--kvq-real``): the same computation on a text of 64 tokens (one passkey depth),
   one case per method at 2 bits and the first seed.
 """
 

@@ -93,7 +93,7 @@ def test_series_discovery():
 
 
 def test_figure_names_cover_every_kind():
-    assert figure_names("real") == [f"{n}_real.png" for n in (*ALL, "predictivity")]  # predictivity: exp5 only
+    assert figure_names("real") == [f"{n}_real.png" for n in (*ALL, "predictivity", "kl_vs_position")]  # exp5, exp6 only
 
 
 def test_flat_histogram_layout_with_under_and_overflow():

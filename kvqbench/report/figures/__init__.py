@@ -11,6 +11,7 @@ one module per figure:
 ``norm_diff_density_{source}.png``          :mod:`.norm_diff_density`: ‖k̂‖−‖k‖ densities (exp3)
 ``cost_{source}.png``                       :mod:`.cost`: latency and bits per method (exp4)
 ``predictivity_{source}.png``               :mod:`.predictivity`: best tensor metrics vs e2e KL (exp5)
+``kl_vs_position_{source}.png``             :mod:`.kl_vs_position`: long-decode KL vs position (exp6)
 ==========================================  ==========================================================
 
 Shared: :mod:`.style` (colours, markers, matplotlib settings), :mod:`.labels` (axis and metric words),
@@ -34,6 +35,7 @@ from typing import Any, Callable
 from kvqbench.report.figures import (
     attn_vs_context,
     cost,
+    kl_vs_position,
     mse_vs_bits,
     norm_diff_density,
     pareto,
@@ -70,6 +72,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("norm_diff_density", norm_diff_density.draw, 0),
     Figure("cost", cost.draw, 4),
     Figure("predictivity", predictivity.draw, 3),
+    Figure("kl_vs_position", kl_vs_position.draw, 7),
 )
 
 
