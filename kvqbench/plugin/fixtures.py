@@ -107,8 +107,10 @@ def _select_layers(data, idx: list[int]):
     meta = dict(data.meta)
     all_layers = meta.get("layers") or list(range(data.k.shape[0]))
     meta["layers"] = [all_layers[i] for i in idx]
+    if isinstance(meta.get("layer_types"), list):
+        meta["layer_types"] = [meta["layer_types"][i] for i in idx]
     return dataclasses.replace(data, k=sel(data.k), v=sel(data.v), q=sel(data.q), k_pre=sel(data.k_pre),
-                               k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
+                               cos=sel(data.cos), sin=sel(data.sin), k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
 
 
 #: cell sizes whose model source is calibrated like another size's end-to-end window (the long tier
