@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvqbench.cells import SIZES, Cell
+from kvqbench.cells import SIZES, Cell, source_kind
 from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings
 
 _DATA_CACHE: dict[tuple, Any] = {}
@@ -40,7 +40,7 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
             _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
                                  f"cell: {type(e).__name__}: {first}")
             raise  # the first cell shows the full error
-        if cell.source == "real":
+        if source_kind(cell.source) == "real":
             request.node.user_properties.append(
                 (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
@@ -71,7 +71,7 @@ def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
     synthetic — the same generator at seed ``seed + CALIBRATION_SEED_OFFSET``; real — one capture of
     ``2·seq_len`` tokens, evaluated on the first ``seq_len`` and calibrated on the next ``seq_len``
     (causal attention: the first half equals a ``seq_len``-token capture)."""
-    spec = dict(SIZES[cell.size][cell.source])
+    spec = dict(SIZES[cell.size][source_kind(cell.source)])
     if cell.source == "synthetic":
         from kvqbench.data.synthetic import make_synthetic
 
@@ -135,7 +135,7 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
     src = load_source(**where, cache_dir=cache_dir)
     if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration
         request.node.user_properties.append(
-            (STEP_KEY, {"kind": f"model|{cell.source}-{cell.size}", "seconds": round(time.time() - t, 4)}))
+            (STEP_KEY, {"kind": f"model|{source_kind(cell.source)}-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return src
 
 

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
-from kvqbench.cells import is_exact_setting, is_plain_setting, parse_nodeid, setting_order, setting_tag
+from kvqbench.cells import is_exact_setting, is_plain_setting, parse_nodeid, setting_order, setting_tag, source_kind
 from kvqbench.metrics import rank_key
 
 __all__ = [
@@ -605,7 +605,7 @@ def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = N
     ``from_predictivity: False``) when none did. Pooled, because the headline compares methods across bit
     widths at matched budgets."""
     catalog = catalog or {}
-    for src_name in sorted(sources, key=lambda s: (s != "real", s)):
+    for src_name in sorted(sources, key=lambda s: (source_kind(s) != "real", s)):
         pr = sources[src_name].get("predictivity") or {}
         by_group = (pr.get("targets") or {}).get(PREDICTIVITY_TARGETS[0]) or {}
         group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
