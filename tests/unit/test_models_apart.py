@@ -79,3 +79,20 @@ def test_compare_matches_cells_within_one_model_only(tmp_path):
     cmp = compare_boards(load_board(smol), load_board(gemma))
     assert cmp.changes and all(c.source == "synthetic" for c in cmp.changes)
     assert "source real" in cmp.only_base and "source real-gemma3-270m" in cmp.only_new
+
+
+@pytest.mark.parametrize("model", ["smollm2", GEMMA])
+def test_collection_names_the_real_cells_by_their_model(model):
+    """The real cells of a run on ``model`` carry its source (``real`` for SmolLM2, ``real-gemma3-270m``
+    for Gemma); synthetic cells are the same for either model; an experiment restricted to real data
+    (``sources=("real",)``) keeps the model's real cells."""
+    from kvqbench.plugin.collection import _cells_for
+    from kvqbench.plugin.state import Settings
+
+    s = Settings(real=True, model=model, methods=["fp16"], bits=[2], seeds=[0])
+    cells = _cells_for(pytest.mark.kvq(experiment="exp1").mark, s)
+    assert {c.source for c in cells} == {"synthetic", real_source(model)}
+    assert {c.id for c in cells if c.source == "synthetic"} == {"fp16-k2v2-seed0-synthetic-smoke",
+                                                                "fp16-k2v2-seed0-synthetic-full"}
+    only_real = _cells_for(pytest.mark.kvq(experiment="exp5", sources=("real",)).mark, s)
+    assert {c.source for c in only_real} == {real_source(model)}
