@@ -3,6 +3,10 @@
 Torch-free. The pytest plugin turns each :class:`Cell` into one parametrized case whose id names the
 method, the bits, the seed, the source and the size, e.g. ``kvarn-k2v2-seed0-synthetic-full``.
 
+A real data source names its model: ``real`` is the default model's (:data:`DEFAULT_MODEL`, SmolLM2),
+``real-<model>`` another's (``real-gemma3-270m``, :func:`real_source`), so the model is part of every real
+cell's id, record, result file and leaderboard section; synthetic data depends on no model.
+
 This module is the one place that builds and reads back cell ids, node ids and settings:
 :func:`setting_tag` / :func:`parse_setting` for a setting (``k2v2``, ``k2v2-group_size64``),
 :attr:`Cell.id` / :func:`parse_cell_id` for a cell id, :func:`parse_nodeid` for a pytest node id
@@ -17,10 +21,36 @@ from typing import Any
 
 __all__ = ["Cell", "CellId", "NodeId", "Setting", "SIZES", "DEFAULT_BITS", "SOURCES", "parse_bits", "parse_cell_id",
            "is_exact_setting", "is_plain_setting", "parse_methods", "parse_nodeid", "parse_seeds", "parse_setting",
-           "setting_order", "setting_tag"]
+           "setting_order", "setting_tag", "DEFAULT_MODEL", "real_source", "source_kind", "source_model"]
 
 DEFAULT_BITS: tuple[int, ...] = (2, 3, 4, 8, 16)
+#: the kinds of data source; a real source's name carries its model (:func:`real_source`)
 SOURCES: tuple[str, ...] = ("synthetic", "real")
+#: the model of the ``real`` source (``--kvq-model``'s default)
+DEFAULT_MODEL = "smollm2"
+
+
+def real_source(model: str) -> str:
+    """The data-source name of real cells captured from ``model`` (a registry name, HF id or path): the
+    model's label — its name in lower case with every run of characters other than letters, digits, ``.``
+    and ``-`` as one ``_`` — after ``"real-"`` (``"real-gemma3-270m"``); ``"real"`` for
+    :data:`DEFAULT_MODEL`."""
+    label = re.sub(r"[^a-z0-9.-]+", "_", str(model).lower()).strip("_-")
+    return "real" if label == DEFAULT_MODEL else f"real-{label}"
+
+
+def source_kind(source: str) -> str:
+    """``"real"`` for every real source (``"real"``, ``"real-gemma3-270m"``), else ``source`` itself."""
+    return "real" if source == "real" or str(source).startswith("real-") else source
+
+
+def source_model(source: str) -> str | None:
+    """The model of a real source as :func:`real_source` names it (``"smollm2"`` for ``"real"``,
+    ``"gemma3-270m"`` for ``"real-gemma3-270m"``); ``None`` for a source that is not real."""
+    if source == "real":
+        return DEFAULT_MODEL
+    return source[len("real-"):] if source_kind(source) == "real" else None
+
 
 #: Tensor sizes per cell size. Synthetic: generator arguments. Real: capture arguments
 #: (``layers="smoke"`` = first, middle and last layer).
@@ -132,7 +162,7 @@ def parse_methods(text: str | None, known: list[str], option: str = "--kvq-metho
 _SETTING = re.compile(r"k(?P<k>\d+)v(?P<v>\d+)(?P<variant>(?:-[A-Za-z_]+\d[^-\[\]]*)*)")
 _AXIS = re.compile(r"-(?P<axis>[A-Za-z_]+)(?P<value>\d[^-\[\]]*)")
 _CELL_ID = re.compile(r"(?P<method>[^\[\]]+?)-(?P<setting>" + _SETTING.pattern.replace("?P<", "?P<s_") +
-                      r")-seed(?P<seed>\d+)-(?P<source>[a-z_]+)-(?P<size>[a-z_]+)")
+                      r")-seed(?P<seed>\d+)-(?P<source>[a-z_]+(?:-[a-z0-9._-]+?)?)-(?P<size>[a-z_]+)")
 
 
 def setting_tag(k_bits: int, v_bits: int, variant: Any = ()) -> str:
@@ -219,9 +249,10 @@ class CellId:
 
 
 def parse_cell_id(text: str) -> CellId | None:
-    """A cell id (``"kvarn-k2v2-seed0-synthetic-full"``, ``"kivi-k2v2-group_size64-seed1-real-smoke"``) read
-    back into a :class:`CellId`; ``None`` when ``text`` is not one. The method is everything before the
-    first ``-k<K>v<V>``."""
+    """A cell id (``"kvarn-k2v2-seed0-synthetic-full"``, ``"kivi-k2v2-group_size64-seed1-real-smoke"``,
+    ``"kivi-k2v2-seed0-real-gemma3-270m-smoke"``) read back into a :class:`CellId`; ``None`` when ``text`` is
+    not one. The method is everything before the first ``-k<K>v<V>``, the size the last ``-`` part, the
+    source what lies between the seed and the size."""
     m = _CELL_ID.fullmatch(text)
     if m is None:
         return None

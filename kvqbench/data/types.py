@@ -27,13 +27,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Args:
         x: ``(batch, heads, seq_len, head_dim)``.
-        cos, sin: ``(seq_len, head_dim)`` for the positions of ``x``'s tokens.
+        cos, sin: the tables for the positions of ``x``'s tokens: ``(seq_len, head_dim)`` shared by every
+            batch row, or ``(batch, seq_len, head_dim)`` per row (for a capture: per layer).
     Returns:
         Tensor of ``x``'s shape and dtype. RoPE is orthogonal per rotate-half pair, so
         ``‖apply_rope(a) − apply_rope(b)‖ == ‖a − b‖`` per token.
     """
     c = cos.to(device=x.device, dtype=torch.float32)
     s = sin.to(device=x.device, dtype=torch.float32)
+    if c.dim() == 3:  # per batch row: broadcast over the heads
+        c, s = c[:, None], s[:, None]
     xf = x.to(torch.float32)
     return (xf * c + rotate_half(xf) * s).to(x.dtype)
 
@@ -49,7 +52,9 @@ class KVData:
         q: queries (post-RoPE), ``(batch, q_heads, seq_len, head_dim)``; ``q_heads`` is a multiple of
             ``kv_heads`` (GQA: query head ``h`` reads KV head ``h // (q_heads // kv_heads)``).
         k_pre: pre-RoPE keys (from ``k_proj``) or ``None`` (synthetic: no RoPE, ``k`` is used).
-        cos, sin: RoPE tables ``(seq_len, head_dim)`` for the captured positions, or ``None``.
+        cos, sin: RoPE tables per layer ``(batch, seq_len, head_dim)`` for the captured positions (a model
+            with one table per layer type, e.g. Gemma 3's sliding-window and full layers, gives each layer
+            its type's), so that ``apply_rope(k_pre, cos, sin) == k``; ``None`` without RoPE.
         k_grad2, v_grad2: squared gradients of the LM loss w.r.t. pre-RoPE K and V (Fisher
             information, KVQuant), same shapes as ``k_pre``/``v``, or ``None``.
         meta: provenance (model file, layers, text, seed, generator parameters …), JSON-able.
@@ -142,8 +147,8 @@ class KVData:
             self.v[..., t, :],
             self.q[..., t, :],
             cut(self.k_pre),
-            None if self.cos is None else self.cos[t],
-            None if self.sin is None else self.sin[t],
+            cut(self.cos),
+            cut(self.sin),
             cut(self.k_grad2),
             cut(self.v_grad2),
             dict(self.meta),

@@ -557,29 +557,18 @@ def _layer(data: KVData, i: int) -> KVData:
         return None if x is None else x[i:i + 1]
 
     return dataclasses.replace(data, k=data.k[i:i + 1], v=data.v[i:i + 1], q=data.q[i:i + 1], k_pre=sel(data.k_pre),
-                               k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), calibration=None)
+                               cos=sel(data.cos), sin=sel(data.sin), k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), calibration=None)
 
 
-def layer_methods(method: Quantizer, calibration: KVData,
-                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Quantizer]:
+def layer_methods(method: Quantizer, calibration: KVData) -> list[Quantizer]:
     """One copy of ``method`` per decoder layer; a data-dependent one is fitted on that layer's
-    calibration tokens (with their Fisher weights), a local one is used as it is.
-
-    ``rope``: the per-layer RoPE tables ``(layers, ≥ tokens, head_dim)`` (:func:`model_rope`); a layer
-    whose captured ``k_pre`` is not un-rotated with its own table (``meta["k_pre_own_rope_layers"]`` of a
-    model with one table per layer type) is fitted on its cached keys un-rotated with its own table, the
-    keys the hook hands it."""
-    own = calibration.meta.get("k_pre_own_rope_layers")
-    layers = calibration.meta.get("layers") or list(range(int(calibration.k.shape[0])))
+    calibration tokens (with their Fisher weights; pre-RoPE keys un-rotated with the layer's own table,
+    the keys the hook hands it), a local one is used as it is."""
     out = []
     for i in range(int(calibration.k.shape[0])):
         m = copy.deepcopy(method)
         if not m.local_stats:
-            cal = _layer(calibration, i)
-            if m.k_pre_rope and own is not None and layers[i] not in own and rope is not None:
-                t = int(cal.k.shape[-2])
-                cal = dataclasses.replace(cal, k_pre=apply_rope(cal.k, rope[0][i, :t], -rope[1][i, :t]))
-            fit_method(m, cal)
+            fit_method(m, _layer(calibration, i))
         out.append(m)
     return out
 
@@ -633,7 +622,7 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     rows = [src.window_ids(i) for i in window_indices]
     pre_rope = any(m.k_pre_rope for m in methods)
     cos, sin = src.rope(cfg.window) if pre_rope else (None, None)
-    per_row = [layer_methods(m, src.calibration, None if cos is None else (cos, sin)) for m in methods]
+    per_row = [layer_methods(m, src.calibration) for m in methods]
     targets = [torch.tensor(ids[1:], dtype=torch.long) for ids in rows]
     results = []
     for method, i, ids in zip(methods, window_indices, rows):

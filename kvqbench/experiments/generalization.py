@@ -73,7 +73,7 @@ def _split_tokens(data: KVData, start: int, stop: int) -> KVData:
     meta = {**data.meta, "token_range": [start, stop]}
     return dataclasses.replace(
         data, k=cut(data.k), v=cut(data.v), q=cut(data.q), k_pre=cut(data.k_pre),
-        cos=None if data.cos is None else data.cos[t], sin=None if data.sin is None else data.sin[t],
+        cos=cut(data.cos), sin=cut(data.sin),
         k_grad2=cut(data.k_grad2), v_grad2=cut(data.v_grad2), meta=meta,
     )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvqbench.cells import Cell, parse_nodeid
+from kvqbench.cells import Cell, parse_nodeid, real_source, source_kind
 from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, cell_of, is_worker, session_config
 
 #: the counts of benchmark cells before and after the selection (see :func:`no_cell_message`)
@@ -44,13 +44,13 @@ def real_capture_first(items: list[Any]) -> list[Any]:
         return cell_of(it).seed, 0 if "kvq_seed_rows" in getattr(it, "fixturenames", ()) else 1
 
     first = next((i for i, it in enumerate(items)
-                  if _source(it) == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
+                  if source_kind(_source(it) or "") == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
     if first is None:
-        real = sorted((it for it in items if _source(it) == "real"), key=order)  # stable
-        return [it for it in items if _source(it) != "real"] + real
+        real = sorted((it for it in items if source_kind(_source(it) or "") == "real"), key=order)  # stable
+        return [it for it in items if source_kind(_source(it) or "") != "real"] + real
     rest = items[:first] + items[first + 1:]
-    real = sorted((it for it in rest if _source(it) == "real"), key=order)  # stable
-    return [items[first]] + [it for it in rest if _source(it) != "real"] + real
+    real = sorted((it for it in rest if source_kind(_source(it) or "") == "real"), key=order)  # stable
+    return [items[first]] + [it for it in rest if source_kind(_source(it) or "") != "real"] + real
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
@@ -161,10 +161,10 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
     for axis, values in variants.items():
         combos = [c + ((axis, v),) for c in combos for v in values]
     seeds = s.seeds[:1] if marker.kwargs.get("single_seed") else s.seeds
-    sources = ["synthetic"] + (["real"] if s.real else [])
+    sources = ["synthetic"] + ([real_source(s.model)] if s.real else [])
     only_sources = marker.kwargs.get("sources")  # e.g. ("real",): an experiment that needs the real model
     if only_sources:
-        sources = [src for src in sources if src in only_sources]
+        sources = [src for src in sources if source_kind(src) in only_sources]
     sizes = marker.kwargs.get("sizes") or ("smoke", "full")
     cells = []
     fits: dict[tuple[str, int], bool] = {}
@@ -188,7 +188,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     params = []
     for c in _cells_for(marker, s):
         marks = [getattr(pytest.mark, c.size)]
-        if c.source == "real":
+        if source_kind(c.source) == "real":
             marks.append(pytest.mark.real)
         params.append(pytest.param(c, id=c.id, marks=marks))
     metafunc.parametrize("cell", params)
@@ -251,8 +251,8 @@ def no_cell_message(config: pytest.Config, sel: dict[str, Any]) -> str | None:
     exps = "; ".join(f"{e}: {', '.join(names)}" for e, names in sel.get("experiments", {}).items())
     return (f"kvqbench: no benchmark cell matches {' '.join(asked) or 'this selection'}. "
             f"Method ids: {', '.join(available())}. Experiments (test names): {exps}. "
-            "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real>-<smoke|full>]; "
-            "real cells need --kvq-real, full-size ones -m full.")
+            "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real[-<model>]>-<smoke|full>]; "
+            "real cells need --kvq-real (of a model other than the default, --kvq-model), full-size ones -m full.")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

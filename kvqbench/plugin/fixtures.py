@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvqbench.cells import SIZES, Cell
+from kvqbench.cells import SIZES, Cell, source_kind
 from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings
 
 _DATA_CACHE: dict[tuple, Any] = {}
@@ -40,7 +40,7 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
             _DATA_FAILED[key] = (f"kvqbench: {cell.source} data ({cell.size}) unavailable, as for an earlier "
                                  f"cell: {type(e).__name__}: {first}")
             raise  # the first cell shows the full error
-        if cell.source == "real":
+        if source_kind(cell.source) == "real":
             request.node.user_properties.append(
                 (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
@@ -71,7 +71,7 @@ def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
     synthetic — the same generator at seed ``seed + CALIBRATION_SEED_OFFSET``; real — one capture of
     ``2·seq_len`` tokens, evaluated on the first ``seq_len`` and calibrated on the next ``seq_len``
     (causal attention: the first half equals a ``seq_len``-token capture)."""
-    spec = dict(SIZES[cell.size][cell.source])
+    spec = dict(SIZES[cell.size][source_kind(cell.source)])
     if cell.source == "synthetic":
         from kvqbench.data.synthetic import make_synthetic
 
@@ -107,8 +107,10 @@ def _select_layers(data, idx: list[int]):
     meta = dict(data.meta)
     all_layers = meta.get("layers") or list(range(data.k.shape[0]))
     meta["layers"] = [all_layers[i] for i in idx]
+    if isinstance(meta.get("layer_types"), list):
+        meta["layer_types"] = [meta["layer_types"][i] for i in idx]
     return dataclasses.replace(data, k=sel(data.k), v=sel(data.v), q=sel(data.q), k_pre=sel(data.k_pre),
-                               k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
+                               cos=sel(data.cos), sin=sel(data.sin), k_grad2=sel(data.k_grad2), v_grad2=sel(data.v_grad2), meta=meta)
 
 
 #: cell sizes whose model source is calibrated like another size's end-to-end window (the long tier
@@ -133,7 +135,7 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
     src = load_source(**where, cache_dir=cache_dir)
     if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration
         request.node.user_properties.append(
-            (STEP_KEY, {"kind": f"model|{cell.source}-{cell.size}", "seconds": round(time.time() - t, 4)}))
+            (STEP_KEY, {"kind": f"model|{source_kind(cell.source)}-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return src
 
 

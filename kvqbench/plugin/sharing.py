@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvqbench.cells import Cell, parse_nodeid
+from kvqbench.cells import Cell, parse_nodeid, source_kind
 from kvqbench.plugin.state import Settings
 
 #: the process's :class:`kvqbench.memo.ResultMemo` (made on first use)
@@ -97,7 +97,7 @@ def shard_unit(nodeid: str, seeds: list[int]) -> str:
     (:func:`kvq_seed_rows`), and in either case the group's first cell to run pays for all of them. Any
     other node id is a unit of its own."""
     node = parse_nodeid(nodeid)
-    if node.cell is None or node.cell.source != "real":
+    if node.cell is None or source_kind(node.cell.source) != "real":
         return nodeid
     group = "_".join(str(g) for g in seed_group(node.cell.seed, seeds))
     return f"{node.base}[{replace(node.cell, seed=0).id}]|seeds{group}"

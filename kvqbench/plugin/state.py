@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvqbench.cells import DEFAULT_BITS, Cell
+from kvqbench.cells import DEFAULT_BITS, DEFAULT_MODEL, Cell
 
 #: the ``user_properties`` key a cell's record travels under (the channel ``record_property`` uses)
 RECORD_KEY = "kvqbench"
@@ -26,7 +26,7 @@ class Settings:
     out_dir: str | None = None
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     real: bool = False
-    model: str = "smollm2"
+    model: str = DEFAULT_MODEL
     methods: list[str] | None = None
     bits: list[int] = field(default_factory=lambda: list(DEFAULT_BITS))
     start_time: str = ""

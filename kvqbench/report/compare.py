@@ -5,7 +5,9 @@ the change from BASE to NEW is classified with the metric's better-direction, re
 ``metrics_catalog`` (BASE's, completed by NEW's): ``lower``/``higher`` as named, ``zero`` by distance
 from 0. The *worsening* of a metric is ``(bad(new) − bad(base)) / |bad(base)|`` in percent, where
 ``bad`` is the value itself (lower), its negation (higher) or its absolute value (zero); a change from
-exactly 0 to non-zero counts as an infinite percentage.
+exactly 0 to non-zero counts as an infinite percentage. A real source names its model (``real``,
+``real-gemma3-270m``: :func:`kvqbench.cells.real_source`), so one model's cells are compared only with the
+same model's; another model's real source is one side's alone.
 
 The *spread* of a value is the one the leaderboard measured: the sum of the 95 % Student-t CI
 half-widths of BASE and NEW (``ci95``, present where a side has ≥ 2 seeds; a side without one adds 0). A

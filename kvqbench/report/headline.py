@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order
+from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order, source_kind
 from kvqbench.metrics import rank_key
 from kvqbench.report.leaderboard import (
     BUDGETS,
@@ -164,7 +164,7 @@ def choose_headline(sources: dict[str, Any], catalog: dict[str, dict] | None = N
     by name) that has a predictivity table, with ``source`` and ``from_predictivity: True``; the declared
     fallback ``rel_mse`` (``from_predictivity: False``) when none has."""
     catalog = catalog or {}
-    for src_name in sorted(sources, key=lambda s: (s != "real", s)):
+    for src_name in sorted(sources, key=lambda s: (s != "real", source_kind(s) != "real", s)):
         src = sources[src_name]
         h = headline_rule(src.get("stats") or {}, src.get("predictivity"), catalog)
         if h is not None:

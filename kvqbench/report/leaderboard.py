@@ -17,7 +17,14 @@ import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
-from kvqbench.cells import is_plain_setting, parse_nodeid, setting_order, setting_tag
+from kvqbench.cells import (
+    is_exact_setting,
+    is_plain_setting,
+    parse_nodeid,
+    setting_order,
+    setting_tag,
+    source_kind,
+)
 from kvqbench.metrics import rank_key
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order
+from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order, source_kind
 from kvqbench.report.io import to_jsonable
 from kvqbench.report.longdecode import markdown_lines as longdecode_lines
 
@@ -156,7 +156,8 @@ def render_markdown(board: dict[str, Any]) -> str:
     for src_name, src in board.get("sources", {}).items():
         lines += headline_screen(board, src_name, src)
     lines += ["# Details", "", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width "
-              "over seeds. Real and synthetic results are kept apart. A rank is 1 + the methods whose 95% CI is "
+              "over seeds. Real and synthetic results are kept apart, and so are the real results of each model (one "
+              "section per data source: `real` is SmolLM2's, `real-<model>` another model's). A rank is 1 + the methods whose 95% CI is "
               "wholly better (never lower than the rank above it).", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
@@ -348,7 +349,7 @@ def headline_screen(board: dict[str, Any], src_name: str, src: dict[str, Any]) -
     measured, else by the headline tensor metric — with its ties, and the rule that names the metric."""
     sentence, rows, headers = headline_lines(board, src_name, src)
     data = src.get("data") or {}
-    what = f" ({data.get('model')})" if src_name == "real" and data.get("model") else ""
+    what = f" ({data.get('model')})" if source_kind(src_name) == "real" and data.get("model") else ""
     by = "end-to-end KL" if any(str(b.get("criterion", "")).startswith("e2e_") for b in src.get("headline") or []) \
         else f"`{(board.get('headline') or {}).get('metric', 'rel_mse')}`"
     out = [f"## {src_name}{what}: best method at a matched budget, by {by}", "", sentence, ""]

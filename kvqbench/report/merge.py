@@ -9,6 +9,11 @@ data (the real capture's model, text and tokens) — reads their records back an
 same :func:`~kvqbench.report.results.write_result_set` a session uses, so the merged files are those a
 single session would have written (provenance and timings aside). Cells of the matrix that no folder
 holds are listed and the merged set is stamped incomplete, as a partial run is.
+
+Shards of runs on different models (``--kvq-model``) merge into one result set with one real source per
+model (:func:`kvqbench.cells.real_source`): the shards of each model must form one run as above, and the
+runs agree on everything else checked. Their synthetic cells (the same node ids, a function of the seeds
+alone) are taken from the first model's run (the default model first, then by name).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvqbench.cells import parse_nodeid
+from kvqbench.cells import DEFAULT_MODEL, parse_nodeid, source_kind
 from kvqbench.report.io import read_json, write_json_atomic
 from kvqbench.report.results import (
     BENCHMARK_JSON,
@@ -31,7 +36,7 @@ from kvqbench.report.results import (
     write_result_set,
 )
 
-__all__ = ["MergeError", "Shard", "read_shard", "check_compatible", "merged_provenance", "merge_shards",
+__all__ = ["MergeError", "Shard", "read_shard", "by_model", "check_compatible", "merged_provenance", "merge_shards",
            "MergeResult", "CHECKED", "merge_benchmark_json", "missing_cells_note"]
 
 #: provenance fields every shard must agree on, with the words the error uses
@@ -106,7 +111,7 @@ def _device_type(prov: dict[str, Any]) -> str:
 def _real_data(sh: Shard) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in sh.records:
-        if r.get("source") == "real" and r.get("data"):
+        if source_kind(str(r.get("source"))) == "real" and r.get("data"):
             key = r.get("size", "")
             out.setdefault(key, {k: r["data"].get(k) for k in REAL_DATA_KEYS})
     return out
@@ -117,23 +122,46 @@ def _short(v: Any) -> str:
     return s if len(s) <= 40 else s[:37] + "…"
 
 
-def check_compatible(shards: list[Shard]) -> None:
-    """Raise :class:`MergeError` (one line) unless every shard comes from the same run.
+def _model(sh: Shard) -> str:
+    return str(sh.provenance.get("model") or DEFAULT_MODEL)
 
-    Checked against the first shard: the fields of :data:`CHECKED`, the device type (cpu/cuda), the
-    shard count, the cell matrix (its digest: the same -k/-m/--kvq-methods/sizes/real selection) and the
-    real data each folder captured; then that no shard index is given twice."""
+
+def by_model(shards: list[Shard]) -> list[list[Shard]]:
+    """The shards grouped by the model of their run (``provenance.model``), the default model's group
+    first, then by name; each group in the order given."""
+    groups: dict[str, list[Shard]] = {}
+    for sh in shards:
+        groups.setdefault(_model(sh), []).append(sh)
+    return [groups[m] for m in sorted(groups, key=lambda m: (m != DEFAULT_MODEL, m))]
+
+
+def check_compatible(shards: list[Shard]) -> None:
+    """Raise :class:`MergeError` (one line) unless the shards of each model come from one run and the runs
+    differ in their model alone.
+
+    Checked against the first shard: the fields of :data:`CHECKED` (the model within a model's shards
+    only), the device type (cpu/cuda); within a model's shards, the shard count, the cell matrix (its
+    digest: the same -k/-m/--kvq-methods/sizes/real selection) and the real data each folder captured;
+    then that no shard index is given twice for a model."""
     first = shards[0]
     p0 = first.provenance
     for sh in shards[1:]:
         p = sh.provenance
         for key, words in CHECKED:
-            if p.get(key) != p0.get(key):
+            if key != "model" and p.get(key) != p0.get(key):
                 raise MergeError(f"{sh.label} and {first.label} differ in {words}: "
                                  f"{_short(p.get(key))} vs {_short(p0.get(key))}")
         if _device_type(p) != _device_type(p0):
             raise MergeError(f"{sh.label} and {first.label} differ in device type: "
                              f"{_device_type(p)} vs {_device_type(p0)}")
+    for group in by_model(shards):
+        _check_one_run(group)
+
+
+def _check_one_run(shards: list[Shard]) -> None:
+    """The checks of :func:`check_compatible` among the shards of one model's run."""
+    first = shards[0]
+    for sh in shards[1:]:
         if sh.doc["count"] != first.doc["count"]:
             raise MergeError(f"{sh.label} and {first.label} differ in shard count: "
                              f"{sh.doc['count']} vs {first.doc['count']}")
@@ -177,8 +205,12 @@ def _strip_shard_args(command: str) -> str:
 def merged_provenance(shards: list[Shard]) -> dict[str, Any]:
     """The provenance of the merged set: the shards' common fields; the earliest start time; the shape
     list of all shards; device names joined when the shards ran on different hardware; the shard
-    command without ``--kvq-shard``/``--kvq-out``; and ``merged``: the shard count and folders."""
-    provs = [sh.provenance for sh in sorted(shards, key=lambda s: s.doc["index"])]
+    command without ``--kvq-shard``/``--kvq-out``; and ``merged``: the shard count and folders. Shards of
+    several models: ``model`` lists them joined by `` + `` (the default model first), the command and
+    shard count are the first model's."""
+    groups = by_model(shards)
+    shards = [sh for g in groups for sh in sorted(g, key=lambda s: s.doc["index"])]
+    provs = [sh.provenance for sh in shards]
     out = {k: v for k, v in provs[0].items() if k != "shard"}
     shapes = {(s["source"], s["size"], tuple(s.get("k", ()))) for p in provs for s in p.get("shapes") or []}
     out["shapes"] = [{"source": a, "size": b, "k": list(c)} for a, b, c in sorted(shapes)]
@@ -193,8 +225,9 @@ def merged_provenance(shards: list[Shard]) -> dict[str, Any]:
         out["device_name"] = " + ".join(names)
     if out.get("command"):
         out["command"] = _strip_shard_args(out["command"])
-    out["merged"] = {"shards": shards[0].doc["count"],
-                     "folders": [sh.path.name for sh in sorted(shards, key=lambda s: s.doc["index"])]}
+    if len(groups) > 1:
+        out["model"] = " + ".join(_model(g[0]) for g in groups)
+    out["merged"] = {"shards": shards[0].doc["count"], "folders": [sh.path.name for sh in shards]}
     return out
 
 
@@ -278,26 +311,35 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
         raise MergeError("no shard folders given")
     shards = [read_shard(f) for f in folders]
     check_compatible(shards)
+    groups = by_model(shards)
     owner: dict[str, Path] = {}
     dups: list[str] = []
-    for sh in shards:
-        for r in sh.records:
-            nid = r.get("nodeid", "")
-            if nid in owner:
-                dups.append(f"{nid} ({owner[nid]} and {sh.path})")
-            owner.setdefault(nid, sh.path)
+    records: list[dict[str, Any]] = []
+    cells: list[str] = []
+    missing_shards: list[int] = []
+    for group in groups:
+        taken = set(owner)  # node ids of an earlier model's run: its synthetic cells
+        for sh in group:
+            for r in sh.records:
+                nid = r.get("nodeid", "")
+                if nid in taken and r.get("source") == "synthetic":
+                    continue
+                if nid in owner:
+                    dups.append(f"{nid} ({owner[nid]} and {sh.path})")
+                owner.setdefault(nid, sh.path)
+                records.append(r)
+        cells += [c for c in group[0].doc["cells"] if c not in taken]
+        given = {sh.doc["index"] for sh in group}
+        missing_shards += [i for i in range(1, group[0].doc["count"] + 1) if i not in given]
     if dups:
         raise MergeError(f"{len(dups)} cell(s) appear in more than one folder: " + "; ".join(dups[:5])
                          + (" …" if len(dups) > 5 else ""))
-    count = shards[0].doc["count"]
-    cells = list(shards[0].doc["cells"])
+    cells = list(dict.fromkeys(cells))
     missing = [c for c in cells if c not in owner]
-    given = {sh.doc["index"] for sh in shards}
-    missing_shards = [i for i in range(1, count + 1) if i not in given]
     reason = None
     if missing_shards:
-        reason = f"merged {len(given)} of {count} shards, missing shard(s) {', '.join(map(str, missing_shards))}"
-    records = [r for sh in shards for r in sh.records]
+        reason = (f"merged {len(shards)} of {sum(g[0].doc['count'] for g in groups)} shards, missing shard(s) "
+                  f"{', '.join(map(str, missing_shards))}")
     res = write_result_set(records, merged_provenance(shards), out_dir, expected=cells, reason=reason,
                            figures=figures, log=log, update_board=update_board, write_extra=write_extra)
     if res.out_dir is not None:

@@ -4,12 +4,13 @@ Torch-free.
 What lands in the destination folder (the repository's ``leaderboard/``):
 
 * ``leaderboard.json`` — the run's leaderboard document, scrubbed (see :func:`scrub`); synthetic and
-  real results stay under separate ``sources`` keys;
+  real results (``real``, ``real-<model>`` per model) stay under separate ``sources`` keys;
 * ``exp{N}_{source}.json`` — the per-experiment cell records, scrubbed and slimmed (per-seed metrics,
   series and extra kept; per-layer lists, method metadata and data descriptions dropped — their
   aggregates live in ``leaderboard.json``), one file per source, so the figures can be re-rendered
   from ``leaderboard/`` alone: ``kvqbench report leaderboard/``;
-* ``LEADERBOARD.md`` — one ``## synthetic`` and one ``## real`` section (the same renderer as a run);
+* ``LEADERBOARD.md`` — one section per source (``## synthetic``, ``## real``, ``## real-<model>`` …; the
+  same renderer as a run);
 * ``*_{source}.png`` — the figures, one set per source;
 * ``README.md`` — what these files are and how they were made.
 
@@ -224,10 +225,10 @@ Rebuild the Markdown and figures from these files alone with `kvqbench report le
 
 - `leaderboard.json` — rankings, Pareto front, matched-budget table, data-quality flags, per-setting
   statistics (mean ± 95% CI over seeds) and method metadata, one entry per data source under `sources`
-  (`synthetic` and `real` are never mixed), with the run's provenance (package version, git commit,
+  (`synthetic`, `real` and another model's `real-<model>` are never mixed), with the run's provenance (package version, git commit,
   torch version, device, seeds, shapes, command). Local paths and user names are scrubbed.
 - `exp{N}_{source}.json` — every cell's record (per-seed metrics, per-layer values, series).
-- `LEADERBOARD.md` — the tables, one `## synthetic` and one `## real` section.
+- `LEADERBOARD.md` — the tables, one section per data source (`## synthetic`, `## real`, `## real-<model>`).
 - `*_{source}.png` — figures, one set per source (Pareto, MSE vs bits, attention error and KL vs
   context, norm-difference densities, cost).
 

@@ -393,8 +393,9 @@ def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figure
     return ResultSet([str(p) for p in written], board, fb, comp, note, fallback=True)
 
 
-#: a per-experiment file's name: ``exp<N>_<source>.json``
-_EXP_FILE = re.compile(r"^(exp\d+)_(\w+)\.json$")
+#: a per-experiment file's name: ``exp<N>_<source>.json`` (``exp1_real-gemma3-270m.json``: see
+#: :func:`kvqbench.cells.real_source`)
+_EXP_FILE = re.compile(r"^(exp\d+)_([\w.-]+)\.json$")
 #: what every cell record holds (:func:`record_sort_key` orders by them)
 RECORD_KEYS = ("experiment", "source", "method", "k_bits", "v_bits", "seed", "size")
 

@@ -100,7 +100,7 @@ def test_shapes_follow_the_model_config(smollm2, captured) -> None:
     assert isinstance(data, KVData) and data.source == "real"
     assert data.k.shape == data.k_pre.shape == data.v.shape == (3, 3, T, 64)
     assert data.q.shape == (3, 9, T, 64)
-    assert data.cos.shape == data.sin.shape == (T, 64)
+    assert data.cos.shape == data.sin.shape == (3, T, 64)
     assert data.k_grad2 is None and data.v_grad2 is None
     for name in ("k", "v", "q", "k_pre", "cos", "sin"):
         x = getattr(data, name)
@@ -131,8 +131,8 @@ def test_cached_k_is_rope_of_pre_rope_k(smollm2, captured) -> None:
     inv_freq = 1.0 / theta ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
     ang = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
     ang = torch.cat([ang, ang], dim=-1)
-    torch.testing.assert_close(data.cos.double(), ang.cos(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(data.sin.double(), ang.sin(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.cos.double(), ang.cos().expand(3, -1, -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(data.sin.double(), ang.sin().expand(3, -1, -1), atol=1e-5, rtol=0)
     # ... and rotating the k_proj output reproduces the keys the model cached
     torch.testing.assert_close(apply_rope(data.k_pre, data.cos, data.sin), data.k, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(data.k_pre, data.k)  # RoPE did something
@@ -278,7 +278,7 @@ def test_missing_gguf_file_in_the_package(tmp_path, monkeypatch) -> None:
 def test_disk_cache_writes_are_atomic_under_concurrency(tmp_path) -> None:
     def sample(fill: float) -> KVData:
         x = torch.full((2, 3, 8, 4), fill)
-        return KVData("real", x, x + 1, x + 2, k_pre=x, cos=torch.ones(8, 4), sin=torch.zeros(8, 4),
+        return KVData("real", x, x + 1, x + 2, k_pre=x, cos=torch.ones(2, 8, 4), sin=torch.zeros(2, 8, 4),
                       meta={"fill": fill})
 
     path = tmp_path / "sub" / "kv.pt"
@@ -315,7 +315,7 @@ def test_concurrent_captures_sharing_a_cache_run_the_model_once(tmp_path, monkey
         calls.append(1)
         time.sleep(0.3)  # long enough for the other callers to arrive while the "model" runs
         x = torch.full((2, 3, seq_len, 4), float(len(calls)))
-        return KVData("real", x, x + 1, x + 2, k_pre=x, cos=torch.ones(seq_len, 4), sin=torch.zeros(seq_len, 4),
+        return KVData("real", x, x + 1, x + 2, k_pre=x, cos=torch.ones(2, seq_len, 4), sin=torch.zeros(2, seq_len, 4),
                       meta={"run": len(calls)})
 
     monkeypatch.setattr(cap, "_run_capture", fake_capture)

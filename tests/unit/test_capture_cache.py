@@ -18,8 +18,8 @@ def sample(t: int = T, *, grads: bool = False, fill: float = 0.5) -> KVData:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, t, 4, generator=g) * fill
     extra = {"k_grad2": x.square(), "v_grad2": x.square()} if grads else {}
-    return KVData("real", x + 1, x + 2, torch.randn(2, 6, t, 4, generator=g), k_pre=x, cos=torch.ones(t, 4),
-                  sin=torch.zeros(t, 4), meta={"seq_len": t}, **extra)
+    return KVData("real", x + 1, x + 2, torch.randn(2, 6, t, 4, generator=g), k_pre=x, cos=torch.ones(2, t, 4),
+                  sin=torch.zeros(2, t, 4), meta={"seq_len": t}, **extra)
 
 
 def _obj(path):
@@ -56,9 +56,13 @@ def _corruptions():
     def fmt(o):
         o["format"] = 1
 
+    def rope(o):  # one table for every layer, not one per layer
+        o["cos"] = o["cos"][0].contiguous()
+        o["shapes"]["cos"] = list(o["cos"].shape)
+
     return {"tokens": (tokens, "'k' of shape"), "missing tensor": (missing, "has no 'q' tensor"),
             "dtype": (dtype, "'v' as torch.float16"), "content": (content, "content hash"),
-            "format": (fmt, "cache format")}
+            "format": (fmt, "cache format"), "rope per layer": (rope, "'cos' of shape")}
 
 
 @pytest.mark.parametrize("case", sorted(_corruptions()))

@@ -26,7 +26,7 @@ NOBODY = 65534
 
 def sample(fill: float) -> KVData:
     x = torch.full((2, 3, T, 4), fill)
-    return KVData("real", x + 1, x + 2, x + 3, k_pre=x, cos=torch.ones(T, 4), sin=torch.zeros(T, 4),
+    return KVData("real", x + 1, x + 2, x + 3, k_pre=x, cos=torch.ones(2, T, 4), sin=torch.zeros(2, T, 4),
                   meta={"fill": fill})
 
 

@@ -16,8 +16,11 @@ from kvqbench.cells import (
     parse_cell_id,
     parse_nodeid,
     parse_setting,
+    real_source,
     setting_order,
     setting_tag,
+    source_kind,
+    source_model,
 )
 
 #: a method id: lower-case words joined by ``_`` or ``-`` (no word may read as a setting, ``k2v2``)
@@ -26,6 +29,10 @@ method_ids = st.from_regex(r"[a-z][a-z0-9_]{0,10}(-[a-z][a-z0-9_]{0,6}){0,2}", f
 experiments = st.from_regex(r"exp[0-9]{1,2}", fullmatch=True)
 bit_widths = st.integers(min_value=1, max_value=16)
 seeds = st.integers(min_value=0, max_value=10**6)
+#: a model as --kvq-model takes it: a registry name, an HF id or a path
+models = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_./ -]{0,24}", fullmatch=True).filter(lambda m: m[-1].isalnum())
+#: a data source: synthetic, the default model's ``real`` or another model's ``real-<model>``
+sources = st.one_of(st.sampled_from(SOURCES), models.map(real_source))
 variants = st.lists(st.tuples(st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True), st.integers(0, 4096)),
                     max_size=2, unique_by=lambda av: av[0]).map(tuple)
 
@@ -34,7 +41,7 @@ variants = st.lists(st.tuples(st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True
 def cells(draw: st.DrawFn) -> Cell:
     """A benchmark cell over every axis its id names."""
     return Cell(draw(experiments), draw(method_ids), draw(bit_widths), draw(bit_widths), draw(seeds),
-                draw(st.sampled_from(SOURCES)), draw(st.sampled_from(sorted(SIZES))), draw(variants))
+                draw(sources), draw(st.sampled_from(sorted(SIZES))), draw(variants))
 
 
 @given(cell=cells())
@@ -42,6 +49,24 @@ def test_a_cell_id_parses_back_to_the_cell(cell):
     parsed = parse_cell_id(cell.id)
     assert parsed == CellId(cell.method, cell.k_bits, cell.v_bits, cell.seed, cell.source, cell.size, cell.variant)
     assert parsed.id == cell.id
+
+
+@given(model=models)
+def test_a_real_source_names_its_model_and_reads_back(model):
+    src = real_source(model)
+    assert source_kind(src) == "real" and src.startswith("real")
+    assert real_source(source_model(src)) == src  # the name is its own model label
+    assert (src == "real") == (model.lower() == "smollm2")
+    cell = Cell("exp1", "kivi", 2, 2, 0, src, "smoke")
+    assert parse_cell_id(cell.id).source == src
+
+
+def test_the_default_model_keeps_the_plain_real_source_and_others_are_apart():
+    assert real_source("smollm2") == "real" and source_model("real") == "smollm2"
+    assert real_source("gemma3-270m") == "real-gemma3-270m" and source_model("real-gemma3-270m") == "gemma3-270m"
+    assert source_kind("synthetic") == "synthetic" and source_model("synthetic") is None
+    ids = {Cell("exp1", "kivi", 2, 2, 0, real_source(m), "smoke").id for m in ("smollm2", "gemma3-270m")}
+    assert ids == {"kivi-k2v2-seed0-real-smoke", "kivi-k2v2-seed0-real-gemma3-270m-smoke"}
 
 
 @given(cell=cells(), cls=st.sampled_from(["", "TestCells::"]))

@@ -128,3 +128,42 @@ def test_gemma3_270m_smoke_fp16_control_is_exact(pytestconfig) -> None:
     for regime in E.REGIMES:
         assert rtn.metrics[f"e2e_{regime}_kl_nats"] > 0
         assert 2.0 < rtn.metrics[f"e2e_{regime}_bits_billed"] < 16.0
+
+
+def test_capture_keeps_each_layers_own_rope_table(tiny_gemma, monkeypatch) -> None:
+    """A capture of a model with one RoPE table per layer type stores the tables per layer, each layer's
+    the model's own (model_rope, a second implementation), k_pre is the model's own k_norm output on every
+    layer, and apply_rope(k_pre, cos, sin) gives the cached keys; windowing and layer selection keep the
+    tables aligned with the layers and tokens."""
+    from kvqbench.data.capture import forward
+    from kvqbench.data.capture.models import _ModelRef
+    from kvqbench.data.types import apply_rope
+    from kvqbench.plugin.fixtures import _select_layers
+
+    net, ids, _ = tiny_gemma
+
+    def tokenizer(text: str) -> dict:
+        return {"input_ids": (ids * (len(text) // len(ids) + 1))[:max(len(text), W)]}
+
+    monkeypatch.setattr(forward, "_model_for_capture", lambda *a, **k: (net, tokenizer))
+    seen: dict[int, torch.Tensor] = {}
+    layers = net.model.layers
+    handles = [layers[i].self_attn.k_norm.register_forward_hook(
+        lambda m, a, out, i=i: seen.setdefault(i, out.detach().clone())) for i in range(3)]
+    try:
+        data = forward._run_capture(_ModelRef("tiny", "tiny", None, False, "tiny"), W, None, False,
+                                    torch.device("cpu"))
+    finally:
+        for h in handles:
+            h.remove()
+    cos, sin = E.model_rope(net, W)
+    assert data.cos.shape == data.sin.shape == (3, W, 16)
+    torch.testing.assert_close(data.cos, cos, rtol=0, atol=1e-6)
+    torch.testing.assert_close(data.sin, sin, rtol=0, atol=1e-6)
+    for i in range(3):
+        torch.testing.assert_close(data.k_pre[i], seen[i][0], rtol=0, atol=0)
+    torch.testing.assert_close(apply_rope(data.k_pre, data.cos, data.sin), data.k, rtol=1e-5, atol=1e-5)
+    part = _select_layers(data, [0, 2]).window(5, 13)
+    assert part.meta["layer_types"] == ["sliding_attention", "full_attention"]
+    assert torch.equal(part.cos, data.cos[[0, 2], 5:13]) and torch.equal(part.k_pre, data.k_pre[[0, 2], :, 5:13])
+    torch.testing.assert_close(apply_rope(part.k_pre, part.cos, part.sin), part.k, rtol=1e-5, atol=1e-5)

@@ -53,11 +53,11 @@ def test_synthetic_eval_batch_is_independent_and_shifted():
 
 def test_real_sources_split_tokens_in_halves():
     d = _data(t=10)
-    cos = torch.arange(10 * 64, dtype=torch.float32).reshape(10, 64)
+    cos = torch.arange(10 * 64, dtype=torch.float32).reshape(1, 10, 64)
     real = KVData("real", d.k, d.v, d.q, k_pre=d.k * 2, cos=cos, sin=cos + 1, meta={"layers": [0]})
     a, b = fit_eval_batches(real)
     assert torch.equal(a.k, d.k[..., :5, :]) and torch.equal(b.k, d.k[..., 5:, :])
-    assert torch.equal(b.k_pre, 2 * d.k[..., 5:, :]) and torch.equal(b.cos, cos[5:])
+    assert torch.equal(b.k_pre, 2 * d.k[..., 5:, :]) and torch.equal(b.cos, cos[:, 5:])
     assert a.meta["token_range"] == [0, 5] and b.meta["token_range"] == [5, 10]
     res = run_codebook_gap(create("rtn_token", 2, 2), real)
     assert res.metrics["codebook_gap"] == 0.0

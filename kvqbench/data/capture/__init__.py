@@ -125,7 +125,8 @@ def capture_kv(
     Returns:
         KVData (``source="real"``): ``k`` (post-RoPE, as cached), ``k_pre``, ``v`` of shape
         ``(layers, kv_heads, seq_len, head_dim)``; ``q`` ``(layers, q_heads, seq_len, head_dim)``
-        (post-RoPE); ``cos``/``sin`` ``(seq_len, head_dim)``; ``k_grad2``/``v_grad2`` like ``k_pre``/``v``
+        (post-RoPE); ``cos``/``sin`` per layer ``(layers, seq_len, head_dim)`` (each layer its own type's
+        table where the model has several); ``k_grad2``/``v_grad2`` like ``k_pre``/``v``
         or ``None``; all fp32. ``meta`` records the model name and file name (no local paths), layers,
         heads, head_dim, seq_len, text hashes and library versions.
 

@@ -9,11 +9,9 @@ left as they are. With gradients, the K and V activations are replaced by leaves
 pass of the LM loss keeps their gradients; the loss is computed from the final hidden states a block of
 positions at a time (:func:`lm_logits`), so a large vocabulary never makes a ``(seq_len, vocab)`` array.
 
-A model with several RoPE tables (per layer type) is stored with the table shared by most selected layers
-(:class:`~kvqbench.data.types.KVData` holds one ``(seq_len, head_dim)`` table): ``k_pre`` of a layer with
-another table is its cached key un-rotated with the stored one, so ``apply_rope(k_pre, cos, sin)`` is the
-cached key for every layer; ``meta["k_pre_own_rope_layers"]`` lists the layers whose ``k_pre`` is the
-model's own pre-RoPE key.
+The RoPE tables are stored per selected layer (``cos``/``sin`` of shape ``(layers, seq_len, head_dim)``): a
+model with one table per layer type gives each layer its type's, so ``apply_rope(k_pre, cos, sin)`` is the
+cached key of every layer and ``k_pre`` is the model's own pre-RoPE key everywhere.
 """
 
 from __future__ import annotations
@@ -282,10 +280,9 @@ def _run_capture(
                 f"unsupported RoPE: tables of shape {tuple(cos_i.shape)}, expected ({seq_len}, {head_dim}) "
                 "(partial-rotary models are not supported)"
             )
-    # the stored table: the one most selected layers use (ties: the first layer's)
     kinds = [None if None in tables else _kind(net.config, i) for i in idx]
-    shared = max(dict.fromkeys(kinds), key=kinds.count)
-    cos, sin = tables[shared]
+    cos = torch.stack([tables[kind][0] for kind in kinds]).contiguous()
+    sin = torch.stack([tables[kind][1] for kind in kinds]).contiguous()
 
     ks, vs, qs, kps, kg2, vg2 = [], [], [], [], [], []
     for i in idx:
@@ -298,9 +295,9 @@ def _run_capture(
         ks.append(k_c[0].detach().float())
         vs.append(v_c[0].detach().float())
         k_pre = _heads(grabbed[("k", i)].detach().float(), kv_heads, head_dim)
-        cos_i, sin_i = tables[kinds[idx.index(i)]]
+        j = idx.index(i)
         kps.append(k_pre)
-        qs.append(apply_rope(_heads(grabbed[("q", i)].float(), q_heads, head_dim)[None], cos_i, sin_i)[0])
+        qs.append(apply_rope(_heads(grabbed[("q", i)].float(), q_heads, head_dim)[None], cos[j], sin[j])[0])
         if with_grads:
             for src, dst, n_h in ((("k", i), kg2, kv_heads), (("v", i), vg2, kv_heads)):
                 grad = grabbed[src].grad
@@ -311,7 +308,7 @@ def _run_capture(
         return torch.stack(xs).contiguous()
 
     k, v, q, k_pre = stack(ks), stack(vs), stack(qs), stack(kps)
-    rope_err = max(float((apply_rope(k_pre[j:j + 1], *tables[kinds[j]]) - k[j:j + 1]).abs().max())
+    rope_err = max(float((apply_rope(k_pre[j:j + 1], cos[j], sin[j]) - k[j:j + 1]).abs().max())
                    for j in range(len(idx)))
     # fp32: rounding only; bf16/fp16: the model rotates in its own dtype, we rotate its (rounded) k_proj
     # output in fp32, so a few units of the dtype's epsilon apart
@@ -322,11 +319,6 @@ def _run_capture(
             f"not reproduce the cached keys (max abs error {rope_err:.3g} > {tol:.3g}); only rotate-half "
             "RoPE over the full head is supported"
         )
-    own = [j for j in range(len(idx)) if kinds[j] == shared]
-    if len(own) < len(idx):  # see the module doc: k_pre of the other layers is un-rotated with the stored table
-        k_pre = torch.stack([k_pre[j] if kinds[j] == shared else apply_rope(k[j:j + 1], cos, -sin)[0]
-                             for j in range(len(idx))]).contiguous()
-
     text_sha = hashlib.sha256(corpus_text(repeats).encode("utf-8")).hexdigest()
     meta = {
         "model": ref.name,
@@ -346,8 +338,6 @@ def _run_capture(
         "k_pre_source": "k_norm" if getattr(decoder.layers[idx[0]].self_attn, "k_norm", None) is not None
         else "k_proj",
         "rope_max_abs_err": rope_err,
-        "rope_table": shared,
-        "k_pre_own_rope_layers": [idx[j] for j in own],
         "layer_types": kinds,
         "sliding_window": getattr(net.config, "sliding_window", None),
         "with_grads": with_grads,
@@ -365,8 +355,8 @@ def _run_capture(
         v,
         q.contiguous(),
         k_pre=k_pre,
-        cos=cos.contiguous(),
-        sin=sin.contiguous(),
+        cos=cos,
+        sin=sin,
         k_grad2=stack(kg2) if with_grads else None,
         v_grad2=stack(vg2) if with_grads else None,
         meta=meta,

@@ -37,7 +37,7 @@ from kvqbench.data.types import KVData
 if TYPE_CHECKING:
     from kvqbench.data.capture.models import _ModelRef
 
-_CACHE_FORMAT = 2  # 2: records shapes, dtypes, token count and a content hash
+_CACHE_FORMAT = 3  # records shapes, dtypes, token count and a content hash; RoPE tables per layer
 _TENSOR_FIELDS = ("k", "v", "q", "k_pre", "cos", "sin", "k_grad2", "v_grad2")
 
 
@@ -158,8 +158,8 @@ def _cache_problem(obj: Any, seq_len: int | None, with_grads: bool | None) -> st
     if q.dim() != 4 or q.shape[0] != n_layers or q.shape[2] != t_len or q.shape[3] != d:
         return f"holds 'q' of shape {tuple(q.shape)}, inconsistent with 'k' {tuple(k.shape)}"
     for name in ("cos", "sin"):
-        if tuple(obj[name].shape) != (t_len, d):
-            return f"holds '{name}' of shape {tuple(obj[name].shape)}, expected {(t_len, d)}"
+        if tuple(obj[name].shape) != (n_layers, t_len, d):
+            return f"holds '{name}' of shape {tuple(obj[name].shape)}, expected {(n_layers, t_len, d)}"
     if obj.get("seq_len") != t_len or (seq_len is not None and t_len != seq_len):
         return f"holds {t_len} tokens, expected {seq_len if seq_len is not None else obj.get('seq_len')}"
     if obj.get("content_sha256") != _tensor_digest(obj):

@@ -30,7 +30,8 @@ class Source:
     """Everything the figures of one data source read.
 
     Attributes:
-        name: the data source, ``"synthetic"`` or ``"real"`` (part of every file name).
+        name: the data source, ``"synthetic"``, ``"real"`` or another model's ``"real-<model>"`` (part of
+            every file name).
         summary: ``leaderboard.json``'s ``sources[name]``: ``stats`` (experiment → method → setting →
             metric → ``{mean, ci95, …}``), ``pareto``, ``predictivity``.
         style: each method's colour and marker, in the leaderboard's method order.
