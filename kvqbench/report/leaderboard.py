@@ -361,7 +361,34 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
     for src in sources.values():
         src["headline"] = headline_budget(src["stats"], headline, catalog)
     return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources,
-            "headline": headline}
+            "headline": headline, "models": compare_models(sources, catalog)}
+
+
+def model_sources(sources: dict[str, Any]) -> dict[str, str]:
+    """``{model name: source name}`` of the first two real sources with an end-to-end run (``real`` first):
+    the two models :func:`compare_models` sets side by side."""
+    out: dict[str, str] = {}
+    for name in sorted(sources, key=lambda s: (s != "real", s)):
+        src = sources[name]
+        if source_kind(name) == "real" and src.get("stats", {}).get("exp5") and len(out) < 2:
+            out[(src.get("data") or {}).get("model") or name] = name
+    return out
+
+
+def compare_models(sources: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any] | None:
+    """Two models side by side (:mod:`kvqbench.report.models`): each method's end-to-end KL rank on both
+    with their rank correlation, and the headline metric's predictivity out of sample, both ways; ``None``
+    unless two real sources ran the end-to-end experiment."""
+    from kvqbench.report.models import predictivity_transfer, rank_table
+
+    pair = model_sources(sources)
+    if len(pair) < 2:
+        return None
+    return {"sources": pair,
+            "rank_table": rank_table({m: sources[s]["stats"] for m, s in pair.items()}),
+            "transfer": predictivity_transfer({m: {"stats": sources[s]["stats"],
+                                                   "predictivity": sources[s].get("predictivity")}
+                                               for m, s in pair.items()}, catalog)}
 
 
 def summary_of(board: dict[str, Any]) -> dict[str, Any]:

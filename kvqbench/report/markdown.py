@@ -145,6 +145,22 @@ def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
                     tablefmt="github")
 
 
+def models_lines(board: dict[str, Any]) -> list[str]:
+    """The two-model section (``board["models"]``, :func:`kvqbench.report.leaderboard.compare_models`):
+    end-to-end ranks on both models and whether the headline metric's choice transfers."""
+    from kvqbench.report.models import render_rank_table, render_transfer
+
+    mo = board.get("models")
+    if not mo:
+        return []
+    a, b = mo["sources"]
+    return [f"## Two models: {a} and {b}", "",
+            "Does a method's end-to-end rank carry over from one model to the other, and does the tensor metric "
+            "chosen on one predict the other's damage? (figure `kl_models.png`: KL on one model against the "
+            "other, one point per method × bits)", "",
+            render_rank_table(mo["rank_table"]), "", render_transfer(mo["transfer"]), ""]
+
+
 def render_markdown(board: dict[str, Any]) -> str:
     """The full ``LEADERBOARD.md``."""
     board = canonical(board)
@@ -155,6 +171,7 @@ def render_markdown(board: dict[str, Any]) -> str:
         lines += [banner, ""]
     for src_name, src in board.get("sources", {}).items():
         lines += headline_screen(board, src_name, src)
+    lines += models_lines(board)
     lines += ["# Details", "", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width "
               "over seeds. Real and synthetic results are kept apart, and so are the real results of each model (one "
               "section per data source: `real` is SmolLM2's, `real-<model>` another model's). A rank is 1 + the methods whose 95% CI is "

@@ -109,3 +109,34 @@ def test_kl_models_figure_one_point_per_method_and_bits(tmp_path, monkeypatch):
     assert [v for p in pts for v in p] == pytest.approx([v for p in want for v in p])  # 8 methods × 2 bit widths; fp16 (KL 0) has no place on log axes
     assert ax.get_xscale() == ax.get_yscale() == "log"
     assert draw_models({"A": {}, "B": {}}, tmp_path) is None
+
+
+def test_a_board_with_two_models_has_their_section_and_figure(tmp_path):
+    """Two real sources with an end-to-end run (``real`` and ``real-other``) in one set of records: the
+    board's ``models`` holds the same rank table :func:`rank_table` gives on their stats, the Markdown a
+    section naming both, and the figures include ``kl_models.png``."""
+    import json
+
+    from kvqbench.report.figures import write_figures
+    from kvqbench.report.markdown import render_markdown
+
+    tensor = {HEADLINE_DEFAULT["metric"]: KL_A}
+    recs = _model_records(KL_A, tensor)
+    for r in _model_records(KL_B, tensor):
+        r["source"] = "real-other"
+        r["nodeid"] = r["nodeid"].replace("-real", "-real-other")
+        recs.append(r)
+    board = assemble(recs, catalog(), copy.deepcopy(PROVENANCE))
+    assert set(board["sources"]) >= {"real", "real-other"}
+    pair = board["models"]["sources"]
+    assert list(pair.values()) == ["real", "real-other"]
+    want = rank_table({m: board["sources"][s]["stats"] for m, s in pair.items()})
+    assert board["models"]["rank_table"] == want
+    assert want["rho"]["k2v2"]["rho"] == pytest.approx(1 - 12 / 504)
+    md = render_markdown(board)
+    assert "## Two models: " in md and render_rank_table(want) in md
+    (tmp_path / "leaderboard.json").write_text(json.dumps(board))
+    written = write_figures(tmp_path, log=lambda m: None)
+    assert tmp_path / "kl_models.png" in written
+    one = assemble(_model_records(KL_A, tensor), catalog(), copy.deepcopy(PROVENANCE))
+    assert one["models"] is None and "## Two models" not in render_markdown(one)

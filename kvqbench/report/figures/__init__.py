@@ -27,6 +27,7 @@ is deterministic (Agg backend, fixed DPI, no timestamp or version metadata in th
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ from kvqbench.report.figures import (
     attn_vs_context,
     cost,
     kl_vs_position,
+    models,
     mse_vs_bits,
     norm_diff_density,
     pareto,
@@ -167,6 +169,15 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
         finally:
             _JOBS.clear()
     written: list[Path] = []
+    pair = (json.loads((d / "leaderboard.json").read_text()).get("models") or {}).get("sources") or {}
+    by_name = {src.name: src for src in sources}
+    if len(pair) == 2 and all(s in by_name for s in pair.values()):  # two models side by side
+        try:
+            with plt.rc_context(RC):
+                results.append((models.draw_models({m: by_name[s].summary["stats"] for m, s in pair.items()}, out),
+                                None))
+        except Exception as e:
+            results.append((None, f"kvqbench: figure kl_models.png skipped: {type(e).__name__}: {e}"))
     for p, msg in results:
         if msg is not None:
             log(msg)
