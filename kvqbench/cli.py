@@ -14,10 +14,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 __all__ = ["main", "build_parser"]
 
@@ -269,8 +272,44 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         cmd += ["-n", "auto"]
     cmd += extra
     steady_allocator_for_workers(os.environ)
-    print("kvqbench run: pytest " + " ".join(cmd), flush=True)
-    return _pytest_main(cmd)
+    out = _UntilReaderGone(sys.stdout)
+    with _stdout_as(out), _sigterm_as_interrupt():
+        print("kvqbench run: pytest " + " ".join(cmd), flush=True)
+        rc = _pytest_main(cmd)
+        out.flush()
+    if out.gone:  # pytest's output capture gave the descriptor back: the pipe again
+        out.to_devnull()
+    return rc
+
+
+@contextlib.contextmanager
+def _stdout_as(stream) -> Iterator[None]:
+    """``sys.stdout`` is ``stream`` inside the block."""
+    saved, sys.stdout = sys.stdout, stream
+    try:
+        yield
+    finally:
+        sys.stdout = saved
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``, a job scheduler's time limit) ends the block as Ctrl-C does: a ``KeyboardInterrupt``
+    in the main thread, so pytest stops the cells and the run writes what finished as an incomplete set,
+    stamped "interrupted". Only in the main thread (elsewhere signal handlers cannot be set); the
+    previous handler is restored after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 #: the long tier's seeds when ``--kvq-seeds`` is not given
@@ -403,15 +442,24 @@ def _method_list(text: str) -> list[str]:
 
 class _UntilReaderGone:
     """A text stream that writes to ``stream`` until its reader closes the pipe (``kvqbench compare … |
-    head``), then discards the rest, so the command ends without a traceback and with its own verdict."""
+    head``, ``kvqbench run … | head``), then discards the rest, so the command ends without a traceback and
+    with its own verdict (a run still writes its results). Anything else (``fileno``, ``isatty``,
+    ``encoding`` …) is the stream's."""
 
     def __init__(self, stream) -> None:
         self.stream = stream
         self.gone = False
 
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
     def _reader_gone(self) -> None:
         self.gone = True
-        # what the stream still buffers goes to /dev/null when the interpreter flushes it at exit
+        self.to_devnull()
+
+    def to_devnull(self) -> None:
+        """Point the stream's file descriptor at /dev/null: what the stream (or a copy of it) still buffers
+        goes there when the interpreter flushes it at exit."""
         os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
     def write(self, text: str) -> int:

@@ -6,6 +6,7 @@ printed by a thread while a long test runs (:class:`_PrintThread`), kept clear o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -164,7 +165,14 @@ def _open_terminal(config: pytest.Config) -> None:
         return
     config.stash[TERMINAL_KEY] = os.fdopen(fd, "w", encoding=getattr(sys.stdout, "encoding", None) or "utf-8",
                                            errors="replace")
-    config.add_cleanup(config.stash[TERMINAL_KEY].close)
+    config.add_cleanup(functools.partial(_close_terminal, config.stash[TERMINAL_KEY]))
+
+
+def _close_terminal(terminal: Any) -> None:
+    try:
+        terminal.close()
+    except BrokenPipeError:  # the reader went away (`kvqbench run … | head`): nothing left to show
+        pass
 
 
 def _flush_reporter() -> None:
@@ -217,8 +225,13 @@ def _print_progress(config: pytest.Config, prog: Progress, now: float) -> None:
         # a test phase is running here (serial run): write past pytest's capture, on a line of its own,
         # and let the reporter start its next line afresh (it writes the file's path again)
         lead = "\n" if getattr(tw, "width_of_current_line", 0) else ""  # after pytest's dots
-        terminal.write(f"{lead}{prog.line(now)}\n")
-        terminal.flush()
+        try:
+            terminal.write(f"{lead}{prog.line(now)}\n")
+            terminal.flush()
+        except BrokenPipeError:  # the reader went away (`kvqbench run … | head`): no more progress lines
+            _close_terminal(terminal)
+            config.stash[TERMINAL_KEY] = None
+            return
         tr.currentfspath = None
         if isinstance(getattr(tw, "_current_line", None), str):
             tw._current_line = ""  # the terminal is at a line's start now: no blank line before the next one

@@ -237,3 +237,83 @@ def test_a_model_id_with_no_cache_and_no_hub_stops_at_once_in_one_line(pytester,
     errors = [ln for ln in res.stderr.lines if ln.startswith("ERROR:")]
     assert len(errors) == 1 and "is not in the local Hugging Face cache and 127.0.0.1 cannot be reached" in errors[0]
     assert len(res.stderr.lines) < 10 and time.monotonic() - t0 < 60, res.stderr.str()
+
+
+# `kvqbench run` itself (a subprocess, as a user starts it): WAIT_AT makes a cell write WAITING_MARKER and
+# sleep until it is killed
+RUN_CELL_TEST = CELL_TEST.replace('''    if os.environ.get("STOP_AT")''', '''    if os.environ.get("WAIT_AT") and os.environ["WAIT_AT"] in request.node.nodeid:
+        import time
+        pathlib.Path(os.environ["WAITING_MARKER"]).write_text("waiting")
+        time.sleep(120)
+    if os.environ.get("STOP_AT")''')
+
+
+@pytest.fixture
+def kvqbench_run(pytester, monkeypatch):
+    """``kvqbench_run(*args, **popen_kwargs)`` → the ``kvqbench run --smoke`` process over 8 cells (see
+    :data:`ARGS`) of a test folder of its own, importing this checkout."""
+    import os
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+    from pathlib import Path
+
+    assert RUN_CELL_TEST != CELL_TEST
+    pytester.makepyfile(test_cells=RUN_CELL_TEST)
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
+                        "PYTEST_ADDOPTS", "WAIT_AT")}
+    env.update(PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")]), RAN_MARKER=str(pytester.path / "ran"),
+               WAITING_MARKER=str(pytester.path / "waiting"))
+    plugin = [] if any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")) else ["-p", "kvqbench.plugin"]
+
+    def go(*extra, wait_at=None, **kwargs):
+        cmd = [sys.executable, "-m", "kvqbench.cli", "run", "--smoke", "--tests", str(pytester.path), *plugin,
+               *ARGS[2:], *extra]
+        return subprocess.Popen(cmd, cwd=pytester.path, env={**env, **({"WAIT_AT": wait_at} if wait_at else {})},
+                                **kwargs)
+
+    go.waiting = pytester.path / "waiting"
+    return go
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_sigterm_ends_a_run_as_ctrl_c_does(pytester, kvqbench_run, workers):
+    """``kill`` (SIGTERM) of ``kvqbench run`` stops it like Ctrl-C: the cells that finished are written as an
+    incomplete set stamped "interrupted", the exit status is pytest's for an interruption, no worker is
+    left running."""
+    import signal
+    import subprocess
+    import time
+
+    out = pytester.path / "out"
+    proc = kvqbench_run("--kvq-out", str(out), *workers, wait_at="kivi-k2v2-seed1",
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not kvqbench_run.waiting.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its cell waited"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, text
+    summary = json.loads((out / "leaderboard.json").read_text())["completeness"]["summary"]
+    assert summary.startswith("incomplete: ") and summary.endswith(", interrupted"), summary
+    assert f"kvqbench: {summary}" in text
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_output_cut_short_by_the_reader_keeps_the_results(pytester, kvqbench_run, workers):
+    """``kvqbench run … | head``: the reader goes away before the run has written its first line; the run
+    still runs every cell and writes its complete set, exits 0 and prints no traceback."""
+    import subprocess
+
+    out = pytester.path / "out"
+    proc = kvqbench_run("--kvq-out", str(out), *workers, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # before the command writes its first line: every write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    board = json.loads((out / "leaderboard.json").read_text())
+    assert board["completeness"]["summary"] == "complete: 8 cells"

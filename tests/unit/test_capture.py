@@ -171,6 +171,54 @@ def test_with_grads_gives_fisher_information(captured, captured_grads) -> None:
     torch.testing.assert_close(g.q, ref.q[[0, 2]], atol=1e-4, rtol=1e-4)
 
 
+def _one_graph_leaf_grads(net, ids, layers, loss_backward):
+    """Gradients of the K/V activations of ``layers`` from one backward pass through the whole model's
+    graph (``loss_backward(hidden, ids_tensor)`` back-propagates a loss from the final hidden states), as
+    ``{("k"|"v", layer): (kv_heads, T, head_dim)}``."""
+    leaves, handles = {}, []
+
+    def leaf(key):
+        def hook(module, args, out):
+            leaves[key] = out.detach().requires_grad_(True)
+            return leaves[key]
+        return hook
+
+    for i in layers:
+        attn = net.model.layers[i].self_attn
+        handles += [attn.k_proj.register_forward_hook(leaf(("k", i))), attn.v_proj.register_forward_hook(leaf(("v", i)))]
+    x = torch.tensor([ids])
+    try:
+        with torch.enable_grad():
+            out = net.model(input_ids=x, attention_mask=torch.ones_like(x), position_ids=torch.arange(len(ids))[None],
+                            use_cache=True, **{cap.forward._cache_kwarg(net.model.forward): __import__("transformers").DynamicCache()})
+            loss_backward(out.last_hidden_state, x)
+    finally:
+        for h in handles:
+            h.remove()
+    return {k: v.grad[0].reshape(len(ids), 3, 64).transpose(0, 1) for k, v in leaves.items()}
+
+
+@real
+def test_fisher_weights_are_the_gradients_of_one_backward_pass_through_the_model(smollm2, captured_grads) -> None:
+    """The capture back-propagates one decoder layer at a time. Its squared gradients are those of the
+    model's own loss (transformers' mean next-token cross-entropy, ``labels=``) back-propagated through
+    the whole model at once — bitwise those of one backward pass of the capture's own loss."""
+    net, tok = smollm2
+    ids, _ = cap._tokens(tok, 32)
+    g = captured_grads
+    own = _one_graph_leaf_grads(net, ids, [0, 29], lambda h, x: cap.forward._loss_backward(net, h, x))
+
+    def hf_loss(hidden, x):
+        logits = net.lm_head(hidden)
+        torch.nn.functional.cross_entropy(logits[0, :-1], x[0, 1:]).backward()
+
+    hf = _one_graph_leaf_grads(net, ids, [0, 29], hf_loss)
+    for j, i in enumerate([0, 29]):
+        for kind, got in (("k", g.k_grad2), ("v", g.v_grad2)):
+            assert torch.equal(got[j], own[(kind, i)].square()), (kind, i)
+            torch.testing.assert_close(got[j], hf[(kind, i)].square(), rtol=1e-3, atol=1e-12)
+
+
 @real
 def test_disk_cache_round_trips_identically(smollm2, tmp_path, monkeypatch) -> None:
     first = capture_kv(seq_len=16, layers=slice(0, 2), cache_dir=tmp_path)

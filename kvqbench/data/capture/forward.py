@@ -8,6 +8,10 @@ model (every token of every layer kept, sliding-window layers included) — the 
 left as they are. With gradients, the K and V activations are replaced by leaves so that the backward
 pass of the LM loss keeps their gradients; the loss is computed from the final hidden states a block of
 positions at a time (:func:`lm_logits`), so a large vocabulary never makes a ``(seq_len, vocab)`` array.
+The backward pass holds one decoder layer's graph at a time (:func:`_forward_backward`): the forward keeps
+each layer's input, and the backward runs each layer's forward again from it, last layer first — the same
+operations on the same values, so the same gradients as one backward pass through the whole model (tested)
+in a fraction of its memory.
 
 The RoPE tables are stored per selected layer (``cos``/``sin`` of shape ``(layers, seq_len, head_dim)``): a
 model with one table per layer type gives each layer its type's, so ``apply_rope(k_pre, cos, sin)`` is the
@@ -141,6 +145,55 @@ def _loss_backward(net: Any, hidden: torch.Tensor, ids: torch.Tensor) -> float:
     return total
 
 
+def _forward_backward(decoder: Any, net: Any, kwargs: dict[str, Any], ids: torch.Tensor) -> tuple[Any, float]:
+    """The decoder's forward with gradients, then the backward pass of the LM loss (:func:`_loss_backward`),
+    holding one decoder layer's graph at a time. Returns the decoder's output and the loss (nats).
+
+    A pre-hook on every decoder layer cuts the graph at its input: the layer gets a leaf holding the
+    input's values (requiring gradients exactly when the input did), kept with the layer's arguments. The
+    last layer's graph is the output's own; the loss's backward pass stops at that layer's input leaf. Each
+    earlier layer then runs its forward again from its leaf and arguments (a fresh cache in place of the
+    model's, which already holds the keys and values) and back-propagates the gradient its next layer's
+    leaf received. A layer's forward runs the same operations on the same values both times, so the
+    forward hooks see the same activations again (the K/V hooks give new leaves, which receive the
+    gradients), and every gradient is bitwise the one a single backward pass through the whole model
+    gives (``tests/unit/test_capture.py``).
+    """
+    import transformers
+
+    calls: list[tuple[Any, tuple, dict[str, Any], torch.Tensor]] = []
+
+    def cut(module: Any, args: tuple, kw: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        x = args[0] if args else kw["hidden_states"]
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        if args:
+            args = (leaf, *args[1:])
+        else:
+            kw = {**kw, "hidden_states": leaf}
+        calls.append((module, args, kw, leaf))
+        return args, kw
+
+    handles = [layer.register_forward_pre_hook(cut, with_kwargs=True) for layer in decoder.layers]
+    try:
+        with torch.enable_grad():
+            out = decoder(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.enable_grad():
+        loss = _loss_backward(net, out.last_hidden_state, ids)
+        for j in range(len(calls) - 2, -1, -1):
+            grad = calls[j + 1][3].grad
+            if grad is None:  # no layer from here down has a K/V leaf: nothing more to back-propagate
+                break
+            module, args, kw, _ = calls[j]
+            kw = {k: transformers.DynamicCache() if isinstance(v, transformers.Cache) else v for k, v in kw.items()}
+            y = module(*args, **kw)
+            (y[0] if isinstance(y, tuple) else y).backward(grad)
+            calls[j + 1] = (None, (), {}, calls[j + 1][3])  # the next layer's arguments are no longer needed
+    return out, loss
+
+
 def _cache_kwarg(fn: Any) -> str:
     """The cache argument's name of a model's ``forward`` (transformers >= 5 calls it ``cache``)."""
     return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
@@ -262,9 +315,7 @@ def _run_capture(
         }
         loss_nats = None
         if with_grads:
-            with torch.enable_grad():
-                out = decoder(**kwargs)
-                loss_nats = _loss_backward(net, out.last_hidden_state, input_ids)
+            out, loss_nats = _forward_backward(decoder, net, kwargs, input_ids)
         else:
             with torch.no_grad():
                 out = decoder(**kwargs)  # the decoder only: the logits are not needed
