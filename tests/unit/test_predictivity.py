@@ -134,8 +134,8 @@ def test_markdown_leads_with_the_answer_and_ends_with_provenance(board) -> None:
 
 def test_readme_digest_comes_from_the_same_headline(board) -> None:
     digest = render_digest(board)
-    assert "`k_norm_bias`" in digest and "Spearman ρ = +1.00" in digest
-    assert "end-to-end KL" in digest
+    assert "end-to-end KL" in digest  # ranked on the measured damage, the headline metric beside it
+    assert "k_norm_bias" in digest
 
 
 def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:

@@ -61,7 +61,7 @@ def test_publish_writes_clean_files_and_readme_digest(tmp_path):
     text = readme.read_text()
     assert text.startswith("# project\n") and text.rstrip().endswith("## After") and "\nold\n" not in text
     assert readme_digest(text) == render_digest(board)
-    assert "**synthetic** — best method at a matched budget" in text and "**real** — ranking" in text
+    assert "**synthetic** — best method" in text and "**real** — best method" in text
     # publishing the same run again changes nothing in the README
     assert update_readme(readme, render_digest(board)) is False
 
