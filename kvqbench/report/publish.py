@@ -301,7 +301,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
                          "publish a complete run")
     docs = {"leaderboard.json": scrub(raw_board, identities=identities)}
     for p in sorted(src.glob("exp*_*.json")):
-        if re.fullmatch(r"exp\d+_\w+\.json", p.name):
+        if re.fullmatch(r"exp\d+_[\w-]+\.json", p.name):
             doc, why = _same_run_exp(p, raw_board)
             if doc is None:
                 print(f"kvqbench publish: warning: skipping {p.name} ({why})", file=sys.stderr)

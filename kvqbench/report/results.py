@@ -476,14 +476,50 @@ def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], di
     if not files:
         raise FileNotFoundError(f"{d} holds no exp*_*.json files; point at a folder written by a kvqbench run")
     records: list[dict[str, Any]] = []
-    provenance: dict[str, Any] | None = None
-    comp: dict[str, Any] | None = None
+    runs: dict[tuple, dict[str, Any]] = {}  # (start_time, command) → that run's provenance
+    comps: dict[tuple, dict[str, Any]] = {}  # the completeness each run recorded
     catalog = catalog_dict()
     for f in files:
         doc = read_experiment_file(f)
         records += doc["cells"]
-        provenance = provenance or doc["provenance"]
-        comp = comp or doc.get("completeness")
+        prov = doc["provenance"]
+        run = (prov.get("start_time"), prov.get("command"))
+        runs.setdefault(run, prov)
+        if doc.get("completeness"):
+            comps.setdefault(run, doc["completeness"])
         catalog.update(doc.get("metrics_catalog") or {})
-    assert provenance is not None
-    return records, provenance, comp, catalog
+    comp = next(iter(comps.values()), None)
+    if len(comps) > 1:  # several runs: their counts add up, and the set is complete when each run was
+        cs = list(comps.values())
+        status = [r.get("status") for r in records]  # the cells this folder holds (not each run's whole matrix)
+        comp = {k: status.count(k) for k in ("passed", "failed", "skipped")}
+        comp["not_run"] = sum(c.get("not_run") or 0 for c in cs)
+        comp["finished"] = comp["passed"] + comp["failed"] + comp["skipped"]
+        comp["expected"] = comp["finished"] + comp["not_run"]
+        comp.update(complete=all(c.get("complete") for c in cs) and not comp["failed"],
+                    not_run_ids=[i for c in cs for i in c.get("not_run_ids") or []],
+                    reason="; ".join(c["reason"] for c in cs if c.get("reason")) or None)
+        comp["summary"] = (f"{'complete' if comp['complete'] else 'incomplete'}: {comp['finished']} cells "
+                           f"({len(cs)} runs)")
+    return records, combined_provenance(list(runs.values())), comp, catalog
+
+
+def combined_provenance(provs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The provenance of a folder holding the files of one run (that run's) or of several runs, e.g. one
+    per model: the default model's run's fields, the earliest start time, ``model`` joined by `` + ``
+    (the default model first) and ``runs``: each run's model, start time, command and commit."""
+    from kvqbench.cells import DEFAULT_MODEL
+
+    if len(provs) == 1:
+        return provs[0]
+    provs = sorted(provs, key=lambda p: (p.get("model", DEFAULT_MODEL) != DEFAULT_MODEL, str(p.get("start_time"))))
+    out = dict(provs[0])
+    models: list[str] = []
+    for p in provs:
+        m = str(p.get("model") or DEFAULT_MODEL)
+        if m not in models:
+            models.append(m)
+    out["model"] = " + ".join(models)
+    out["start_time"] = min(str(p.get("start_time")) for p in provs)
+    out["runs"] = [{k: p.get(k) for k in ("model", "start_time", "command", "git_commit")} for p in provs]
+    return out

@@ -96,3 +96,35 @@ def test_collection_names_the_real_cells_by_their_model(model):
                                                                 "fp16-k2v2-seed0-synthetic-full"}
     only_real = _cells_for(pytest.mark.kvq(experiment="exp5", sources=("real",)).mark, s)
     assert {c.source for c in only_real} == {real_source(model)}
+
+
+def test_a_folder_holding_two_models_runs_rebuilds_with_both_provenances(tmp_path):
+    """Two whole runs (not shards), one per model, their files put in one folder: ``load_result_set``
+    names both models and keeps each run's command and start time under ``runs``; the completeness counts
+    the cells the folder holds; and publishing that rebuilt set keeps every model's files."""
+    import shutil
+
+    from kvqbench.report.publish import publish
+    from kvqbench.report.render import render_dir
+
+    a, recs_a = _shard(tmp_path / "smol", "smollm2")
+    b, recs_b = _shard(tmp_path / "gemma", GEMMA)
+    prov_b = json.loads((b / "exp1_real-gemma3-270m.json").read_text())["provenance"]
+    prov_b["start_time"], prov_b["command"] = "2000-01-01T00:00:00+00:00", "pytest --kvq-model gemma3-270m"
+    for f in b.glob("exp*.json"):
+        doc = json.loads(f.read_text())
+        doc["provenance"] = prov_b
+        f.write_text(json.dumps(doc))
+    both = tmp_path / "both"
+    shutil.copytree(a, both)
+    shutil.copy(b / "exp1_real-gemma3-270m.json", both)
+    recs, prov, comp, _ = load_result_set(both)
+    assert prov["model"] == "smollm2 + gemma3-270m" and prov["start_time"] == "2000-01-01T00:00:00+00:00"
+    assert [r["model"] for r in prov["runs"]] == ["smollm2", GEMMA]
+    assert prov["runs"][1]["command"] == "pytest --kvq-model gemma3-270m"
+    n = len(recs_a) + sum(r["source"] != "synthetic" for r in recs_b)
+    assert len(recs) == n and comp["finished"] == comp["passed"] == n and comp["complete"]
+    render_dir(both, echo=False, figures=False, rebuild=True)
+    publish(both, tmp_path / "pub", readme=None, figures=False)
+    assert {p.name for p in (tmp_path / "pub").glob("exp*.json")} == {
+        "exp1_synthetic.json", "exp1_real.json", "exp1_real-gemma3-270m.json"}

@@ -22,7 +22,7 @@ __all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed
 #: ``(x, y)`` of one curve; a histogram's x are its bin edges (one more than its y)
 XY = tuple[list[float], list[float]]
 
-_EXP_FILE = re.compile(r"^(exp\d+)_(\w+)\.json$")
+_EXP_FILE = re.compile(r"^(exp\d+)_([\w-]+)\.json$")
 
 
 @dataclass(frozen=True)
