@@ -90,11 +90,11 @@ def test_collection_names_the_real_cells_by_their_model(model):
     from kvqbench.plugin.state import Settings
 
     s = Settings(real=True, model=model, methods=["fp16"], bits=[2], seeds=[0])
-    cells = _cells_for(pytest.mark.kvq(experiment="exp1").mark, s)
+    cells = _cells_for(pytest.Mark("kvq", (), {"experiment": "exp1"}), s)  # the mark a bench test carries
     assert {c.source for c in cells} == {"synthetic", real_source(model)}
     assert {c.id for c in cells if c.source == "synthetic"} == {"fp16-k2v2-seed0-synthetic-smoke",
                                                                 "fp16-k2v2-seed0-synthetic-full"}
-    only_real = _cells_for(pytest.mark.kvq(experiment="exp5", sources=("real",)).mark, s)
+    only_real = _cells_for(pytest.Mark("kvq", (), {"experiment": "exp5", "sources": ("real",)}), s)
     assert {c.source for c in only_real} == {real_source(model)}
 
 
