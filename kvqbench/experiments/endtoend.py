@@ -129,7 +129,34 @@ CONFIG_BY_SIZE: dict[str, EndToEndConfig] = {
 
 # --------------------------------------------------------------------------------------------------
 # the cache hook
-class KVCacheHook:
+class CacheWriter:
+    """A cache hook whose :meth:`update` is its in-place :meth:`write` on a copy of the exact cache."""
+
+    @torch.no_grad()
+    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
+               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed the new tokens of ``layer`` and return its K and V as the hook holds them.
+
+        Args:
+            k_new, v_new: the arriving tokens ``(batch, kv_heads, n, head_dim)`` (K post-RoPE).
+            k_all, v_all: the exact cache after the arrival ``(batch, kv_heads, L, head_dim)``.
+        Returns:
+            ``(K̂, V̂)`` of ``k_all``'s shape: quantized tokens dequantized (K rotated back to post-RoPE for
+            a pre-RoPE method), fp16 tokens exact.
+        Raises:
+            ValueError: ``layer`` beyond the methods given.
+        """
+        k_out, v_out = k_all.clone(), v_all.clone()
+        self.write(layer, k_new, v_new, k_out, v_out)
+        return k_out, v_out
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_out: torch.Tensor,
+              v_out: torch.Tensor) -> None:
+        """Feed the new tokens and overwrite ``k_out`` / ``v_out`` (a copy of the exact cache) in place."""
+        raise NotImplementedError
+
+
+class KVCacheHook(CacheWriter):
     """The quantized view of a model's KV cache: per layer a :class:`Stream` for K and one for V.
 
     Args:
@@ -162,24 +189,6 @@ class KVCacheHook:
         if self.cos.dim() == 3:
             return self.cos[layer], self.sin[layer]
         return self.cos, self.sin
-
-    @torch.no_grad()
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
-               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the new tokens of ``layer`` and return its K and V as the method holds them.
-
-        Args:
-            k_new, v_new: the arriving tokens ``(batch, kv_heads, n, head_dim)`` (K post-RoPE).
-            k_all, v_all: the exact cache after the arrival ``(batch, kv_heads, L, head_dim)``.
-        Returns:
-            ``(K̂, V̂)`` of ``k_all``'s shape: quantized tokens dequantized (K rotated back to post-RoPE for
-            a pre-RoPE method), fp16 tokens exact.
-        Raises:
-            ValueError: ``layer`` beyond the methods given.
-        """
-        k_out, v_out = k_all.clone(), v_all.clone()
-        self.write(layer, k_new, v_new, k_out, v_out)
-        return k_out, v_out
 
     @torch.no_grad()
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_out: torch.Tensor,

@@ -58,6 +58,7 @@ import torch
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import check_positive_ints, tally_nonfinite
 from kvqbench.experiments.endtoend import (
+    CacheWriter,
     KVCacheHook,
     RealSource,
     RowsHook,
@@ -366,7 +367,7 @@ def decode(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, 
     return out
 
 
-class PerturbedHook:
+class PerturbedHook(CacheWriter):
     """A hook that multiplies every K and V element entering the cache by ``1 + rel·z`` (``z`` standard
     normal from a generator seeded with ``seed``, drawn once per arriving token and element, in call
     order) and hands the perturbed cache to ``hook``; a ``None`` hook returns the perturbed cache itself.
@@ -388,14 +389,6 @@ class PerturbedHook:
         f = (1.0 + self.rel * z).to(new.device, new.dtype)
         store[layer] = f if layer not in store else torch.cat([store[layer], f], -2)
         return store[layer]
-
-    @torch.no_grad()
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
-               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The perturbed cache as ``hook`` holds it (shapes as :meth:`KVCacheHook.update`'s)."""
-        k_out, v_out = k_all.clone(), v_all.clone()
-        self.write(layer, k_new, v_new, k_out, v_out)
-        return k_out, v_out
 
     @torch.no_grad()
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_out: torch.Tensor,
