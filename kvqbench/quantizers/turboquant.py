@@ -35,13 +35,14 @@ from typing import Any, Literal
 
 import torch
 
+from kvqbench import kernels
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
 from kvqbench.numerics.rtn import compute_dtype
 from kvqbench.numerics.scale import pow2_floor
 from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
 
-__all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix", "unit_rows"]
+__all__ = ["TurboQuant", "generator_seed", "haar_orthogonal", "qjl_matrix", "unit_rows", "encode", "decode"]
 
 MAX_BITS = 8
 VARIANTS = ("mse", "prod")
@@ -104,6 +105,22 @@ def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     norm = torch.linalg.vector_norm(u, dim=-1, keepdim=True)
     u.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
     return u, norm * p, amax
+
+
+@kernels.reference("turboquant.encode")
+def encode(x: torch.Tensor, pi_t: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """§3.1, Algorithm 1 (quantize): the unit rows ``u`` of ``x`` ``(n, D)`` (:func:`unit_rows`), rotated,
+    ``y = u Πᵀ`` (``pi_t`` is ``Πᵀ``, ``(D, D)`` contiguous, ``x``'s dtype), and every coordinate's nearest
+    centroid (``thresholds`` ``(L − 1,)`` ascending): ``(codes uint8 (n, D), ‖x‖ (n, 1), max|x| (n, 1))``."""
+    u, norm, amax = unit_rows(x)
+    return nearest_centroid(u @ pi_t, thresholds, dtype=torch.uint8), norm, amax
+
+
+@kernels.reference("turboquant.decode")
+def decode(codes: torch.Tensor, norm: torch.Tensor, pi: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """§3.1, Algorithm 1 (dequantize): ``x̂ = ‖x‖ · c[idx] Π`` for ``codes`` ``(n, D)`` uint8, ``norm`` ``(n, 1)``,
+    ``pi`` ``(D, D)`` and ``centroids`` ``(L,)`` in the working dtype; ``(n, D)`` in that dtype."""
+    return (reconstruct(centroids, codes) @ pi).mul_(norm)
 
 
 @register
@@ -205,24 +222,31 @@ class TurboQuant(Quantizer):
         qt = self._new_qt(x, kind, bits, **meta)
         cdt = compute_dtype(x.dtype)
         xf = x.to(cdt).reshape(-1, d)  # one row per token
-        u, norm, amax = unit_rows(xf)  # §3: unit vectors, norms stored apart
+        mse_bits = self._mse_bits(bits, self.variant)
+        if self.variant == "mse":  # §3.1, Algorithm 1: unit rows, y = Π u, nearest Lloyd–Max centroids
+            pi = self._rotation_matrix(meta, d, x.device, cdt)
+            _, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
+            idx, norm, amax = encode(xf, pi.T.contiguous(), thr)
+            check_finite(x, amax, name=kind.upper())
+            qt.fields["norm"] = Stored(norm.reshape(*x.shape[:-1], 1), 16)
+            qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
+            return qt
+        u, norm, amax = unit_rows(xf)  # prod: the same steps one by one, as the residual needs u
         check_finite(x, amax, name=kind.upper())
         qt.fields["norm"] = Stored(norm.reshape(*x.shape[:-1], 1), 16)
-        mse_bits = self._mse_bits(bits, self.variant)
         u_hat = None  # ũ, the MSE stage's reconstruction (none at b = 1 of the prod variant)
-        if mse_bits > 0:  # §3.1, Algorithm 1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
+        if mse_bits > 0:  # §3.1: y = Π u, each coordinate to its nearest Lloyd–Max centroid
             pi = self._rotation_matrix(meta, d, x.device, cdt)
             cent, thr = self._codebook(meta, mse_bits, d, x.device, cdt)
             idx = nearest_centroid(u @ pi.T.contiguous(), thr, dtype=torch.uint8)  # Πᵀ laid out for the product
             qt.add_codes("codes", idx.reshape(x.shape), mse_bits)
-            if self.variant == "prod":  # ũ = Πᵀ c[idx], needed only for the residual
-                u_hat = reconstruct(cent, idx) @ pi
-        if self.variant == "prod":  # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
-            s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
-            r = u if u_hat is None else u - u_hat
-            qt.add_codes("qjl", (r @ s.T.contiguous() >= 0).to(torch.uint8).reshape(x.shape), 1)
-            res_norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
-            qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
+            u_hat = reconstruct(cent, idx) @ pi  # ũ = Πᵀ c[idx], needed only for the residual
+        # §3.2, Algorithm 2: r = u − ũ, store sign(S r) and ‖r‖
+        s = _draws(self.seed, d)[1].to(device=x.device, dtype=cdt)
+        r = u if u_hat is None else u - u_hat
+        qt.add_codes("qjl", (r @ s.T.contiguous() >= 0).to(torch.uint8).reshape(x.shape), 1)
+        res_norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
+        qt.fields["res_norm"] = Stored(res_norm.reshape(*x.shape[:-1], 1), 16)
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
@@ -230,15 +254,20 @@ class TurboQuant(Quantizer):
         norm = qt["norm"].reshape(-1, 1)
         cdt, dev, d = norm.dtype, norm.device, qt.shape[-1]
         mse_bits = self._mse_bits(qt.bits, meta["variant"])
+        codes = qt.codes("codes", torch.uint8).to(dev).reshape(-1, d) if mse_bits > 0 else None
+        if meta["variant"] == "mse":  # §3.1: x̂ = ‖x‖ Πᵀ c[idx]
+            pi = self._rotation_matrix(meta, d, dev, cdt)
+            cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
+            return decode(codes, norm, pi, cent).reshape(qt.shape)
         u_hat = torch.zeros(norm.shape[0], d, dtype=cdt, device=dev) if mse_bits == 0 else None
         if mse_bits > 0:  # §3.1: ũ = Πᵀ c[idx]
             pi = self._rotation_matrix(meta, d, dev, cdt)
             cent, _ = self._codebook(meta, mse_bits, d, dev, cdt)
-            u_hat = reconstruct(cent, qt.codes("codes", torch.uint8).to(dev).reshape(-1, d)) @ pi
-        if meta["variant"] == "prod":  # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
-            s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
-            signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
-            u_hat.add_((math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s))
+            u_hat = reconstruct(cent, codes) @ pi
+        # §3.2: ũ + √(π/2)/D · ‖r‖ · Sᵀ sign(S r)
+        s = _draws(meta["seed"], d)[1].to(device=dev, dtype=cdt)
+        signs = qt.codes("qjl", torch.uint8).to(dev).reshape(-1, d).to(cdt) * 2 - 1
+        u_hat.add_((math.sqrt(math.pi / 2) / d) * qt["res_norm"].reshape(-1, 1) * (signs @ s))
         return u_hat.mul_(norm).reshape(qt.shape)  # times ‖x‖
 
     # ------------------------------------------------------------------------------------------
