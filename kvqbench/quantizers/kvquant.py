@@ -19,8 +19,17 @@ import torch
 from kvqbench.numerics import dense_sparse
 from kvqbench.numerics.dense_sparse import outlier_count_per_tail
 from kvqbench.numerics.kmeans import SortedSamples, distinct_levels, kmeans_sorted
-from kvqbench.quantizers.base import (Kind, QuantizedTensor, Quantizer, Stored, StreamPolicy, check_finite,
-                                     register, reuse, validate_kv)
+from kvqbench.quantizers.base import (
+    Kind,
+    QuantizedTensor,
+    Quantizer,
+    Stored,
+    StreamPolicy,
+    check_finite,
+    register,
+    reuse,
+    validate_kv,
+)
 
 __all__ = ["KVQuant", "outlier_count_per_tail", "distinct_levels"]
 

@@ -18,7 +18,6 @@ from collections import defaultdict
 from typing import Any, Callable, Iterable
 
 from kvqbench.cells import (
-    is_exact_setting,
     is_plain_setting,
     parse_nodeid,
     setting_order,

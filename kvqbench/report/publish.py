@@ -166,7 +166,6 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
         _, rows_h, headers = headline_lines(board, src_name, src)
         keep = [i for i, h in enumerate(headers) if not h.startswith("tied")]  # the ties are named in "best"
         model = (src.get("data") or {}).get("model")
-        by = headers[keep[-1]] if rows_h else ""
         lines += ["", f"**{src_name}**{f' ({model})' if model and src_name.startswith('real') else ''} — best method "
                       f"(`a = b`: tied within the 95% CI) at a matched budget of bits/element; rule and ties in full in "
                       f"LEADERBOARD.md.", ""]

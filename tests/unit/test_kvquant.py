@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvqbench.numerics import dense_sparse
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
-from kvqbench.numerics import dense_sparse
 from kvqbench.quantizers.kvquant import KVQuant, outlier_count_per_tail
 
 
