@@ -23,34 +23,46 @@ def _source(item: Any) -> str | None:
     return None if cell is None else cell.source
 
 
-def real_capture_first(items: list[Any]) -> list[Any]:
+def real_capture_first(items: list[Any], seeds: list[int] | None = None) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
-    (``kvq_data``), then every item that needs no real data, then the other real cells by seed (each group
-    in collection order; seed 0 of every real cell comes before seed 1, so the cells that share one
-    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done). Within a
-    seed, the cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5)
-    come first: the cheap cells of the other experiments at that seed then separate a group's first cell
-    from its other seeds, so two workers do not draw the two halves of one group side by side (one
-    computing it, the other waiting for it).
+    (``kvq_data``), then every item that needs no real data, then the other real cells: the real cells of
+    the other experiments by seed (seed 0 of every real cell before seed 1, so the cells that share one
+    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done), with the
+    cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5: the cell of
+    the group's first seed, :func:`~kvqbench.plugin.sharing.seed_group` of ``seeds``) spread evenly among
+    them from the start, and last the other seeds of each group, which only read what their group's first
+    cell stored. xdist deals consecutive cells to a worker in chunks: spread out, the heavy group cells
+    fall into every chunk alike, and a worker never draws a group's other seed while the other worker
+    still computes that group (it would wait for it, idle).
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
     first items round-robin); with a cached capture the order changes nothing but when cells run.
     Deterministic, so every worker collects the same order. Without a cell that needs the capture (e.g.
-    ``-k endtoend``) the real cells still come last, by seed, so that a seed group's first cell has run
-    before its others (see :func:`~kvqbench.plugin.sharing.kvq_seed_rows`).
+    ``-k endtoend``) the real cells still come last, in the same order.
     """
-    def order(it: Any) -> tuple[int, int]:
-        return cell_of(it).seed, 0 if "kvq_seed_rows" in getattr(it, "fixturenames", ()) else 1
+    from kvqbench.plugin.sharing import seed_group
 
-    first = next((i for i, it in enumerate(items)
-                  if source_kind(_source(it) or "") == "real" and "kvq_data" in getattr(it, "fixturenames", ())), None)
-    if first is None:
-        real = sorted((it for it in items if source_kind(_source(it) or "") == "real"), key=order)  # stable
-        return [it for it in items if source_kind(_source(it) or "") != "real"] + real
-    rest = items[:first] + items[first + 1:]
-    real = sorted((it for it in rest if source_kind(_source(it) or "") == "real"), key=order)  # stable
-    return [items[first]] + [it for it in rest if source_kind(_source(it) or "") != "real"] + real
+    def role(it: Any) -> int:  # 0: computes a seed group, 1: an ordinary real cell, 2: reads a group's result
+        seed = cell_of(it).seed
+        if "kvq_seed_rows" not in getattr(it, "fixturenames", ()):
+            return 1
+        return 0 if seed == seed_group(seed, list(seeds or [0]))[0] else 2
+
+    def real(it: Any) -> bool:
+        return source_kind(_source(it) or "") == "real"
+
+    first = next((i for i, it in enumerate(items) if real(it) and "kvq_data" in getattr(it, "fixturenames", ())),
+                 None)
+    head, rest = ([], items) if first is None else ([items[first]], items[:first] + items[first + 1:])
+    by_role: dict[int, list[Any]] = {0: [], 1: [], 2: []}
+    for it in sorted((it for it in rest if real(it)), key=lambda it: cell_of(it).seed):  # stable
+        by_role[role(it)].append(it)
+    groups, plain = by_role[0], by_role[1]
+    spread: list[Any] = []
+    for i, it in enumerate(groups):  # group cell i before the plain cells of its share
+        spread += [it] + plain[i * len(plain) // len(groups):(i + 1) * len(plain) // len(groups)]
+    return head + [it for it in rest if not real(it)] + (spread or plain) + by_role[2]
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
@@ -208,7 +220,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     yield
     _apply_shard(config, items)
     if is_worker(config):
-        items[:] = real_capture_first(items)
+        items[:] = real_capture_first(items, config.stash[SETTINGS_KEY].seeds)
     cells_left = sum(1 for it in items if cell_of(it) is not None)
     other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
     sel = {"kvq_items": len(kvq), "cells_left": cells_left, "other_left": other_left,

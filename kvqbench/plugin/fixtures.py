@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import SIZES, Cell, source_kind
+from kvqbench.data.memory import release_freed
 from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings
 
 _DATA_CACHE: dict[tuple, Any] = {}
@@ -41,6 +42,7 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
                                  f"cell: {type(e).__name__}: {first}")
             raise  # the first cell shows the full error
         if source_kind(cell.source) == "real":
+            release_freed()  # the capture's temporaries (a model forward and backward, or the file read)
             request.node.user_properties.append(
                 (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
@@ -134,6 +136,7 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
     fresh, t = not source_loaded(**where), time.time()
     src = load_source(**where, cache_dir=cache_dir)
     if fresh:  # the progress ETA counts the load as a step of its own, not as this cell's duration
+        release_freed()  # the load's temporaries (the checkpoint read, the calibration capture)
         request.node.user_properties.append(
             (STEP_KEY, {"kind": f"model|{source_kind(cell.source)}-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return src

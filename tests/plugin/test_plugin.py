@@ -260,9 +260,10 @@ def test_xdist_order_runs_real_cells_by_seed_without_a_capture_cell():
     assert [it.name for it in real_capture_first(items)] == ["s0", "a0", "b0", "a1", "b1", "a2", "b2"]
 
 
-def test_xdist_order_puts_seed_group_cells_first_within_each_seed():
-    # the main job: exp5's group cells (kvq_seed_rows) lead each seed's block, so that the other real cells
-    # of that seed run between a group's first cell and its other seeds
+def test_xdist_order_spreads_seed_group_cells_and_puts_their_other_seeds_last():
+    # the main job: exp5's group cells (kvq_seed_rows) at each group's first seed spread evenly over the other
+    # real cells, the group's other seeds last, so that every xdist chunk holds its share of heavy cells and
+    # no worker waits for a group the other still computes
     from types import SimpleNamespace
 
     from kvqbench.cells import Cell
@@ -276,5 +277,11 @@ def test_xdist_order_puts_seed_group_cells_first_within_each_seed():
     cells = ("kvq_data", "kvq_run")
     groups = ("kvq_model", "kvq_seed_rows")
     items = [item("exp1", s, cells) for s in (0, 1, 2)] + [item("exp5", s, groups) for s in (0, 1, 2)]
-    order = [it.name for it in real_capture_first(items)]
-    assert order == ["exp1-0", "exp5-0", "exp5-1", "exp1-1", "exp5-2", "exp1-2"]  # exp1-0: the capture cell
+    order = [it.name for it in real_capture_first(items, [0, 1, 2])]
+    assert order == ["exp1-0", "exp5-0", "exp1-1", "exp1-2", "exp5-1", "exp5-2"]  # exp1-0: the capture cell
+    # groups of three seeds (0-2, 3-4): seeds 0 and 3 compute, each before half the plain cells; 1, 2, 4 read
+    items = ([item("exp5", s, groups) for s in range(5)] + [item("exp1", s, cells) for s in range(5)]
+             + [item("exp3", s, cells) for s in range(5)])
+    order = [it.name for it in real_capture_first(items, [0, 1, 2, 3, 4])]
+    assert order == ["exp1-0", "exp5-0", "exp3-0", "exp1-1", "exp3-1", "exp1-2", "exp5-3", "exp3-2", "exp1-3",
+                     "exp3-3", "exp1-4", "exp3-4", "exp5-1", "exp5-2", "exp5-4"]
