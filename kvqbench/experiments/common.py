@@ -8,7 +8,6 @@ compared with the cached keys. RoPE is orthogonal per pair, so reconstruction MS
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 from dataclasses import dataclass
 
@@ -17,7 +16,7 @@ import torch
 from kvqbench.data.types import KVData
 from kvqbench.quantizers.base import QuantizedTensor, Quantizer
 
-__all__ = ["RoundTrip", "as_f64", "check_positive_ints", "fit_method", "fit_scratch", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
+__all__ = ["RoundTrip", "as_f64", "check_positive_ints", "fit_method", "roundtrip_kv", "count_nonfinite", "tally_nonfinite", "check_roundtrip_finite",
            "NonFiniteRoundTrip", "ROUNDTRIP_NONFINITE"]
 
 #: ``extra`` key of every experiment's result: ``{"k": n, "v": n}`` — non-finite (NaN/±inf) elements in the
@@ -116,17 +115,6 @@ def as_f64(data: KVData, name: str) -> torch.Tensor:
     return data.cached(("fp64", name), lambda: getattr(data, name).to(torch.float64))
 
 
-def fit_scratch(method: Quantizer, scratch: dict | None) -> dict:
-    """``{"scratch": scratch}`` for ``method.fit`` when it is given and the method's ``fit`` takes it
-    (a ``scratch`` parameter or ``**kwargs``), else ``{}`` (a third-party ``fit`` with a fixed signature)."""
-    if scratch is None:
-        return {}
-    params = inspect.signature(method.fit).parameters.values()
-    if any(p.name == "scratch" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return {"scratch": scratch}
-    return {}
-
-
 def fit_method(method: Quantizer, data: KVData, *, reuse: bool = True) -> Quantizer:
     """Fit a method's data-dependent state (codebooks) on ``data.calibration`` — an independent batch
     of the same source — or, when the source has none, on ``data`` itself (in-sample), with the squared
@@ -136,10 +124,6 @@ def fit_method(method: Quantizer, data: KVData, *, reuse: bool = True) -> Quanti
     and of the calibration batch, so its state is kept with that batch (:meth:`KVData.cached`) and copied
     into every later instance with the same id and parameters (e.g. the cells of the other experiments on
     the same data) instead of fitting again; ``reuse=False`` fits anyway (a timed fit) and keeps the state.
-    A reused fit also hands the method the batch's cache as ``scratch`` (see
-    :meth:`~kvqbench.quantizers.base.Quantizer.fit`), so fits at other bit widths or seeds can reuse
-    their bit-independent work (KVQuant's sorted k-means data); a timed fit (``reuse=False``) gets none
-    and does all its work.
     """
     if not method.local_stats:
         cal = data.calibration if data.calibration is not None else data
@@ -151,7 +135,6 @@ def fit_method(method: Quantizer, data: KVData, *, reuse: bool = True) -> Quanti
                 v=cal.v,
                 k_grad2=cal.k_grad2 if (method.k_pre_rope and cal.k_pre is not None) else None,
                 v_grad2=cal.v_grad2,
-                **fit_scratch(method, cal.cache if reuse else None),
             )
             cal.cache[key] = copy.deepcopy(vars(method))
         else:

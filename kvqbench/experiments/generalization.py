@@ -39,7 +39,7 @@ import torch
 from kvqbench.data.memory import release_after
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.data.types import KVData
-from kvqbench.experiments.common import fit_scratch, roundtrip_kv
+from kvqbench.experiments.common import roundtrip_kv
 from kvqbench.experiments.reconstruction import CellResult, input_stats
 from kvqbench.numerics import metrics as M
 from kvqbench.quantizers.base import Quantizer
@@ -103,12 +103,10 @@ def fit_eval_batches(data: KVData) -> tuple[KVData, KVData]:
 def fit_on(method: Quantizer, data: KVData) -> Quantizer:
     """A fresh copy of ``method`` with :meth:`~kvqbench.quantizers.base.Quantizer.fit` called on
     ``data`` (pre-RoPE keys and Fisher weights where the method and the source have them). Called for
-    every method; a local method's ``fit`` is a no-op. The fit gets ``data``'s cache as ``scratch``
-    (:func:`~kvqbench.experiments.common.fit_scratch`), shared by the fits of every bit width and seed."""
+    every method; a local method's ``fit`` is a no-op."""
     m = copy.deepcopy(method)
     pre = m.k_pre_rope and data.k_pre is not None
-    m.fit(k=data.k_for(m.k_pre_rope), v=data.v, k_grad2=data.k_grad2 if pre else None, v_grad2=data.v_grad2,
-          **fit_scratch(m, data.cache))
+    m.fit(k=data.k_for(m.k_pre_rope), v=data.v, k_grad2=data.k_grad2 if pre else None, v_grad2=data.v_grad2)
     return m
 
 

@@ -25,14 +25,13 @@ import difflib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
 from kvqbench.numerics.packing import pack_bits, unpack_bits
 
 __all__ = [
-    "reuse",
     "Kind",
     "Stored",
     "QuantizedTensor",
@@ -207,22 +206,6 @@ def check_finite(x: torch.Tensor, *stats: torch.Tensor, name: str = "x") -> None
         raise ValueError(f"{name} contains {bad} NaN/Inf values; clean the capture before quantizing")
 
 
-def reuse(scratch: dict | None, key: Any, sources: tuple[torch.Tensor | None, ...], build: Callable[[], Any]) -> Any:
-    """``build()``, kept in a fit's ``scratch`` (see :meth:`Quantizer.fit`) under ``key`` and returned again
-    while ``sources`` are the very same tensor objects at the same in-place version; without ``scratch``
-    just ``build()``. For work that later fits on the same calibration tensors can share (e.g. sorted data
-    used by every bit width); what ``build`` returns must not depend on anything but ``key`` and ``sources``."""
-    if scratch is None:
-        return build()
-    versions = tuple(None if t is None else t._version for t in sources)
-    hit = scratch.get(key)
-    if hit is not None and all(a is b for a, b in zip(hit[0], sources)) and hit[1] == versions:
-        return hit[2]
-    value = build()
-    scratch[key] = (sources, versions, value)
-    return value
-
-
 def _canonical_layout(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a fresh-allocation-aligned contiguous tensor, so that a method's result depends only on
     the values: kernels (matmul, reductions) may round differently for other strides or a misaligned
@@ -376,10 +359,7 @@ class Quantizer(ABC):
         """Fit data-dependent state (codebooks …) on calibration tensors; no-op for local methods.
 
         Extra keyword calibration data (``k_grad2``/``v_grad2``: squared gradients of the loss w.r.t. K and V,
-        the Fisher information) may be used; methods ignore keywords they do not know. The harness may pass
-        ``scratch``: a dict that lives as long as the calibration tensors, where a method may keep work
-        that later fits on the same tensors can reuse (e.g. sorted data shared by every bit width); the
-        fitted state must be the same with or without it.
+        the Fisher information) may be used; methods ignore keywords they do not know.
         Returns ``self``.
         """
         return self

@@ -18,7 +18,7 @@ import torch
 
 from kvqbench.numerics import dense_sparse
 from kvqbench.numerics.dense_sparse import outlier_count_per_tail
-from kvqbench.numerics.kmeans import SortedSamples, distinct_levels, kmeans_sorted
+from kvqbench.numerics.kmeans import distinct_levels, kmeans_sorted
 from kvqbench.quantizers.base import (
     Kind,
     QuantizedTensor,
@@ -27,7 +27,6 @@ from kvqbench.quantizers.base import (
     StreamPolicy,
     check_finite,
     register,
-    reuse,
     validate_kv,
 )
 
@@ -171,22 +170,16 @@ class KVQuant(Quantizer):
         return len(shape) != 4 or any(self.bits_for(kind) < 16 and self._subsampled(tuple(shape), kind)
                                       for kind in ("k", "v"))  # type: ignore[arg-type]
 
-    def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None,
-                      scratch: dict | None = None, grad2_src: torch.Tensor | None = None) -> torch.Tensor:
+    def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None) -> torch.Tensor:
         """Per-layer codebook ``[B, 2^b]`` (§3.3), levels strictly increasing (:func:`distinct_levels`), from
         k-means on the normalized dense values of the calibration tensor ``x`` weighted by ``grad2``
-        (:func:`kvqbench.numerics.dense_sparse.calibration_samples`), sorted once per ``scratch``."""
-        def samples() -> SortedSamples:
-            vec = self._vectors(self._body(x).to(torch.float32), kind)
-            w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
-            return dense_sparse.calibration_samples(
-                vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac), w,
-                max_samples=self.calib_samples, generator=torch.Generator().manual_seed(self.seed))
-
-        key = ("kvquant_kmeans_samples", kind, self.outlier_frac, self.attention_sink, self.calib_samples,
-               self.seed if self._subsampled(x.shape, kind) else None, grad2 is not None)
-        return distinct_levels(kmeans_sorted(reuse(scratch, key, (x, grad2_src), samples), 2**bits,
-                                             n_iter=self.kmeans_iters))
+        (:func:`kvqbench.numerics.dense_sparse.calibration_samples`)."""
+        vec = self._vectors(self._body(x).to(torch.float32), kind)
+        w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
+        samples = dense_sparse.calibration_samples(
+            vec, outlier_count_per_tail(vec.shape[-1], self.outlier_frac), w,
+            max_samples=self.calib_samples, generator=torch.Generator().manual_seed(self.seed))
+        return distinct_levels(kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters))
 
     @torch.no_grad()
     def fit(
@@ -196,20 +189,16 @@ class KVQuant(Quantizer):
         *,
         k_grad2: torch.Tensor | None = None,
         v_grad2: torch.Tensor | None = None,
-        scratch: dict | None = None,
         **calib: Any,
     ) -> "KVQuant":
         """Fit one codebook per layer (§3.3) for K (pre-RoPE) and/or V on ``(layers, kv_heads, seq_len,
         head_dim)`` calibration tensors ``k``/``v`` (either may be None), Fisher-weighted by the squared
-        gradients ``k_grad2``/``v_grad2`` (same shapes) when given. ``scratch``: see :func:`base.reuse` — the
-        sorted k-means data, independent of bit width and (without subsampling) of the seed, are sorted once
-        per calibration tensor; the codebooks are bit-identical without it. Other ``calib`` is ignored.
+        gradients ``k_grad2``/``v_grad2`` (same shapes) when given. Other ``calib`` is ignored.
         Returns ``self``. Raises TypeError / ValueError: invalid tensors, or a gradient of another shape."""
         for kind, x, g in (("k", k, k_grad2), ("v", v, v_grad2)):
             if x is None:
                 continue
             validate_kv(x, name=kind.upper())
-            g_src = g
             if g is not None:
                 validate_kv(g, name=f"{kind}_grad2")
                 if g.shape != x.shape:
@@ -218,7 +207,7 @@ class KVQuant(Quantizer):
             bits = self.bits_for(kind)  # type: ignore[arg-type]
             if bits >= 16 or (self.attention_sink and x.shape[2] < 2):
                 continue
-            self._codebooks[kind] = self._fit_codebook(x, kind, bits, g, scratch, g_src)
+            self._codebooks[kind] = self._fit_codebook(x, kind, bits, g)
             self._fisher[kind] = g is not None
         return self
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvqbench.numerics import dense_sparse
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
 from kvqbench.quantizers.kvquant import KVQuant, outlier_count_per_tail
@@ -244,39 +243,3 @@ def test_constant_layer_codebook_has_distinct_levels() -> None:
     assert bool((cb[:, 1:] > cb[:, :-1]).all())
     assert bool((cb >= -1).all() and (cb <= 1).all())
     assert torch.equal(create("kvquant", 3, 3).dequantize(qt), x)
-
-
-def test_fit_scratch_shares_the_sorted_data_and_changes_no_codebook(monkeypatch) -> None:
-    """Fits with one ``scratch`` dict across bit widths and seeds: the same codebooks as fits without it,
-    bit for bit, with the k-means data prepared once per kind; an in-place change of the calibration tensor
-    or a subsampling fit (seed-dependent) prepares again."""
-    k, v = _x((2, 2, 300, 16), 1), _x((2, 2, 300, 16), 2)
-    g2 = _x((2, 2, 300, 16), 3) ** 2
-    calls = []
-    orig = dense_sparse.calibration_samples
-
-    def counting(*a, generator, **kw):
-        calls.append(generator.initial_seed())
-        return orig(*a, generator=generator, **kw)
-
-    monkeypatch.setattr(dense_sparse, "calibration_samples", counting)
-    scratch: dict = {}
-    for seed in (0, 1):
-        for bits in (2, 3, 4):
-            plain = KVQuant(bits, seed=seed).fit(k, v, k_grad2=g2)
-            shared = KVQuant(bits, seed=seed).fit(k, v, k_grad2=g2, scratch=scratch)
-            for kind in "kv":
-                assert torch.equal(plain.codebook(kind), shared.codebook(kind))
-    assert len(calls) == 6 * 2 + 2  # every plain fit prepares K and V; the shared ones once in all
-    calls.clear()
-    k2 = k.clone()
-    KVQuant(2).fit(k2, scratch=scratch)  # another tensor object: prepared again
-    assert len(calls) == 1
-    k2.mul_(2.0)  # modified in place: the kept data are stale
-    after = KVQuant(2).fit(k2, scratch=scratch)
-    assert len(calls) == 2 and torch.equal(after.codebook("k"), KVQuant(2).fit(k2).codebook("k"))
-    calls.clear()
-    for seed in (0, 1):  # 32 channels · 296 dense tokens per layer > 500: a seeded subsample per seed
-        shared = KVQuant(2, seed=seed, calib_samples=500).fit(k, scratch=scratch)
-        assert torch.equal(shared.codebook("k"), KVQuant(2, seed=seed, calib_samples=500).fit(k).codebook("k"))
-    assert calls == [0, 0, 1, 1]
