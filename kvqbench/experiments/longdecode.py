@@ -254,7 +254,7 @@ def sample_continuation(net: Any, prompt: Sequence[int], length: int, *, seed: i
     if length <= len(prompt):
         raise ValueError(f"length ({length}) must exceed the prompt ({len(prompt)} tokens)")
     dev = next(net.parameters()).device
-    cache, kw = quantized_cache(None), _cache_kwarg(net)
+    cache, kw = quantized_cache(None), _cache_kwarg(net.forward)
     gen = torch.Generator().manual_seed(int(seed))
     ids = [int(i) for i in prompt]
     x = torch.tensor([ids], dtype=torch.long, device=dev)
@@ -347,7 +347,7 @@ def decode(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, 
     dev = next(net.parameters()).device
     x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
     n = int(x.shape[0])
-    cache, kw = quantized_cache(hook), _cache_kwarg(net)
+    cache, kw = quantized_cache(hook), _cache_kwarg(net.forward)
 
     def call(tokens: torch.Tensor, a: int) -> torch.Tensor:
         pos = torch.arange(a, a + int(tokens.shape[1]), device=dev)[None].expand(n, -1)

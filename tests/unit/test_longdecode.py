@@ -173,6 +173,23 @@ def test_the_text_is_generated_once_and_read_back_byte_identical(src, tmp_path, 
 
 
 @real
+def test_the_cache_loops_pass_the_models_current_cache_argument(src) -> None:
+    # transformers 5 renamed forward's `past_key_values` to `cache` and warns (removal announced) on the old
+    # name: the generation and the teacher-forced loop must pass the name the model's forward declares
+    import inspect
+    import warnings
+
+    ids = src.window_ids(0)[:8]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        assert len(LD.sample_continuation(src.net, ids, 10, seed=0)) == 10
+        LD.decode(src.net, [ids], [(0, 4), (4, 8)], None, score=lambda a, lg: None)
+    if "cache" in inspect.signature(src.net.forward).parameters:
+        assert LD._cache_kwarg(src.net.forward) == "cache"
+
+
+@real
 def test_fp16_control_is_exact_in_every_regime(src) -> None:
     (res,) = LD.run_longdecode_rows([create("fp16", 16, 16)], src, [0], SMALL)
     m = res.metrics
