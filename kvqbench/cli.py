@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "real-model smoke cells too")
     size.add_argument("--full", action="store_true", help="full-size cells (default)")
     size.add_argument("--long", action="store_true",
-                      help="the long tier: long-decode and passkey cells on the real model (exp6; 2 seeds unless "
+                      help="the long tier: long-decode and passkey cells on the real model (exp6; 4 seeds unless "
                            "--kvq-seeds is given) into results/long (or --kvq-out); stops with one line when "
                            "the model's context is shorter than they need")
     r.add_argument("--no-real", action="store_true", help="skip the real-model cells (synthetic only; "
@@ -313,7 +313,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 #: the long tier's seeds when ``--kvq-seeds`` is not given
-LONG_SEEDS = "2"
+LONG_SEEDS = "4"
 
 
 def _option_value(extra: list[str], name: str) -> str | None:
