@@ -110,9 +110,9 @@ def hms(sec: float) -> str:
     return f"{h}h{m:02d}m{s_:02d}s" if h else (f"{m}m{s_:02d}s" if m else f"{s_}s")
 
 
-#: test functions whose cells run the real model itself (experiment 5): the first of them on each worker
+#: test functions whose cells run the real model itself (experiments 5 and 6): the first of them on each worker
 #: pays the ``model|<source-size>`` step (the plugin's ``kvq_model`` fixture times it)
-MODEL_TESTS: tuple[str, ...] = ("test_endtoend",)
+MODEL_TESTS: tuple[str, ...] = ("test_endtoend", "test_longdecode", "test_longdecode_smoke")
 
 
 def _needs_model(nodeid: str) -> bool:
@@ -255,12 +255,14 @@ class Progress:
     # ---------------------------------------------------------------- events
     def collected(self, nodeids: list[str]) -> None:
         """The selected tests (after deselection), in collection order. Expect one real-model capture per
-        worker per real data size, and one report step at the end."""
+        worker per real data size that has a cell other than the model's (:data:`MODEL_TESTS`), one model
+        load per worker per size of those, and one report step at the end."""
         self._trace("collected", self.t0, self.t_run, self.workers, list(nodeids), self.history)
         self.total = len(nodeids)
         self.pending = {n: kind_of(n) for n in nodeids}
         tags = [_split(n)[2] for n in nodeids]
-        sizes = sorted({t[-1] for t in tags if "real" in t and len(t) > 1})
+        # the cells that load the model take no capture: a size whose real cells all do expects none
+        sizes = sorted({t[-1] for n, t in zip(nodeids, tags) if "real" in t and len(t) > 1 and not _needs_model(n)})
         self.expected_steps = {f"capture|real-{s}": max(1, self.workers) for s in sizes}
         for tag in sorted({"-".join(_split(n)[2]) for n in nodeids if _needs_model(n) and _split(n)[2]}):
             self.expected_steps[f"model|{tag}"] = max(1, self.workers)

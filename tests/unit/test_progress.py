@@ -446,16 +446,19 @@ def test_pending_model_load_is_charged_to_the_first_end_to_end_cell_of_each_work
 
 
 def test_a_model_load_of_a_data_size_the_tables_lack_is_charged_as_the_sizes_they_have():
-    """``kvqbench run --smoke --kvq-real`` on tables made without it: its model load and capture are
-    charged the tables' loads at the other sizes (first and later ones apart), not nothing."""
+    """``kvqbench run --smoke --kvq-real -k endtoend`` on tables made without it: its model load is charged
+    the tables' loads at the other sizes (first and later ones apart), not nothing; a capture is charged at
+    the other sizes' seconds too, scaled by the run's speed."""
     e2e = [f"t.py::test_endtoend[m-k2v2-seed{i}-real-smoke]" for i in range(2)]
     prior = {"version": 1, "tests": {n: 1.0 for n in e2e}, "kinds": {},
              "steps": {"model|real-full": 20.0, "model|real-full|again": 2.0, "model|real-big": 30.0,
                        "capture|real-full": 8.0}}
     p = Progress(interval_s=0, workers=1, prior=prior, trace_path=None)
     p.collected(e2e)
-    # one capture and one model load per worker: the first ones, 8 and median(20, 30)
-    assert p.eta(0.0) == pytest.approx(2 * 1.0 + 8.0 + 25.0)
+    # end-to-end cells take no capture of their own (the model load holds its calibration capture): one model
+    # load per worker, the first one, median(20, 30)
+    assert "capture|real-smoke" not in p.expected_steps
+    assert p.eta(0.0) == pytest.approx(2 * 1.0 + 25.0)
     assert p._step_prediction("model|real-smoke|again", 1.0) == 2.0
     assert p._step_prediction("capture|real-smoke", 1.5) == 12.0  # scaled by the run's speed
 
@@ -719,3 +722,15 @@ def test_eta_prior_reads_a_trace_as_that_sessions_own_seconds(tmp_path):
     assert mod.main([str(trace), "-o", str(tmp_path / "prior.json")]) == 0
     assert json.loads((tmp_path / "prior.json").read_text())["tests"] == {
         k: pytest.approx(v, abs=1e-3) for k, v in live.measured.items()}
+
+
+def test_the_long_tier_expects_a_model_load_per_worker_and_no_capture():
+    # exp6 cells load the model (kvq_model) and take no capture: no "capture pending" note for a step that
+    # never comes, and the ETA charges each worker's first cell the model load
+    cells = [f"t.py::test_longdecode[m-k2v2-seed{i}-real-long]" for i in range(4)]
+    prior = {"version": 1, "tests": {n: 10.0 for n in cells}, "kinds": {}, "steps": {"model|real-long": 6.0}}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(cells)
+    assert p.expected_steps["model|real-long"] == 2 and not any(k.startswith("capture|") for k in p.expected_steps)
+    assert "capture pending" not in p.line(0.0)
+    assert p.eta(0.0) == pytest.approx(2 * 10.0 + 6.0)
