@@ -13,9 +13,10 @@ the model in one forward call with the method's cache under its stream policy (w
 prefilling the prompt: a method's fp16 windows keep the newest tokens exact, the key far back is
 quantized). At the answer's positions: the log-probability of the key's tokens (sum over them, nats), the
 rank of each of its tokens (0: the top-1 token) and exact match (every token top-1: greedy decoding
-would write the key), for the method and for the unquantized model. Accuracy of a method counts only at
-lengths where the unquantized model itself retrieves (its exact-match share ≥ :data:`REFERENCE_FLOOR`);
-the unquantized model's accuracy per length is always reported.
+would write the key), for the unquantized model at every length and depth, for a method at one depth per
+length that the seed chooses (:func:`scored_depth`: the seeds take the depths in turn). Accuracy of a
+method counts only at lengths where the unquantized model itself retrieves (its exact-match share over the
+seed's depths ≥ :data:`REFERENCE_FLOOR`); the unquantized model's accuracy per length is always reported.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvqbench.experiments.endtoend import KVCacheHook, RealSource, RowsHook, run
 from kvqbench.quantizers.base import Quantizer
 
 __all__ = ["Prompt", "passkey_prompt", "passkey_prompts", "REFERENCE_FLOOR", "PasskeyResult", "answer_scores",
-           "run_passkey_rows"]
+           "scored_depth", "run_passkey_rows"]
 
 #: the unquantized model's exact-match share at a length from which a method's accuracy there counts
 REFERENCE_FLOOR = 0.9
@@ -154,55 +155,66 @@ def _reference(src: RealSource, prompts: Sequence[Prompt]) -> list[dict[str, Any
     return [_REFS[k] for k in keys]
 
 
+def scored_depth(seed: int, length_index: int, n_depths: int) -> int:
+    """The depth (index into the configuration's depths) at which seed ``seed`` scores the methods at its
+    ``length_index``-th length: ``(seed + length_index) mod n_depths``, so consecutive seeds take the depths
+    in turn and every depth of every length is scored once ``n_depths`` seeds have run."""
+    return (int(seed) + int(length_index)) % int(n_depths)
+
+
 @torch.no_grad()
 def run_passkey_rows(per_row: Sequence[Sequence[Quantizer]], src: RealSource, seeds: Sequence[int], config: Any, *,
                      cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> list[PasskeyResult]:
     """The passkey scores of each row ``r`` (per-layer methods ``per_row[r]``, prompts of ``seeds[r]``,
-    lengths ``config.passkey_lengths`` × depths ``config.passkey_depths``); the prompts of one length, of
-    every row, run as one batch, each with its own cache (:class:`RowsHook`).
+    lengths ``config.passkey_lengths`` × depths ``config.passkey_depths``). The unquantized model scores
+    every prompt of the seed (cached per process); the method scores one prompt per length, at the depth
+    :func:`scored_depth` gives (the seeds take the depths in turn: a third of the method's forward tokens
+    with three depths, and every depth is covered from three seeds on). The method's prompts of one length,
+    of every row, run as one batch, each with its own cache (:class:`RowsHook`).
 
     Returns:
-        Per row: metrics ``passkey_logp_drop_nats`` (mean over prompts of the unquantized model's key
-        log-probability minus the method's), ``passkey_rank_worst`` (mean over prompts of the worst rank
-        among the key's tokens) and ``passkey_match`` (exact-match share over the prompts the unquantized
-        model retrieves, at lengths where its own share is ≥ :data:`REFERENCE_FLOOR`; absent when no
-        length qualifies); ``series["passkey"]`` with per length and depth the values of both models.
+        Per row: metrics ``passkey_logp_drop_nats`` (mean over the scored prompts of the unquantized model's
+        key log-probability minus the method's), ``passkey_rank_worst`` (mean over them of the worst rank
+        among the key's tokens) and ``passkey_match`` (exact-match share over the scored prompts the
+        unquantized model retrieves, at lengths where it retrieves a share ≥ :data:`REFERENCE_FLOOR` of the
+        seed's prompts of every depth; absent when no prompt qualifies); ``series["passkey"]``: per length
+        the unquantized model's accuracy and per-depth values (``ref_accuracy``, ``logp_ref_nats``,
+        ``rank_worst_ref``), the scored depth (``scored``, an index into ``depths``) and the method's values
+        there (``logp_nats``, ``rank_worst``: one-element lists; ``accuracy``: its match, ``None`` where
+        not counted).
     """
     lengths, depths = list(config.passkey_lengths), list(config.passkey_depths)
-    prompts = [passkey_prompts(src.tokenizer, s, lengths, depths) for s in seeds]
     nd = len(depths)
+    prompts = [passkey_prompts(src.tokenizer, s, lengths, depths) for s in seeds]
+    scored = [[scored_depth(s, li, nd) for li in range(len(lengths))] for s in seeds]
     got: list[list[dict]] = [[] for _ in seeds]
-    ref: list[list[dict]] = [[] for _ in seeds]
     for li in range(len(lengths)):
-        batch = [(r, p) for r, ps in enumerate(prompts) for p in ps[li * nd:(li + 1) * nd]]
+        batch = [(r, ps[li * nd + scored[r][li]]) for r, ps in enumerate(prompts)]
         hooks = [KVCacheHook(per_row[r], streaming=True, cos=cos, sin=sin) for r, _ in batch]
         logits = _answer_logits(src, [p for _, p in batch], hooks[0] if len(hooks) == 1 else RowsHook(hooks))
-        refs = _reference(src, [p for _, p in batch])
-        for (r, p), lg, rs in zip(batch, logits, refs):
+        for (r, p), lg in zip(batch, logits):
             got[r].append(answer_scores(lg, p.ids[-p.answer_tokens:]))
-            ref[r].append(rs)
     out = []
     for r in range(len(seeds)):
-        drop = [b["logp_nats"] - a["logp_nats"] for a, b in zip(got[r], ref[r])]
-        worst = [max(a["ranks"]) for a in got[r]]
-        table: dict[str, Any] = {"lengths": lengths, "depths": depths, "ref_accuracy": [], "accuracy": [],
-                                 "logp_ref_nats": [], "logp_nats": [], "rank_worst": [], "rank_worst_ref": []}
-        hits, asked = 0, 0
+        # every prompt of the seed, lengths outer, depths inner (one batch per length: prompts of one length)
+        ref = [x for li in range(len(lengths)) for x in _reference(src, prompts[r][li * nd:(li + 1) * nd])]
+        table: dict[str, Any] = {"lengths": lengths, "depths": depths, "scored": scored[r], "ref_accuracy": [],
+                                 "accuracy": [], "logp_ref_nats": [], "logp_nats": [], "rank_worst": [],
+                                 "rank_worst_ref": []}
+        drop, worst, hits, asked = [], [], 0, 0
         for li in range(len(lengths)):
-            sl = slice(li * nd, (li + 1) * nd)
-            rm = [x["match"] for x in ref[r][sl]]
-            mm = [x["match"] for x in got[r][sl]]
-            ref_acc = sum(rm) / nd
+            rs, mine, base = ref[li * nd:(li + 1) * nd], got[r][li], ref[li * nd + scored[r][li]]
+            ref_acc = sum(x["match"] for x in rs) / nd
+            counted = ref_acc >= REFERENCE_FLOOR and base["match"]
             table["ref_accuracy"].append(ref_acc)
-            counted = ref_acc >= REFERENCE_FLOOR
-            table["accuracy"].append(sum(m for m, q in zip(mm, rm) if q) / max(sum(rm), 1) if counted else None)
-            if counted:
-                hits += sum(m for m, q in zip(mm, rm) if q)
-                asked += sum(rm)
-            table["logp_ref_nats"].append([x["logp_nats"] for x in ref[r][sl]])
-            table["logp_nats"].append([x["logp_nats"] for x in got[r][sl]])
-            table["rank_worst"].append([max(x["ranks"]) for x in got[r][sl]])
-            table["rank_worst_ref"].append([max(x["ranks"]) for x in ref[r][sl]])
+            table["accuracy"].append(float(mine["match"]) if counted else None)
+            hits, asked = hits + int(counted and mine["match"]), asked + int(counted)
+            drop.append(base["logp_nats"] - mine["logp_nats"])
+            worst.append(max(mine["ranks"]))
+            table["logp_ref_nats"].append([x["logp_nats"] for x in rs])
+            table["logp_nats"].append([mine["logp_nats"]])
+            table["rank_worst"].append([max(mine["ranks"])])
+            table["rank_worst_ref"].append([max(x["ranks"]) for x in rs])
         metrics = {"passkey_logp_drop_nats": math.fsum(drop) / len(drop),
                    "passkey_rank_worst": sum(worst) / len(worst)}
         if asked:

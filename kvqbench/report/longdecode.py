@@ -302,7 +302,9 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
     at = ", ".join(_pct(d) for d in ref.get("depths") or [])
     return ["### Passkey retrieval", "",
             f"A 5-digit key in filler at depth {at or '—'} of it, then the question; scored teacher-forced "
-            "after one prefill of the prompt under each method's stream policy. The log-probability drop is the "
+            "after one prefill of the prompt under each method's stream policy, the unquantized model at every "
+            "depth, a method at one depth per length and seed (the seeds take the depths in turn). The "
+            "log-probability drop is the "
             "unquantized model's log-probability of the key's tokens minus the method's (nats, mean over prompts); "
             "the worst rank is the largest rank among the key's tokens (0: each is the top-1 token), mean over "
             f"prompts. Exact match counts only the prompts the unquantized model retrieves, at lengths where it "

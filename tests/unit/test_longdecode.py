@@ -120,6 +120,20 @@ def test_passkey_prompts_derive_from_the_seed() -> None:
         PK.passkey_prompt(tok, 50, 0.5, random.Random(0))
 
 
+@pytest.mark.parametrize("n_depths", [1, 2, 3, 5])
+def test_consecutive_seeds_score_every_depth_of_every_length(n_depths) -> None:
+    # any n_depths consecutive seeds (from any start) take each depth exactly once at each length
+    for start in (0, 3, 17):
+        for li in range(3):
+            got = sorted(PK.scored_depth(s, li, n_depths) for s in range(start, start + n_depths))
+            assert got == list(range(n_depths))
+    # the long tier's four seeds cover the three depths of both lengths
+    long = LD.CONFIG_BY_SIZE["long"]
+    nd = len(long.passkey_depths)
+    for li in range(len(long.passkey_lengths)):
+        assert {PK.scored_depth(s, li, nd) for s in range(4)} == set(range(nd))
+
+
 def test_answer_scores_are_log_probabilities_and_ranks() -> None:
     logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 2.0, 1.0, 5.0]])
     got = PK.answer_scores(logits, [0, 2])  # token 0 is top-1 in row 0; token 2 ranks behind 3 and 1 in row 1
@@ -199,7 +213,11 @@ def test_fp16_control_is_exact_in_every_regime(src) -> None:
     assert res.extra["free_running"]["method"] == res.extra["free_running"]["reference"]
     assert m["free_first_divergence_tokens"] == SMALL.free_tokens and m["free_match_share"] == 1.0
     table = res.series["passkey"]
-    assert table["logp_nats"] == table["logp_ref_nats"] and m["passkey_logp_drop_nats"] == 0.0
+    assert m["passkey_logp_drop_nats"] == 0.0
+    for li, j in enumerate(table["scored"]):  # the method scores the reference's prompt at the seed's depth
+        assert j == PK.scored_depth(0, li, len(SMALL.passkey_depths))
+        assert table["logp_nats"][li] == [table["logp_ref_nats"][li][j]]
+        assert len(table["logp_ref_nats"][li]) == len(SMALL.passkey_depths)  # the reference scores every depth
     assert m["long_bits_billed"] == 16.0
     # the noise draw perturbs the exact cache: float noise alone, tiny but not zero
     assert 0.0 < res.extra["noise"]["per_draw"]["long_kl_nats"][0] < 1e-6
