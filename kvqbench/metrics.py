@@ -294,13 +294,14 @@ register_metric(Metric("free_match_share", "1", "higher",
                        "unquantized model's", "exp6"))
 register_metric(Metric("passkey_logp_drop_nats", "nats", "lower",
                        "passkey: the unquantized model's log-probability of the key's tokens minus the "
-                       "method's, mean over prompts (lengths × depths)", "exp6"))
+                       "method's, mean over the prompts the method scores (one per length, at the seed's depth)", "exp6"))
 register_metric(Metric("passkey_rank_worst", "1", "lower",
                        "passkey: worst rank among the key's tokens (0 = each is the top-1 token), mean over "
-                       "prompts", "exp6"))
+                       "the prompts the method scores", "exp6"))
 register_metric(Metric("passkey_match", "1", "higher",
-                       "passkey: exact-match share (every key token top-1) over the prompts the unquantized "
-                       "model retrieves, at lengths where it retrieves ≥ 90 % of them", "exp6"))
+                       "passkey: exact-match share (every key token top-1) over the scored prompts the "
+                       "unquantized model retrieves, at lengths where it retrieves ≥ 90 % of the seed's depths",
+                       "exp6"))
 
 
 #: metrics whose values vary from run to run (wall-clock timing; peak memory on CUDA); determinism
