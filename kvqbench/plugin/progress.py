@@ -127,14 +127,16 @@ class _PrintThread(threading.Thread):
     def run(self) -> None:
         # While reports arrive, the main thread prints (in pytest_runtest_logreport) so lines do not cut into pytest's
         # own dots; this thread speaks when the line is due and no report has come for a moment (a long
-        # test, the real-model capture, the closing report): Progress.line_due.
+        # test, the real-model capture, the closing report): Progress.line_due. Not before the first test has
+        # started: until then the main thread may be writing the session's header (xdist's "2 workers [N
+        # items]" line), which a line from this thread would cut in two.
         tick = min(0.5, self.prog.interval_s / 4)
         while not self.stop.wait(tick):
             with _PROGRESS_LOCK:
                 now = time.time()
                 if self.stop.is_set():
                     return
-                if self.prog.line_due(now, at_report=False):
+                if (self.prog.running or self.prog.done) and self.prog.line_due(now, at_report=False):
                     _print_progress(self.config, self.prog, now)
 
 
