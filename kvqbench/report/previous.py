@@ -99,7 +99,11 @@ def _describe(folder: Path) -> tuple[str, str]:
             start = _dt.datetime.now(_dt.timezone.utc)
     start = start.astimezone(_dt.timezone.utc)
     n = comp.get("expected") or comp.get("finished")
-    what = (f"complete set of {n} cells" if n else "complete set") + f" (run {start:%Y-%m-%d %H:%M} UTC)"
+    if comp.get("shard_done"):
+        what = f"set of shard {comp['shard_done']} ({comp.get('finished')} cells)"
+    else:
+        what = f"complete set of {n} cells" if n else "complete set"
+    what += f" (run {start:%Y-%m-%d %H:%M} UTC)"
     return what, start.strftime("%Y%m%dT%H%M%SZ")
 
 

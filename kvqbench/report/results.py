@@ -17,7 +17,7 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 - an incomplete set never replaces a complete one: when the destination already holds a complete set,
   the new one goes to ``DEST/incomplete/`` and the old one is left alone (a later complete set removes
   that ``incomplete/`` folder);
-- a complete set never deletes the complete set it replaces: that one moves to
+- a complete set never deletes the complete set it replaces, and no set deletes a finished shard's set: that one moves to
   ``DEST/previous/<UTC start of its run>-<digest>/`` with one line saying where, and ``previous/`` keeps
   the newest 5 such sets (``keep``; ``--kvq-keep N``, ``KVQBENCH_KEEP=N``), naming each one it removes
   (:mod:`kvqbench.report.previous`);
@@ -130,7 +130,18 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
         out["summary"] = f"incomplete: {finished} of {total} cells finished, " + ", ".join(why)
         if shard is not None and own_reason is None and not counts["failed"]:  # one step of a sharded run
             out["summary"] = f"shard {shard}: {finished} of {total} cells, this shard's share of the run ({SHARD_HINT})"
+            out["shard_done"] = shard  # a finished step: kept like a complete set when another set replaces it
     return out
+
+
+def holds_finished_shard(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds the set of one shard that ran its share without failure
+    (:func:`completeness`'s ``shard_done``): not complete, but finished work that no other set may delete."""
+    try:
+        doc = read_json(Path(folder) / "leaderboard.json")
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and bool((doc.get("completeness") or {}).get("shard_done"))
 
 
 def holds_complete_set(folder: str | os.PathLike) -> bool:
@@ -364,10 +375,11 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
 
 def _keep_displaced_set(dest: Path, comp: dict[str, Any], keep: int, log: Log) -> list[str]:
     """Before a complete set replaces the complete set in ``dest`` (a rerun, a narrower or broader
-    selection, a merge): move the old one's files to ``dest/previous/<id>/`` and apply the retention
+    selection, a merge), or any set replaces a finished shard's set (another shard run into the same
+    folder): move the old one's files to ``dest/previous/<id>/`` and apply the retention
     (:func:`kvqbench.report.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
-    set (it goes to ``incomplete/``) or a ``dest`` without a complete set."""
-    if not comp.get("complete") or not holds_complete_set(dest):
+    set over a complete one (it goes to ``incomplete/``) or a ``dest`` without either."""
+    if not (comp.get("complete") and holds_complete_set(dest)) and not holds_finished_shard(dest):
         return []
     return keep_displaced_set(dest, (*OUTPUT_PATTERNS, BENCHMARK_JSON), keep, log)
 

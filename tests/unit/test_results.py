@@ -359,6 +359,32 @@ def test_only_kept_set_folders_count_and_go(tmp_path):
     assert (out / "previous" / "README.txt").read_text() == "mine"
 
 
+def test_a_second_shard_into_the_same_folder_keeps_the_first_shards_set(tmp_path):
+    """Shards 1/2 and 2/2 run into one folder (or a long tier's shards into its default folder): the first
+    shard's finished set is kept, unchanged, in ``previous/`` with one line, not deleted; an interrupted run
+    over a finished shard keeps it too."""
+    from kvqbench.report.previous import kept_sets
+
+    out = tmp_path / "r"
+    every = records(experiments=("exp1",))
+    ids = [r["nodeid"] for r in every]
+    half = len(every) // 2
+    first = write_result_set(every[:half], {**PROVENANCE, "start_time": "2026-12-03T10:00:00+00:00"}, out,
+                             expected=ids, shard="1/2", catalog=catalog(), figures=False, log=lambda m: None)
+    assert first.completeness["shard_done"] == "1/2" and not first.completeness["complete"]
+    files = _set_files(out)
+    logged: list[str] = []
+    write_result_set(every[half:], {**PROVENANCE, "start_time": "2026-12-03T10:01:00+00:00"}, out,
+                     expected=ids, shard="2/2", catalog=catalog(), figures=False, log=logged.append)
+    (kept,) = kept_sets(out)
+    assert _set_files(kept) == files
+    assert logged == [f"kvqbench: the set of shard 1/2 ({half} cells) (run 2026-12-03 10:00 UTC) that was in {out} "
+                      f"is kept in {kept}"]
+    write_result_set(every[:3], {**PROVENANCE, "start_time": "2026-12-03T10:02:00+00:00"}, out, expected=ids,
+                     reason="interrupted", catalog=catalog(), figures=False, log=lambda m: None)
+    assert len(kept_sets(out)) == 2  # shard 2/2's set kept as well
+
+
 def test_a_shards_summary_says_it_ran_its_share():
     """A shard that ran its cells without failure is one step of a sharded run, not an alarming incomplete
     set (it still is not complete); an interrupted or failing shard keeps the incomplete summary."""
