@@ -180,6 +180,9 @@ def _bits_of(stats_src: dict[str, Any], m: str, s: str, metric: str) -> float | 
     e = (stats_src.get("exp5") or {}).get(m, {}).get(s, {}).get(E2E_BITS)
     if e is not None and metric.startswith("e2e_"):
         return e["mean"]
+    if metric.startswith("long_"):  # the long decode: the bits its cells billed at T
+        b = (stats_src.get("exp6") or {}).get(m, {}).get(s, {}).get("long_bits_billed")
+        return b["mean"] if b is not None else None
     exp, name = ("exp2", "decode_bits_effective") if metric.startswith("decode_") else ("exp1", "bits_effective")
     b = (stats_src.get(exp) or {}).get(m, {}).get(s, {}).get(name)
     return b["mean"] if b is not None else None
@@ -190,7 +193,8 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     """The best method at each matched bits/element budget of one source, with its ties.
 
     Ranked on the end-to-end target (``headline["target"]``, e.g. ``e2e_prefill_kl_nats``) where this
-    source has it, else on the headline tensor metric (its better-direction). Exact (16-bit) settings, variant
+    source has it, else on the headline tensor metric (its better-direction), else — a long tier's results
+    alone — on the long-decode KL ``long_kl_nats`` at the bits billed at T. Exact (16-bit) settings, variant
     settings and short entries are not budget points; the fp16 control bills 16 bits and fits no budget.
 
     Returns one row per budget: ``{"budget", "criterion", "method", "setting", "bits", "value", "ci95",
@@ -202,8 +206,12 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     metric, exp, target = headline["metric"], headline["experiment"], headline.get("target", PREDICTIVITY_TARGETS[0])
     e2e, long = stats_src.get("exp5") or {}, stats_src.get("exp6") or {}
     has_e2e = any(target in e for by in e2e.values() for s, e in by.items() if is_plain_setting(s))
-    crit_exp, crit = ("exp5", target) if has_e2e else (exp, metric)
-    better = "lower" if has_e2e else (catalog.get(metric) or {}).get("better", "lower")
+    has_metric = any(metric in e for by in (stats_src.get(exp) or {}).values() for e in by.values())
+    has_long = any("long_kl_nats" in e for by in long.values() for s, e in by.items() if is_plain_setting(s))
+    # measured damage first: the end-to-end KL; else the headline tensor metric; a long tier alone ranks on its KL
+    crit_exp, crit = ("exp5", target) if has_e2e else ("exp6", "long_kl_nats") if has_long and not has_metric \
+        else (exp, metric)
+    better = "lower" if has_e2e or crit == "long_kl_nats" else (catalog.get(metric) or {}).get("better", "lower")
     pts = []
     for m, by in (stats_src.get(crit_exp) or {}).items():
         for s, metrics in by.items():
@@ -211,9 +219,18 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
             if e is None or is_short(e) or not is_plain_setting(s) or is_exact_setting(s):
                 continue
             b = _bits_of(stats_src, m, s, crit)
+            ci = e["ci95"]
+            if crit == "long_kl_nats":  # ties within the noise floor too, as in the long-decode tables
+                ci = (ci or 0.0) + ((metrics.get("long_kl_noise_sd_nats") or {}).get("mean") or 0.0)
             if b is not None:
-                pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": e["ci95"]})
+                pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": ci})
     rows = best_at_budgets(pts, budgets, better=better)
+    if crit == "long_kl_nats":  # the noise floor widened the intervals for the ties only: show the 95% CIs
+        raw = {(m, s): e[crit]["ci95"] for m, by in long.items() for s, e in by.items() if crit in e}
+        for r in rows:
+            for p in [r, *(r.get("ties") or [])]:
+                if p.get("method"):
+                    p["ci95"] = raw.get((p["method"], p["setting"]))
     for r in rows:
         q = (stats_src.get(exp) or {}).get(r["method"], {}).get(r["setting"], {}).get(metric) if r["method"] else None
         k = e2e.get(r["method"], {}).get(r["setting"], {}).get(target) if r["method"] else None

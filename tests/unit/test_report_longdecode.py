@@ -294,3 +294,18 @@ def test_matched_budget_over_a_long_decode(md):
     # no runner-up
     assert by["≤ 2.5"][1:4] == ["`e` = `d`", "k2v2", "2.5"] and len(rows[0]) == 5
     assert by["≤ 8.25"][1:4] == ["`e` = `d`", "k4v4", "4.5"]  # the same at k4v4 (values and floors scale alike)
+
+
+def test_a_long_tier_alone_ranks_its_first_screen_on_the_long_decode_kl():
+    # `kvqbench run --long` writes exp6 alone: no end-to-end and no tensor metric, so the first screen ranks
+    # on the long-decode KL at the bits billed at T instead of showing empty rows
+    recs = [r for r in records() if r["experiment"] == "exp6"]
+    md = render_markdown(assemble(recs, catalog(), copy.deepcopy(PROVENANCE)))
+    first = md.split("# Details", 1)[0]
+    assert "best method at a matched budget, by long-decode KL" in first
+    rows = _table(first, "best method at a matched budget, by long-decode KL")
+    by = {r[0]: r for r in rows[1:]}
+    # every quantizing method bills 2.5 at k2v2, 4.5 at k4v4: e is the least damaged, d ties it (e's noise floor
+    # covers their gap), as in the long-decode budget table
+    assert by["≤ 2.5"][1:4] == ["`e` = `d`", "k2v2", "2.5"] and by["≤ 2.25"][1] == "—"
+    assert rows[0][3:5] == ["bits billed at T", "long-decode KL (`long_kl_nats`)"]
