@@ -180,12 +180,25 @@ def _bits_of(stats_src: dict[str, Any], m: str, s: str, metric: str) -> float | 
     e = (stats_src.get("exp5") or {}).get(m, {}).get(s, {}).get(E2E_BITS)
     if e is not None and metric.startswith("e2e_"):
         return e["mean"]
-    if metric.startswith("long_"):  # the long decode: the bits its cells billed at T
-        b = (stats_src.get("exp6") or {}).get(m, {}).get(s, {}).get("long_bits_billed")
-        return b["mean"] if b is not None else None
     exp, name = ("exp2", "decode_bits_effective") if metric.startswith("decode_") else ("exp1", "bits_effective")
     b = (stats_src.get(exp) or {}).get(m, {}).get(s, {}).get(name)
     return b["mean"] if b is not None else None
+
+
+def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
+    """The budget points of experiment 6 (``stats[source]["exp6"]``): per plain, quantizing setting its
+    long-decode KL and the bits billed at T, the 95% CI widened by the setting's noise floor (differences
+    within float noise are ties), for :func:`~kvqbench.report.leaderboard.best_at_budgets`."""
+    pts = []
+    for m, by in stats6.items():
+        for s, e in by.items():
+            kl, bits = e.get("long_kl_nats"), e.get("long_bits_billed")
+            if kl is None or bits is None or is_short(kl) or not is_plain_setting(s) or is_exact_setting(s):
+                continue
+            noise = (e.get("long_kl_noise_sd_nats") or {}).get("mean") or 0.0
+            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"],
+                        "ci95": (kl["ci95"] or 0.0) + noise})
+    return pts
 
 
 def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
@@ -212,18 +225,18 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     crit_exp, crit = ("exp5", target) if has_e2e else ("exp6", "long_kl_nats") if has_long and not has_metric \
         else (exp, metric)
     better = "lower" if has_e2e or crit == "long_kl_nats" else (catalog.get(metric) or {}).get("better", "lower")
-    pts = []
-    for m, by in (stats_src.get(crit_exp) or {}).items():
-        for s, metrics in by.items():
-            e = metrics.get(crit)
-            if e is None or is_short(e) or not is_plain_setting(s) or is_exact_setting(s):
-                continue
-            b = _bits_of(stats_src, m, s, crit)
-            ci = e["ci95"]
-            if crit == "long_kl_nats":  # ties within the noise floor too, as in the long-decode tables
-                ci = (ci or 0.0) + ((metrics.get("long_kl_noise_sd_nats") or {}).get("mean") or 0.0)
-            if b is not None:
-                pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": ci})
+    if crit == "long_kl_nats":
+        pts = long_decode_points(long)
+    else:
+        pts = []
+        for m, by in (stats_src.get(crit_exp) or {}).items():
+            for s, metrics in by.items():
+                e = metrics.get(crit)
+                if e is None or is_short(e) or not is_plain_setting(s) or is_exact_setting(s):
+                    continue
+                b = _bits_of(stats_src, m, s, crit)
+                if b is not None:
+                    pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": e["ci95"]})
     rows = best_at_budgets(pts, budgets, better=better)
     if crit == "long_kl_nats":  # the noise floor widened the intervals for the ties only: show the 95% CIs
         raw = {(m, s): e[crit]["ci95"] for m, by in long.items() for s, e in by.items() if crit in e}

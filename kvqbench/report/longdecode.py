@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 from tabulate import tabulate
 
-from kvqbench.cells import is_exact_setting, is_plain_setting, setting_order
+from kvqbench.cells import is_plain_setting, setting_order
 from kvqbench.report.leaderboard import best_at_budgets, is_short, mean_ci, setting_key
 
 __all__ = ["EXPERIMENT", "summarize", "ranked_with_floor", "markdown_lines", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
@@ -357,16 +357,10 @@ def _budget_table(src: dict[str, Any]) -> list[str]:
     """The best method at each matched budget of bits billed at T on the long-decode KL, with its ties
     (:func:`kvqbench.report.leaderboard.best_at_budgets`: the methods whose 95% CI, widened by their noise
     floor where one was measured, overlaps the best's), written ``a = b`` as on the first screen."""
+    from kvqbench.report.headline import long_decode_points
+
     stats6 = src["stats"][EXPERIMENT]
-    pts = []
-    for m, by in stats6.items():
-        for s, e in by.items():
-            kl, bits = e.get("long_kl_nats"), e.get("long_bits_billed")
-            if kl is None or bits is None or is_short(kl) or not is_plain_setting(s) or is_exact_setting(s):
-                continue
-            noise = (e.get("long_kl_noise_sd_nats") or {}).get("mean") or 0.0
-            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"],
-                        "ci95": (kl["ci95"] or 0.0) + noise})
+    pts = long_decode_points(stats6)
     budgets = best_at_budgets(pts)
     if not any(b["method"] for b in budgets):
         return []
