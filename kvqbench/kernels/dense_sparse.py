@@ -1,9 +1,10 @@
 """Fast version of ``dense_sparse.quantize`` (:func:`kvqbench.numerics.dense_sparse.quantize`, KVQuant's
 per-vector outliers and non-uniform codes, arXiv:2401.18079 §3.4).
 
-One pass per vector (``c/dense_sparse.c``: the two tails by two small heaps, then normalize and count the
-thresholds below) instead of two ``topk`` selections, three scatters, a sort, a normalization and one
-comparison pass per threshold. The same IEEE fp32 operations per element. A vector whose tails tie at their
+Per vector (``c/dense_sparse.c``): the two tails from the column extremes of the vector read as a matrix and
+a second look at the few columns that can hold them, then one pass that normalizes and counts the thresholds
+below; instead of two ``topk`` selections, three scatters, a sort, a normalization and one comparison pass per
+threshold. The same IEEE fp32 operations per element. A vector whose tails tie at their
 boundary (which index is the outlier would depend on the selection algorithm), or that holds a NaN or an
 infinity, is declined by the kernel and given to the reference, on its own (every step is per vector).
 Agreement with the reference: ``tests/property/test_kernels_dense_sparse.py``.
@@ -50,7 +51,7 @@ def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor):
     val = torch.empty(b_, rows, 2 * k, dtype=torch.float32)
     lo, mid, half = (torch.empty(b_, rows, 1, dtype=torch.float32) for _ in range(3))
     declined = torch.empty(b_, rows, dtype=torch.uint8)
-    work = torch.empty(2 * (k + 1), dtype=torch.float32)
+    work = torch.empty(2 * (k + 1) + 2 * n, dtype=torch.float32)
     rc = lib.ds_quantize(x.data_ptr(), b_, rows * n, rows, n, k, mids.data_ptr(), int(mids.shape[1]),
                          codes.data_ptr(), rows * n, idx.data_ptr(), val.data_ptr(), lo.data_ptr(), mid.data_ptr(),
                          half.data_ptr(), declined.data_ptr(), work.data_ptr())

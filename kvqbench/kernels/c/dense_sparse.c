@@ -18,68 +18,71 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "kvq_minmax.h"
-
 /* elements per step of the code pass: their normalized values and codes stay in registers/L1 */
 #define CHUNK 64
 
-/* v placed at p of the min-heap h[0..m) (whose subtrees below p are heaps), moved down to its place */
-static inline void sift_down(float *h, long m, long p, float v) {
-  for (;;) {
-    long c = 2 * p + 1;
-    if (c >= m) break;
-    if (c + 1 < m && h[c + 1] < h[c]) c++;
-    if (!(h[c] < v)) break;
-    h[p] = h[c];
-    p = c;
+/* the m largest of the ascending m values s (m ≥ 1) and v, ascending, in s, without a branch: s[j] becomes
+ * min(max(s[j], v), s[j + 1]), so the values below v's place move down one, s[0] drops out, and nothing moves when
+ * v ≤ s[0] */
+static inline void insert_sorted(float *restrict s, long m, float v) {
+  for (long j = 0; j + 1 < m; j++) {
+    const float a = s[j] > v ? s[j] : v, b = s[j + 1];
+    s[j] = a < b ? a : b;
   }
-  h[p] = v;
+  s[m - 1] = s[m - 1] > v ? s[m - 1] : v;
 }
 
-static inline void replace_root(float *h, long m, float v) { sift_down(h, m, 0, v); }
-
-static void heapify(float *h, long m) {
-  for (long p = m / 2 - 1; p >= 0; p--) sift_down(h, m, p, h[p]);
-}
-
-/* the (k+1) largest values of x in the min-heap top, the (k+1) smallest negated in the min-heap bot */
-static void tails(const float *restrict x, long n, long m, float *restrict top, float *restrict bot) {
-  for (long i = 0; i < m; i++) {
-    top[i] = x[i];
-    bot[i] = -x[i];
-  }
-  heapify(top, m);
-  heapify(bot, m);
-  long i = m;
-  for (; i + 16 <= n; i += 16) {
-    float mn, mx;
-    kvq_minmax(x + i, 16, &mn, &mx);
-    if (mx > top[0] || -mn > bot[0]) {  /* rare once the heaps hold the tails: a block with a candidate */
-      for (long j = i; j < i + 16; j++) {
-        if (x[j] > top[0]) replace_root(top, m, x[j]);
-        if (-x[j] > bot[0]) replace_root(bot, m, -x[j]);
-      }
+/* The m largest values of x, ascending, in top, and the m smallest, negated and ascending, in bot (slots no value
+ * reached stay −∞: only with a NaN, which the caller declines). x is read as the rows of a matrix of L columns (the
+ * last row may be short): one vectorized pass takes each column's maximum and minimum. The m-th largest column
+ * maximum t is at most the m-th largest value (the m largest column maxima are m values), so the m largest values
+ * are among the values ≥ t, which lie in the columns whose maximum is ≥ t: only those columns are read again (the
+ * same for the bottom tail). L ≈ sqrt(m·n) balances the two. col: 2·n floats. */
+static void tails(const float *restrict x, long n, long m, float *restrict top, float *restrict bot,
+                  float *restrict col) {
+  long L = (long)sqrt((double)m * (double)n);
+  L = L < 16 ? 16 : (L + 15) / 16 * 16;
+  if (L > n) L = n;
+  float *cmax = col, *cmin = col + L;
+  for (long j = 0; j < L; j++) cmax[j] = cmin[j] = x[j];
+  long i = L;
+  for (; i + L <= n; i += L)
+    for (long j = 0; j < L; j++) {
+      const float v = x[i + j];
+      cmax[j] = v > cmax[j] ? v : cmax[j];
+      cmin[j] = v < cmin[j] ? v : cmin[j];
     }
+  for (long j = 0; i + j < n; j++) {
+    const float v = x[i + j];
+    cmax[j] = v > cmax[j] ? v : cmax[j];
+    cmin[j] = v < cmin[j] ? v : cmin[j];
   }
-  for (; i < n; i++) {
-    if (x[i] > top[0]) replace_root(top, m, x[i]);
-    if (-x[i] > bot[0]) replace_root(bot, m, -x[i]);
+  for (long j = 0; j < m; j++) top[j] = bot[j] = -INFINITY;
+  for (long j = 0; j < L; j++) {  /* the m-th largest column maximum, the m-th smallest column minimum */
+    insert_sorted(top, m, cmax[j]);
+    insert_sorted(bot, m, -cmin[j]);
   }
-}
-
-static inline float second_smallest(const float *h, long m) {  /* of a min-heap with m ≥ 2 entries */
-  return m > 2 && h[2] < h[1] ? h[2] : h[1];
+  const float t_hi = top[0], t_lo = -bot[0];
+  for (long j = 0; j < m; j++) top[j] = bot[j] = -INFINITY;
+  for (long j = 0; j < L; j++) {
+    if (cmax[j] >= t_hi)
+      for (long p = j; p < n; p += L)
+        if (x[p] >= t_hi && x[p] > top[0]) insert_sorted(top, m, x[p]);
+    if (cmin[j] <= t_lo)
+      for (long p = j; p < n; p += L)
+        if (x[p] <= t_lo && -x[p] > bot[0]) insert_sorted(bot, m, -x[p]);
+  }
 }
 
 /* one vector; returns 0, or 1 where it is declined (see above) */
 static inline __attribute__((always_inline)) int one_vector(
     const float *restrict x, long n, long k, const float *restrict mids, int nm, unsigned char *restrict codes,
     int64_t *restrict idx, float *restrict val, float *restrict lo_out, float *restrict mid_out,
-    float *restrict half_out, float *restrict top, float *restrict bot) {
+    float *restrict half_out, float *restrict top, float *restrict bot, float *restrict col) {
   const long m = k + 1;
-  tails(x, n, m, top, bot);
+  tails(x, n, m, top, bot, col);
   const float hi = top[0], lo = -bot[0];
-  if (second_smallest(top, m) == hi || second_smallest(bot, m) == bot[0]) return 1;
+  if (top[1] == hi || bot[1] == bot[0]) return 1;  /* a tie at a tail's boundary */
   const float mid = (hi + lo) / 2.f, half = (hi - lo) / 2.f;
   const int live = half > 0.f;
   const float div = live ? half : 1.f;
@@ -130,21 +133,21 @@ static inline __attribute__((always_inline)) int one_vector(
 /* x: nb layers of `rows` contiguous vectors of n fp32 values, layer b at x + b·x_stride; k ≥ 1 outliers per tail
  * (n ≥ 2k + 1); mids: nm ascending thresholds per layer (layer b at mids + b·nm, nm ≤ 255); codes: the uint8
  * codes, layer b at codes + b·codes_stride, vector r at + r·n; idx, val: [nb, rows, 2k] (int64, fp32); lo, mid,
- * half, declined: [nb, rows] (fp32; uint8 set to 1 where the vector is declined); work: 2(k + 1) floats.
+ * half, declined: [nb, rows] (fp32; uint8 set to 1 where the vector is declined); work: 2(k + 1) + 2n floats.
  * Returns the number of declined vectors (see above: the caller runs the reference on them), or −1 for arguments out of scope. */
 long ds_quantize(const float *restrict x, long nb, long x_stride, long rows, long n, long k,
                  const float *restrict mids, int nm, unsigned char *restrict codes, long codes_stride,
                  int64_t *restrict idx, float *restrict val, float *restrict lo, float *restrict mid,
                  float *restrict half, unsigned char *restrict declined, float *restrict work) {
   if (k < 1 || n < 2 * k + 1 || nm < 0 || nm > 255) return -1;
-  float *top = work, *bot = work + (k + 1);
+  float *top = work, *bot = work + (k + 1), *col = work + 2 * (k + 1);
   long n_declined = 0;
   for (long b = 0; b < nb; b++) {
     for (long r = 0; r < rows; r++) {
       const long v = b * rows + r;
       declined[v] = (unsigned char)one_vector(x + b * x_stride + r * n, n, k, mids + b * nm, nm,
                                               codes + b * codes_stride + r * n, idx + v * 2 * k, val + v * 2 * k,
-                                              lo + v, mid + v, half + v, top, bot);
+                                              lo + v, mid + v, half + v, top, bot, col);
       n_declined += declined[v];
     }
   }
