@@ -176,14 +176,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> At
     qg = _f64(q).reshape(b, hkv, (hq // hkv) * nq, d)
     kf, vf = _f64(k), _f64(v)
     knorm2 = (kf * kf).sum(-1)
-    parts = []
+    rows, t = int(qg.shape[2]), int(kf.shape[2])
+    ip, logp, p = (qg.new_empty(b, hkv, rows, t) for _ in range(3))
+    o, w_ref, plogp = qg.new_empty(b, hkv, rows, d), qg.new_empty(b, hkv, rows, 1), qg.new_empty(b, hkv, rows)
     for i in range(b):  # one batch index at a time keeps the (rows × seq_len) temporaries cache-sized
-        ip = torch.matmul(qg[i : i + 1], kf[i : i + 1].transpose(-1, -2))  # unscaled inner products
-        logp = torch.log_softmax(ip / math.sqrt(d), dim=-1)
-        p = logp.exp()
-        parts.append((ip, logp, p, torch.matmul(p, vf[i : i + 1]), torch.matmul(p, knorm2[i : i + 1].unsqueeze(-1)),
-                      _rowdot(p, logp)))
-    ip, logp, p, o, w_ref, plogp = (torch.cat(t) for t in zip(*parts))
+        one = slice(i, i + 1)
+        ip[one] = torch.matmul(qg[one], kf[one].transpose(-1, -2))  # unscaled inner products
+        logp[one] = torch.log_softmax(ip[one] / math.sqrt(d), dim=-1)
+        p[one] = logp[one].exp()
+        o[one], w_ref[one] = torch.matmul(p[one], vf[one]), torch.matmul(p[one], knorm2[one].unsqueeze(-1))
+        plogp[one] = _rowdot(p[one], logp[one])
     return AttentionReference(qg, kf, ip, logp, p, o, knorm2, d, w_ref, plogp)
 
 

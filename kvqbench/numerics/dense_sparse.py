@@ -94,7 +94,8 @@ def calibration_samples(vec: torch.Tensor, k: int, weights: torch.Tensor | None 
     live = (half > 0).expand_as(y)
     if not bool(live.all()):
         weights = live.to(y.dtype) if weights is None else weights * live
-    n_layers = vec.shape[0]  # every vector has the same dense count
-    w_dense = None if weights is None else weights[dense].reshape(n_layers, -1)
-    return sorted_samples(y[dense].reshape(n_layers, -1), weights=w_dense, max_samples=max_samples,
-                          generator=generator)
+    n_layers = vec.shape[0]  # every vector has the same dense count: row-major selection keeps the layers apart
+    w_dense = None if weights is None else weights.masked_select(dense).view(n_layers, -1)
+    y_dense = y.masked_select(dense).view(n_layers, -1)
+    del y, dense, weights, live  # only the selected values go on to the (fp64) sort
+    return sorted_samples(y_dense, weights=w_dense, max_samples=max_samples, generator=generator)

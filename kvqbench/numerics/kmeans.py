@@ -187,15 +187,19 @@ def sorted_samples(
         perm = torch.randint(0, n, (max_samples,), generator=generator, device="cpu").to(xx.device)
         xx, ww = xx[:, perm], ww[:, perm]
 
-    # rows with zero total weight -> unweighted
     zero_rows = ww.sum(1, keepdim=True) <= 0
-    ww = torch.where(zero_rows, torch.ones_like(ww), ww)
+    if bool(zero_rows.any()):  # rows with zero total weight -> unweighted
+        ww = torch.where(zero_rows, torch.ones_like(ww), ww)
 
+    # one [L, N] fp64 array at a time beyond the four returned (the prefix sums are written in place)
     xs, order = torch.sort(xx, dim=1)
+    del xx
     ws = torch.gather(ww, 1, order)
-    zeros = xs.new_zeros(xs.shape[0], 1)
-    cw = torch.cat([zeros, torch.cumsum(ws, 1)], 1)  # [L, N+1]
-    cwx = torch.cat([zeros, torch.cumsum(ws * xs, 1)], 1)
+    del ww, order
+    cw = xs.new_zeros(xs.shape[0], xs.shape[1] + 1)  # [L, N+1]: a leading 0, then the prefix sums
+    torch.cumsum(ws, 1, out=cw[:, 1:])
+    cwx = xs.new_zeros(cw.shape)
+    torch.mul(ws, xs, out=cwx[:, 1:]).cumsum_(1)
     return SortedSamples(xs, ws, cw, cwx, squeeze)
 
 
