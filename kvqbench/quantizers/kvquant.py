@@ -6,8 +6,7 @@ A *vector* is one K channel over the tokens or one V token over head_dim. Per ve
 entries are kept exactly (§3.4); the rest's range ``[lo, hi]`` gives ``m = (hi + lo)/2``, ``r = (hi − lo)/2``,
 ``y = clamp((x − m)/r, −1, 1)``, which snaps to the nearest of the layer codebook's ``2^b`` levels (§3.3);
 decode ``x̂ = c[q]·r + m`` and write the outliers back. Codebooks: 1-D k-means per layer on normalized dense
-calibration values, Fisher-weighted when :meth:`KVQuant.fit` gets squared gradients. Storage and bits:
-docs/DESIGN.md §7.5.
+calibration values, Fisher-weighted when :meth:`KVQuant.fit` gets squared gradients (bits: docs/DESIGN.md §7.5).
 """
 
 from __future__ import annotations
@@ -44,32 +43,26 @@ def _index_bits(n: int) -> int:
 class KVQuant(Quantizer):
     """KVQuant (arXiv:2401.18079): NUQ codebooks + per-vector dense-and-sparse outliers.
 
-    Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16; the
-    batch axis is the layer axis (one codebook per index of dim 0); computation in fp32;
-    ``dequantize`` returns the input's shape, dtype and device. K is expected pre-RoPE
-    (``k_pre_rope = True``: the harness supplies pre-RoPE K and re-applies RoPE to the output).
+    Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16, the batch axis
+    being the layer axis (one codebook per index of dim 0); computes in fp32; ``dequantize`` returns the input's
+    shape, dtype and device. K is pre-RoPE (``k_pre_rope``: the harness supplies it and re-applies RoPE after).
 
     Args:
         k_bits, v_bits: code widths (1..8; >= 16 = exact passthrough). Default 3 (nuq3).
-        outlier_frac: fraction of each vector kept as sparse outliers, split evenly between the two
-            tails (paper: 1 %). 0 disables the sparse store.
+        outlier_frac: fraction of each vector kept as sparse outliers, half per tail (paper: 1 %); 0: none.
         attention_sink: keep the first token fp16 for K and V (paper's attention-sink-aware variant).
         kmeans_iters: maximum Lloyd iterations for the codebooks.
-        calib_samples: per layer, at most this many normalized values feed k-means (a seeded
-            subsample, ``torch.Generator().manual_seed(seed)``); ``None`` = all.
-        seed: seed of the k-means subsample.
+        calib_samples: per layer, at most this many normalized values feed k-means; ``None`` = all.
+        seed: seed of the k-means subsample (``torch.Generator().manual_seed(seed)``).
 
     Raises:
-        ValueError: bad parameters, bit widths 9..15; in :meth:`quantize`, a fitted codebook whose
-            layer count does not match dim 0 of the tensor.
+        ValueError: bad parameters, bits 9..15; in :meth:`quantize`, a fitted codebook's layer count ≠ dim 0.
     """
 
     id = "kvquant"
     name = "KVQuant"
-    paper = (
-        "Hooper et al., KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache "
-        "Quantization (NeurIPS 2024)"
-    )
+    paper = ("Hooper et al., KVQuant: Towards 10 Million Context Length LLM Inference with KV Cache "
+             "Quantization (NeurIPS 2024)")
     arxiv = "2401.18079"
     k_granularity = "per-channel (pre-RoPE) NUQ codebook per layer + 1% sparse outliers per channel"
     v_granularity = "per-token NUQ codebook per layer + 1% sparse outliers per token"
@@ -92,17 +85,8 @@ class KVQuant(Quantizer):
         "Q-Norm is not implemented; the attention-sink fp16 first token is an option, off by default.",
     )
 
-    def __init__(
-        self,
-        k_bits: int = 3,
-        v_bits: int | None = None,
-        *,
-        seed: int = 0,
-        outlier_frac: float = 0.01,
-        attention_sink: bool = False,
-        kmeans_iters: int = 100,
-        calib_samples: int | None = 1 << 18,
-    ) -> None:
+    def __init__(self, k_bits: int = 3, v_bits: int | None = None, *, seed: int = 0, outlier_frac: float = 0.01,
+                 attention_sink: bool = False, kmeans_iters: int = 100, calib_samples: int | None = 1 << 18) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
         for ok, nm, val, want in (
             (isinstance(outlier_frac, (int, float)) and 0 <= float(outlier_frac) < 1, "outlier_frac", outlier_frac,
@@ -114,10 +98,8 @@ class KVQuant(Quantizer):
         ):
             if not ok:
                 raise ValueError(f"{nm} must be {want}, got {val!r}")
-        self.outlier_frac = float(outlier_frac)
-        self.attention_sink = attention_sink
-        self.kmeans_iters = kmeans_iters
-        self.calib_samples = calib_samples
+        self.outlier_frac, self.attention_sink = float(outlier_frac), attention_sink
+        self.kmeans_iters, self.calib_samples = kmeans_iters, calib_samples
         self._codebooks: dict[str, torch.Tensor] = {}
         self._fisher: dict[str, bool] = {}
 
@@ -156,8 +138,7 @@ class KVQuant(Quantizer):
 
     # --- calibration -------------------------------------------------------------------------
     def _subsampled(self, shape: tuple[int, ...], kind: str) -> bool:
-        """Whether k-means subsamples the dense values of a calibration tensor of ``shape`` (only then does
-        the seed matter)."""
+        """Whether k-means subsamples the dense values of a calibration tensor of ``shape``."""
         _, h, t, d = shape
         t -= int(self.attention_sink)
         n_vec, n = (h * d, t) if kind == "k" else (h * t, d)
@@ -165,15 +146,13 @@ class KVQuant(Quantizer):
         return self.calib_samples is not None and dense > self.calib_samples
 
     def seeded_for(self, shape: tuple[int, ...]) -> bool:
-        """``False`` for tensors of ``shape`` (or fewer tokens) whose K and V codebooks are fitted on all
-        their dense values: the seed enters only through k-means' subsample."""
+        """``False`` for ``shape`` (or fewer tokens) if the K/V k-means read all dense values: no seeded subsample."""
         return len(shape) != 4 or any(self.bits_for(kind) < 16 and self._subsampled(tuple(shape), kind)
                                       for kind in ("k", "v"))  # type: ignore[arg-type]
 
     def _fit_codebook(self, x: torch.Tensor, kind: str, bits: int, grad2: torch.Tensor | None) -> torch.Tensor:
-        """Per-layer codebook ``[B, 2^b]`` (§3.3), levels strictly increasing (:func:`distinct_levels`), from
-        k-means on the normalized dense values of the calibration tensor ``x`` weighted by ``grad2``
-        (:func:`kvqbench.numerics.dense_sparse.calibration_samples`)."""
+        """Per-layer codebook ``[B, 2^b]`` (§3.3), strictly increasing (:func:`distinct_levels`): k-means on the
+        normalized dense values of ``x``, weighted by ``grad2`` (:func:`dense_sparse.calibration_samples`)."""
         vec = self._vectors(self._body(x).to(torch.float32), kind)
         w = None if grad2 is None else self._vectors(self._body(grad2).to(torch.float32), kind)
         samples = dense_sparse.calibration_samples(
@@ -182,19 +161,11 @@ class KVQuant(Quantizer):
         return distinct_levels(kmeans_sorted(samples, 2**bits, n_iter=self.kmeans_iters))
 
     @torch.no_grad()
-    def fit(
-        self,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        *,
-        k_grad2: torch.Tensor | None = None,
-        v_grad2: torch.Tensor | None = None,
-        **calib: Any,
-    ) -> "KVQuant":
-        """Fit one codebook per layer (§3.3) for K (pre-RoPE) and/or V on ``(layers, kv_heads, seq_len,
-        head_dim)`` calibration tensors ``k``/``v`` (either may be None), Fisher-weighted by the squared
-        gradients ``k_grad2``/``v_grad2`` (same shapes) when given. Other ``calib`` is ignored.
-        Returns ``self``. Raises TypeError / ValueError: invalid tensors, or a gradient of another shape."""
+    def fit(self, k: torch.Tensor | None = None, v: torch.Tensor | None = None, *,
+            k_grad2: torch.Tensor | None = None, v_grad2: torch.Tensor | None = None, **calib: Any) -> "KVQuant":
+        """Fit one codebook per layer (§3.3) for K (pre-RoPE) and/or V on calibration tensors ``(layers, kv_heads,
+        seq_len, head_dim)`` (None: skipped), Fisher-weighted by squared gradients ``k_grad2``/``v_grad2`` (same
+        shapes) if given; other ``calib`` is ignored. Returns ``self``; TypeError / ValueError: invalid input."""
         for kind, x, g in (("k", k, k_grad2), ("v", v, v_grad2)):
             if x is None:
                 continue
@@ -215,9 +186,8 @@ class KVQuant(Quantizer):
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         qt = self._new_qt(x, kind, bits)
         xf = x.to(torch.float32)
-        sink: tuple[torch.Tensor, ...] = ()
-        if self.attention_sink:  # the attention sink stays fp16
-            sink = (xf[:, :, :1, :].clone(),)
+        sink = (xf[:, :, :1, :].clone(),) if self.attention_sink else ()  # the attention sink stays fp16
+        if sink:
             qt.fields["sink"] = Stored(sink[0], 16)
         body = self._body(xf)
         qt.meta["body_shape"] = tuple(body.shape)
@@ -225,12 +195,10 @@ class KVQuant(Quantizer):
             check_finite(x, name=kind.upper())
             return qt
         cb = self._codebooks.get(kind)  # the layer codebooks (§3.3)
+        qt.meta["codebook"] = "in-sample" if cb is None else "fisher" if self._fisher.get(kind) else "calibrated"
         if cb is None:
             check_finite(x, name=kind.upper())  # in-sample k-means reads every value: reject NaN/Inf first
             cb = self._fit_codebook(x, kind, bits, None)
-            qt.meta["codebook"] = "in-sample"
-        else:
-            qt.meta["codebook"] = "fisher" if self._fisher.get(kind) else "calibrated"
         cb = cb.to(device=x.device, dtype=torch.float32)
         if cb.shape[-1] != 2**bits or cb.shape[0] not in (1, x.shape[0]):
             raise ValueError(f"{kind} codebook {tuple(cb.shape)} needs {2**bits} levels for each of the tensor's "
@@ -243,9 +211,7 @@ class KVQuant(Quantizer):
         # every element is the sink, an outlier or inside its vector's dense [lo, hi]: those see any NaN/Inf
         check_finite(x, *sink, mid, outlier_value, name=kind.upper())
         qt.add_codes("codes", codes, bits)
-        qt.fields["mid"] = Stored(mid, 16)
-        qt.fields["half"] = Stored(half, 16)
-        qt.fields["codebook"] = Stored(cb.clone(), 16)
+        qt.fields.update(mid=Stored(mid, 16), half=Stored(half, 16), codebook=Stored(cb.clone(), 16))
         if out_idx.shape[-1]:  # the sparse store, CSR: values, indices inside the vector, pointers
             qt.fields["outlier_value"] = Stored(outlier_value.reshape(-1), VALUE_BITS)
             qt.fields["outlier_index"] = Stored(out_idx.reshape(-1).to(torch.int32), _index_bits(n))
@@ -270,11 +236,8 @@ class KVQuant(Quantizer):
         """Codes ``b`` + per vector FP8 half-range + FP16 midpoint + per outlier (fp16 value + index)
         + 32-bit CSR pointers + the fp16 codebook + the fp16 sink token, over all elements."""
         b_, h, t, d = shape
-        total = b_ * h * t * d
         tb = t - 1 if self.attention_sink else t
-        bits_sum = 0.0
-        if self.attention_sink:
-            bits_sum += b_ * h * d * 16
+        bits_sum = float(b_ * h * d * 16) if self.attention_sink else 0.0  # the fp16 sink token
         if tb > 0:
             n_vec, n = (h * d, tb) if kind == "k" else (h * tb, d)
             n_tail = outlier_count_per_tail(n, self.outlier_frac)
@@ -284,4 +247,4 @@ class KVQuant(Quantizer):
             if n_tail:
                 bits_sum += b_ * n_vec * 2 * n_tail * (VALUE_BITS + _index_bits(n))
                 bits_sum += (b_ * n_vec + 1) * POINTER_BITS
-        return bits_sum / total
+        return bits_sum / (b_ * h * t * d)
