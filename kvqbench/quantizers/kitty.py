@@ -5,20 +5,15 @@ Channel-wise Precision Boost", arXiv:2511.18643 (§3: channel-wise sensitivity a
 paged layout with a low-bit plane, a high-bit plane and a per-page channel index), and its reference
 code (MIT), whose storage layout and rounding this module follows.
 
-Keys (post-RoPE, ``(batch, kv_heads, seq_len, head_dim)``) are cut into pages of ``group_size``
-(default 128) tokens. Per page, head and channel: asym RTN over the page's tokens,
-``scale = max(hi − lo, eps)/(2**bits − 1)`` (``eps`` = 1e-6, relative to the data below magnitude 1), ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)``
-(round half up, as the reference), ``x̂ = q·scale + lo``. Per page and head, the
-``n_boost = floor(boost_fraction·D + 1e-6)`` channels with the largest mean ``|K|`` over the page get
-``b + 2`` bits instead of ``b``. Stored:
-
-* the low plane: ``b`` bits for every element (the full code of a plain channel, the low ``b`` bits of a
-  boosted one);
-* the high plane: the top 2 bits of every boosted element;
-* per page, head and channel a uint8 channel map (the boosted channel's slot in the high plane, or
-  ``n_boost`` for a plain channel), and an fp16 scale and fp16 minimum.
-
-At D = 128, G = 128, 25 % boost, k2: ``2 + 2·0.25 + (16 + 16 + 8)/128 = 2.8125`` bits/element.
+Keys (post-RoPE) are cut into pages of ``group_size`` (default 128) tokens. Per page, head and channel:
+asym RTN over the page's tokens, ``scale = max(hi − lo, eps)/(2**bits − 1)`` (``eps`` = 1e-6, relative to
+the data below magnitude 1), ``q = clamp(floor((x − lo)/scale + ½), 0, 2**bits − 1)`` (round half up, as
+the reference), ``x̂ = q·scale + lo``. Per page and head, the ``n_boost = floor(boost_fraction·D + 1e-6)``
+channels with the largest mean ``|K|`` over the page get ``b + 2`` bits instead of ``b``. Stored: the low
+plane (``b`` bits of every element: a plain channel's full code, a boosted one's low ``b`` bits); the high
+plane (the top 2 bits of every boosted element); per page, head and channel a uint8 channel map (the
+channel's slot in the high plane, or ``n_boost`` for a plain one), an fp16 scale and an fp16 minimum.
+At D = G = 128, 25 % boost, k2: ``2 + 2·0.25 + (16 + 16 + 8)/128 = 2.8125`` bits/element.
 Values: per token over head_dim, ``b``-bit asym with the same rounding: ``b + 32/D`` (2.25 at k2v2).
 
 Streaming (pseudo-decode, :meth:`Kitty.stream_policy`): the first 32 tokens stay fp16 (attention
@@ -75,11 +70,11 @@ def _asym_codes(x: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, levels: 
 
 
 def _scale(lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int) -> torch.Tensor:
-    """``max(hi − lo, floor)/levels`` from every group's min and max (the reference's form: the floor applies to
-    the range). ``floor = EPS·min(1, 2^⌊log2 max|x|⌋)``: the reference's absolute ``EPS`` guards the division for
-    a constant group but would collapse data of magnitude far below 1 to its group minima; relative to the
-    tensor's magnitude (an exact power of two) it keeps that role at every scale and is ``EPS`` for
-    ``max|x| >= 1``. A constant group gets ``floor/levels > 0``: codes 0, round trip to ``lo``."""
+    """``max(hi − lo, floor)/levels`` from every group's min and max (the floor applies to the range,
+    as in the reference), ``floor = EPS·min(1, 2^⌊log2 max|x|⌋)``: the reference's absolute ``EPS`` scaled to
+    the tensor's magnitude (an exact power of two), so data far below magnitude 1 is not collapsed to its
+    group minima; ``EPS`` itself for ``max|x| >= 1``. A constant group gets ``floor/levels > 0``: codes 0,
+    round trip to ``lo``."""
     abs_max = torch.maximum(lo.amin().neg(), hi.amax())  # the groups cover every element
     return torch.clamp(hi - lo, min=EPS * torch.clamp(pow2_floor(abs_max), max=1.0)) / levels
 
@@ -89,8 +84,11 @@ class Kitty(Quantizer):
     """Kitty (arXiv:2511.18643): K per channel within pages of ``group_size`` tokens, the top
     ``boost_fraction`` of channels (by mean |K| over the page) at ``b + 2`` bits; V per token at ``b``.
 
+    Shapes: ``quantize(x, kind)`` takes ``(batch, kv_heads, seq_len, head_dim)`` fp32/fp16/bf16; computes in
+    fp32 (fp64 for fp64 input); ``dequantize`` returns the input's shape, dtype and device.
+
     Args:
-        k_bits, v_bits: ``b`` (paper: 2); 1..8.
+        k_bits, v_bits: ``b`` (paper: 2); 1..8 (>= 16 = exact passthrough).
         group_size: page size in tokens (paper: 128).
         boost_fraction: share of channels boosted per page and head, in [0, 1] (reference system
             code: 0.25; the paper's simulator explores 0.1–0.2).
@@ -128,20 +126,12 @@ class Kitty(Quantizer):
         "(0.0625 bits/element at D = G = 128), not one index per boosted channel.",
     )
 
-    def __init__(
-        self,
-        k_bits: int = 2,
-        v_bits: int | None = None,
-        *,
-        seed: int = 0,
-        group_size: int = 128,
-        boost_fraction: float = 0.25,
-    ) -> None:
+    def __init__(self, k_bits: int = 2, v_bits: int | None = None, *, seed: int = 0, group_size: int = 128,
+                 boost_fraction: float = 0.25) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
         self.group_size = _check_group_size(group_size)
-        if isinstance(boost_fraction, bool) or not isinstance(boost_fraction, (int, float)) or not (
-            0.0 <= float(boost_fraction) <= 1.0
-        ):
+        if (isinstance(boost_fraction, bool) or not isinstance(boost_fraction, (int, float))
+                or not 0.0 <= float(boost_fraction) <= 1.0):
             raise ValueError(f"boost_fraction must be a number in [0, 1], got {boost_fraction!r}")
         self.boost_fraction = float(boost_fraction)
 
@@ -154,12 +144,9 @@ class Kitty(Quantizer):
         fp16 in a partial page until it is full (reference ``quantize_prefill``/``update``)."""
         if kind == "k":
             return StreamPolicy(sink_tokens=SINK_TOKENS, tile_tokens=self.group_size)
-        return StreamPolicy(
-            sink_tokens=SINK_TOKENS, residual_tokens=V_WINDOW, residual_mode="sliding",
-            tile_tokens=self.group_size,
-        )
+        return StreamPolicy(sink_tokens=SINK_TOKENS, residual_tokens=V_WINDOW, residual_mode="sliding",
+                            tile_tokens=self.group_size)
 
-    # ------------------------------------------------------------------------------------------
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         if bits > MAX_BITS:
             raise ValueError(f"kitty supports 1..{MAX_BITS} bits (or >= 16 for fp16), got {bits}")
@@ -173,8 +160,7 @@ class Kitty(Quantizer):
         scale = _scale(lo, hi, levels)
         qt = self._new_qt(x, kind, bits)
         qt.add_codes("codes", _asym_codes(xf, lo, scale, levels, torch.uint8), bits)
-        qt.fields["scale"] = Stored(scale, 16)
-        qt.fields["zero"] = Stored(lo, 16)
+        qt.fields.update(scale=Stored(scale, 16), zero=Stored(lo, 16))
         return qt
 
     def _quantize_k(self, x: torch.Tensor, xf: torch.Tensor, bits: int) -> QuantizedTensor:
@@ -205,8 +191,7 @@ class Kitty(Quantizer):
                              (1 << bits) - 1).to(pf.dtype)
         scale = _scale(lo, hi, levels)
         q = _asym_codes(pf, lo, scale, levels, torch.uint8 if bits + BOOST_EXTRA_BITS <= 8 else torch.int16)
-        # §4: the low plane (b bits of every element, token-major) and the high plane (the top 2 bits of the
-        # boosted channels, in slot order)
+        # §4: low plane (b bits of every element, token-major), high plane (boosted top 2 bits, slot order)
         low = (q & ((1 << bits) - 1)).to(torch.uint8)  # (B·H·nP, G, D)
         high = (torch.gather(q, 2, top.unsqueeze(1).expand(-1, g, -1)) >> bits).to(torch.uint8)  # (…, G, n_boost)
         qt = self._new_qt(x, "k", bits, group_size=g, n_boost=n_boost)
@@ -214,8 +199,8 @@ class Kitty(Quantizer):
         high = high.view(b, h, n_pages, g, n_boost).permute(0, 1, 4, 2, 3).reshape(b, h, n_boost, n_pages * g)
         qt.add_codes("high", high[..., :t], BOOST_EXTRA_BITS)
         qt.add_codes("channel_map", cmap.view(b, h, n_pages, d), _INDEX_BITS)
-        qt.fields["scale"] = Stored(scale.view(b, h, n_pages, d), 16)
-        qt.fields["zero"] = Stored(lo.view(b, h, n_pages, d), 16)
+        scale, lo = scale.view(b, h, n_pages, d), lo.view(b, h, n_pages, d)
+        qt.fields.update(scale=Stored(scale, 16), zero=Stored(lo, 16))
         return qt
 
     def _dequantize(self, qt: QuantizedTensor) -> torch.Tensor:
@@ -229,8 +214,7 @@ class Kitty(Quantizer):
         # the code of every element: the low plane, plus the high plane's top bits in boosted channels
         code = torch.uint8 if bits + BOOST_EXTRA_BITS <= 8 else torch.int16  # holds every full code
         low = qt.codes("low", code)
-        low = torch.nn.functional.pad(low, (0, 0, 0, pad)) if pad else low  # (B, H, nP·G, D)
-        q = low.view(-1, g, d)  # (B·H·nP, G, D)
+        q = (torch.nn.functional.pad(low, (0, 0, 0, pad)) if pad else low).view(-1, g, d)  # (B·H·nP, G, D)
         if n_boost:
             cmap = qt.codes("channel_map").view(-1, d)  # slot, or n_boost for a plain channel
             high = qt.codes("high", code)
@@ -243,7 +227,6 @@ class Kitty(Quantizer):
         xq = q.to(scale.dtype) * scale.reshape(-1, 1, d) + lo.reshape(-1, 1, d)  # §3: x̂ = q·scale + lo
         return xq.view(b, h, n_pages * g, d)[:, :, :t]
 
-    # ------------------------------------------------------------------------------------------
     def _k_bits(self, bits: int, shape: tuple[int, int, int, int], aux: int) -> float:
         _, _, t, d = shape
         n_pages = math.ceil(t / self.group_size)
@@ -254,14 +237,9 @@ class Kitty(Quantizer):
     def nominal_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         """K: ``b + 2·n_boost/D + (24 + 8)·n_pages/T`` (low plane, high plane, FP8 scale + FP16 zero and
         the uint8 map per channel and page) — 2.75 at k2, D = G = 128, 25 %. V: ``b + 24/D``."""
-        if kind == "v":
-            return bits + _AUX_NOMINAL / shape[-1]
-        return self._k_bits(bits, shape, _AUX_NOMINAL)
+        return bits + _AUX_NOMINAL / shape[-1] if kind == "v" else self._k_bits(bits, shape, _AUX_NOMINAL)
 
     def effective_bits_for(self, kind: Kind, bits: int, shape: tuple[int, int, int, int]) -> float:
         """What :meth:`quantize` stores, as a formula (fp16 scale and zero): K 2.8125, V 2.25 at k2v2,
         D = G = 128, 25 %."""
-        if kind == "v":
-            return bits + _AUX_EFFECTIVE / shape[-1]
-        return self._k_bits(bits, shape, _AUX_EFFECTIVE)
-
+        return bits + _AUX_EFFECTIVE / shape[-1] if kind == "v" else self._k_bits(bits, shape, _AUX_EFFECTIVE)
