@@ -32,6 +32,7 @@ import torch
 from kvqbench.data.capture.loading import _model_for_capture
 from kvqbench.data.capture.models import _ModelRef, _torch_dtype
 from kvqbench.data.corpus import corpus_sha256, corpus_text
+from kvqbench.data.memory import release_freed
 from kvqbench.data.types import KVData, apply_rope
 
 
@@ -320,9 +321,11 @@ def _run_capture(
             with torch.no_grad():
                 out = decoder(**kwargs)  # the decoder only: the logits are not needed
         cache = _returned_cache(out)
+        del out, kwargs
     finally:
         for h in handles:
             h.remove()
+    release_freed()  # the layers' graphs and activations, before the tensors below are assembled
 
     tables = _rope_tables(rope, getattr(net.config, "layer_types", None), idx)
     for cos_i, _ in tables.values():
@@ -335,30 +338,29 @@ def _run_capture(
     cos = torch.stack([tables[kind][0] for kind in kinds]).contiguous()
     sin = torch.stack([tables[kind][1] for kind in kinds]).contiguous()
 
-    ks, vs, qs, kps, kg2, vg2 = [], [], [], [], [], []
-    for i in idx:
+    # each layer's tensors are copied into the stacked outputs and their sources dropped as they go, so the
+    # hooks' activations and the stacked copies are not all held at once
+    n, f32 = len(idx), torch.float32
+    k, v, k_pre = (torch.empty(n, kv_heads, seq_len, head_dim, dtype=f32, device=dev) for _ in range(3))
+    q = torch.empty(n, q_heads, seq_len, head_dim, dtype=f32, device=dev)
+    kg2, vg2 = (torch.empty_like(k) for _ in range(2)) if with_grads else (None, None)
+    for j, i in enumerate(idx):
         k_c, v_c = _cached_kv(cache, i)
         if tuple(k_c.shape) != (1, kv_heads, seq_len, head_dim):
             raise ValueError(
                 f"cached keys of layer {i} have shape {tuple(k_c.shape)}, expected "
                 f"(1, {kv_heads}, {seq_len}, {head_dim})"
             )
-        ks.append(k_c[0].detach().float())
-        vs.append(v_c[0].detach().float())
-        k_pre = _heads(grabbed[("k", i)].detach().float(), kv_heads, head_dim)
-        j = idx.index(i)
-        kps.append(k_pre)
-        qs.append(apply_rope(_heads(grabbed[("q", i)].float(), q_heads, head_dim)[None], cos[j], sin[j])[0])
+        k[j], v[j] = k_c[0].detach().float(), v_c[0].detach().float()
+        k_pre[j] = _heads(grabbed[("k", i)].detach().float(), kv_heads, head_dim)
+        q[j] = apply_rope(_heads(grabbed.pop(("q", i)).float(), q_heads, head_dim)[None], cos[j], sin[j])[0]
         if with_grads:
-            for src, dst, n_h in ((("k", i), kg2, kv_heads), (("v", i), vg2, kv_heads)):
+            for src, dst in ((("k", i), kg2), (("v", i), vg2)):
                 grad = grabbed[src].grad
                 g = torch.zeros_like(grabbed[src]) if grad is None else grad
-                dst.append(_heads(g.detach().float(), n_h, head_dim).square())
-
-    def stack(xs: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(xs).contiguous()
-
-    k, v, q, k_pre = stack(ks), stack(vs), stack(qs), stack(kps)
+                dst[j] = _heads(g.detach().float(), kv_heads, head_dim).square()
+        grabbed.pop(("k", i), None), grabbed.pop(("v", i), None)
+    del cache
     rope_err = max(float((apply_rope(k_pre[j:j + 1], cos[j], sin[j]) - k[j:j + 1]).abs().max())
                    for j in range(len(idx)))
     # fp32: rounding only; bf16/fp16: the model rotates in its own dtype, we rotate its (rounded) k_proj
@@ -400,16 +402,5 @@ def _run_capture(
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
     }
-    return KVData(
-        "real",
-        k,
-        v,
-        q.contiguous(),
-        k_pre=k_pre,
-        cos=cos,
-        sin=sin,
-        k_grad2=stack(kg2) if with_grads else None,
-        v_grad2=stack(vg2) if with_grads else None,
-        meta=meta,
-    )
+    return KVData("real", k, v, q, k_pre=k_pre, cos=cos, sin=sin, k_grad2=kg2, v_grad2=vg2, meta=meta)
 

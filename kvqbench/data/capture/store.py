@@ -201,8 +201,8 @@ def _check_finite(data: KVData, model: str, path: Path | None) -> None:
         t = getattr(data, name)
         if t is None:
             continue
-        bad = int(t.numel() - int(torch.isfinite(t).sum()))
-        if bad:
+        if not bool(torch.isfinite(t).all()):  # (a count over a bool tensor would widen it to int64 first)
+            bad = int(t.numel() - int(torch.isfinite(t).sum()))
             where = f"cache file {path}" if path is not None else "a fresh capture (not cached)"
             raise NonFiniteCaptureError(
                 f"real KV of model {model!r} holds {bad} non-finite value(s) in '{name}' ({where}); the model "
