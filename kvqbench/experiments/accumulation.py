@@ -178,7 +178,9 @@ def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig
     errors: dict[str, list[list[dict[str, float]]]] = {regime: [] for regime in cfg.regimes}  # [length][layer]
     bits: list[float] = []
     fp16_share: list[float] = []
-    for length in grid:
+    # the longest prefix first: each shorter prefix's temporaries then fit in the memory the longer one freed
+    # (every prefix is computed on its own; the lists are put back in the grid's order below)
+    for length in reversed(grid):
         ref = attention_reference(_queries(data.q, length, cfg.n_queries), data.k[..., :length, :],
                                   data.v[..., :length, :])
         # the static reconstruction and its errors: a decode state equal to it (e.g. a method that
@@ -201,6 +203,8 @@ def run_accumulation(method: Quantizer, data: KVData, config: AccumulationConfig
                 bits.append(0.5 * (sk.effective_bits(length) + sv.effective_bits(length)))
                 fp16_share.append(0.5 * (sk.fp16_tokens(length) + sv.fp16_tokens(length)) / length)
         del ref, static
+    for per_len in (*errors.values(), bits, fp16_share):
+        per_len.reverse()
     for regime in cfg.regimes:
         per_len = errors[regime]
         if regime == "decode":

@@ -143,14 +143,17 @@ class AttentionReference:
     ``qg`` ``(batch, kv_heads, g·n_queries, head_dim)``, ``ip``/``logp``/``p`` ``(batch, kv_heads,
     g·n_queries, seq_len)``, ``o`` ``(batch, kv_heads, g·n_queries, head_dim)``, ``k``/``knorm2`` the keys
     and their squared norms, ``plogp`` ``(batch, kv_heads, g·n_queries)`` the rows' ``Σ_t p_t log p_t``
-    (minus the entropy; computed by :func:`attention_reference`, ``None`` elsewhere).
+    (minus the entropy; computed by :func:`attention_reference`, ``None`` elsewhere). The reference
+    :func:`attention_reference` returns keeps ``ip`` only (``logp`` and ``p`` are ``None``): each batch
+    index's ``log p`` and ``p`` are computed from it again when that index is compared (:func:`_slice`), by
+    the same operations on the same values, which saves two ``seq_len``-wide arrays.
     """
 
     qg: torch.Tensor
     k: torch.Tensor
     ip: torch.Tensor
-    logp: torch.Tensor
-    p: torch.Tensor
+    logp: torch.Tensor | None
+    p: torch.Tensor | None
     o: torch.Tensor
     knorm2: torch.Tensor
     head_dim: int
@@ -176,17 +179,21 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> At
     qg = _f64(q).reshape(b, hkv, (hq // hkv) * nq, d)
     kf, vf = _f64(k), _f64(v)
     knorm2 = (kf * kf).sum(-1)
-    rows, t = int(qg.shape[2]), int(kf.shape[2])
-    ip, logp, p = (qg.new_empty(b, hkv, rows, t) for _ in range(3))
-    o, w_ref, plogp = qg.new_empty(b, hkv, rows, d), qg.new_empty(b, hkv, rows, 1), qg.new_empty(b, hkv, rows)
+    ip = qg.new_empty(b, hkv, int(qg.shape[2]), int(kf.shape[2]))
+    o, w_ref, plogp = qg.new_empty(*ip.shape[:3], d), qg.new_empty(*ip.shape[:3], 1), qg.new_empty(ip.shape[:3])
     for i in range(b):  # one batch index at a time keeps the (rows × seq_len) temporaries cache-sized
         one = slice(i, i + 1)
         ip[one] = torch.matmul(qg[one], kf[one].transpose(-1, -2))  # unscaled inner products
-        logp[one] = torch.log_softmax(ip[one] / math.sqrt(d), dim=-1)
-        p[one] = logp[one].exp()
-        o[one], w_ref[one] = torch.matmul(p[one], vf[one]), torch.matmul(p[one], knorm2[one].unsqueeze(-1))
-        plogp[one] = _rowdot(p[one], logp[one])
-    return AttentionReference(qg, kf, ip, logp, p, o, knorm2, d, w_ref, plogp)
+        logp, p = _softmax_of(ip[one], d)
+        o[one], w_ref[one] = torch.matmul(p, vf[one]), torch.matmul(p, knorm2[one].unsqueeze(-1))
+        plogp[one] = _rowdot(p, logp)
+    return AttentionReference(qg, kf, ip, None, None, o, knorm2, d, w_ref, plogp)
+
+
+def _softmax_of(ip: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p, p)`` of the unscaled inner products ``ip``: ``log_softmax(ip/√head_dim)`` and its ``exp``."""
+    logp = torch.log_softmax(ip / math.sqrt(head_dim), dim=-1)
+    return logp, logp.exp()
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -200,8 +207,7 @@ def _sums(ref: AttentionReference, k_hat: torch.Tensor, v_hat: torch.Tensor) -> 
     khf, vhf = _f64(k_hat), _f64(v_hat)
     d = ref.head_dim
     ip_hat = torch.matmul(ref.qg, khf.transpose(-1, -2))
-    logp_hat = torch.log_softmax(ip_hat / math.sqrt(d), dim=-1)
-    p_hat = logp_hat.exp()
+    logp_hat, p_hat = _softmax_of(ip_hat, d)
     o, o_hat = ref.o, torch.matmul(p_hat, vhf)
     diff = o_hat - o
     no, nh = o.norm(dim=-1), o_hat.norm(dim=-1)
@@ -312,7 +318,8 @@ def attention_error_by_batch(reference: AttentionReference, k_hat: torch.Tensor,
 
 def _slice(ref: AttentionReference, i: int) -> AttentionReference:
     one = slice(i, i + 1)
-    return AttentionReference(ref.qg[one], ref.k[one], ref.ip[one], ref.logp[one], ref.p[one], ref.o[one],
+    logp, p = _softmax_of(ref.ip[one], ref.head_dim) if ref.logp is None else (ref.logp[one], ref.p[one])
+    return AttentionReference(ref.qg[one], ref.k[one], ref.ip[one], logp, p, ref.o[one],
                               ref.knorm2[one], ref.head_dim, None if ref.w_ref is None else ref.w_ref[one],
                               None if ref.plogp is None else ref.plogp[one])
 
