@@ -4,9 +4,9 @@ per-vector outliers and non-uniform codes, arXiv:2401.18079 §3.4).
 Per vector (``c/dense_sparse.c``): the two tails from the column extremes of the vector read as a matrix and
 a second look at the few columns that can hold them, then one pass that normalizes and counts the thresholds
 below; instead of two ``topk`` selections, three scatters, a sort, a normalization and one comparison pass per
-threshold. The same IEEE fp32 operations per element. A vector whose tails tie at their
-boundary (which index is the outlier would depend on the selection algorithm), or that holds a NaN or an
-infinity, is declined by the kernel and given to the reference, on its own (every step is per vector).
+threshold. The same IEEE fp32 operations per element. A vector whose tails tie at their boundary (which index
+is the outlier would depend on the selection algorithm), or that holds a NaN or an infinity, is declined by the
+kernel and given to the reference, on its own (every step is per vector).
 Agreement with the reference: ``tests/property/test_kernels_dense_sparse.py``.
 """
 
