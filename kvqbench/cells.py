@@ -8,22 +8,26 @@ A real data source names its model: ``real`` is the default model's (:data:`DEFA
 cell's id, record, result file and leaderboard section; synthetic data depends on no model.
 
 This module is the one place that builds and reads back cell ids, node ids and settings:
-:func:`setting_tag` / :func:`parse_setting` for a setting (``k2v2``, ``k2v2-group_size64``),
+:func:`setting_tag` / :meth:`Setting.parse` for a setting (``k2v2``, ``k2v2-group_size64``),
 :attr:`Cell.id` / :func:`parse_cell_id` for a cell id, :func:`parse_nodeid` for a pytest node id
 (``tests/bench/test_x.py::test_x[<cell id>]``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Cell", "CellId", "NodeId", "Setting", "SIZES", "DEFAULT_BITS", "SOURCES", "parse_bits", "parse_cell_id",
+__all__ = ["Cell", "CellId", "NodeId", "Setting", "SIZES", "DEFAULT_BITS", "BUDGETS", "SOURCES", "parse_bits", "parse_cell_id",
            "is_exact_setting", "is_plain_setting", "parse_methods", "parse_nodeid", "parse_seeds", "parse_setting",
            "setting_order", "setting_tag", "DEFAULT_MODEL", "real_source", "source_kind", "source_model"]
 
 DEFAULT_BITS: tuple[int, ...] = (2, 3, 4, 8, 16)
+#: the bits/element budgets of the matched-budget tables; a method whose nominal bits exceed the largest
+#: is not a budget point (the plugin leaves such settings out of the budget cells)
+BUDGETS: tuple[float, ...] = (2.25, 2.5, 3.0, 4.25, 8.25)
 #: the kinds of data source; a real source's name carries its model (:func:`real_source`)
 SOURCES: tuple[str, ...] = ("synthetic", "real")
 #: the model of the ``real`` source (``--kvq-model``'s default)
@@ -178,37 +182,61 @@ def _value(text: str) -> Any:
 
 @dataclass(frozen=True)
 class Setting:
-    """A setting read back from its name (:func:`parse_setting`). Variant values made of digits are ints."""
+    """One setting: K and V bits and the variant axes, read back from its name by :meth:`parse`
+    (``"k2v2-group_size64"``). Variant values made of digits are ints."""
 
     k_bits: int
     v_bits: int
     variant: tuple[tuple[str, Any], ...] = ()
 
+    @staticmethod
+    def parse(text: str | None) -> Setting | None:
+        """``"k2v4"`` → ``Setting(2, 4)``; ``"k2v2-group_size64"`` → ``Setting(2, 2, (("group_size", 64),))``;
+        ``None`` for anything that is not a whole setting name (e.g. ``"pooled"``). A variant axis is
+        letters and underscores, its value starts with a digit. Each name is parsed once (cached)."""
+        return _parse_setting(str(text or ""))
+
     @property
-    def tag(self) -> str:
+    def label(self) -> str:
+        """The setting's name (:func:`setting_tag`): ``"k2v2"``, ``"k2v2-group_size64"``."""
         return setting_tag(self.k_bits, self.v_bits, self.variant)
+
+    tag = label
+
+    @property
+    def bits(self) -> tuple[int, int]:
+        """``(k_bits, v_bits)``."""
+        return self.k_bits, self.v_bits
 
     @property
     def exact(self) -> bool:
         """Both K and V at 16 bits or more: an exact passthrough."""
         return self.k_bits >= 16 and self.v_bits >= 16
 
+    @property
+    def plain(self) -> bool:
+        """No variant axes (``k2v2``, not ``k2v2-group_size64``)."""
+        return not self.variant
 
-def parse_setting(text: str | None) -> Setting | None:
-    """``"k2v4"`` → ``Setting(2, 4)``; ``"k2v2-group_size64"`` → ``Setting(2, 2, (("group_size", 64),))``;
-    ``None`` for anything that is not a whole setting name (e.g. ``"pooled"``). A variant axis is letters
-    and underscores, its value starts with a digit."""
-    m = _SETTING.fullmatch(str(text or ""))
+
+@functools.lru_cache(maxsize=4096)
+def _parse_setting(text: str) -> Setting | None:
+    m = _SETTING.fullmatch(text)
     if m is None:
         return None
     variant = tuple((a.group("axis"), _value(a.group("value"))) for a in _AXIS.finditer(m.group("variant")))
     return Setting(int(m.group("k")), int(m.group("v")), variant)
 
 
+def parse_setting(text: str | None) -> Setting | None:
+    """:meth:`Setting.parse`."""
+    return Setting.parse(text)
+
+
 def setting_order(text: str) -> tuple:
     """Sort key of setting names: by K bits, V bits and the variant values that are numbers, then by
     name; a name that is not a setting (``"pooled"``) sorts before every setting."""
-    parsed = parse_setting(text)
+    parsed = Setting.parse(text)
     nums = [] if parsed is None else [parsed.k_bits, parsed.v_bits,
                                       *(v for _, v in parsed.variant if isinstance(v, int))]
     return (nums, text)
@@ -216,14 +244,14 @@ def setting_order(text: str) -> tuple:
 
 def is_exact_setting(text: str | None) -> bool:
     """Whether ``text`` names an exact setting (K and V at 16 bits or more, any variant)."""
-    parsed = parse_setting(text)
+    parsed = Setting.parse(text)
     return parsed is not None and parsed.exact
 
 
 def is_plain_setting(text: str | None) -> bool:
     """Whether ``text`` names a setting without variant axes (``k2v2``, not ``k2v2-group_size64``)."""
-    parsed = parse_setting(text)
-    return parsed is not None and not parsed.variant
+    parsed = Setting.parse(text)
+    return parsed is not None and parsed.plain
 
 
 @dataclass(frozen=True)
@@ -256,7 +284,7 @@ def parse_cell_id(text: str) -> CellId | None:
     m = _CELL_ID.fullmatch(text)
     if m is None:
         return None
-    setting = parse_setting(m.group("setting"))
+    setting = Setting.parse(m.group("setting"))
     assert setting is not None  # the same pattern matched
     return CellId(m.group("method"), setting.k_bits, setting.v_bits, int(m.group("seed")), m.group("source"),
                   m.group("size"), setting.variant)

@@ -7,6 +7,16 @@ copy saved in every results file).
 ``better``:
   * ``"lower"`` / ``"higher"`` — ranked ascending / descending;
   * ``"zero"`` — a signed quantity ranked by its distance from 0 (e.g. a bias).
+
+``varies`` — how a metric's value moves between two runs of the same seeds:
+  * ``"deterministic"`` — a function of its seeds' data: it does not move;
+  * ``"float_noise"`` — computed through a model's forward passes, whose float reductions move it
+    (experiments 5 and 6);
+  * ``"timing"`` — wall-clock timing: it moves from run to run;
+  * ``"memory"`` — peak memory: fixed on a CPU, moves with the allocator on CUDA.
+
+Every other module reads these facts from here: the experiment a metric belongs to
+(:func:`experiment_of`) and how it varies (:func:`varies`).
 """
 
 from __future__ import annotations
@@ -14,9 +24,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-__all__ = ["Metric", "CATALOG", "register_metric", "get_metric", "rank_key", "catalog_dict"]
+__all__ = ["Metric", "CATALOG", "register_metric", "get_metric", "rank_key", "catalog_dict", "experiment_of",
+           "varies", "is_timing", "NONDETERMINISTIC_METRICS", "markdown_table"]
 
 Better = Literal["lower", "higher", "zero"]
+Varies = Literal["deterministic", "float_noise", "timing", "memory"]
+_VARIES = ("deterministic", "float_noise", "timing", "memory")
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,7 @@ class Metric:
         experiment: the experiment that emits it (``exp1`` … ``exp6``).
         scale_free: comparable across layers/models (ranked on the mean over layers for real data).
         headline: shown in the summary tables.
+        varies: how the value moves between runs of the same seeds (see module doc).
     """
 
     name: str
@@ -40,10 +54,13 @@ class Metric:
     experiment: str
     scale_free: bool = True
     headline: bool = False
+    varies: Varies = "deterministic"
 
     def __post_init__(self) -> None:
         if self.better not in ("lower", "higher", "zero"):
             raise ValueError(f"metric {self.name}: better must be lower/higher/zero, got {self.better!r}")
+        if self.varies not in _VARIES:
+            raise ValueError(f"metric {self.name}: varies must be one of {', '.join(_VARIES)}, got {self.varies!r}")
 
 
 CATALOG: dict[str, Metric] = {}
@@ -74,9 +91,32 @@ def rank_key(better: str, value: float) -> float:
     return value
 
 
+def experiment_of(name: str) -> str:
+    """The experiment that emits metric ``name`` (``"exp5"`` for ``"e2e_prefill_kl_nats"``).
+
+    Raises:
+        KeyError: ``name`` is not in the catalog.
+    """
+    return get_metric(name).experiment
+
+
+def varies(name: str) -> str:
+    """How metric ``name`` moves between runs of the same seeds (module doc); ``"deterministic"`` for a
+    name the catalog does not hold."""
+    m = CATALOG.get(name)
+    return m.varies if m is not None else "deterministic"
+
+
+def is_timing(name: str) -> bool:
+    """Whether ``name`` is a timing or memory metric (its value depends on the machine's load)."""
+    return varies(name) in ("timing", "memory")
+
+
 def catalog_dict() -> dict[str, dict]:
-    """The catalog as JSON-able dicts (saved into every results file)."""
-    return {k: asdict(v) for k, v in sorted(CATALOG.items())}
+    """The catalog as JSON-able dicts, saved into every results file: what a result means (name, unit,
+    better-direction, description, experiment, scale_free, headline). ``varies`` stays out: it describes
+    the measuring code, and readers of a saved set take it from the live catalog (:func:`varies`)."""
+    return {k: {f: v for f, v in asdict(m).items() if f != "varies"} for k, m in sorted(CATALOG.items())}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,27 +244,29 @@ register_metric(Metric("k_incoherence_shift", "1", "zero",
 
 
 # ------------------------------------------------------------------------------------------------
-# Experiment 4 — cost (docs/DESIGN.md §4); kvqbench/experiments/cost.py. Latency/throughput (and peak memory
-# on CUDA) vary run to run: see NONDETERMINISTIC_METRICS.
+# Experiment 4 — cost (docs/DESIGN.md §4); kvqbench/experiments/cost.py. Latency and throughput vary run to
+# run (``varies="timing"``), peak memory on CUDA (``"memory"``).
 register_metric(Metric("quant_latency_ms", "ms", "lower",
                        "quantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
-                       "exp4", scale_free=False))
+                       "exp4", scale_free=False, varies="timing"))
 register_metric(Metric("dequant_latency_ms", "ms", "lower",
                        "dequantize latency of K + V (median of repeats after warm-up; CPU: unreliable_timing)",
-                       "exp4", scale_free=False))
+                       "exp4", scale_free=False, varies="timing"))
 register_metric(Metric("roundtrip_latency_ms", "ms", "lower",
                        "round-trip latency (quantize + dequantize) of K + V: pytest-benchmark's median over its "
                        "calibrated rounds in a serial run, else the median of repeats (CPU: unreliable_timing)",
-                       "exp4", scale_free=False))
+                       "exp4", scale_free=False, varies="timing"))
 for _op, _what in (("quant", "quantize"), ("dequant", "dequantize"), ("roundtrip", "round trip")):
     register_metric(Metric(f"{_op}_latency_x_clone", "×", "lower",
                            f"{_what} latency of K + V as a multiple of x.clone() of K + V timed in the same cell "
-                           "(the memory-bound floor; comparable across CPU and GPU runs)", "exp4"))
+                           "(the memory-bound floor; comparable across CPU and GPU runs)", "exp4",
+                           varies="timing"))
 register_metric(Metric("quant_throughput_gbps", "GB/s", "higher",
-                       "quantize throughput in GB/s (10⁹ B) of fp16 input", "exp4", scale_free=False))
+                       "quantize throughput in GB/s (10⁹ B) of fp16 input", "exp4", scale_free=False,
+                       varies="timing"))
 register_metric(Metric("dequant_throughput_gbps", "GB/s", "higher",
                        "dequantize throughput in GB/s (10⁹ B) of fp16 output-equivalent input", "exp4",
-                       scale_free=False))
+                       scale_free=False, varies="timing"))
 register_metric(Metric("cost_bits_nominal", "bits/element", "lower",
                        "mean of K and V nominal bits per element (FP8 scales, FP16 zero-points)", "exp4"))
 register_metric(Metric("cost_bits_effective", "bits/element", "lower",
@@ -234,7 +276,7 @@ register_metric(Metric("compression_ratio", "×", "higher",
 register_metric(Metric("peak_mem_mib", "MiB", "lower",
                        "peak memory of quantize + dequantize of K and V incl. the input (CUDA: "
                        "max_memory_allocated; CPU: input + representation as held + output)", "exp4",
-                       scale_free=False))
+                       scale_free=False, varies="memory"))
 
 # ------------------------------------------------------------------------------------------------
 # Experiment 5 — end-to-end damage on a small real model (docs/DESIGN.md §4);
@@ -244,18 +286,18 @@ register_metric(Metric("peak_mem_mib", "MiB", "lower",
 for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
     register_metric(Metric(f"e2e_{_r}_kl_nats", "nats", "lower",
                            f"end-to-end, {_R}: mean over positions of the next-token KL(p‖p̂) against the "
-                           "unquantized model on the same text", "exp5", headline=True))
+                           "unquantized model on the same text", "exp5", headline=True, varies="float_noise"))
     register_metric(Metric(f"e2e_{_r}_kl_p99_nats", "nats", "lower",
-                           f"end-to-end, {_R}: 99th percentile over positions of the next-token KL(p‖p̂)", "exp5"))
+                           f"end-to-end, {_R}: 99th percentile over positions of the next-token KL(p‖p̂)", "exp5", varies="float_noise"))
     register_metric(Metric(f"e2e_{_r}_top1_agree", "1", "higher",
                            f"end-to-end, {_R}: share of positions whose top-1 next token agrees with the "
-                           "unquantized model's", "exp5"))
+                           "unquantized model's", "exp5", varies="float_noise"))
     register_metric(Metric(f"e2e_{_r}_dloss_nats", "nats/token", "lower",
                            f"end-to-end, {_R}: Δ loss — mean next-token cross-entropy of the true text minus the "
-                           "unquantized model's on the same positions", "exp5"))
+                           "unquantized model's on the same positions", "exp5", varies="float_noise"))
     register_metric(Metric(f"e2e_{_r}_bits_billed", "bits/element", "lower",
                            f"end-to-end, {_R}: K and V bits per element the cache holds at the end of the window "
-                           "(stored segments + fp16 tokens at 16 bits), mean over layers", "exp5"))
+                           "(stored segments + fp16 tokens at 16 bits), mean over layers", "exp5", varies="float_noise"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,52 +306,49 @@ for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
 # next-token distribution on the same long text under the same forward schedule.
 register_metric(Metric("long_kl_nats", "nats", "lower",
                        "long decode: mean over the decoded positions of the next-token KL(p‖p̂), teacher-forced "
-                       "on the model's own sampled text", "exp6"))
+                       "on the model's own sampled text", "exp6", varies="float_noise"))
 register_metric(Metric("long_kl_last_quarter_nats", "nats", "lower",
                        "long decode: mean next-token KL(p‖p̂) over the last quarter of the decoded positions "
-                       "(every token attends to thousands of cached ones)", "exp6"))
+                       "(every token attends to thousands of cached ones)", "exp6", varies="float_noise"))
 register_metric(Metric("long_top1_last_quarter", "1", "higher",
                        "long decode: share of the last quarter's positions whose top-1 next token agrees with "
-                       "the unquantized model's", "exp6"))
+                       "the unquantized model's", "exp6", varies="float_noise"))
 register_metric(Metric("long_kl_slope_per_1k", "nats/1k tokens", "lower",
                        "long decode: least-squares slope of the per-position KL against the position, per 1 000 "
-                       "positions (> 0: damage builds up)", "exp6"))
+                       "positions (> 0: damage builds up)", "exp6", varies="float_noise"))
 register_metric(Metric("long_dloss_nats", "nats/token", "lower",
                        "long decode: Δ loss — mean next-token cross-entropy of the text minus the unquantized "
-                       "model's", "exp6"))
+                       "model's", "exp6", varies="float_noise"))
 register_metric(Metric("long_bits_billed", "bits/element", "lower",
                        "long decode: K and V bits per element the cache holds at the end of the text (stored "
-                       "segments + fp16 tokens at 16 bits), mean over layers", "exp6"))
+                       "segments + fp16 tokens at 16 bits), mean over layers", "exp6", varies="float_noise"))
 register_metric(Metric("long_kl_noise_sd_nats", "nats", "lower",
                        "long decode: standard deviation of long_kl_nats over the run and its draws with the "
-                       "cached K/V perturbed at relative 1e-7 (the spread float noise alone causes)", "exp6"))
+                       "cached K/V perturbed at relative 1e-7 (the spread float noise alone causes)", "exp6", varies="float_noise"))
 register_metric(Metric("long_kl_last_quarter_noise_sd_nats", "nats", "lower",
                        "long decode: standard deviation of long_kl_last_quarter_nats over the run and its "
-                       "perturbed draws (float noise alone)", "exp6"))
+                       "perturbed draws (float noise alone)", "exp6", varies="float_noise"))
 register_metric(Metric("free_first_divergence_tokens", "tokens", "higher",
                        "free-running: greedy tokens after the long text until the first that differs from the "
-                       "unquantized model's greedy continuation (all of them when none does)", "exp6"))
+                       "unquantized model's greedy continuation (all of them when none does)", "exp6", varies="float_noise"))
 register_metric(Metric("free_match_share", "1", "higher",
                        "free-running: share of the greedy continuation's positions whose token equals the "
-                       "unquantized model's", "exp6"))
+                       "unquantized model's", "exp6", varies="float_noise"))
 register_metric(Metric("passkey_logp_drop_nats", "nats", "lower",
                        "passkey: the unquantized model's log-probability of the key's tokens minus the "
-                       "method's, mean over the prompts the method scores (one per length, at the seed's depth)", "exp6"))
+                       "method's, mean over the prompts the method scores (one per length, at the seed's depth)", "exp6", varies="float_noise"))
 register_metric(Metric("passkey_rank_worst", "1", "lower",
                        "passkey: worst rank among the key's tokens (0 = each is the top-1 token), mean over "
-                       "the prompts the method scores", "exp6"))
+                       "the prompts the method scores", "exp6", varies="float_noise"))
 register_metric(Metric("passkey_match", "1", "higher",
                        "passkey: exact-match share (every key token top-1) over the scored prompts the "
                        "unquantized model retrieves, at lengths where it retrieves ≥ 90 % of the seed's depths",
-                       "exp6"))
+                       "exp6", varies="float_noise"))
 
 
-#: metrics whose values vary from run to run (wall-clock timing; peak memory on CUDA); determinism
-#: checks leave them out. Each exp4 record also lists its own in ``extra["nondeterministic_metrics"]``.
-NONDETERMINISTIC_METRICS: frozenset[str] = frozenset(
-    {"quant_latency_ms", "dequant_latency_ms", "quant_throughput_gbps", "dequant_throughput_gbps",
-     "roundtrip_latency_ms", "quant_latency_x_clone", "dequant_latency_x_clone", "roundtrip_latency_x_clone"})
-__all__.append("NONDETERMINISTIC_METRICS")
+#: the wall-clock timing metrics (``varies="timing"``); determinism checks leave them out. Each exp4
+#: record also lists its own in ``extra["nondeterministic_metrics"]``.
+NONDETERMINISTIC_METRICS: frozenset[str] = frozenset(n for n, m in CATALOG.items() if m.varies == "timing")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,6 +361,3 @@ def markdown_table() -> str:
     rows = [[m.experiment, f"`{m.name}`", m.unit, better[m.better], m.description]
             for m in sorted(CATALOG.values(), key=lambda m: (m.experiment, m.name))]
     return tabulate(rows, headers=["exp", "metric", "unit", "better", "meaning"], tablefmt="github")
-
-
-__all__.append("markdown_table")
