@@ -1,0 +1,137 @@
+"""Experiment 6 analysed (docs/DESIGN.md §4.6, §5): long decode, KL against the decoded position,
+free-running divergence, passkey retrieval and the noise floor. Torch-free.
+
+:func:`summarize` condenses a source's long-decode records into the ``long_decode`` entry of the
+leaderboard (the KL curves per method and setting as means over seeds, the fp16 share at T, the passkey
+accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
+and the source's ``stats``.
+
+Ties: two methods' long-decode KL is a tie when their 95 % CIs over seeds overlap or when their means
+differ by no more than the larger of their noise floors (``long_kl_noise_sd_nats``: the standard
+deviation float noise alone causes, measured on the first seed of each seed group;
+:func:`kvqbench.report.stats.intervals.ranked_with_floor`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Iterable
+
+from kvqbench.cells import is_exact_setting, is_plain_setting
+from kvqbench.metrics import experiment_of
+from kvqbench.report.stats.aggregate import setting_key
+from kvqbench.report.stats.intervals import is_short, mean_ci
+
+__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "noise", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
+           "CI_SHARE_TARGET"]
+
+#: the long-decode experiment
+EXPERIMENT = experiment_of("long_kl_nats")
+
+
+#: the metric whose noise-floor metric decides ties (``name → its noise standard deviation``)
+NOISE_OF = {"long_kl_nats": "long_kl_noise_sd_nats",
+            "long_kl_last_quarter_nats": "long_kl_last_quarter_noise_sd_nats"}
+
+#: the predictivity targets this module reports beside the short-window KL (see
+#: :data:`kvqbench.report.stats.predictivity.PREDICTIVITY_TARGETS`)
+LONG_PREDICTIVITY_TARGETS = ("long_kl_nats", "passkey_logp_drop_nats")
+
+#: the largest 95 % half-width over seeds, as a share of the mean, at which a long-decode KL is precise
+#: enough to compare methods
+CI_SHARE_TARGET = 0.25
+
+
+def _mean(xs: list[float]) -> float:
+    return math.fsum(xs) / len(xs)
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``long_decode`` entry of one source from its exp6 records (``None`` when none passed).
+
+    Returns ``{"kl_curve": {method: {setting: {"start", "stop", "mean", "ci95", "n"}}}, "fp16_share_at_T":
+    {method: {setting: share}}, "passkey_reference": {"lengths", "depths", "accuracy", "rank_worst", "n_seeds", "floor"},
+    "passkey_accuracy": {method: {setting: [share or None per length]}}, "text_tokens", "prefill_tokens",
+    "bin"}``: the KL curve's bins (decoded positions ``[start, stop)``) with the mean over seeds of each
+    bin's mean KL and its 95 % half-width (seeds whose bins differ from the first seed's are left out);
+    the share of the cache held in fp16 at T (mean of K and V, mean over seeds); the unquantized model's
+    exact-match share per passkey length and its worst key-token rank (means over seeds); a method's
+    exact-match share per length over the prompts the unquantized model retrieves, mean over the seeds
+    where that length counts (``None``: it counts at no seed).
+    """
+    recs = sorted((r for r in records if r.get("experiment") == EXPERIMENT and r.get("status") == "passed"),
+                  key=lambda r: (r["method"], setting_key(r), r["seed"]))
+    if not recs:
+        return None
+    curves: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    shares: dict[tuple[str, str], list[float]] = defaultdict(list)
+    acc: dict[tuple[str, str], list[list]] = defaultdict(list)
+    ref_acc: dict[int, list[list[float]]] = defaultdict(list)
+    ref_rank: dict[int, list[list[float]]] = defaultdict(list)
+    lengths: list[int] | None = None
+    floor: float | None = None
+    depths: list[float] = []
+    for r in recs:
+        key = (r["method"], setting_key(r))
+        series, extra = r.get("series") or {}, r.get("extra") or {}
+        c = series.get("kl_curve")
+        if c and c.get("mean"):
+            curves[key].append(c)
+        fs = extra.get("fp16_share_at_T")
+        if isinstance(fs, dict) and fs:
+            shares[key].append(_mean([float(v) for v in fs.values()]))
+        pk = series.get("passkey")
+        if pk and pk.get("lengths"):
+            lengths, depths = lengths or list(pk["lengths"]), depths or list(pk.get("depths") or [])
+            if list(pk["lengths"]) == lengths:
+                acc[key].append(list(pk.get("accuracy") or [None] * len(lengths)))
+                ref_acc[r["seed"]].append([float(a) for a in pk["ref_accuracy"]])
+                ref_rank[r["seed"]].append([_mean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
+                floor = (extra.get("passkey") or {}).get("reference_floor", floor)
+    out: dict[str, Any] = {"kl_curve": {}, "fp16_share_at_T": {}, "passkey_accuracy": {}}
+    for (m, s), cs in curves.items():
+        same = [c for c in cs if c["start"] == cs[0]["start"] and c["stop"] == cs[0]["stop"]]
+        cols = [mean_ci([float(c["mean"][i]) for c in same]) for i in range(len(same[0]["mean"]))]
+        out["kl_curve"].setdefault(m, {})[s] = {"start": list(same[0]["start"]), "stop": list(same[0]["stop"]),
+                                                "mean": [c[0] for c in cols], "ci95": [c[1] for c in cols],
+                                                "n": len(same)}
+    for (m, s), v in shares.items():
+        out["fp16_share_at_T"].setdefault(m, {})[s] = _mean(v)
+    for (m, s), rows in acc.items():
+        per_len = [[row[i] for row in rows if row[i] is not None] for i in range(len(lengths or []))]
+        out["passkey_accuracy"].setdefault(m, {})[s] = [_mean(v) if v else None for v in per_len]
+    if lengths:
+        seeds = sorted(ref_acc)
+        per_seed = [[_mean(col) for col in zip(*ref_acc[sd])] for sd in seeds]  # every record of a seed
+        per_seed_rank = [[_mean(col) for col in zip(*ref_rank[sd])] for sd in seeds]  # scores the same prompts
+        out["passkey_reference"] = {"lengths": lengths, "accuracy": [_mean(list(c)) for c in zip(*per_seed)],
+                                    "rank_worst": [_mean(list(c)) for c in zip(*per_seed_rank)],
+                                    "n_seeds": len(seeds), "floor": floor, "depths": depths}
+    first = recs[0].get("extra") or {}
+    out["text_tokens"] = first.get("text_tokens")
+    out["prefill_tokens"] = first.get("prefill_tokens")
+    out["bin"] = ((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin")
+    return out
+
+
+def noise(stats6: dict[str, Any], method: str, setting: str, metric: str) -> float | None:
+    """The noise floor (standard deviation) of ``metric`` at a (method, setting), ``None`` without one."""
+    e = stats6.get(method, {}).get(setting, {}).get(NOISE_OF.get(metric, ""))
+    return e["mean"] if e else None
+
+
+def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
+    """The budget points of the long decode (``stats[source][EXPERIMENT]``): per plain, quantizing setting its
+    long-decode KL and the bits billed at T, the 95% CI widened by the setting's noise floor (differences
+    within float noise are ties), for :func:`~kvqbench.report.stats.ranking.best_at_budgets`."""
+    pts = []
+    for m, by in stats6.items():
+        for s, e in by.items():
+            kl, bits = e.get("long_kl_nats"), e.get("long_bits_billed")
+            if kl is None or bits is None or is_short(kl) or not is_plain_setting(s) or is_exact_setting(s):
+                continue
+            noise = (e.get("long_kl_noise_sd_nats") or {}).get("mean") or 0.0
+            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"],
+                        "ci95": (kl["ci95"] or 0.0) + noise})
+    return pts

@@ -1,0 +1,146 @@
+"""Which tensor metrics predict model damage (docs/DESIGN.md §4): Spearman ρ across methods between each
+tensor metric and the measured damage, with a seeded bootstrap over methods. Torch-free."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvqbench.cells import is_plain_setting, setting_order
+from kvqbench.metrics import experiment_of, rank_key
+from kvqbench.report.stats.intervals import is_short
+
+__all__ = ["PREDICTIVITY_TARGETS", "PREDICTIVITY_EXPERIMENTS", "PREDICTIVITY_BOOTSTRAP", "PREDICTIVITY_SEED",
+           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows"]
+
+
+#: the model-damage quantities tensor metrics are correlated with, each from the experiment the catalog
+#: names (the first is the headline target): the short-window KL of exp5, the long-decode KL and the
+#: passkey log-probability drop of exp6
+PREDICTIVITY_TARGETS: tuple[str, ...] = ("e2e_prefill_kl_nats", "e2e_decode_kl_nats", "long_kl_nats",
+                                         "passkey_logp_drop_nats")
+
+#: experiments whose scalar metrics are candidates: the tensor experiments (reconstruction, accumulation,
+#: outliers)
+PREDICTIVITY_EXPERIMENTS: tuple[str, ...] = tuple(experiment_of(m) for m in ("k_mse", "static_out_rel_mse",
+                                                                           "offdiag_mass"))
+
+PREDICTIVITY_BOOTSTRAP = 2000
+
+PREDICTIVITY_SEED = 0
+
+#: the fewest methods a predictivity group ranks (Spearman ρ across fewer says nothing)
+PREDICTIVITY_MIN_METHODS = 4
+
+
+def _rank_rows(a: Any) -> Any:
+    """Average ranks along the last axis (ties share their mean rank), like ``scipy.stats.rankdata``."""
+    from scipy.stats import rankdata
+
+    return rankdata(a, axis=-1)
+
+
+def spearman_rows(x: Any, y: Any) -> Any:
+    """Spearman ρ of each row pair of ``x``/``y`` ``(rows, n)``: the Pearson correlation of their
+    average ranks (the definition ``scipy.stats.spearmanr`` uses). A row with a constant side → NaN."""
+    import numpy as np
+
+    rx = _rank_rows(np.asarray(x, dtype=float))
+    ry = _rank_rows(np.asarray(y, dtype=float))
+    rx = rx - rx.mean(-1, keepdims=True)
+    ry = ry - ry.mean(-1, keepdims=True)
+    den = np.sqrt((rx * rx).sum(-1) * (ry * ry).sum(-1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (rx * ry).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
+
+
+def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
+    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened) with ``scipy.stats.spearmanr``, and the
+    percentile bootstrap 95 % CI over methods (each resample draws methods with replacement and keeps all
+    their settings; degenerate resamples with a constant side are dropped)."""
+    import warnings
+
+    import numpy as np
+    from scipy.stats import spearmanr
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # constant input: ρ is undefined (NaN), reported as None
+        rho = float(spearmanr(x.ravel(), y.ravel()).statistic)
+    if not math.isfinite(rho):
+        return None, None
+    rng = np.random.Generator(np.random.PCG64(seed))
+    idx = rng.integers(0, x.shape[0], size=(n_boot, x.shape[0]))
+    boot = spearman_rows(x[idx].reshape(n_boot, -1), y[idx].reshape(n_boot, -1))
+    boot = boot[np.isfinite(boot)]
+    if boot.size < n_boot // 2:
+        return rho, None
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return rho, [float(lo), float(hi)]
+
+
+def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
+                 seed: int = PREDICTIVITY_SEED) -> dict[str, Any] | None:
+    """Spearman ρ between every scalar tensor metric of exp1–exp3 and each model-damage target
+    (:data:`PREDICTIVITY_TARGETS`: the end-to-end KL of exp5, the long-decode KL and the passkey
+    log-probability drop of exp6), across methods, within each bit width and pooled over the bit widths
+    that at least 4 methods ran (``pooled_settings``), with a bootstrap 95 % CI over methods.
+
+    A point is one (method, setting) that has both the metric and the target (means over seeds); variant
+    settings are left out, and so are exact points (target exactly 0: the fp16 control, 16-bit
+    settings), which every error metric ranks trivially, and short entries (fewer seeds than asked,
+    :func:`is_short`), which are not ranked anywhere. Metrics are taken as *badness* (lower = better:
+    ``higher`` metrics negated, ``zero`` metrics by magnitude), so ρ > 0 means "more tensor error, more
+    model damage"; bits/element metrics are budgets, not errors, and are left out. A group needs at least
+    4 methods. Returns ``None`` without exp5 and exp6; else ``{"targets": {target: {group: [rows best first]}},
+    "groups", "pooled_settings", "n_boot", "seed", "excluded"}``, a row being ``{metric, experiment, rho, ci95, n_methods,
+    n_points}`` (``rho`` ``None`` when undefined).
+    """
+    def target_exp(target: str) -> str:
+        return (catalog.get(target) or {}).get("experiment") or experiment_of(target)
+
+    if not any(stats_src.get(target_exp(t)) for t in PREDICTIVITY_TARGETS):
+        return None
+    out: dict[str, Any] = {"targets": {}, "n_boot": n_boot, "seed": seed,
+                           "excluded": "exact points (target exactly 0: fp16 control, 16-bit settings), "
+                                       "variant settings, bits/element metrics, settings with failed seeds"}
+    candidates = sorted({(exp, name) for exp in PREDICTIVITY_EXPERIMENTS for by in stats_src.get(exp, {}).values()
+                         for metrics in by.values() for name in metrics
+                         if name in catalog and catalog[name].get("experiment") == exp
+                         and catalog[name].get("unit") != "bits/element"})
+    groups_seen: set[str] = set()
+    for target in PREDICTIVITY_TARGETS:
+        e2e = stats_src.get(target_exp(target)) or {}
+        pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
+               if is_plain_setting(s) and target in e and e[target]["mean"] != 0 and not is_short(e[target])}
+        if not pts:
+            continue
+        settings = sorted({s for _, s in pts}, key=setting_order)
+        # pooled over the settings that enough methods ran (a width run for a few methods only, such as
+        # exp5's 8 bits, would otherwise leave only those methods in the pooled group)
+        pooled = [s for s in settings if sum(1 for _, s2 in pts if s2 == s) >= PREDICTIVITY_MIN_METHODS]
+        groups = [(s, [s]) for s in settings] + ([("pooled", pooled)] if len(pooled) > 1 else [])
+        by_group: dict[str, list[dict[str, Any]]] = {}
+        for gname, gset in groups:
+            rows = []
+            for exp, name in candidates:
+                better = catalog[name]["better"]
+                methods = sorted(m for m in {m for m, _ in pts}
+                                 if all((m, s) in pts and name in stats_src[exp].get(m, {}).get(s, {})
+                                        and not is_short(stats_src[exp][m][s][name]) for s in gset))
+                if len(methods) < PREDICTIVITY_MIN_METHODS:
+                    continue
+                xs = [[rank_key(better, stats_src[exp][m][s][name]["mean"]) for s in gset] for m in methods]
+                ys = [[pts[(m, s)] for s in gset] for m in methods]
+                rho, ci = _spearman_ci(xs, ys, n_boot, seed)
+                rows.append({"metric": name, "experiment": exp, "rho": rho, "ci95": ci,
+                             "n_methods": len(methods), "n_points": len(methods) * len(gset)})
+            # best first; ρ compared to 12 decimals so float noise (0.9999999999999999) does not order ties
+            rows.sort(key=lambda r: (r["rho"] is None, -round(r["rho"] or 0.0, 12), r["metric"]))
+            if rows:
+                by_group[gname] = rows
+                groups_seen.add(gname)
+        out["targets"][target] = by_group
+        out.setdefault("pooled_settings", pooled if len(pooled) > 1 else [])
+    out["groups"] = sorted(groups_seen - {"pooled"}, key=setting_order) + (["pooled"] if "pooled" in groups_seen else [])
+    return out
