@@ -405,7 +405,7 @@ def _run_ray(args: argparse.Namespace, cmd: list[str], extra: list[str]) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from kvqbench.report.render import render_dir
+    from kvqbench.report.rerender import render_dir
 
     try:
         written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out, rebuild=args.rebuild)

@@ -10,7 +10,7 @@ Compares every cell of every ``exp*_*.json`` (matched by node id): status, each 
 ``per_layer`` and ``series`` — bit-identical, or with ``--rel`` within that relative tolerance (reported
 separately) — and the ranking / statistics part of ``leaderboard.json`` and ``summary.json`` (everything
 except provenance and timings). Timing metrics (latency, throughput, memory; see
-:func:`kvqbench.report.compare.is_timing`), per-cell durations and the ``extra`` detail are skipped.
+:func:`kvqbench.metrics.is_timing`), per-cell durations and the ``extra`` detail are skipped.
 Exit status 0 when everything compared is identical (or within ``--rel``), 1 otherwise. Torch-free.
 """
 
@@ -26,7 +26,7 @@ from typing import Any, Iterator
 # the checkout this script belongs to, not whichever kvqbench is installed (a script's own folder comes first)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvqbench.report.compare import is_timing  # noqa: E402
+from kvqbench.metrics import is_timing  # noqa: E402
 
 #: keys whose values are allowed to differ between two runs of the same cells
 VOLATILE = {"provenance", "duration_s", "extra", "start_time", "git_commit", "timings", "benchmark", "fit_ms",
@@ -36,7 +36,7 @@ VOLATILE = {"provenance", "duration_s", "extra", "start_time", "git_commit", "ti
 def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
     if isinstance(obj, dict):
         for k in sorted(obj, key=str):
-            if k in VOLATILE or is_timing(str(k), None):
+            if k in VOLATILE or is_timing(str(k)):
                 continue
             yield from _leaves(obj[k], f"{path}/{k}")
     elif isinstance(obj, list):

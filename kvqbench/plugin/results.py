@@ -251,7 +251,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     state = config.stash[STATE_KEY]
     if not state.board:
         return
-    from kvqbench.report.markdown import render_terminal
+    from kvqbench.report.render.terminal import render_terminal
 
     terminalreporter.section("kvqbench summary")
     terminalreporter.write_line(render_terminal(state.board))

@@ -15,13 +15,13 @@ change is *beyond the spread* when ``|new − base|`` exceeds it, i.e. the two i
 
 ``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
 :func:`main` return 1 when that metric, in any (source, method, setting), worsens by more than PERCENT %.
-For a metric whose values move between runs of the same seeds — the end-to-end metrics (exp5: float noise
-through the model moves them by tens of percent) and timings — it must also worsen beyond the spread; one
-that worsens past PERCENT % within its spread is listed as noise, not a failure. Every other metric is a
-deterministic function of its seeds' data, so BASE and NEW measure the same cells and any change past
-PERCENT % is the method's (the spread over seeds there is the data's, not noise). Timing metrics (unit
-``s``/``ms``/``us``/``ns``, ``GB/s``, or a name with ``latency``, ``throughput``, ``time`` or ``peak_mem``)
-are skipped unless named explicitly, because CPU timings are noise.
+For a metric whose values move between runs of the same seeds — as the catalog declares
+(:func:`kvqbench.metrics.varies`): the model's float noise in the end-to-end and long-decode metrics moves
+them by tens of percent, and timings — it must also worsen beyond the spread; one that worsens past
+PERCENT % within its spread is listed as noise, not a failure. Every other metric is a deterministic
+function of its seeds' data, so BASE and NEW measure the same cells and any change past PERCENT % is the
+method's (the spread over seeds there is the data's, not noise). Timing and memory metrics
+(:func:`kvqbench.metrics.is_timing`) are skipped unless named explicitly, because CPU timings are noise.
 
 A gate (any ``--fail-on``) cannot pass on less than BASE holds. It fails when NEW lacks a source,
 method, setting, metric, seed or finite value that BASE has (a CI job that selected one method by
@@ -48,14 +48,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from tabulate import tabulate
+
+from kvqbench.metrics import is_timing, rank_key, varies
+from kvqbench.report.reader import read_leaderboard
+
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
            "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
            "render_comparison"]
 
-#: experiments whose values move between runs of the same seeds: the end-to-end run (docs/DESIGN.md §4)
-NOISY_EXPERIMENTS = frozenset({"exp5", "exp6"})
-_TIME_UNITS = {"s", "ms", "us", "µs", "ns", "gb/s", "bytes", "mib", "gib", "mb"}
-_TIME_NAME = re.compile(r"(latency|throughput|(^|_)time(_|$)|peak_mem|_(ms|us|ns|s)$|gbps|gb_s)")
 #: changes smaller than this (relative) are "unchanged" — float noise, not a result
 REL_EPS = 1e-9
 
@@ -94,7 +95,7 @@ class Change:
     @property
     def worsening_pct(self) -> float:
         """Percent by which NEW is worse than BASE (negative: better)."""
-        b, n = _badness(self.better, self.base), _badness(self.better, self.new)
+        b, n = rank_key(self.better, self.base), rank_key(self.better, self.new)
         if b == n:
             return 0.0
         if b == 0:
@@ -143,27 +144,10 @@ class Comparison:
     methods_only_base: list[str] = field(default_factory=list)
 
 
-def _badness(better: str, v: float) -> float:
-    if better == "higher":
-        return -v
-    if better == "zero":
-        return abs(v)
-    return v
-
-
-def is_timing(name: str, spec: dict[str, Any] | None) -> bool:
-    """A timing/throughput/memory metric (skipped by ``any:`` rules)."""
-    spec = spec or {}
-    if spec.get("timing"):
-        return True
-    unit = str(spec.get("unit", "")).strip().lower()
-    return unit in _TIME_UNITS or bool(_TIME_NAME.search(name.lower()))
-
-
-def varies_between_runs(name: str, spec: dict[str, Any] | None) -> bool:
-    """Whether a metric's values move between runs of the same seeds: a timing (:func:`is_timing`) or a
-    metric of :data:`NOISY_EXPERIMENTS` (by its catalog record's ``experiment``)."""
-    return is_timing(name, spec) or (spec or {}).get("experiment") in NOISY_EXPERIMENTS
+def varies_between_runs(name: str) -> bool:
+    """Whether a metric's values move between runs of the same seeds (the catalog's
+    :func:`kvqbench.metrics.varies` is not ``"deterministic"``)."""
+    return varies(name) != "deterministic"
 
 
 def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
@@ -187,10 +171,8 @@ def load_board(path: str | Path) -> dict[str, Any]:
     Raises:
         FileNotFoundError: naming the missing file.
         ValueError: the file is unreadable or not a kvqbench leaderboard
-            (:func:`kvqbench.report.render.read_leaderboard`, the check ``kvqbench report`` uses).
+            (:func:`kvqbench.report.reader.read_leaderboard`, the check ``kvqbench report`` uses).
     """
-    from kvqbench.report.render import read_leaderboard
-
     p = Path(path)
     f = p / "leaderboard.json" if p.is_dir() else p
     if not f.exists():
@@ -212,12 +194,6 @@ def _shared_keys(base: dict[str, Any], new: dict[str, Any], prefix: str, out: "C
     for k in sorted(set(new) - set(base)):
         out.only_new.append(f"{prefix}{k}")
     return sorted(set(base) & set(new))
-
-
-def _recorded_metrics(board: dict[str, Any]) -> set[str]:
-    """Names of the metrics a leaderboard document holds a value of (any source, method, setting)."""
-    return {name for src in (board.get("sources") or {}).values() for exp in (src.get("stats") or {}).values()
-            for meth in exp.values() for setting in meth.values() for name in setting}
 
 
 def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
@@ -248,7 +224,7 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
                         out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
                                                   bm[name].get("ci95"), nm[name].get("ci95"),
                                                   int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
-                                                  varies_between_runs(name, spec)))
+                                                  varies_between_runs(name)))
     new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
     out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
                                     for m in exp} - new_methods)
@@ -296,7 +272,7 @@ def crossings(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) -
     for rule in rules:
         for c in cmp.changes:
             if rule.metric == "any":
-                if is_timing(c.metric, catalog.get(c.metric)):
+                if is_timing(c.metric):
                     continue
             elif c.metric != rule.metric:
                 continue
@@ -328,12 +304,10 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
                       show_percent: float = 1.0, max_rows: int = 40) -> str:
     """The text ``kvqbench compare`` prints: a summary line, then regressions and improvements (worst
     first, at least ``show_percent`` % worse/better, timing metrics only when a rule names them)."""
-    from tabulate import tabulate
-
     named = {r.metric for r in (rules or [])}
 
     def shown(c: Change) -> bool:
-        return not is_timing(c.metric, catalog.get(c.metric)) or c.metric in named
+        return not is_timing(c.metric) or c.metric in named
 
     changes = [c for c in cmp.changes if shown(c)]
     reg = sorted((c for c in changes if c.status == "regressed" and c.worsening_pct >= show_percent),
@@ -368,13 +342,9 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
 
 
 def _metric_names(board: dict[str, Any]) -> set[str]:
-    names: set[str] = set()
-    for src in (board.get("sources") or {}).values():
-        for by_method in (src.get("stats") or {}).values():
-            for by_setting in by_method.values():
-                for metrics in by_setting.values():
-                    names.update(metrics)
-    return names
+    """Names of the metrics a leaderboard document holds a value of (any source, method, setting)."""
+    return {name for src in (board.get("sources") or {}).values() for exp in (src.get("stats") or {}).values()
+            for meth in exp.values() for setting in meth.values() for name in setting}
 
 
 def unknown_method(methods: Iterable[str], *boards: dict[str, Any]) -> str | None:
@@ -469,7 +439,7 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
               "result(s) only in BASE not judged", file=out)
     print(render_comparison(cmp, catalog, rules=rules, show_percent=show_percent, max_rows=max_rows), file=out)
     idle = [r for r in rules if not any(r.metric in ("any", c.metric) for c in cmp.changes)]
-    recorded = _recorded_metrics(b) | _recorded_metrics(n)
+    recorded = _metric_names(b) | _metric_names(n)
     for r in idle:  # a gate that compared nothing would always pass: say so
         print(f"kvqbench compare: --fail-on {r.metric}:{r.percent:g} compared nothing: no setting has "
               f"{'any metric' if r.metric == 'any' else repr(r.metric)} in both sets", file=out)

@@ -27,14 +27,8 @@ from typing import Any, Callable
 
 from kvqbench.cells import DEFAULT_MODEL, parse_nodeid, source_kind
 from kvqbench.report.io import read_json, write_json_atomic
-from kvqbench.report.results import (
-    BENCHMARK_JSON,
-    ResultSet,
-    UpdateBoard,
-    WriteExtra,
-    load_result_set,
-    write_result_set,
-)
+from kvqbench.report.reader import load_result_set
+from kvqbench.report.results import BENCHMARK_JSON, ResultSet, UpdateBoard, WriteExtra, write_result_set
 
 __all__ = ["MergeError", "Shard", "read_shard", "by_model", "check_compatible", "merged_provenance", "merge_shards",
            "MergeResult", "CHECKED", "merge_benchmark_json", "missing_cells_note"]

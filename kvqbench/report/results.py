@@ -4,7 +4,8 @@
 One function does it for every caller:
 
 - the pytest plugin at session end (with the session's records and the cells it collected),
-- ``kvqbench report DIR`` (records read back from ``DIR/exp*_*.json``, :func:`load_result_set`),
+- ``kvqbench report DIR`` (records read back from ``DIR/exp*_*.json``,
+  :func:`kvqbench.report.reader.load_result_set`),
 - a merge of several shards (their records concatenated, their expected cells summed).
 
 Nothing computed is lost and a complete result set is never replaced by a partial one:
@@ -28,7 +29,6 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -36,12 +36,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from kvqbench.metrics import catalog_dict
+from kvqbench.report.board import assemble, summary_of
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
 from kvqbench.report.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
+from kvqbench.report.render.markdown import render_markdown
 
-__all__ = ["write_result_set", "load_result_set", "completeness", "holds_complete_set",
-           "check_writable", "run_folder_problem", "PUBLISHED_MARKER", "experiment_files", "read_experiment_file", "experiment_file_problem", "RECORD_KEYS",
-           "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON", "record_sort_key"]
+__all__ = ["write_result_set", "completeness", "holds_complete_set", "check_writable", "run_folder_problem",
+           "PUBLISHED_MARKER", "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON",
+           "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
@@ -146,7 +149,7 @@ def holds_finished_shard(folder: str | os.PathLike) -> bool:
 
 def holds_complete_set(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a complete result set: a readable ``leaderboard.json`` that does not say it
-    is incomplete (sets written before completeness was recorded count as complete)."""
+    is incomplete (one without a completeness record counts as complete)."""
     lb = Path(folder) / "leaderboard.json"
     try:
         doc = read_json(lb)
@@ -224,9 +227,6 @@ def _stderr(msg: str) -> None:
 def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: dict[str, Any], folder: Path,
                catalog: dict[str, Any], update_board: UpdateBoard | None, write_extra: WriteExtra | None,
                figures: bool, log: Log) -> tuple[list[Path], dict[str, Any]]:
-    from kvqbench.report.leaderboard import assemble, summary_of
-    from kvqbench.report.markdown import render_markdown
-
     written: list[Path] = []
     for exp in sorted({r["experiment"] for r in records}):
         for src in sorted({r["source"] for r in records if r["experiment"] == exp}):
@@ -245,7 +245,7 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     written.append(write_json_atomic(folder / "leaderboard.json", board))
     if figures:
         try:
-            from kvqbench.report.figures import write_figures
+            from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
 
             written += [Path(p) for p in write_figures(folder, log=log, jobs=0)]
         except Exception as e:  # a figure never costs the results
@@ -289,7 +289,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
-        records: cell records (the plugin's, or read back by :func:`load_result_set`); records of
+        records: cell records (the plugin's, or read back by :func:`kvqbench.report.reader.load_result_set`); records of
             experiment ``"adhoc"`` are ignored. Any order (they are sorted).
         provenance: the provenance header of every file.
         out_dir: the destination folder (created when missing).
@@ -319,8 +319,6 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     hooks propagate (the files written so far stay in the staging folder, whose path is logged); an ``OSError`` writing the
     destination does not: the set is written to a temporary folder instead and ``note`` says where.
     """
-    from kvqbench.metrics import catalog_dict
-
     log = log or _stderr
     recs = sorted((r for r in records if r.get("experiment") != "adhoc"), key=record_sort_key)
     if not recs:
@@ -403,135 +401,3 @@ def _fallback(recs, provenance, comp, catalog, update_board, write_extra, figure
             f"saved them to {fb} instead")
     log(note)
     return ResultSet([str(p) for p in written], board, fb, comp, note, fallback=True)
-
-
-#: a per-experiment file's name: ``exp<N>_<source>.json`` (``exp1_real-gemma3-270m.json``: see
-#: :func:`kvqbench.cells.real_source`)
-_EXP_FILE = re.compile(r"^(exp\d+)_([\w.-]+)\.json$")
-#: what every cell record holds (:func:`record_sort_key` orders by them)
-RECORD_KEYS = ("experiment", "source", "method", "k_bits", "v_bits", "seed", "size")
-
-
-def experiment_files(folder: str | os.PathLike) -> list[Path]:
-    """The per-experiment files of a result set: ``folder/exp<N>_*.json``, sorted by name."""
-    return sorted(p for p in Path(folder).glob("exp[0-9]*_*.json") if p.is_file())
-
-
-def experiment_file_problem(path: Path, doc: Any) -> str | None:
-    """What is wrong with ``doc``, read from ``path``, as a per-experiment file, or ``None``: its name is
-    ``exp<N>_<source>.json``; it is an object with a ``provenance`` object, the ``experiment`` and
-    ``source`` of its name, ``metrics_catalog`` and ``completeness`` objects when present and a ``cells``
-    list of records, each an object holding :data:`RECORD_KEYS` with the file's experiment and source."""
-    m = _EXP_FILE.match(path.name)
-    if m is None:
-        return "its name is not exp<N>_<source>.json"
-    if not isinstance(doc, dict):
-        return f"top level is a JSON {type(doc).__name__}, not an object"
-    if not isinstance(doc.get("provenance"), dict):
-        return "no 'provenance' object"
-    for key, want in (("experiment", m.group(1)), ("source", m.group(2))):
-        if doc.get(key) != want:
-            return f"'{key}' is {doc.get(key)!r}, not {want!r} as its name says"
-    for key in ("metrics_catalog", "completeness"):
-        if doc.get(key) is not None and not isinstance(doc[key], dict):
-            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
-    if not isinstance(doc.get("cells"), list):
-        return "no 'cells' list"
-    for i, cell in enumerate(doc["cells"]):
-        if not isinstance(cell, dict):
-            return f"cell {i} is a {type(cell).__name__}, not an object"
-        missing = [k for k in RECORD_KEYS if k not in cell]
-        if missing:
-            return f"cell {i} has no {', '.join(repr(k) for k in missing)}"
-        if (cell["experiment"], cell["source"]) != (m.group(1), m.group(2)):
-            return f"cell {i} is of {cell['experiment']}/{cell['source']}, not {m.group(1)}/{m.group(2)}"
-    return None
-
-
-def read_experiment_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and check one per-experiment file (see :func:`experiment_file_problem`).
-
-    Raises:
-        ValueError: it is not valid JSON (truncated, not UTF-8) or not a kvqbench experiment file; one line
-            naming the file and what is wrong.
-        OSError: it cannot be read.
-    """
-    p = Path(path)
-    try:
-        doc = read_json(p)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{p} is not valid JSON ({e}); delete it or re-run the benchmark") from None
-    problem = experiment_file_problem(p, doc)
-    if problem is not None:
-        raise ValueError(f"{p} is not a kvqbench experiment file ({problem}); move it out of the folder or "
-                         "re-run the benchmark")
-    return doc
-
-
-def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None,
-                                                       dict[str, Any]]:
-    """Read a result set back from its per-experiment files ``folder/exp*_*.json``.
-
-    Returns ``(records, provenance, completeness, catalog)``: every cell record, the provenance header,
-    the completeness the run recorded (``None`` for sets written before it was recorded) and the metrics
-    catalog (the current :func:`~kvqbench.metrics.catalog_dict` updated with the files' entries).
-
-    Raises:
-        FileNotFoundError: no ``exp*_*.json`` in ``folder``.
-        ValueError: a file is not valid JSON or not a kvqbench experiment file (names it;
-            :func:`read_experiment_file`).
-    """
-    from kvqbench.metrics import catalog_dict
-
-    d = Path(folder)
-    files = experiment_files(d)
-    if not files:
-        raise FileNotFoundError(f"{d} holds no exp*_*.json files; point at a folder written by a kvqbench run")
-    records: list[dict[str, Any]] = []
-    runs: dict[tuple, dict[str, Any]] = {}  # (start_time, command) → that run's provenance
-    comps: dict[tuple, dict[str, Any]] = {}  # the completeness each run recorded
-    catalog = catalog_dict()
-    for f in files:
-        doc = read_experiment_file(f)
-        records += doc["cells"]
-        prov = doc["provenance"]
-        run = (prov.get("start_time"), prov.get("command"))
-        runs.setdefault(run, prov)
-        if doc.get("completeness"):
-            comps.setdefault(run, doc["completeness"])
-        catalog.update(doc.get("metrics_catalog") or {})
-    comp = next(iter(comps.values()), None)
-    if len(comps) > 1:  # several runs: their counts add up, and the set is complete when each run was
-        cs = list(comps.values())
-        status = [r.get("status") for r in records]  # the cells this folder holds (not each run's whole matrix)
-        comp = {k: status.count(k) for k in ("passed", "failed", "skipped")}
-        comp["not_run"] = sum(c.get("not_run") or 0 for c in cs)
-        comp["finished"] = comp["passed"] + comp["failed"] + comp["skipped"]
-        comp["expected"] = comp["finished"] + comp["not_run"]
-        comp.update(complete=all(c.get("complete") for c in cs) and not comp["failed"],
-                    not_run_ids=[i for c in cs for i in c.get("not_run_ids") or []],
-                    reason="; ".join(c["reason"] for c in cs if c.get("reason")) or None)
-        comp["summary"] = (f"{'complete' if comp['complete'] else 'incomplete'}: {comp['finished']} cells "
-                           f"({len(cs)} runs)")
-    return records, combined_provenance(list(runs.values())), comp, catalog
-
-
-def combined_provenance(provs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The provenance of a folder holding the files of one run (that run's) or of several runs, e.g. one
-    per model: the default model's run's fields, the earliest start time, ``model`` joined by `` + ``
-    (the default model first) and ``runs``: each run's model, start time, command and commit."""
-    from kvqbench.cells import DEFAULT_MODEL
-
-    if len(provs) == 1:
-        return provs[0]
-    provs = sorted(provs, key=lambda p: (p.get("model", DEFAULT_MODEL) != DEFAULT_MODEL, str(p.get("start_time"))))
-    out = dict(provs[0])
-    models: list[str] = []
-    for p in provs:
-        m = str(p.get("model") or DEFAULT_MODEL)
-        if m not in models:
-            models.append(m)
-    out["model"] = " + ".join(models)
-    out["start_time"] = min(str(p.get("start_time")) for p in provs)
-    out["runs"] = [{k: p.get(k) for k in ("model", "start_time", "command", "git_commit")} for p in provs]
-    return out

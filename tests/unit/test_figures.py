@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_report_samples import records, write_results
 
-from kvqbench.report.figures import figure_names, iter_curves, iter_histograms, write_figures
+from kvqbench.report.render.figures import figure_names, iter_curves, iter_histograms, write_figures
 
 pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
 
@@ -105,7 +105,7 @@ def test_flat_histogram_layout_with_under_and_overflow():
 
 
 def test_exp2_series_names_are_classified():
-    from kvqbench.report.figures.series import error_kind, regime
+    from kvqbench.report.render.figures.series import error_kind, regime
 
     assert error_kind("static/out_rel_mse") == "rel_mse"
     assert error_kind("static/out_mse") == "mse" and error_kind("decode/cos_drift") == "cos"
@@ -136,8 +136,8 @@ def test_one_draw_save_crops_like_tight(tmp_path, far):
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from kvqbench.report.figures import save
-    from kvqbench.report.figures.style import DPI
+    from kvqbench.report.render.figures import save
+    from kvqbench.report.render.figures.style import DPI
 
     def draw():
         fig, ax = plt.subplots(figsize=(5, 3))

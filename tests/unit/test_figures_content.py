@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_report_samples import records, write_results
 
-from kvqbench.report.figures import save, write_figures
+from kvqbench.report.render.figures import save, write_figures
 
 pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
 
@@ -305,7 +305,7 @@ def test_mse_vs_bits_ci_reaching_zero_ends_in_a_marker_not_decades_down(tmp_path
 def test_fp16_note_says_what_the_data_show():
     """The pseudo-decode note: where the error with the newest tokens fp16 overlaps the error without,
     it says the share does not explain the curve; the source is named; nothing about a real model."""
-    from kvqbench.report.figures.decode_fp16 import fp16_note
+    from kvqbench.report.render.figures.decode_fp16 import fp16_note
 
     info = {"x": [64.0, 128.0, 256.0], "share": [0.75, 32 / 256, 0.6], "newest": [16.0, 0.0, 64.0], "bits": []}
     curves = {"kvarn": ([64.0, 128.0, 256.0], [3.0, 2.0, 10.0])}
@@ -325,7 +325,7 @@ def test_fp16_note_says_what_the_data_show():
 def test_density_bins_merged_only_where_they_zig_zag():
     """Merging keeps each bin's mass and the edge at 0, leaves bins of another width alone; a density
     that alternates high/low bin by bin is merged in pairs, a smooth one is not."""
-    from kvqbench.report.figures.norm_diff_density import mass_range, merge_bins, merge_factor
+    from kvqbench.report.render.figures.norm_diff_density import mass_range, merge_bins, merge_factor
 
     edges = [-8.0, -0.4, -0.3, -0.2, -0.1, 0.0, 0.1, 0.2, 0.3, 0.4, 8.0]
     zig = [0.01, 1.0, 0.2, 3.0, 0.5, 3.0, 0.5, 1.0, 0.2, 0.01]
@@ -369,7 +369,7 @@ def test_density_panel_merges_zig_zagging_bins_and_says_so(tmp_path, monkeypatch
 def test_coinciding_names_curves_drawn_over_one_another():
     """Curves with the same x values and every y within 2 % (of the larger) are one group; a curve 2.4 % off at
     one point, or with another x, is not (each compared with its group's first curve); groups are sorted, in order of their first name."""
-    from kvqbench.report.figures.mse_vs_bits import coinciding
+    from kvqbench.report.render.figures.mse_vs_bits import coinciding
 
     base = [(2, 1.0), (3, 0.1), (4, 0.01)]
     curves = {"b": base, "a": [(x, y * 1.015) for x, y in base], "c": [(2, 1.0), (3, 0.104), (4, 0.01)],
@@ -383,7 +383,7 @@ def test_figures_name_what_they_cannot_show(rendered):
     """mse_vs_bits names the methods whose curves lie on top of each other in a panel (only the last one drawn
     shows); the density panel of a method whose tokens all fall in one bin says which bin (the bar beside 0
     is the bin [0, w), not a difference of w/2)."""
-    from kvqbench.report.figures.mse_vs_bits import coinciding
+    from kvqbench.report.render.figures.mse_vs_bits import coinciding
 
     _, figs, _ = rendered
     for ax in figs["mse_vs_bits_synthetic.png"].axes[:2]:

@@ -22,9 +22,9 @@ def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch, de
     import matplotlib.pyplot as plt
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from kvqbench.report.figures import pareto, placement, save
-    from kvqbench.report.figures.data import Source
-    from kvqbench.report.figures.style import Style
+    from kvqbench.report.render.figures import pareto, placement, save
+    from kvqbench.report.render.figures.data import Source
+    from kvqbench.report.render.figures.style import Style
 
     got = {}
     monkeypatch.setattr(save, "finish", lambda fig, path: got.setdefault("fig", fig))
@@ -101,7 +101,7 @@ def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch, de
 
 def test_label_geometry_helpers():
     """The segment/box tests the label placer relies on, against hand-worked cases."""
-    from kvqbench.report.figures import placement
+    from kvqbench.report.render.figures import placement
 
     box = (0.0, 0.0, 1.0, 1.0)
     assert placement.seg_meets_box((-1.0, 0.5, 2.0, 0.5), box)  # straight through

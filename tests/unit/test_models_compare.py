@@ -95,8 +95,8 @@ def test_predictivity_transfer_both_ways():
 
 def test_kl_models_figure_one_point_per_method_and_bits(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
-    from kvqbench.report.figures import save
-    from kvqbench.report.figures.models import FILE, draw_models
+    from kvqbench.report.render.figures import save
+    from kvqbench.report.render.figures.models import FILE, draw_models
 
     figs: dict = {}
     orig = save.finish
@@ -117,7 +117,7 @@ def test_a_board_with_two_models_has_their_section_and_figure(tmp_path):
     section naming both, and the figures include ``kl_models.png``."""
     import json
 
-    from kvqbench.report.figures import write_figures
+    from kvqbench.report.render.figures import write_figures
     from kvqbench.report.markdown import render_markdown
 
     tensor = {HEADLINE_DEFAULT["metric"]: KL_A}

@@ -140,7 +140,7 @@ def test_readme_digest_comes_from_the_same_headline(board) -> None:
 
 def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
     pytest.importorskip("matplotlib")
-    from kvqbench.report.figures import write_figures
+    from kvqbench.report.render.figures import write_figures
     from tests.unit.test_report_samples import write_results
 
     out = write_results(tmp_path / "r", _records())
@@ -153,7 +153,7 @@ def test_predictivity_figure_only_where_exp5_ran(tmp_path) -> None:
 
 def test_predictivity_figure_panels_hold_the_best_metrics_and_every_point(tmp_path, monkeypatch) -> None:
     pytest.importorskip("matplotlib")
-    from kvqbench.report.figures import save, write_figures
+    from kvqbench.report.render.figures import save, write_figures
     from tests.unit.test_report_samples import write_results
 
     got = {}

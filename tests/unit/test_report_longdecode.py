@@ -245,7 +245,7 @@ def test_kl_vs_position_figure_has_one_line_per_method(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
     from test_figures_content import _line_labels, keep_figures
 
-    from kvqbench.report.figures import write_figures
+    from kvqbench.report.render.figures import write_figures
     from tests.unit.test_report_samples import write_results
 
     figs = keep_figures(monkeypatch)

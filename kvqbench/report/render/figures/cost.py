@@ -4,29 +4,27 @@ a bar far above them (fp16's 16 bits) is cut at the top, hatched, and keeps its 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import span_decades
-from kvqbench.report.figures.data import Source, headline_setting
-from kvqbench.report.figures.labels import metric_label
-from kvqbench.report.figures.style import COLORS
+from kvqbench.metrics import experiment_of, varies
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import span_decades
+from kvqbench.report.render.figures.data import Source, headline_setting
+from kvqbench.report.render.figures.labels import metric_label
+from kvqbench.report.render.figures.style import COLORS
 
 __all__ = ["draw"]
 
-#: units of a time: a metric in one of them is a latency
-_TIME_UNITS = {"s", "ms", "us", "µs", "ns"}
-#: a latency by its name where the catalog gives no unit
-_LATENCY_NAME = re.compile(r"(latency|_ms$|_s$)")
+_COST = experiment_of("quant_latency_ms")
+_RECONSTRUCTION = experiment_of("bits_effective")
 
 
 def draw(plt: Any, src: Source, out: Path) -> Path | None:
     """Draw the figure from the exp4 stats of ``src`` at the headline setting (or the first setting
     that ran); ``None`` when exp4 did not run or holds neither latencies nor bits."""
     catalog, style, stats = src.catalog, src.style, src.stats
-    exp4 = stats.get("exp4") or {}
+    exp4 = stats.get(_COST) or {}
     if not exp4:
         return None
     settings = {s for by in exp4.values() for s in by}
@@ -34,13 +32,13 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     if setting is None:
         return None
     names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
-    lat = [n for n in names if (catalog.get(n, {}).get("unit") in _TIME_UNITS) or _LATENCY_NAME.search(n)]
-    lat = sorted((n for n in lat if "throughput" not in n and not n.endswith("_x_clone")),
+    # the latencies: timing metrics in milliseconds (not throughputs, not multiples of a clone)
+    lat = sorted((n for n in names if varies(n) == "timing" and catalog.get(n, {}).get("unit") == "ms"),
                  key=lambda n: ("dequant" in n, n))
     bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
     bit_src = exp4
     if not bit_names:  # fall back to the reconstruction experiment's bits accounting
-        bit_src = stats.get("exp1") or {}
+        bit_src = stats.get(_RECONSTRUCTION) or {}
         bit_names = [n for n in ("bits_nominal", "bits_effective") if any(n in (by.get(setting) or {})
                                                                           for by in bit_src.values())]
     methods = [m for m in style.idx if m in exp4] + sorted(m for m in exp4 if m not in style.idx)
@@ -48,7 +46,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels) + 1, 4.8), squeeze=False)
-    unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in src.cells("exp4"))
+    unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in src.cells(_COST))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
         drawn_bits: list[tuple[Any, list[float], list[float]]] = []

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import legend_outside
-from kvqbench.report.figures.data import Source, setting_bits
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import legend_outside
+from kvqbench.report.render.figures.data import Source, setting_bits
 
 __all__ = ["draw", "panels"]
 

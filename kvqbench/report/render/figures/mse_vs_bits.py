@@ -7,9 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import bits_axis, legend_outside
-from kvqbench.report.figures.data import Source, setting_bits
+from kvqbench.metrics import experiment_of
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import bits_axis, legend_outside
+from kvqbench.report.render.figures.data import Source, setting_bits
 
 __all__ = ["draw", "coinciding", "COINCIDE_REL"]
 
@@ -24,7 +25,7 @@ _CI_CUT = 3.0
 def draw(plt: Any, src: Source, out: Path) -> Path | None:
     """Draw the figure from the exp1 stats of ``src`` (symmetric settings ``kBvB`` only); ``None`` when
     there are none."""
-    exp1 = src.stats.get("exp1") or {}
+    exp1 = src.stats.get(experiment_of("k_rel_mse")) or {}
     style = src.style
     panels = [("k", "K"), ("v", "V")]
     data: dict[str, dict[str, list[tuple[int, float, float]]]] = {kv: {} for kv, _ in panels}

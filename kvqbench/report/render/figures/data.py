@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from kvqbench.cells import parse_setting
-from kvqbench.report.figures.series import histograms_with_tails, iter_curves
-from kvqbench.report.figures.style import Style, method_order
+from kvqbench.cells import Setting
 from kvqbench.report.io import read_json
-from kvqbench.report.leaderboard import setting_key
+from kvqbench.report.render.figures.series import histograms_with_tails, iter_curves
+from kvqbench.report.render.figures.style import Style, method_order
+from kvqbench.report.stats.aggregate import setting_key
 
 __all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed_settings", "passed_at", "mean_curves",
            "mean_histograms"]
@@ -82,9 +82,9 @@ def load_sources(folder: Path) -> list[Source]:
 
 def setting_bits(setting: str) -> tuple[int, int] | None:
     """``(k_bits, v_bits)`` of a plain setting ``"k2v4"``; ``None`` for a setting with variant axes
-    (``"k2v2-group_size64"``) or anything else (:func:`kvqbench.cells.parse_setting`)."""
-    p = parse_setting(setting)
-    return (p.k_bits, p.v_bits) if p is not None and not p.variant else None
+    (``"k2v2-group_size64"``) or anything else (:meth:`kvqbench.cells.Setting.parse`)."""
+    p = Setting.parse(setting)
+    return p.bits if p is not None and p.plain else None
 
 
 def headline_setting(settings: Iterable[str]) -> str | None:

@@ -1,5 +1,6 @@
-"""Re-render a results folder from its saved JSON (torch-free): ``LEADERBOARD.md``, the terminal table
-and the figures (when matplotlib is available; see :mod:`kvqbench.report.figures`).
+"""``kvqbench report DIR``: re-render a results folder from its saved JSON (torch-free) —
+``LEADERBOARD.md``, the terminal table and the figures (when matplotlib is available; see
+:mod:`kvqbench.report.render.figures`), or the whole result set rebuilt from its per-experiment files.
 
 Rendering is a pure function of the saved files, so ``kvqbench report DIR`` reproduces the Markdown a
 run wrote byte for byte.
@@ -9,87 +10,20 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
 from kvqbench.report.io import read_json, write_text_atomic
-from kvqbench.report.markdown import render_markdown, render_terminal
+from kvqbench.report.reader import (
+    experiment_files,
+    leaderboard_path,
+    load_result_set,
+    read_experiment_file,
+    read_leaderboard,
+)
+from kvqbench.report.render.markdown import render_markdown
+from kvqbench.report.render.terminal import render_terminal
+from kvqbench.report.results import write_result_set
 
-__all__ = ["render_dir", "leaderboard_path", "leaderboard_problem", "read_leaderboard"]
-
-#: what every entry of ``sources`` must hold (as dicts) for the renderers and ``compare`` to use it
-SOURCE_KEYS = ("stats", "rankings", "cells")
-
-
-def leaderboard_problem(doc: Any) -> str | None:
-    """What is wrong with ``doc`` as a kvqbench leaderboard document, or ``None`` when its shape is
-    right: a dict with a ``provenance`` dict and a ``sources`` dict whose values are dicts holding
-    ``stats`` (experiment → method → setting → metric → dict), ``rankings`` (metric → dict with a
-    ``by_setting`` dict) and ``cells`` (state → count) dicts; ``methods`` and ``metrics_catalog``,
-    when present, are dicts."""
-    if not isinstance(doc, dict):
-        return f"top level is a JSON {type(doc).__name__}, not an object"
-    for key in ("provenance", "sources"):
-        if key not in doc:
-            return f"no '{key}'"
-        if not isinstance(doc[key], dict):
-            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
-    for key in ("methods", "metrics_catalog"):
-        if key in doc and not isinstance(doc[key], dict):
-            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
-    for name, src in doc["sources"].items():
-        if not isinstance(src, dict):
-            return f"sources.{name} is a {type(src).__name__}, not an object"
-        for key in SOURCE_KEYS:
-            if key not in src:
-                return f"sources.{name} has no '{key}'"
-            if not isinstance(src[key], dict):
-                return f"sources.{name}.{key} is a {type(src[key]).__name__}, not an object"
-        for exp, by_method in src["stats"].items():
-            if not isinstance(by_method, dict) or not all(
-                    isinstance(by_setting, dict) and all(isinstance(m, dict) for m in by_setting.values())
-                    for by_setting in by_method.values()):
-                return f"sources.{name}.stats.{exp} is not method → setting → metric objects"
-        for metric, r in src["rankings"].items():
-            if not isinstance(r, dict) or not isinstance(r.get("by_setting"), dict):
-                return f"sources.{name}.rankings.{metric} has no 'by_setting' object"
-    return None
-
-
-def read_leaderboard(file: str | Path) -> dict[str, Any]:
-    """Read and check a ``leaderboard.json`` file (see :func:`leaderboard_problem`).
-
-    Raises:
-        ValueError: unreadable (truncated, not JSON, not UTF-8) or not shaped like a kvqbench leaderboard;
-            the message names the file and what is wrong.
-    """
-    try:
-        doc = read_json(file)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        problem: str | None = f"not valid JSON: {e}"
-    else:
-        problem = leaderboard_problem(doc)
-    if problem is not None:
-        raise ValueError(f"{file} is not a kvqbench leaderboard ({problem}); re-run the benchmark or point at "
-                         "a folder it wrote")
-    return doc
-
-
-def leaderboard_path(path: str | Path) -> Path:
-    """``path/leaderboard.json`` for a folder, ``path`` for a file.
-
-    Raises:
-        FileNotFoundError: the file does not exist (names it).
-    """
-    d = Path(path)
-    if not d.exists():
-        raise FileNotFoundError(f"{d} does not exist; point at a folder written by a kvqbench run")
-    src = d / "leaderboard.json" if d.is_dir() else d
-    if not src.exists():
-        below = sorted(str(p.parent) for p in d.glob("**/leaderboard.json")) if d.is_dir() else []
-        hint = (f"; result sets below it: {', '.join(below[:6])}" + (" …" if len(below) > 6 else "")) if below \
-            else "; point at a folder written by a kvqbench run"
-        raise FileNotFoundError(f"{src} not found{hint}")
-    return src
+__all__ = ["render_dir"]
 
 
 def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out_dir: str | Path | None = None,
@@ -114,7 +48,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     figures, refuses (``ValueError``) rather than mix two sets.
 
     Every input file is checked before anything is written: each ``exp*_*.json``
-    (:func:`kvqbench.report.results.read_experiment_file`) and ``leaderboard.json``
+    (:func:`kvqbench.report.reader.read_experiment_file`) and ``leaderboard.json``
     (:func:`read_leaderboard`); a ``leaderboard.json`` that is not valid JSON (truncated) is rebuilt from
     valid per-experiment files, with one line saying so.
 
@@ -122,8 +56,6 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     nor ``exp*_*.json`` files and ``ValueError`` when a file is not what it should be (names it;
     nothing written).
     """
-    from kvqbench.report.results import experiment_files, read_experiment_file
-
     d = Path(path)
     folder = d if d.is_dir() else d.parent
     exps = experiment_files(folder) if folder.is_dir() else []
@@ -148,7 +80,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     if echo:
         print(render_terminal(board))
     if figures:
-        from kvqbench.report.figures import write_figures
+        from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
 
         def log(msg: str) -> None:
             print(msg, file=sys.stderr)
@@ -174,8 +106,6 @@ def _not_json(file: Path) -> bool:
 
 
 def _rebuild(folder: Path, out_dir: str | Path | None, *, echo: bool, figures: bool) -> list[str]:
-    from kvqbench.report.results import load_result_set, write_result_set
-
     records, prov, comp, catalog = load_result_set(folder)
     out = Path(out_dir) if out_dir is not None else folder
     # into its own folder: the set replaces itself; elsewhere the rules of any new set apply (a complete

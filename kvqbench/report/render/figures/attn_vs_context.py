@@ -15,12 +15,13 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import legend_outside, span_decades
-from kvqbench.report.figures.data import XY, Source, headline_setting, mean_curves, passed_settings
-from kvqbench.report.figures.decode_fp16 import all_fp16_at, decode_fp16, draw_fp16_panel
-from kvqbench.report.figures.labels import CONTEXT_AXIS, ERROR_AXIS, REGIME_TITLE
-from kvqbench.report.figures.series import context_metric, error_kind, regime
+from kvqbench.metrics import experiment_of
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import legend_outside, span_decades
+from kvqbench.report.render.figures.data import XY, Source, headline_setting, mean_curves, passed_settings
+from kvqbench.report.render.figures.decode_fp16 import all_fp16_at, decode_fp16, draw_fp16_panel
+from kvqbench.report.render.figures.labels import CONTEXT_AXIS, ERROR_AXIS, REGIME_TITLE
+from kvqbench.report.render.figures.series import context_metric, error_kind, regime
 
 __all__ = ["draw_error", "draw_kl", "exp2_curves"]
 
@@ -29,6 +30,8 @@ _KINDS = {"err": ("rel_mse", "mse", "mae", "cos"), "kl": ("kl", "kl_rev")}
 #: height (points) above the x axis of the centre of a ▽ that marks an exact 0 on a log axis: the whole
 #: marker (7 points, edge 1.3) stays inside the axes
 _ZERO_MARK_Y = 6.0
+
+_ACCUMULATION = experiment_of("static_attn_kl_fwd_nats")
 
 
 def draw_error(plt: Any, src: Source, out: Path) -> Path | None:
@@ -45,8 +48,8 @@ def exp2_curves(src: Source, quantity: str) -> tuple[str | None, str | None, dic
     """``(setting, kind, {(method, regime): (x, y)})`` for one exp2 quantity (``"err"`` or ``"kl"``) at
     the headline setting: the cells' curves (mean over seeds), then the stats' ``<name>_ctx<N>`` points
     where a cell holds no curve; ``kind`` is the first of the quantity's kinds the data hold."""
-    stats_exp = src.stats.get("exp2") or {}
-    cells = src.cells("exp2")
+    stats_exp = src.stats.get(_ACCUMULATION) or {}
+    cells = src.cells(_ACCUMULATION)
     setting = headline_setting(passed_settings(cells) | {s for by in stats_exp.values() for s in by})
     if setting is None:
         return None, None, {}
@@ -85,7 +88,7 @@ def _draw(plt: Any, src: Source, out: Path, quantity: str) -> Path | None:
     if not curves or kind is None:
         return None
     regimes = [r for r in ("static", "pseudo-decode") if any(k[1] == r for k in curves)]
-    fp16 = decode_fp16(src.cells("exp2"), setting) if "pseudo-decode" in regimes else {}
+    fp16 = decode_fp16(src.cells(_ACCUMULATION), setting) if "pseudo-decode" in regimes else {}
     if fp16:  # a second row: the fp16 tokens and billed bits under the pseudo-decode panel
         fig, grid = plt.subplots(2, len(regimes), figsize=(6 * len(regimes) + 1.5, 7.0), squeeze=False,
                                  gridspec_kw={"height_ratios": [3, 1.5]}, sharex="col")

@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import legend_outside
-from kvqbench.report.figures.data import Source, setting_bits
-from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
+from kvqbench.metrics import experiment_of
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import legend_outside
+from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 
 __all__ = ["draw"]
 
@@ -28,7 +29,7 @@ def draw(plt: Any, src: Source, out: Path, top: int = 4) -> Path | None:
     group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
     rows = [r for r in by_group.get(group, []) if r["rho"] is not None][:top] if group else []
     stats = src.stats
-    e2e = stats.get("exp5") or {}
+    e2e = stats.get(experiment_of(target)) or {}
     if not rows or not e2e:
         return None
     fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows) + 1.6, 3.8), squeeze=False)

@@ -8,10 +8,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import bits_axis, legend_outside
-from kvqbench.report.figures.data import Source
-from kvqbench.report.figures.placement import CORE_RADIUS, place_labels
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import bits_axis, legend_outside
+from kvqbench.report.render.figures.data import Source
+from kvqbench.report.render.figures.placement import CORE_RADIUS, place_labels
 
 __all__ = ["draw"]
 

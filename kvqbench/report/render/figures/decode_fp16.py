@@ -13,10 +13,10 @@ import math
 import textwrap
 from typing import Any
 
-from kvqbench.report.figures.data import XY, mean_curves, passed_at
-from kvqbench.report.figures.labels import CONTEXT_AXIS
-from kvqbench.report.figures.series import regime
-from kvqbench.report.figures.style import Style
+from kvqbench.report.render.figures.data import XY, mean_curves, passed_at
+from kvqbench.report.render.figures.labels import CONTEXT_AXIS
+from kvqbench.report.render.figures.series import regime
+from kvqbench.report.render.figures.style import Style
 
 __all__ = ["decode_fp16", "all_fp16_at", "draw_fp16_panel", "fp16_note"]
 

@@ -10,7 +10,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures.style import DPI
+from kvqbench.report.render.figures.style import DPI
 
 __all__ = ["finish"]
 

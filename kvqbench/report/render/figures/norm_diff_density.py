@@ -14,8 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.data import Source, headline_setting, mean_histograms, passed_settings
+from kvqbench.metrics import experiment_of
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.data import Source, headline_setting, mean_histograms, passed_settings
 
 __all__ = ["draw", "mass_range", "merge_factor", "merge_bins"]
 
@@ -24,7 +25,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     """Draw the figure from the exp3 cells of ``src`` at the headline setting; ``None`` when they hold
     no norm-difference histogram."""
     style = src.style
-    cells = src.cells("exp3")
+    cells = src.cells(experiment_of("k_offdiag_mass"))
     setting = headline_setting(passed_settings(cells))
     if setting is None:
         return None

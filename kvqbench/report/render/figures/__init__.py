@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from kvqbench.report.figures import (
+from kvqbench.report.render.figures import (
     attn_vs_context,
     cost,
     kl_vs_position,
@@ -43,9 +43,9 @@ from kvqbench.report.figures import (
     pareto,
     predictivity,
 )
-from kvqbench.report.figures.data import Source, load_sources
-from kvqbench.report.figures.series import X_KEYS, iter_curves, iter_histogram_bins, iter_histograms
-from kvqbench.report.figures.style import DPI, RC, pyplot
+from kvqbench.report.render.figures.data import Source, load_sources
+from kvqbench.report.render.figures.series import X_KEYS, iter_curves, iter_histogram_bins, iter_histograms
+from kvqbench.report.render.figures.style import DPI, RC, pyplot
 
 __all__ = ["write_figures", "figure_names", "default_jobs", "FIGURES", "iter_curves", "iter_histograms",
            "iter_histogram_bins", "X_KEYS", "DPI"]

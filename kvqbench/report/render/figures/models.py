@@ -1,18 +1,19 @@
 """``kl_models.png``: the end-to-end KL of one model against another's, one point per method × bits (means
 over seeds, log axes, the diagonal y = x dashed), Spearman ρ between the models in the title. Points on
 the diagonal damage both models alike; a method's distance from the others along the diagonal is its rank.
-Drawn from two models' statistics (:mod:`kvqbench.report.models`), not from one result set."""
+Drawn from two models' statistics (:mod:`kvqbench.report.stats.models`), not from one result set."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from kvqbench.report.figures import save
-from kvqbench.report.figures.axes import legend_outside
-from kvqbench.report.figures.data import setting_bits
-from kvqbench.report.figures.style import RC, Style, pyplot
-from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS
+from kvqbench.report.render.figures import save
+from kvqbench.report.render.figures.axes import legend_outside
+from kvqbench.report.render.figures.data import setting_bits
+from kvqbench.report.render.figures.style import RC, Style, pyplot
+from kvqbench.report.stats.models import kl_points, rank_table
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 
 __all__ = ["draw_models", "FILE"]
 
@@ -37,8 +38,6 @@ def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: lis
         ValueError: not exactly two models. ImportError: matplotlib is missing.
     """
     import matplotlib
-
-    from kvqbench.report.models import kl_points, rank_table
 
     table = rank_table(stats_by_model, target=target)
     a, b = table["models"]

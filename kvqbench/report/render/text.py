@@ -1,0 +1,101 @@
+"""How the renderers write numbers, intervals and lists. Torch-free.
+
+Rendering is a pure function of the document's *content*: the document is first put in its saved form
+(:func:`canonical`: strict JSON with sorted keys), so the Markdown a run writes from the in-memory board
+and the one ``kvqbench report DIR`` writes from the saved ``leaderboard.json`` are byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvqbench.cells import is_plain_setting, setting_order
+from kvqbench.report.io import to_jsonable
+
+__all__ = ["canonical", "fmt", "value_text", "missing_text", "cells_text", "rho_text", "tied", "listed",
+           "plain_settings", "completeness_banner"]
+
+CELL_STATES = ("passed", "failed", "skipped")
+
+
+def canonical(board: dict[str, Any]) -> dict[str, Any]:
+    """``board`` as it reads back from ``leaderboard.json`` (sorted keys, strict JSON values)."""
+    return json.loads(json.dumps(to_jsonable(board), sort_keys=True, allow_nan=False))
+
+
+def fmt(x: Any, ci: Any = None, digits: int = 4) -> str:
+    """``1.234e-03 ± 5.6e-05`` style; ``—`` for missing."""
+    if x is None:
+        return "—"
+    if isinstance(x, str):
+        return x
+    if x == 0:
+        s = "0"
+    elif 1e-3 <= abs(x) < 1e4:
+        s = f"{x:.{digits}g}"
+    else:
+        s = f"{x:.{digits - 1}e}"
+    if ci:
+        s += f" ± {ci:.2g}"
+    return s
+
+
+def value_text(e: dict[str, Any]) -> str:
+    """``mean ± ci``, with ``(n=2/3)`` when the entry has fewer seeds than asked."""
+    text = fmt(e["mean"], e["ci95"])
+    if e.get("n", 0) < e.get("n_asked", 0):
+        text += f" (n={e['n']}/{e['n_asked']})"
+    return text
+
+
+def missing_text(src: dict[str, Any], exp: str, method: str, setting: str) -> str:
+    """Why a (method, setting) of ``exp`` has no value: ``failed``, ``skipped`` or ``not run`` (from the
+    source's ``setting_cells``); ``—`` when the cells ran but gave no finite value of the metric."""
+    c = (src.get("setting_cells") or {}).get(exp, {}).get(method, {}).get(setting)
+    if not c:
+        return "not run"
+    if c.get("failed") and not c.get("passed"):
+        return "failed"
+    if c.get("skipped") and not c.get("passed"):
+        return "skipped"
+    return "—"
+
+
+def cells_text(cells: dict[str, Any]) -> str:
+    """``passed 10, failed 1, skipped 0`` (+ any other states)."""
+    keys = [k for k in CELL_STATES if k in cells] + sorted(k for k in cells if k not in CELL_STATES)
+    return ", ".join(f"{k} {cells[k]}" for k in keys)
+
+
+def rho_text(rho: Any, ci: Any) -> str:
+    """``+0.83 [+0.61, +0.95]``: a Spearman ρ and its CI; ``—`` when undefined."""
+    if rho is None:
+        return "—"
+    return f"{rho:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
+
+
+def tied(b: dict[str, Any]) -> str:
+    """The best method and its ties as ``a = b`` (method ids in backticks); ``—`` when no point fits."""
+    if not b.get("method"):
+        return "—"
+    return " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b.get("ties") or [])])
+
+
+def listed(items: list, n: int = 5) -> str:
+    return "; ".join(map(str, items[:n])) + (" …" if len(items) > n else "")
+
+
+def plain_settings(by_method: dict[str, Any]) -> list[str]:
+    """The settings without variant axes of ``method → setting → …``, in setting order."""
+    return sorted({s for by in by_method.values() for s in by if is_plain_setting(s)}, key=setting_order)
+
+
+def completeness_banner(board: dict[str, Any]) -> str | None:
+    """``**INCOMPLETE** — incomplete: 78 of 435 cells finished, interrupted …`` for a partial result set
+    (``board["completeness"]``, see :func:`kvqbench.report.results.completeness`), else ``None``."""
+    comp = board.get("completeness") or {}
+    if not comp or comp.get("complete", True):
+        return None
+    return (f"**INCOMPLETE RESULT SET** — {comp.get('summary', 'incomplete')}. Settings with fewer seeds than "
+            "asked are marked with their n and are not ranked; compare with care.")
