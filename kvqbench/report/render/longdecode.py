@@ -15,7 +15,7 @@ from kvqbench.report.stats.longdecode import (
     EXPERIMENT,
     LONG_PREDICTIVITY_TARGETS,
     long_decode_points,
-    noise,
+    noise_floor,
 )
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 from kvqbench.report.stats.ranking import best_at_budgets
@@ -46,7 +46,7 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
             continue
         short = sorted(m for m, e in have.items() if is_short(e["long_kl_nats"]))  # fewer seeds than asked:
         ranked = ranked_with_floor({m: (e["long_kl_nats"]["mean"], e["long_kl_nats"]["ci95"],  # not ranked
-                                        noise(stats6, m, s, "long_kl_nats")) for m, e in have.items()
+                                        noise_floor(stats6, m, s, "long_kl_nats")) for m, e in have.items()
                                     if m not in short})
         ranked += [{"method": m, "rank": "—", "ties": []} for m in short]
         rows = []

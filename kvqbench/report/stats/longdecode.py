@@ -23,7 +23,7 @@ from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.aggregate import setting_key
 from kvqbench.report.stats.intervals import is_short, mean_ci
 
-__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "noise", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
+__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "noise_floor", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
            "CI_SHARE_TARGET"]
 
 #: the long-decode experiment
@@ -115,7 +115,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     return out
 
 
-def noise(stats6: dict[str, Any], method: str, setting: str, metric: str) -> float | None:
+def noise_floor(stats6: dict[str, Any], method: str, setting: str, metric: str) -> float | None:
     """The noise floor (standard deviation) of ``metric`` at a (method, setting), ``None`` without one."""
     e = stats6.get(method, {}).get(setting, {}).get(NOISE_OF.get(metric, ""))
     return e["mean"] if e else None
