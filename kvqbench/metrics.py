@@ -100,23 +100,25 @@ def experiment_of(name: str) -> str:
     return get_metric(name).experiment
 
 
-def varies(name: str) -> str:
-    """How metric ``name`` moves between runs of the same seeds (module doc); ``"deterministic"`` for a
-    name the catalog does not hold."""
+def varies(name: str, spec: dict | None = None) -> str:
+    """How metric ``name`` moves between runs of the same seeds (module doc): as ``spec`` (its record in
+    a saved catalog, :func:`catalog_dict`) says, else as this catalog says; ``"deterministic"`` for a
+    name neither holds."""
+    if spec and spec.get("varies") in _VARIES:
+        return spec["varies"]
     m = CATALOG.get(name)
     return m.varies if m is not None else "deterministic"
 
 
-def is_timing(name: str) -> bool:
-    """Whether ``name`` is a timing or memory metric (its value depends on the machine's load)."""
-    return varies(name) in ("timing", "memory")
+def is_timing(name: str, spec: dict | None = None) -> bool:
+    """Whether ``name`` is a timing or memory metric (:func:`varies`): its value depends on the
+    machine's load."""
+    return varies(name, spec) in ("timing", "memory")
 
 
 def catalog_dict() -> dict[str, dict]:
-    """The catalog as JSON-able dicts, saved into every results file: what a result means (name, unit,
-    better-direction, description, experiment, scale_free, headline). ``varies`` stays out: it describes
-    the measuring code, and readers of a saved set take it from the live catalog (:func:`varies`)."""
-    return {k: {f: v for f, v in asdict(m).items() if f != "varies"} for k, m in sorted(CATALOG.items())}
+    """The catalog as JSON-able dicts (saved into every results file)."""
+    return {k: asdict(v) for k, v in sorted(CATALOG.items())}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -144,8 +144,8 @@ def fits_largest_budget(method: str, bits: int) -> bool:
     """Whether ``method`` at ``bits`` (K and V) can be a matched-budget point: its nominal bits per element
     on :data:`BUDGET_SHAPE`, mean of K and V, are at most the largest budget
     (:data:`kvqbench.cells.BUDGETS`)."""
-    from kvqbench.quantizers import create
     from kvqbench.cells import BUDGETS
+    from kvqbench.quantizers import create
 
     q = create(method, bits)
     return (q.nominal_bits("k", BUDGET_SHAPE) + q.nominal_bits("v", BUDGET_SHAPE)) / 2 <= BUDGETS[-1] + 1e-9

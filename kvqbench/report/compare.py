@@ -144,10 +144,10 @@ class Comparison:
     methods_only_base: list[str] = field(default_factory=list)
 
 
-def varies_between_runs(name: str) -> bool:
-    """Whether a metric's values move between runs of the same seeds (the catalog's
-    :func:`kvqbench.metrics.varies` is not ``"deterministic"``)."""
-    return varies(name) != "deterministic"
+def varies_between_runs(name: str, spec: dict[str, Any] | None = None) -> bool:
+    """Whether a metric's values move between runs of the same seeds (:func:`kvqbench.metrics.varies`
+    of its saved catalog record ``spec`` is not ``"deterministic"``)."""
+    return varies(name, spec) != "deterministic"
 
 
 def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
@@ -224,7 +224,7 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
                         out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
                                                   bm[name].get("ci95"), nm[name].get("ci95"),
                                                   int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
-                                                  varies_between_runs(name)))
+                                                  varies_between_runs(name, spec)))
     new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
     out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
                                     for m in exp} - new_methods)
@@ -272,7 +272,7 @@ def crossings(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) -
     for rule in rules:
         for c in cmp.changes:
             if rule.metric == "any":
-                if is_timing(c.metric):
+                if is_timing(c.metric, catalog.get(c.metric)):
                     continue
             elif c.metric != rule.metric:
                 continue
@@ -307,7 +307,7 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
     named = {r.metric for r in (rules or [])}
 
     def shown(c: Change) -> bool:
-        return not is_timing(c.metric) or c.metric in named
+        return not is_timing(c.metric, catalog.get(c.metric)) or c.metric in named
 
     changes = [c for c in cmp.changes if shown(c)]
     reg = sorted((c for c in changes if c.status == "regressed" and c.worsening_pct >= show_percent),

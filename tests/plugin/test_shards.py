@@ -31,7 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvqbench.metrics import NONDETERMINISTIC_METRICS
-from kvqbench.report.markdown import render_markdown
+from kvqbench.report.render.markdown import render_markdown
 from kvqbench.shard import split
 
 ROOT = Path(__file__).resolve().parents[2]

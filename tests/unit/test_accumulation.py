@@ -174,7 +174,7 @@ def test_by_batch_matches_per_slice_and_pooled():
 
 
 def test_pareto_metric_at_matched_decode_budget():
-    from kvqbench.report.leaderboard import pareto_metric
+    from kvqbench.report.stats.ranking import pareto_metric
 
     def e(v):
         return {"mean": v, "ci95": None}

@@ -128,7 +128,7 @@ def test_report_and_compare_reject_a_malformed_leaderboard(tmp_path, capsys, tex
 
 def test_report_accepts_a_well_formed_leaderboard(tmp_path, capsys):
     from kvqbench.report.io import read_json
-    from kvqbench.report.render import leaderboard_problem
+    from kvqbench.report.reader import leaderboard_problem
 
     good = write_results(tmp_path / "good")
     assert leaderboard_problem(read_json(good / "leaderboard.json")) is None

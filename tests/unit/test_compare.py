@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from test_report_samples import _rec, board, records, write_results
 
-from kvqbench.report.compare import Change, compare_boards, is_timing, main, parse_fail_on
+from kvqbench.metrics import is_timing
+from kvqbench.report.compare import Change, compare_boards, main, parse_fail_on
 
 
 def _run(base, new, *rules, **kw):
@@ -251,8 +252,11 @@ def test_parse_fail_on_and_timing_detection():
                                                                                          ("any", 2.5)]
     with pytest.raises(ValueError, match="METRIC:PERCENT"):
         parse_fail_on(["rel_mse:-1"])
-    assert is_timing("quantize_ms", {"unit": "ms"}) and is_timing("dequant_latency", {})
+    # as the catalog declares, or as a saved record says for a metric the catalog does not hold
+    assert is_timing("quant_latency_ms") and is_timing("dequant_latency_x_clone") and is_timing("peak_mem_mib")
+    assert is_timing("quantize_ms", {"unit": "ms", "varies": "timing"}) and not is_timing("quantize_ms", {"unit": "ms"})
     assert not is_timing("k_mse", {"unit": "1"}) and not is_timing("bits_effective", {"unit": "bits/element"})
+    assert not is_timing("e2e_prefill_kl_nats")
 
 
 def test_cli_compare_uses_the_same_exit_codes(tmp_path, base_dir):

@@ -10,7 +10,7 @@ from kvqbench.data.synthetic import make_synthetic
 from kvqbench.experiments.cost import CostConfig, held_bytes, run_cost, time_call
 from kvqbench.metrics import CATALOG, NONDETERMINISTIC_METRICS, catalog_dict
 from kvqbench.quantizers import create
-from kvqbench.report.leaderboard import assemble
+from kvqbench.report.board import assemble
 
 
 def _data():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.quantizers import create
-from kvqbench.report.leaderboard import data_quality
+from kvqbench.report.stats.quality import data_quality
 
 BITS = (2, 3, 4, 8)
 

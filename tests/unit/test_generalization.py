@@ -15,7 +15,7 @@ from kvqbench.experiments.generalization import (
     run_group_size,
 )
 from kvqbench.quantizers import available, create
-from kvqbench.report.leaderboard import DATA_QUALITY_CHECKS, data_quality
+from kvqbench.report.stats.quality import DATA_QUALITY_CHECKS, data_quality
 
 
 def _data(seed=0, t=256):

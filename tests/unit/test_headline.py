@@ -11,9 +11,10 @@ import re
 import pytest
 from scipy.stats import spearmanr
 
-from kvqbench.report.headline import HEADLINE_DEFAULT, choose_headline, paired_rho_difference
-from kvqbench.report.leaderboard import assemble, best_at_budgets
-from kvqbench.report.markdown import render_markdown
+from kvqbench.report.board import assemble
+from kvqbench.report.render.markdown import render_markdown
+from kvqbench.report.stats.headline import HEADLINE_DEFAULT, choose_headline, paired_rho_difference
+from kvqbench.report.stats.ranking import best_at_budgets
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 DEFAULT = HEADLINE_DEFAULT["metric"]
@@ -181,7 +182,7 @@ def test_budget_bits_run_only_where_they_can_be_a_budget_point():
 def test_terminal_table_ranks_real_data_as_the_first_screen_does():
     """The table printed after a run ranks real data on the measured KL (f before c, d, e), not on the
     tensor metric that disagrees with it, and shows that metric beside it."""
-    from kvqbench.report.markdown import render_terminal
+    from kvqbench.report.render.terminal import render_terminal
 
     perfect = {m: v / 3 for m, v in KL.items()}
     tensor = dict(perfect, f=0.9)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvqbench.report.leaderboard import mean_ci, rankings
+from kvqbench.report.stats.intervals import mean_ci
+from kvqbench.report.stats.ranking import rankings
 
 CAT = {"m": {"better": "lower", "unit": "1", "experiment": "exp1"},
        "h": {"better": "higher", "unit": "1", "experiment": "exp1"}}

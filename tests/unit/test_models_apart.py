@@ -14,7 +14,8 @@ from test_report_samples import PROVENANCE, records
 from kvqbench.cells import real_source
 from kvqbench.report.compare import main as compare_main
 from kvqbench.report.merge import MergeError, merge_shards
-from kvqbench.report.results import load_result_set, write_result_set
+from kvqbench.report.reader import load_result_set
+from kvqbench.report.results import write_result_set
 
 GEMMA = "gemma3-270m"
 
@@ -105,7 +106,7 @@ def test_a_folder_holding_two_models_runs_rebuilds_with_both_provenances(tmp_pat
     import shutil
 
     from kvqbench.report.publish import publish
-    from kvqbench.report.render import render_dir
+    from kvqbench.report.rerender import render_dir
 
     a, recs_a = _shard(tmp_path / "smol", "smollm2")
     b, recs_b = _shard(tmp_path / "gemma", GEMMA)

@@ -8,9 +8,10 @@ import copy
 
 import pytest
 
-from kvqbench.report.headline import HEADLINE_DEFAULT
-from kvqbench.report.leaderboard import assemble
-from kvqbench.report.models import predictivity_transfer, rank_table, render_rank_table, render_transfer
+from kvqbench.report.board import assemble
+from kvqbench.report.render.models import render_rank_table, render_transfer
+from kvqbench.report.stats.headline import HEADLINE_DEFAULT
+from kvqbench.report.stats.models import predictivity_transfer, rank_table
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 KL_A = {"fp16": 0.0, "a": 1.6, "b": 1.3, "c": 1.0, "d": 0.8, "e": 0.6, "f": 0.45, "g": 0.3, "h": 0.2}
@@ -118,7 +119,7 @@ def test_a_board_with_two_models_has_their_section_and_figure(tmp_path):
     import json
 
     from kvqbench.report.render.figures import write_figures
-    from kvqbench.report.markdown import render_markdown
+    from kvqbench.report.render.markdown import render_markdown
 
     tensor = {HEADLINE_DEFAULT["metric"]: KL_A}
     recs = _model_records(KL_A, tensor)

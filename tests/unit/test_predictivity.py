@@ -11,15 +11,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
-from kvqbench.report.headline import choose_headline
-from kvqbench.report.leaderboard import (
-    PREDICTIVITY_TARGETS,
-    assemble,
-    predictivity,
-    spearman_rows,
-)
-from kvqbench.report.markdown import render_markdown
+from kvqbench.report.board import assemble
 from kvqbench.report.publish import render_digest
+from kvqbench.report.render.markdown import render_markdown
+from kvqbench.report.stats.headline import choose_headline
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, predictivity, spearman_rows
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 METHODS = ("fp16", "a", "b", "c", "d", "e")

@@ -151,7 +151,7 @@ def test_readme_digest_matches_published_leaderboard():
     want = render_digest(read_json(lb))
     assert got == want, "README digest is stale: run `kvqbench publish RESULTS_DIR leaderboard/` (or fix README.md)"
     md = ROOT / "leaderboard" / "LEADERBOARD.md"
-    from kvqbench.report.markdown import render_markdown
+    from kvqbench.report.render.markdown import render_markdown
 
     assert md.read_text(encoding="utf-8") == render_markdown(read_json(lb)), "leaderboard/LEADERBOARD.md is stale"
     assert find_leaks(read_json(lb)) == [], "leaderboard/leaderboard.json holds local paths or names"

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from kvqbench.report.leaderboard import PREDICTIVITY_TARGETS, assemble, mean_ci, predictivity
-from kvqbench.report.longdecode import ranked_with_floor, summarize
-from kvqbench.report.markdown import render_markdown
+from kvqbench.report.board import assemble
+from kvqbench.report.render.markdown import render_markdown
+from kvqbench.report.stats.intervals import mean_ci, ranked_with_floor
+from kvqbench.report.stats.longdecode import summarize
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, predictivity
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 METHODS = ("fp16", "a", "b", "c", "d", "e")
@@ -129,7 +131,7 @@ def test_first_screen_has_the_long_decode_kl_of_each_budget_best(board, md):
     screen = md.split("# Details", 1)[0]
     assert "long-decode KL (`long_kl_nats`) @ bits billed at T" in screen
     line = next(ln for ln in screen.splitlines() if ln.startswith("| ≤ 2.25"))
-    from kvqbench.report.markdown import fmt
+    from kvqbench.report.render.text import fmt
 
     assert f"{fmt(st['long_kl_nats']['mean'], st['long_kl_nats']['ci95'])} @ 2.5 b" in line
 
@@ -143,7 +145,7 @@ def test_first_screen_unchanged_without_exp6():
 def test_kl_vs_position_table_equals_the_input_means(md):
     rows = _table(md, "### KL vs decoded position", "k2v2")
     assert rows[0] == ["method", "63–95", "95–127", "127–159", "slope /1k tokens"]
-    from kvqbench.report.markdown import fmt
+    from kvqbench.report.render.text import fmt
 
     for m in ("a", "c", "e"):
         row = _row(rows, m)
@@ -171,7 +173,7 @@ def test_ranked_with_floor_closed_form():
 
 
 def test_free_running_and_passkey_tables(md):
-    from kvqbench.report.markdown import fmt
+    from kvqbench.report.render.text import fmt
 
     free = _table(md, "### Free-running divergence")
     a = _row(free, "a")

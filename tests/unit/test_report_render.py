@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_report_samples import write_results
 
-from kvqbench.report.render import render_dir
+from kvqbench.report.rerender import render_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_TORCH = "import sys\nsys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
@@ -107,7 +107,7 @@ def test_terminal_says_why_a_set_without_end_to_end_ranks_on_relative_mse():
 
     from test_report_samples import board
 
-    from kvqbench.report.markdown import render_terminal
+    from kvqbench.report.render.terminal import render_terminal
 
     b = board()
     assert not b["headline"]["from_predictivity"]
@@ -139,8 +139,9 @@ def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
     run. With every sample method (fp16 is exact: 3 damaged) the same reason names the three."""
     from test_report_samples import board, records
 
-    from kvqbench.report.leaderboard import PREDICTIVITY_MIN_METHODS
-    from kvqbench.report.markdown import render_markdown, render_terminal
+    from kvqbench.report.render.markdown import render_markdown
+    from kvqbench.report.render.terminal import render_terminal
+    from kvqbench.report.stats.predictivity import PREDICTIVITY_MIN_METHODS
 
     assert PREDICTIVITY_MIN_METHODS == 4
     kvarn = [r for r in records() if r["method"] == "kvarn"] + _e2e_records(["kvarn"])
@@ -161,7 +162,7 @@ def test_terminal_says_why_an_end_to_end_run_of_one_method_picks_no_metric():
     # without exp5 the reason is the missing end-to-end run
     assert "(relative MSE: this result set has no end-to-end run, so it cannot pick" in render_terminal(board())
     # enough damaged methods, but no tensor metric beside them (an end-to-end-only selection)
-    from kvqbench.report.markdown import no_predictivity_reason
+    from kvqbench.report.render.headline import no_predictivity_reason
 
     e2e_only = board(_e2e_records(["rtn_token", "kivi", "kvarn", "other"]))
     assert not e2e_only["headline"]["from_predictivity"]

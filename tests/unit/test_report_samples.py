@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from kvqbench.metrics import catalog_dict
+from kvqbench.report.board import assemble
 from kvqbench.report.io import write_json_atomic, write_text_atomic
-from kvqbench.report.leaderboard import assemble
-from kvqbench.report.markdown import render_markdown
+from kvqbench.report.render.markdown import render_markdown
 
 METHODS = ("fp16", "rtn_token", "kivi", "kvarn")
 BASE_ERR = {"fp16": 0.0, "rtn_token": 0.7, "kivi": 0.55, "kvarn": 0.23}
@@ -33,9 +33,9 @@ EXTRA_CATALOG = {
     "attn_cos_gain": {"name": "attn_cos_gain", "unit": "1", "better": "higher", "description": "fake higher-better",
                       "experiment": "exp2", "scale_free": True, "headline": False},
     "quantize_ms": {"name": "quantize_ms", "unit": "ms", "better": "lower", "description": "fake latency",
-                    "experiment": "exp4", "scale_free": False, "headline": False},
+                    "experiment": "exp4", "scale_free": False, "headline": False, "varies": "timing"},
     "dequantize_ms": {"name": "dequantize_ms", "unit": "ms", "better": "lower", "description": "fake latency",
-                      "experiment": "exp4", "scale_free": False, "headline": False},
+                      "experiment": "exp4", "scale_free": False, "headline": False, "varies": "timing"},
     "cost_bits_effective": {"name": "cost_bits_effective", "unit": "bits/element", "better": "lower",
                             "description": "fake bits", "experiment": "exp4", "scale_free": True, "headline": False},
 }

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from test_report_samples import PROVENANCE, catalog, records
 
+from kvqbench.report.reader import load_result_set
 from kvqbench.report.results import (
     INCOMPLETE_DIR,
     check_writable,
     completeness,
     holds_complete_set,
-    load_result_set,
     write_result_set,
 )
 
@@ -160,7 +160,7 @@ def test_report_rebuilds_a_killed_write_byte_for_byte(tmp_path, capsys):
 def test_a_failed_seed_is_marked_not_ranked_and_off_the_front():
     from test_report_samples import board
 
-    from kvqbench.report.markdown import render_markdown
+    from kvqbench.report.render.markdown import render_markdown
 
     recs = records(experiments=("exp1",))
     for r in recs:

@@ -17,7 +17,7 @@ from kvqbench.experiments.generalization import run_codebook_gap, run_group_size
 from kvqbench.experiments.outliers import run_outliers
 from kvqbench.experiments.reconstruction import run_reconstruction
 from kvqbench.quantizers import create
-from kvqbench.report.leaderboard import data_quality
+from kvqbench.report.stats.quality import data_quality
 from tests.property.strategies import kv_tensors
 
 RUNS = {

@@ -33,7 +33,8 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
         return None
     names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
     # the latencies: timing metrics in milliseconds (not throughputs, not multiples of a clone)
-    lat = sorted((n for n in names if varies(n) == "timing" and catalog.get(n, {}).get("unit") == "ms"),
+    lat = sorted((n for n in names if varies(n, catalog.get(n)) == "timing"
+                  and catalog.get(n, {}).get("unit") == "ms"),
                  key=lambda n: ("dequant" in n, n))
     bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
     bit_src = exp4
