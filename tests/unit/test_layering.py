@@ -1,0 +1,178 @@
+"""The import graph of ``kvqbench``: no circles anywhere, ``report/`` free of torch, and its statistics
+free of its renderers (docs/INTERNALS.md). Every import counts, at module level or inside a function:
+both run, and both tie one module to another."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvqbench
+
+ROOT = Path(kvqbench.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package: dotted name → file (a package is its ``__init__.py``)."""
+    out = {}
+    for f in sorted(ROOT.rglob("*.py")):
+        parts = f.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, file: Path) -> set[str]:
+    """The modules ``name`` imports, wherever the import statement stands: ``from a import b`` is ``a.b``
+    when that is a module, else ``a``; relative imports resolved against ``name``'s package."""
+    package = name if file.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), str(file))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:
+                found.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
+    return found
+
+
+def graph(prefix: str = "kvqbench") -> dict[str, set[str]]:
+    """Edges between the modules under ``prefix`` (imports of a module by itself left out)."""
+    return {m: {i for i in _imports(m, f) if i in MODULES and i != m and i.startswith(prefix)}
+            for m, f in MODULES.items() if m.startswith(prefix)}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``g`` with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_sees_a_circle_and_a_chain():
+    """The finder itself, on graphs whose answer is known: a three-module circle, and a chain without one."""
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+#: circles outside ``report/`` that the restructuring of the plugin and the quantizers (issue 33, items 4
+#: and 5, another branch) removes: ``base.py`` importing its package to register the built-ins, and
+#: ``plugin.collection`` ↔ ``plugin.results``. Empty this when that branch is merged.
+PENDING = [
+    ["kvqbench.plugin.collection", "kvqbench.plugin.results"],
+    sorted(["kvqbench.quantizers", "kvqbench.quantizers.base", *(f"kvqbench.quantizers.{m}" for m in (
+        "fp16", "kitty", "kivi", "kvarn", "kvquant", "polarquant", "quarot", "rtn", "turboquant"))]),
+]
+
+
+def test_no_import_circle_in_report():
+    found = cycles(graph("kvqbench.report"))
+    assert not found, "import circles: " + "; ".join(" ↔ ".join(c) for c in found)
+
+
+def test_no_import_circle_in_kvqbench():
+    found = [c for c in cycles(graph()) if c not in PENDING]
+    assert not found, "import circles: " + "; ".join(" ↔ ".join(c) for c in found)
+
+
+def test_report_imports_no_torch_by_its_source():
+    bad = {m: sorted(i for i in _imports(m, f) if i == "torch" or i.startswith("torch."))
+           for m, f in MODULES.items() if m.startswith("kvqbench.report")}
+    assert not {m: v for m, v in bad.items() if v}
+
+
+def test_report_stats_import_no_renderer():
+    """The statistics layer imports no renderer, tabulate or matplotlib, and nothing above it (the board,
+    the commands)."""
+    stats = [m for m in MODULES if m.startswith("kvqbench.report.stats")]
+    assert stats
+    bad = {}
+    for m in stats:
+        wrong = sorted(i for i in _imports(m, MODULES[m])
+                       if i.split(".")[0] in ("tabulate", "matplotlib", "torch")
+                       or (i.startswith("kvqbench.report") and not i.startswith(("kvqbench.report.stats",
+                                                                                  "kvqbench.report.io"))))
+        if wrong:
+            bad[m] = wrong
+    assert not bad
+
+
+def test_renderers_never_import_commands():
+    """The renderers read the assembled board: they import statistics constants below them, never the
+    board's assembly or the command-level modules above them."""
+    above = ("kvqbench.report.board", "kvqbench.report.results", "kvqbench.report.merge", "kvqbench.report.compare",
+             "kvqbench.report.publish", "kvqbench.report.rerender", "kvqbench.report.previous")
+    bad = {m: sorted(i for i in _imports(m, f) if i.startswith(above))
+           for m, f in MODULES.items() if m.startswith("kvqbench.report.render")}
+    assert not {m: v for m, v in bad.items() if v}
+
+
+BLOCK_TORCH = """
+import importlib, importlib.abc, sys
+
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"torch blocked: {name}")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+assert not any(m == "torch" or m.startswith("torch.") for m in sys.modules), "torch was imported"
+print("ok", len(sys.argv) - 1)
+"""
+
+
+def test_report_imports_without_torch():
+    """Every module of ``report/`` imports in a fresh interpreter where importing torch raises."""
+    names = sorted(m for m in MODULES if m.startswith("kvqbench.report"))
+    res = subprocess.run([sys.executable, "-c", BLOCK_TORCH, *names], capture_output=True, text=True,
+                         cwd=ROOT.parent, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == f"ok {len(names)}"
+
+
+@pytest.mark.parametrize("name", ["torch", "torch.nn"])
+def test_torch_blocker_blocks(name):
+    """The blocker of :func:`test_report_imports_without_torch` does stop a torch import."""
+    res = subprocess.run([sys.executable, "-c", BLOCK_TORCH, name], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "torch blocked" in res.stderr
