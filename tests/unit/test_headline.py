@@ -1,4 +1,4 @@
-"""The first screen (kvqbench/report/headline.py): a headline metric that float noise cannot flip, real
+"""The first screen (kvqbench/report/stats/headline.py): a headline metric that float noise cannot flip, real
 data ranked on measured end-to-end KL at the bits billed, ties printed as ties, and every other "best"
 table naming its criterion. Torch-free; hand-built records with known rank relations."""
 

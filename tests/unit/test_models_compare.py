@@ -1,4 +1,4 @@
-"""Two models side by side (kvqbench/report/models.py, figures/models.py): end-to-end KL ranks and their
+"""Two models side by side (kvqbench/report/stats/models.py, render/models.py, render/figures/models.py): end-to-end KL ranks and their
 rank correlation, the headline metric's predictivity out of sample, and the KL-vs-KL figure. Torch-free;
 synthetic statistics with known rank relations."""
 

@@ -1,4 +1,4 @@
-"""Experiment 6 in the leaderboard (kvqbench/report/longdecode.py): the long-decode KL on the first screen,
+"""Experiment 6 in the leaderboard (kvqbench/report/stats/longdecode.py, render/longdecode.py): the long-decode KL on the first screen,
 the tables (long-decode KL with the noise floor and ties, KL vs position, free-running divergence,
 passkey), predictivity against the long-decode KL and the passkey drop, and the KL-vs-position figure.
 Torch-free; hand-built records whose means are known."""
