@@ -267,6 +267,21 @@ def test_power_at_a_true_ratio_of_1_3(n_windows):
         assert rate < 0.35  # 3 windows: a 1.3× difference is missed in most draws (analytic 0.25)
 
 
+def test_two_identical_methods_are_separated_at_twice_alpha():
+    # the best is chosen by the data (the lower mean), so the one-sided test against it rejects whenever
+    # |t| > t_(1-α): under "no difference" that happens with probability exactly 2α (t is symmetric)
+    rng, draws, n = np.random.default_rng(21), 1000, 16
+    false = 0
+    for _ in range(draws):
+        kl = np.exp(rng.normal(-0.5, 0.5, n))
+        twin = kl * np.exp(SD_LOG_DIFF * rng.standard_normal(n))
+        v = budget_verdict({"a": dict(enumerate(kl)), "b": dict(enumerate(twin))}, n_boot=20)
+        false += not v["comparisons"][0]["tied"]
+    expected = float(2 * stats.t.sf(stats.t.ppf(1 - ALPHA, n - 1), n - 1))
+    assert expected == pytest.approx(2 * ALPHA)
+    assert abs(false / draws - expected) < 4 * math.sqrt(expected * (1 - expected) / draws)
+
+
 # ------------------------------------------------------------------ the compare gate
 
 
