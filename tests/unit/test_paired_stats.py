@@ -5,6 +5,8 @@ intervals cover the known order; the rule's power matches the noncentral-t power
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -307,3 +309,10 @@ def test_compare_gate_exact_zeros():
     gained = compare_gate({0: 1.0, 1: 2.0}, {0: 0.0, 1: 0.0})
     assert gained["worse"] is False and gained["ratio"] == 0.0
     assert compare_gate({0: 1.0}, {0: 3.0})["worse"] is None  # one unit: no interval, the threshold decides
+
+
+def test_the_statistics_import_neither_torch_nor_the_rest_of_the_report():
+    code = ("import sys, kvqbench.report.stats.paired; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvqbench.report')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(["kvqbench.report", "kvqbench.report.stats", "kvqbench.report.stats.paired"])
