@@ -1,0 +1,271 @@
+"""Paired comparisons of settings scored on the same units (docs/METRICS.md, "Paired comparisons").
+
+A *unit* is what every compared setting was scored on: the text window (exp5), the text (exp6 long
+decode), the seed (synthetic data, exp1–4). Unit-to-unit difficulty is shared by all settings and
+cancels in a paired difference, so settings are compared unit by unit, never by whether two marginal
+intervals overlap. Damage metrics are ratio-scale (KL, MSE, error norms) and are compared on the log
+scale: a result reads as "× the best's".
+
+- :func:`paired_ratio`: the geometric-mean ratio other/best, its paired t interval and the one-sided
+  paired t-test (``scipy.stats.ttest_rel``) of "other is worse".
+- :func:`holm`: Holm's step-down adjusted p-values.
+- :func:`budget_verdict`: the first screen's rule at one budget — the best has the lowest mean log
+  damage; every other candidate is tested one-sided against it, Holm over the candidates, α = 0.05;
+  *tied* means not separated by that test.
+- :func:`rank_intervals`: a paired cluster bootstrap (the same resampled units for every setting) giving
+  each setting's rank interval and probability of ranking first.
+- :func:`mcnemar_exact`: McNemar's exact test on paired binary trials (passkey exact match).
+- :func:`compare_gate`: ``compare BASE NEW`` for one cell scored per unit: worse only beyond the paired CI.
+
+Values must be finite. The log scale needs positive values: a unit where both sides are exactly equal
+(both exactly 0 included) contributes a log difference of exactly 0; any other value ≤ 0 raises
+``ValueError`` (exact settings, damage 0, are not budget points; :func:`compare_gate` treats exact zeros
+itself). Pure functions of their arguments (numpy and scipy.stats only): the same numbers on every run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Mapping, Sequence
+
+import numpy as np
+from scipy import stats
+
+__all__ = ["ALPHA", "CONFIDENCE", "BOOTSTRAP", "BOOTSTRAP_SEED", "PAIRED_TEST", "shared_units", "aligned",
+           "log_differences", "paired_ratio", "holm", "mcnemar_exact", "rank_intervals", "budget_verdict",
+           "compare_gate"]
+
+#: family-wise error rate of the tests of one budget row (Holm over the candidates compared with the best)
+ALPHA = 0.05
+#: confidence of the ratio intervals and the rank intervals
+CONFIDENCE = 0.95
+#: resamples of the paired cluster bootstrap and its PCG64 seed
+BOOTSTRAP = 2000
+BOOTSTRAP_SEED = 0
+#: the board's top-level description of the rule (docs/METRICS.md)
+PAIRED_TEST: dict[str, Any] = {"test": "one-sided paired t-test on log values", "correction": "Holm", "alpha": ALPHA,
+                               "confidence": CONFIDENCE, "bootstrap": BOOTSTRAP, "bootstrap_seed": BOOTSTRAP_SEED}
+
+
+def shared_units(per_setting: Mapping[Hashable, Mapping[Hashable, float]]) -> list:
+    """The units every setting has a finite value for, sorted.
+
+    Args:
+        per_setting: setting key → (unit id → value); unit ids of one kind (all ints or all strings).
+
+    Returns the sorted list of shared unit ids (empty when there is none or no setting).
+    """
+    common: set | None = None
+    for by_unit in per_setting.values():
+        have = {u for u, v in by_unit.items() if v is not None and np.isfinite(v)}
+        common = have if common is None else common & have
+    return sorted(common or ())
+
+
+def aligned(per_setting: Mapping[Hashable, Mapping[Hashable, float]], units: Sequence | None = None) -> np.ndarray:
+    """The values as a ``(settings, units)`` float64 array, rows in ``per_setting``'s order, columns in the
+    order of ``units`` (default :func:`shared_units`). Raises ``KeyError`` when a setting lacks a unit."""
+    units = shared_units(per_setting) if units is None else units
+    return np.array([[float(by_unit[u]) for u in units] for by_unit in per_setting.values()],
+                    dtype=np.float64).reshape(len(per_setting), len(units))
+
+
+def log_differences(best: Sequence[float], other: Sequence[float]) -> np.ndarray:
+    """Per-unit ``log(other) − log(best)``, float64, shape ``(n,)``.
+
+    A unit where both values are exactly equal gives exactly 0 (both 0 included). Raises ``ValueError``
+    on different lengths, a non-finite value, or a value ≤ 0 at a unit where the two differ.
+    """
+    a, b = np.asarray(best, dtype=np.float64), np.asarray(other, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"paired values need two 1-d arrays of one length, got shapes {a.shape} and {b.shape}")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+        raise ValueError("paired values must be finite")
+    same = a == b
+    bad = ~same & ((a <= 0) | (b <= 0))
+    if np.any(bad):
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"the log scale needs positive values: unit {i} has {a[i]!r} and {b[i]!r}")
+    out = np.zeros_like(a)
+    out[~same] = np.log(b[~same]) - np.log(a[~same])
+    return out
+
+
+def paired_ratio(best: Sequence[float], other: Sequence[float], *, confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Geometric-mean ratio other/best over paired units, its paired CI and the one-sided p.
+
+    Args:
+        best, other: the two settings' values at the same units, in the same order (``(n,)``, ``n ≥ 1``).
+        confidence: of the two-sided interval.
+
+    Returns ``{"n_units", "ratio", "ratio_ci95", "p"}``: ``ratio = exp(mean d)`` with ``d`` the per-unit
+    log differences (:func:`log_differences`); ``ratio_ci95`` the exponentiated Student-t interval on
+    ``mean d`` (``ttest_rel(...).confidence_interval``); ``p`` the one-sided paired t-test of ``mean d > 0``
+    (``ttest_rel(..., alternative="greater")``). With one unit there is no test: ``ratio_ci95`` and ``p``
+    are ``None``. When every unit has the same ``d`` (zero variance) the interval is the point and ``p``
+    is 0 for ``d > 0``, 1 otherwise (the t statistic's limit). Raises ``ValueError`` as
+    :func:`log_differences` does, or on no unit.
+    """
+    d = log_differences(best, other)
+    n = d.size
+    if n == 0:
+        raise ValueError("a paired comparison needs at least one shared unit")
+    mean = float(np.mean(d))
+    ratio = float(np.exp(mean))
+    if n < 2:
+        return {"n_units": 1, "ratio": ratio, "ratio_ci95": None, "p": None}
+    if np.ptp(d) == 0:
+        return {"n_units": n, "ratio": ratio, "ratio_ci95": [ratio, ratio], "p": 0.0 if mean > 0 else 1.0}
+    equal = np.asarray(best, dtype=np.float64) == np.asarray(other, dtype=np.float64)  # d = 0 there, 0s included
+    lb, la = (np.log(np.where(equal, 1.0, np.asarray(v, dtype=np.float64))) for v in (best, other))
+    ci = stats.ttest_rel(la, lb).confidence_interval(confidence)
+    p = stats.ttest_rel(la, lb, alternative="greater").pvalue
+    return {"n_units": n, "ratio": ratio, "ratio_ci95": [float(np.exp(ci.low)), float(np.exp(ci.high))],
+            "p": float(p)}
+
+
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values (Holm 1979), in the input order.
+
+    With the ``m`` p-values sorted ascending, ``p_(1) ≤ … ≤ p_(m)``, the adjusted value of ``p_(i)`` is
+    ``min(1, max_{j ≤ i} (m − j + 1) p_(j))``; a hypothesis is rejected at family-wise level α when its
+    adjusted value is ≤ α. ``None`` (no test possible) counts in ``m`` as p = 1 and stays ``None``.
+    Ties keep the input order.
+    """
+    m = len(pvalues)
+    p = np.array([1.0 if v is None else float(v) for v in pvalues], dtype=np.float64)
+    order = np.argsort(p, kind="stable")
+    adj = np.empty(m, dtype=np.float64)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[i]))
+        adj[i] = running
+    return [None if v is None else float(a) for v, a in zip(pvalues, adj)]
+
+
+def mcnemar_exact(best: Sequence[bool], other: Sequence[bool], *, alternative: str = "greater") -> dict[str, Any]:
+    """McNemar's exact test on paired binary trials (e.g. passkey exact match per trial).
+
+    Args:
+        best, other: per-trial success (``bool``), the same trials in the same order.
+        alternative: ``"greater"`` tests "``best`` succeeds where ``other`` fails more often than the
+            reverse" (other is worse); ``"two-sided"`` tests any difference.
+
+    Only discordant trials carry information: with ``b`` = trials only ``best`` passed and ``c`` = trials
+    only ``other`` passed, ``p`` is ``scipy.stats.binomtest(b, b + c, 0.5, alternative)``; 1 when no trial
+    is discordant. Returns ``{"n_trials", "best_only", "other_only", "p"}``. Raises ``ValueError`` on
+    different lengths.
+    """
+    a, o = np.asarray(best, dtype=bool), np.asarray(other, dtype=bool)
+    if a.shape != o.shape or a.ndim != 1:
+        raise ValueError(f"paired trials need two 1-d arrays of one length, got shapes {a.shape} and {o.shape}")
+    b, c = int(np.sum(a & ~o)), int(np.sum(~a & o))
+    p = 1.0 if b + c == 0 else float(stats.binomtest(b, b + c, 0.5, alternative=alternative).pvalue)
+    return {"n_trials": int(a.size), "best_only": b, "other_only": c, "p": p}
+
+
+def rank_intervals(logs: Any, *, n_boot: int = BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
+                   confidence: float = CONFIDENCE) -> tuple[list[list[int]], list[float]]:
+    """Rank intervals and probability of ranking first by a paired cluster bootstrap.
+
+    Args:
+        logs: ``(settings, units)`` float array of log damage (lower is better).
+        n_boot: resamples; each draws ``units`` unit indices with replacement (PCG64 seeded by ``seed``)
+            and applies the same draw to every setting, so what the units share cancels.
+        confidence: of the rank interval.
+
+    In each resample a setting's rank is 1 + the number of settings with a strictly lower mean (equal
+    means share the better rank). Returns ``(intervals, p_best)`` in the row order: ``[lo, hi]`` the
+    ``(1 − confidence)/2`` and ``(1 + confidence)/2`` quantiles of its ranks (observed ranks,
+    ``inverted_cdf``), and the fraction of resamples where it ranks first.
+    """
+    x = np.asarray(logs, dtype=np.float64)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"rank intervals need a (settings, units) array with units, got shape {x.shape}")
+    s, n = x.shape
+    rng = np.random.Generator(np.random.PCG64(seed))
+    idx = rng.integers(0, n, size=(n_boot, n))
+    means = x[:, idx].mean(axis=2)  # (settings, n_boot)
+    ranks = 1 + (means[None, :, :] < means[:, None, :]).sum(axis=1)  # (settings, n_boot)
+    tail = (1.0 - confidence) / 2
+    lo = np.quantile(ranks, tail, axis=1, method="inverted_cdf")
+    hi = np.quantile(ranks, 1.0 - tail, axis=1, method="inverted_cdf")
+    return [[int(a), int(b)] for a, b in zip(lo, hi)], [float(v) for v in np.mean(ranks == 1, axis=1)]
+
+
+def budget_verdict(candidates: Mapping[Hashable, Mapping[Hashable, float]], *, alpha: float = ALPHA,
+                   confidence: float = CONFIDENCE, n_boot: int = BOOTSTRAP,
+                   seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+    """The first screen's answer at one budget: the best candidate and who it is separated from.
+
+    Args:
+        candidates: setting key (e.g. ``(method, setting)``) → (unit id → damage > 0); one entry per
+            method, its best setting within the budget. The mapping's order breaks exact ties.
+        alpha: family-wise level of the row's tests; confidence: of the ratio and rank intervals;
+        n_boot, seed: of :func:`rank_intervals`.
+
+    On the units every candidate shares (:func:`shared_units`) the best has the lowest mean log damage.
+    Every other candidate is compared with it by :func:`paired_ratio` (ratio other/best, one-sided p),
+    the p-values Holm-adjusted over the row (:func:`holm`); a candidate is *tied* with the best when its
+    adjusted p is above ``alpha`` or undefined (one unit), and only then.
+
+    Returns ``{"best", "n_units", "units", "rank_interval", "p_best", "comparisons": [{"key", "n_units",
+    "ratio", "ratio_ci95", "p", "p_holm", "tied", "rank_interval", "p_best"}]}`` with the comparisons
+    in ascending mean log damage. Raises ``ValueError`` when there is no candidate, no shared unit, or a
+    shared value ≤ 0.
+    """
+    keys = list(candidates)
+    if not keys:
+        raise ValueError("a budget verdict needs at least one candidate")
+    units = shared_units(candidates)
+    if not units:
+        raise ValueError(f"the candidates {keys} share no unit with a finite value")
+    x = aligned(candidates, units)
+    if np.any(x <= 0):
+        s, u = np.argwhere(x <= 0)[0]
+        raise ValueError(f"the log scale needs positive damage: {keys[s]!r} has {x[s, u]!r} at unit {units[u]!r}")
+    logs = np.log(x)
+    order = sorted(range(len(keys)), key=lambda i: float(np.mean(logs[i])))  # stable: input order breaks ties
+    best = order[0]
+    comps = [paired_ratio(x[best], x[i], confidence=confidence) for i in order[1:]]
+    adjusted = holm([c["p"] for c in comps])
+    intervals, p_best = rank_intervals(logs, n_boot=n_boot, seed=seed, confidence=confidence)
+    return {"best": keys[best], "n_units": len(units), "units": units, "rank_interval": intervals[best],
+            "p_best": p_best[best],
+            "comparisons": [{"key": keys[i], **c, "p_holm": ph, "tied": ph is None or ph > alpha,
+                             "rank_interval": intervals[i], "p_best": p_best[i]}
+                            for i, c, ph in zip(order[1:], comps, adjusted)]}
+
+
+def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float], *,
+                 confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """Is NEW worse than BASE beyond the paired CI? One cell's damage scored per unit on both sides.
+
+    Args:
+        base, new: unit id → damage ≥ 0 (lower is better); compared on the units both have (finite).
+        confidence: of the ratio interval.
+
+    Returns ``{"n_units", "ratio", "ratio_ci95", "worse", "exact_lost"}``: ``ratio`` = geometric-mean
+    NEW/BASE with its paired interval (:func:`paired_ratio`); ``worse`` is ``True`` when the interval lies
+    wholly above 1, ``None`` when there is no interval (one unit: the caller's threshold decides alone).
+    Exact zeros: a unit exact in BASE (0) and not in NEW is a loss of exactness, listed in
+    ``exact_lost``; then ``ratio`` is ``inf`` and ``worse`` ``True``. Units exact in NEW only cannot make
+    NEW worse and are left out of the test (``ratio`` 0 when no unit is left). Raises ``ValueError`` when
+    no unit is shared or a value is negative.
+    """
+    units = shared_units({"base": base, "new": new})
+    if not units:
+        raise ValueError("BASE and NEW share no unit with a finite value")
+    b = np.array([float(base[u]) for u in units], dtype=np.float64)
+    w = np.array([float(new[u]) for u in units], dtype=np.float64)
+    if np.any(b < 0) or np.any(w < 0):
+        raise ValueError("damage values must be ≥ 0")
+    lost = [u for u, x, y in zip(units, b, w) if x == 0 < y]
+    if lost:
+        return {"n_units": len(units), "ratio": float("inf"), "ratio_ci95": None, "worse": True, "exact_lost": lost}
+    keep = ~((w == 0) & (b > 0))
+    if not np.any(keep):
+        return {"n_units": 0, "ratio": 0.0, "ratio_ci95": None, "worse": False, "exact_lost": []}
+    r = paired_ratio(b[keep], w[keep], confidence=confidence)
+    worse = None if r["ratio_ci95"] is None else r["ratio_ci95"][0] > 1.0
+    return {"n_units": r["n_units"], "ratio": r["ratio"], "ratio_ci95": r["ratio_ci95"], "worse": worse,
+            "exact_lost": []}
