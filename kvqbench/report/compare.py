@@ -51,7 +51,7 @@ from typing import Any, Iterable
 from tabulate import tabulate
 
 from kvqbench.metrics import is_timing, rank_key, varies
-from kvqbench.report.reader import read_leaderboard
+from kvqbench.report.reader import check_result_files, read_leaderboard
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
            "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
@@ -177,7 +177,9 @@ def load_board(path: str | Path) -> dict[str, Any]:
     f = p / "leaderboard.json" if p.is_dir() else p
     if not f.exists():
         raise FileNotFoundError(f"{f} not found (expected a results folder or a leaderboard.json)")
-    return read_leaderboard(f)
+    board = read_leaderboard(f)
+    check_result_files(f.parent, board)  # the exp*_*.json beside it: parse, shape, the cells it counts
+    return board
 
 
 def _num(x: Any) -> float:

@@ -15,7 +15,8 @@ from kvqbench.metrics import catalog_dict
 from kvqbench.report.io import read_json
 
 __all__ = ["leaderboard_problem", "read_leaderboard", "leaderboard_path", "experiment_files", "experiment_file_problem",
-           "read_experiment_file", "load_result_set", "combined_provenance", "RECORD_KEYS"]
+           "read_experiment_file", "read_experiment_files", "check_result_files", "load_result_set",
+           "combined_provenance", "RECORD_KEYS"]
 
 
 #: what every entry of ``sources`` must hold (as dicts) for the renderers and ``compare`` to use it
@@ -158,6 +159,44 @@ def read_experiment_file(path: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
+def read_experiment_files(folder: str | os.PathLike) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every per-experiment file of ``folder``, read and checked (:func:`read_experiment_file`):
+    ``{(experiment, source): document}``, in file-name order.
+
+    Raises:
+        ValueError, OSError: as :func:`read_experiment_file`, for the first file that fails.
+    """
+    return {(doc["experiment"], doc["source"]): doc for doc in map(read_experiment_file, experiment_files(folder))}
+
+
+def check_result_files(folder: str | os.PathLike, board: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Check the per-experiment files of ``folder`` against its leaderboard document ``board``: each file
+    parses and is a kvqbench experiment file (:func:`read_experiment_files`), and, when the folder holds
+    any, every experiment of every source that ``board`` has statistics of has its file, holding as many
+    cells per source as ``board`` counts. Returns the documents (``{(experiment, source): document}``).
+
+    Raises:
+        ValueError: one line naming the file that is unreadable, not kvqbench's, missing or holding
+            another number of cells than ``leaderboard.json`` counts.
+    """
+    d = Path(folder)
+    docs = read_experiment_files(d)
+    if not docs:
+        return docs
+    for name, src in board["sources"].items():
+        missing = [f"{exp}_{name}.json" for exp in sorted(src["stats"]) if (exp, name) not in docs]
+        if missing:
+            raise ValueError(f"{d / missing[0]} is missing: leaderboard.json has {name} results of "
+                             f"{missing[0].split('_')[0]}; re-run the benchmark or restore the file")
+        want = sum(v for k, v in src["cells"].items() if k in ("passed", "failed", "skipped"))
+        have = {f"{exp}_{s}.json": len(doc["cells"]) for (exp, s), doc in docs.items() if s == name}
+        if have and sum(have.values()) != want:
+            raise ValueError(f"{d}/exp*_{name}.json hold {sum(have.values())} cells of {name} ("
+                             + ", ".join(f"{f}: {n}" for f, n in have.items())
+                             + f"), leaderboard.json counts {want}: the files are of another run or incomplete")
+    return docs
+
+
 def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any] | None,
                                                        dict[str, Any]]:
     """Read a result set back from its per-experiment files ``folder/exp*_*.json``.
@@ -172,15 +211,13 @@ def load_result_set(folder: str | os.PathLike) -> tuple[list[dict[str, Any]], di
             :func:`read_experiment_file`).
     """
     d = Path(folder)
-    files = experiment_files(d)
-    if not files:
+    if not experiment_files(d):
         raise FileNotFoundError(f"{d} holds no exp*_*.json files; point at a folder written by a kvqbench run")
     records: list[dict[str, Any]] = []
     runs: dict[tuple, dict[str, Any]] = {}  # (start_time, command) → that run's provenance
     comps: dict[tuple, dict[str, Any]] = {}  # the completeness each run recorded
     catalog = catalog_dict()
-    for f in files:
-        doc = read_experiment_file(f)
+    for doc in read_experiment_files(d).values():
         records += doc["cells"]
         prov = doc["provenance"]
         run = (prov.get("start_time"), prov.get("command"))

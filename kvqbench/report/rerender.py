@@ -13,10 +13,10 @@ from pathlib import Path
 
 from kvqbench.report.io import read_json, write_text_atomic
 from kvqbench.report.reader import (
-    experiment_files,
+    check_result_files,
     leaderboard_path,
     load_result_set,
-    read_experiment_file,
+    read_experiment_files,
     read_leaderboard,
 )
 from kvqbench.report.render.markdown import render_markdown
@@ -48,8 +48,9 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     figures, refuses (``ValueError``) rather than mix two sets.
 
     Every input file is checked before anything is written: each ``exp*_*.json``
-    (:func:`kvqbench.report.reader.read_experiment_file`) and ``leaderboard.json``
-    (:func:`read_leaderboard`); a ``leaderboard.json`` that is not valid JSON (truncated) is rebuilt from
+    (:func:`kvqbench.report.reader.read_experiment_file`), ``leaderboard.json`` (:func:`read_leaderboard`)
+    and, for a re-render, that the ``exp*_*.json`` are the set ``leaderboard.json`` summarizes
+    (:func:`check_result_files`); a ``leaderboard.json`` that is not valid JSON (truncated) is rebuilt from
     valid per-experiment files, with one line saying so.
 
     Returns the written paths. Raises ``FileNotFoundError`` when there is neither a ``leaderboard.json``
@@ -58,9 +59,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     """
     d = Path(path)
     folder = d if d.is_dir() else d.parent
-    exps = experiment_files(folder) if folder.is_dir() else []
-    for f in exps:  # the figures and a rebuild read them: all checked before anything is written
-        read_experiment_file(f)
+    exps = read_experiment_files(folder) if folder.is_dir() else {}  # all checked before anything is written
     if exps and (rebuild or not (folder / "leaderboard.json").exists()):
         return _rebuild(folder, out_dir, echo=echo, figures=figures)
     src = leaderboard_path(path)
@@ -73,6 +72,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
                   file=sys.stderr)
             return _rebuild(folder, out_dir, echo=echo, figures=figures)
         raise
+    check_result_files(src.parent, board)
     if not _same_folder(out, src.parent) and (out / "leaderboard.json").exists():
         raise ValueError(f"{out} holds another result set (its leaderboard.json), whose LEADERBOARD.md and figures "
                          f"this would replace; give --out an empty folder, or render into {src.parent}")

@@ -27,12 +27,12 @@ is deterministic (Agg backend, fixed DPI, no timestamp or version metadata in th
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from kvqbench.report.reader import read_experiment_files, read_leaderboard
 from kvqbench.report.render.figures import (
     attn_vs_context,
     cost,
@@ -144,7 +144,8 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
             same bytes either way; where ``fork`` is unavailable the figures are drawn serially.
 
     Never raises for a missing matplotlib or a figure that fails to render; raises
-    ``FileNotFoundError`` only when ``results_dir`` has no ``leaderboard.json``.
+    ``FileNotFoundError`` when ``results_dir`` has no ``leaderboard.json`` and ``ValueError`` when it or an
+    ``exp*_*.json`` there is not a kvqbench file (:mod:`kvqbench.report.reader`).
     """
     log = log or _stderr
     d = Path(results_dir)
@@ -156,7 +157,8 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
     except Exception as e:  # ImportError, or a broken install
         log(f"kvqbench: figures skipped — matplotlib unavailable ({type(e).__name__}); pip install 'kvqbench[plots]'")
         return []
-    sources = load_sources(d)
+    board = read_leaderboard(d / "leaderboard.json")
+    sources = load_sources(board, read_experiment_files(d))
     out.mkdir(parents=True, exist_ok=True)
     jobs_list = [(figure, src, out) for src in sources for figure in FIGURES]
     n_jobs = min(default_jobs() if jobs == 0 else max(1, jobs), len(jobs_list))
@@ -169,7 +171,7 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
         finally:
             _JOBS.clear()
     written: list[Path] = []
-    pair = (json.loads((d / "leaderboard.json").read_text()).get("models") or {}).get("sources") or {}
+    pair = (board.get("models") or {}).get("sources") or {}
     by_name = {src.name: src for src in sources}
     if len(pair) == 2 and all(s in by_name for s in pair.values()):  # two models side by side
         try:

@@ -1,17 +1,14 @@
-"""What the figures draw from: a results folder's saved JSON, one :class:`Source` per data source, the
+"""What the figures draw from: one :class:`Source` per data source, the
 headline setting, and series averaged over seeds."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from kvqbench.cells import Setting
-from kvqbench.report.io import read_json
 from kvqbench.report.render.figures.series import histograms_with_tails, iter_curves
 from kvqbench.report.render.figures.style import Style, method_order
 from kvqbench.report.stats.aggregate import setting_key
@@ -21,9 +18,6 @@ __all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed
 
 #: ``(x, y)`` of one curve; a histogram's x are its bin edges (one more than its y)
 XY = tuple[list[float], list[float]]
-
-_EXP_FILE = re.compile(r"^(exp\d+)_([\w-]+)\.json$")
-
 
 @dataclass(frozen=True)
 class Source:
@@ -54,29 +48,16 @@ class Source:
         return (self.experiments.get(experiment) or {}).get("cells") or []
 
 
-def load_sources(folder: Path) -> list[Source]:
-    """One :class:`Source` per source of ``folder/leaderboard.json``, sorted by name, with the
-    ``exp*_{source}.json`` files beside it (a file that cannot be read is left out).
-
-    Raises:
-        OSError, ValueError: ``leaderboard.json`` cannot be read or is not JSON.
-    """
-    board = read_json(folder / "leaderboard.json")
-    docs: dict[tuple[str, str], dict[str, Any]] = {}
-    for p in sorted(folder.glob("exp*_*.json")):
-        m = _EXP_FILE.match(p.name)
-        if not m:
-            continue
-        try:
-            docs[(m.group(1), m.group(2))] = read_json(p)
-        except (OSError, ValueError):
-            continue
+def load_sources(board: dict[str, Any], experiments: dict[tuple[str, str], dict[str, Any]]) -> list[Source]:
+    """One :class:`Source` per source of the leaderboard document ``board``, sorted by name, with its
+    per-experiment documents (``{(experiment, source): document}``,
+    :func:`kvqbench.report.reader.read_experiment_files`)."""
     catalog = board.get("metrics_catalog") or {}
     out = []
     for src, sd in sorted((board.get("sources") or {}).items()):
         extra = {m for exp in (sd.get("stats") or {}).values() for m in exp}
         out.append(Source(src, sd, Style(method_order(board, extra)),
-                          {exp: doc for (exp, s), doc in docs.items() if s == src}, catalog))
+                          {exp: doc for (exp, s), doc in experiments.items() if s == src}, catalog))
     return out
 
 
