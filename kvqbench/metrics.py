@@ -22,9 +22,9 @@ Every other module reads these facts from here: the experiment a metric belongs 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Iterable, Literal
 
-__all__ = ["Metric", "CATALOG", "register_metric", "get_metric", "rank_key", "catalog_dict", "experiment_of",
+__all__ = ["Metric", "CATALOG", "register_metric", "get_metric", "rank_key", "catalog_dict", "did_you_mean", "experiment_of",
            "varies", "is_timing", "NONDETERMINISTIC_METRICS", "markdown_table"]
 
 Better = Literal["lower", "higher", "zero"]
@@ -114,6 +114,23 @@ def is_timing(name: str, spec: dict | None = None) -> bool:
     """Whether ``name`` is a timing or memory metric (:func:`varies`): its value depends on the
     machine's load."""
     return varies(name, spec) in ("timing", "memory")
+
+
+def did_you_mean(name: str, known: Iterable[str], n: int = 3) -> str:
+    """``"; did you mean 'a', 'b' or 'c'?"`` naming up to ``n`` of ``known`` that ``name`` (a metric or
+    method id) was likely meant as: the names holding every ``_``-separated word of ``name``, shortest
+    first, else the one :func:`difflib.get_close_matches` finds closest (a typo; ratio ≥ 0.6); ``""`` when
+    none is close."""
+    import difflib
+
+    words = set(name.lower().split("_")) - {""}
+    names = sorted(set(known))
+    close = sorted((k for k in names if words <= set(k.lower().split("_"))), key=lambda k: (len(k), k))[:n] \
+        or difflib.get_close_matches(name, names, n=1)
+    if not close:
+        return ""
+    quoted = [f"'{c}'" for c in close]
+    return "; did you mean " + (", ".join(quoted[:-1]) + " or " if len(quoted) > 1 else "") + quoted[-1] + "?"
 
 
 def catalog_dict() -> dict[str, dict]:

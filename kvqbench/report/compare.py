@@ -50,7 +50,7 @@ from typing import Any, Iterable
 
 from tabulate import tabulate
 
-from kvqbench.metrics import is_timing, rank_key, varies
+from kvqbench.metrics import did_you_mean, is_timing, rank_key, varies
 from kvqbench.report.reader import check_result_files, read_leaderboard
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
@@ -352,31 +352,24 @@ def _metric_names(board: dict[str, Any]) -> set[str]:
 def unknown_method(methods: Iterable[str], *boards: dict[str, Any]) -> str | None:
     """One line naming the first of ``methods`` that no board holds a value of, with the closest id that
     one does (``None`` when every id is known)."""
-    import difflib
-
     known = sorted({m for b in boards for src in (b.get("sources") or {}).values()
                     for exp in (src.get("stats") or {}).values() for m in exp})
     for m in methods:
         if m not in known:
-            close = difflib.get_close_matches(m, known, n=1, cutoff=0.0)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            return f"--methods: neither set holds a value of method '{m}'{hint}"
+            return f"--methods: neither set holds a value of method '{m}'{did_you_mean(m, known)}"
     return None
 
 
 def unknown_metric(rules: Iterable[FailRule], catalog: dict[str, Any], *boards: dict[str, Any]) -> str | None:
     """One line naming the first ``--fail-on`` metric that neither the catalog nor any board knows, with
-    the closest known name (``None`` when every rule names a known metric or ``any``)."""
-    import difflib
-
+    the closest known names (``None`` when every rule names a known metric or ``any``)."""
     known = set(catalog)
     for b in boards:
         known |= _metric_names(b)
     for r in rules:
         if r.metric == "any" or r.metric in known:
             continue
-        close = difflib.get_close_matches(r.metric, sorted(known), n=1, cutoff=0.0)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(r.metric, known) or " (the known ones: metrics_catalog in leaderboard.json, docs/METRICS.md)"
         return f"--fail-on {r.metric}:{r.percent:g}: unknown metric '{r.metric}'{hint}"
     return None
 

@@ -5,10 +5,10 @@ What lands in the destination folder (the repository's ``leaderboard/``):
 
 * ``leaderboard.json`` — the run's leaderboard document, scrubbed (see :func:`scrub`); synthetic and
   real results (``real``, ``real-<model>`` per model) stay under separate ``sources`` keys;
-* ``exp{N}_{source}.json`` — the per-experiment cell records, scrubbed and slimmed (per-seed metrics,
-  series and extra kept; per-layer lists, method metadata and data descriptions dropped — their
-  aggregates live in ``leaderboard.json``), one file per source, so the figures can be re-rendered
-  from ``leaderboard/`` alone: ``kvqbench report leaderboard/``;
+* ``exp{N}_{source}.json`` — the per-experiment cell records, scrubbed, whole: ``kvqbench report
+  leaderboard/`` re-renders the figures from them and ``kvqbench report --rebuild leaderboard/``
+  rebuilds the same ``LEADERBOARD.md`` (the data descriptions, method metadata and per-layer values
+  it reads are kept);
 * ``LEADERBOARD.md`` — one section per source (``## synthetic``, ``## real``, ``## real-<model>`` …; the
   same renderer as a run);
 * ``*_{source}.png`` — the figures, one set per source;
@@ -43,13 +43,13 @@ from typing import Any, Iterable
 
 from tabulate import tabulate
 
-from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
-from kvqbench.report.reader import read_leaderboard
+from kvqbench.report.io import write_json_atomic, write_text_atomic
+from kvqbench.report.reader import experiment_files, read_experiment_file, read_leaderboard
 from kvqbench.report.render.headline import headline_lines
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.render.text import fmt
 
-__all__ = ["scrub", "find_leaks", "publish", "render_digest", "update_readme", "readme_digest",
+__all__ = ["scrub", "find_leaks", "publish", "render_digest", "seeds_text", "update_readme", "readme_digest",
            "DIGEST_START", "DIGEST_END"]
 
 DIGEST_START = "<!-- kvqbench-digest:start -->"
@@ -129,19 +129,11 @@ def _strings(obj: Any) -> Iterable[str]:
 
 
 def find_leaks(obj: Any, *, identities: dict[str, str] | None = None) -> list[str]:
-    """Strings in ``obj`` that still hold an absolute path, the home folder, or a user/host name."""
+    """Strings (keys and values) in ``obj`` that :func:`scrub` would change — an absolute path, a user or
+    host name — or that hold the home folder."""
     idents = _identities() if identities is None else identities
     home = str(Path.home())
-    leaks = []
-    for s in _strings(obj):
-        bad = bool(_POSIX_PATH.search(s) and any(len(m.group(0)) > 1 and m.group(0) not in ("/", "~")
-                                                 for m in _POSIX_PATH.finditer(s)))
-        bad |= bool(_WIN_PATH.search(s))
-        bad |= len(home) > 1 and home in s
-        bad |= any(re.search(rf"(?<![A-Za-z0-9_]){re.escape(n)}(?![A-Za-z0-9_])", s) for n in idents)
-        if bad:
-            leaks.append(s)
-    return leaks
+    return [s for s in _strings(obj) if _scrub_str(s, idents) != s or (len(home) > 1 and home in s)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,7 +147,7 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
         "",
         f"Reference run: kvqbench {prov.get('kvqbench_version', '?')} · commit `{prov.get('git_commit') or 'unknown'}` · "
         f"torch {prov.get('torch_version', '?')} · {prov.get('device_name') or prov.get('device', '?')} · "
-        f"seeds {prov.get('seeds', '?')} · cell sizes {', '.join(sizes) or '?'}. "
+        f"seeds {seeds_text(board)} · cell sizes {', '.join(sizes) or '?'}. "
         f"Full tables and figures: [{link}]({link}).",
     ]
 
@@ -174,6 +166,24 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
         lines += ["", f"**{a} vs {b}** — Spearman ρ of the methods' end-to-end KL ranks: " + ", ".join(
             f"{s} {fmt(r.get('rho'))} ({r.get('n_methods')} methods)" for s, r in rho.items()) + "."]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def seeds_text(board: dict[str, Any]) -> str:
+    """The seeds the board's statistics rest on, per experiment: the list most experiments share, then
+    the experiments with other seeds (``"[0, 1, 2] (exp6: [0, 1, 2, 3])"``); ``"?"`` without statistics."""
+    per_exp: dict[str, set] = {}
+    for src in (board.get("sources") or {}).values():
+        for exp, by_method in (src.get("stats") or {}).items():
+            per_exp.setdefault(exp, set()).update(seed for by_setting in by_method.values()
+                                                  for metrics in by_setting.values() for m in metrics.values()
+                                                  for seed in m.get("seeds") or [])
+    lists = {exp: sorted(seeds) for exp, seeds in sorted(per_exp.items()) if seeds}
+    if not lists:
+        return "?"
+    texts = [str(v) for v in lists.values()]
+    main = max(texts, key=texts.count)
+    others = [f"{exp}: {v}" for exp, v in lists.items() if str(v) != main]
+    return main + (f" ({'; '.join(others)})" if others else "")
 
 
 def readme_digest(readme_text: str) -> str | None:
@@ -221,44 +231,25 @@ The README's results digest is generated from `leaderboard.json` (see `kvqbench/
 """
 
 
-#: cell keys dropped from the published experiment files (aggregated in leaderboard.json instead)
-SLIM_DROP = ("per_layer", "method_info", "data")
-
-
-def _slim(doc: Any) -> Any:
-    if isinstance(doc, dict) and isinstance(doc.get("cells"), list):
-        doc = dict(doc)
-        doc["cells"] = [{k: v for k, v in c.items() if k not in SLIM_DROP} if isinstance(c, dict) else c
-                        for c in doc["cells"]]
-    return doc
-
-
 #: provenance fields that identify one run: an exp file must match the leaderboard's on each
 RUN_KEYS = ("start_time", "command")
 
 
 def _same_run_exp(path: Path, board: dict[str, Any]) -> tuple[Any, str]:
-    """``(doc, "")`` when the experiment file ``path`` belongs to the run ``board`` summarizes (same
-    ``provenance.start_time`` and ``command``, a source the board has, matching its file name);
-    ``(None, why)`` otherwise — a file left by an older run in the same folder, or unreadable."""
+    """``(doc, "")`` when the experiment file ``path`` is a kvqbench experiment file
+    (:func:`kvqbench.report.reader.read_experiment_file`) of the run ``board`` summarizes (same
+    ``provenance.start_time`` and ``command``, a source the board has); ``(None, why)`` otherwise — a file
+    left by an older run in the same folder, or unreadable."""
     try:
-        doc = read_json(path)
+        doc = read_experiment_file(path)
     except (OSError, ValueError) as e:
-        return None, f"unreadable: {type(e).__name__}"
-    if not isinstance(doc, dict):
-        return None, "not a kvqbench experiment file"
-    name_source = path.stem.split("_", 1)[1]
-    source = doc.get("source", name_source)
-    if source != name_source:
-        return None, f"its source {source!r} does not match its file name"
+        return None, str(e)
+    source = doc["source"]
     if source not in board["sources"]:
         return None, f"source {source!r} is not in leaderboard.json (sources: {', '.join(sorted(board['sources']))})"
-    prov = doc.get("provenance")
-    if not isinstance(prov, dict):
-        return None, "no provenance: cannot tell which run wrote it"
     for key in RUN_KEYS:
-        if prov.get(key) != board["provenance"].get(key):
-            return None, (f"provenance.{key} {prov.get(key)!r} differs from leaderboard.json's "
+        if doc["provenance"].get(key) != board["provenance"].get(key):
+            return None, (f"provenance.{key} {doc['provenance'].get(key)!r} differs from leaderboard.json's "
                           f"{board['provenance'].get(key)!r}: written by another run")
     return doc, ""
 
@@ -294,13 +285,12 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
         raise ValueError(f"{src} holds an incomplete result set ({comp.get('summary', 'incomplete')}); "
                          "publish a complete run")
     docs = {"leaderboard.json": scrub(raw_board, identities=identities)}
-    for p in sorted(src.glob("exp*_*.json")):
-        if re.fullmatch(r"exp\d+_[\w-]+\.json", p.name):
-            doc, why = _same_run_exp(p, raw_board)
-            if doc is None:
-                print(f"kvqbench publish: warning: skipping {p.name} ({why})", file=sys.stderr)
-                continue
-            docs[p.name] = scrub(_slim(doc), identities=identities)
+    for p in experiment_files(src):
+        doc, why = _same_run_exp(p, raw_board)
+        if doc is None:
+            print(f"kvqbench publish: warning: skipping {p.name} ({why})", file=sys.stderr)
+            continue
+        docs[p.name] = scrub(doc, identities=identities)
     for name, doc in docs.items():
         leaks = find_leaks(doc, identities=identities)
         if leaks:

@@ -25,7 +25,8 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         out.append(f"kvqbench: {comp.get('summary', 'incomplete')}")
     head = board.get("headline") or {}
     for src_name, src in board.get("sources", {}).items():
-        metric = head.get("metric") if head.get("metric") in src["rankings"] else "rel_mse"
+        # the headline metric; relative MSE where this source lacks it; a long-decode-only set's KL
+        metric = next((m for m in (head.get("metric"), "rel_mse", "long_kl_nats") if m in src["rankings"]), "rel_mse")
         rk = src["rankings"].get(metric)
         if not rk:
             continue
@@ -35,8 +36,9 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         s = settings[0]
 
         target = head.get("target") or "e2e_prefill_kl_nats"
+        bits = "bits_effective" if "bits_effective" in src["rankings"] else "long_bits_billed"
         eff, e2e, tensor = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
-                            for name in ("bits_effective", target, metric))
+                            for name in (bits, target, metric))
         # where the end-to-end KL was measured the table ranks on it, like the first screen of LEADERBOARD.md
         ranked = src["rankings"][target]["by_setting"][s] if e2e else rk["by_setting"][s]
         rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
@@ -53,10 +55,10 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         by = f"ranked by end-to-end KL ({target}), {label} ({why}) beside it" if e2e else f"{label} ({why})"
         out.append(f"kvqbench [{src_name}] {by} at {s} (cells: {cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
-        if not head.get("from_predictivity"):  # docs/DESIGN.md §4: the headline follows predictivity, which needs
+        if not head.get("from_predictivity") and metric == "rel_mse":  # docs/DESIGN.md §4: the headline follows predictivity, which needs
             # the end-to-end experiment
             out.append(f"  (relative MSE: {no_predictivity_reason(board)}, so it cannot pick the tensor metric that "
                        "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
-        out.append(tabulate(rows, headers=["rank", "method", *(["e2e KL (nats)"] if e2e else []), metric, "bits eff."],
+        out.append(tabulate(rows, headers=["rank", "method", *(["e2e KL (nats)"] if e2e else []), metric, "bits eff." if bits == "bits_effective" else "bits billed"],
                             tablefmt="simple"))
     return "\n".join(out)
