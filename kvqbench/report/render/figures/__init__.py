@@ -44,11 +44,11 @@ from kvqbench.report.render.figures import (
     predictivity,
 )
 from kvqbench.report.render.figures.data import Source, load_sources
-from kvqbench.report.render.figures.series import X_KEYS, iter_curves, iter_histogram_bins, iter_histograms
+from kvqbench.report.render.figures.series import X_KEYS, iter_curves, iter_histograms
 from kvqbench.report.render.figures.style import DPI, RC, pyplot
 
-__all__ = ["write_figures", "figure_names", "default_jobs", "FIGURES", "iter_curves", "iter_histograms",
-           "iter_histogram_bins", "X_KEYS", "DPI"]
+__all__ = ["write_figures", "figure_names", "default_jobs", "FIGURES", "iter_curves", "iter_histograms", "X_KEYS",
+           "DPI"]
 
 Log = Callable[[str], None]
 

@@ -22,7 +22,7 @@ import math
 import re
 from typing import Any, Iterable
 
-__all__ = ["X_KEYS", "iter_curves", "iter_histograms", "iter_histogram_bins", "histograms_with_tails", "regime",
+__all__ = ["X_KEYS", "iter_curves", "iter_histograms", "histograms_with_tails", "regime",
            "error_kind", "context_metric"]
 
 X_KEYS: tuple[str, ...] = ("context_len", "context_lens", "context_length", "context_lengths", "context",
@@ -83,23 +83,16 @@ def iter_histograms(series: Any, path: tuple[str, ...] = ()
     list beside ``…density`` lists with one value fewer than the edges, or two more (an underflow and an
     overflow bin, not drawn).
     """
-    for p, edges, dens in iter_histogram_bins(series, path):
+    for p, edges, dens, _tails in histograms_with_tails(series, path):
         yield p, [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)], dens
-
-
-def iter_histogram_bins(series: Any, path: tuple[str, ...] = ()
-                        ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
-    """Like :func:`iter_histograms` but yields the bin ``edges`` (one more than the densities), so
-    bins of unequal width (e.g. fine near 0, wider in the tails) keep their true extent."""
-    for p, e, dens, _tails in histograms_with_tails(series, path):
-        yield p, e, dens
 
 
 def histograms_with_tails(series: Any, path: tuple[str, ...] = ()
                           ) -> Iterable[tuple[tuple[str, ...], list[float], list[float], tuple[float, float]]]:
-    """:func:`iter_histogram_bins` plus ``(under, over)``: the shares of tokens in a flat layout's
-    underflow and overflow bins (below the first edge, above the last; not drawn), ``(0, 0)`` when
-    the layout has none."""
+    """Yield ``(path, edges, density, (under, over))`` for every histogram in ``series``: like
+    :func:`iter_histograms` with the bin ``edges`` (one more than the densities, so bins of unequal width
+    keep their true extent) and the shares of tokens in a flat layout's underflow and overflow bins
+    (below the first edge, above the last; not drawn), ``(0, 0)`` when the layout has none."""
     if not isinstance(series, dict):
         return
     edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
