@@ -9,16 +9,22 @@ exactly 0 to non-zero counts as an infinite percentage. A real source names its 
 ``real-gemma3-270m``: :func:`kvqbench.cells.real_source`), so one model's cells are compared only with the
 same model's; another model's real source is one side's alone.
 
-The *spread* of a value is the one the leaderboard measured: the sum of the 95 % Student-t CI
-half-widths of BASE and NEW (``ci95``, present where a side has ≥ 2 seeds; a side without one adds 0). A
-change is *beyond the spread* when ``|new − base|`` exceeds it, i.e. the two intervals are disjoint.
+A metric computed through a model's forward passes (the catalog says ``float_noise``: the end-to-end and
+long-decode metrics) is scored per seed, and a seed is a text window or a text: BASE and NEW are then
+paired seed by seed (:func:`kvqbench.report.stats.paired.compare_gate`): the geometric-mean ratio NEW/BASE
+of its damage (lower is better; ``|value|`` where 0 is best) with its paired 95 % CI, and NEW is *worse
+beyond noise* when that interval lies wholly above 1 (or a seed exact in BASE is not in NEW). A metric
+without a ratio scale (higher is better, a value below 0) or a timing falls back to the *spread*: the sum
+of BASE's and NEW's 95 % Student-t CI half-widths (``ci95``, present where a side has ≥ 2 seeds; a side
+without one adds 0); a change is *beyond the spread* when ``|new − base|`` exceeds it.
 
 ``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
 :func:`main` return 1 when that metric, in any (source, method, setting), worsens by more than PERCENT %.
 For a metric whose values move between runs of the same seeds — as the catalog declares
 (:func:`kvqbench.metrics.varies`): the model's float noise in the end-to-end and long-decode metrics moves
-them by tens of percent, and timings — it must also worsen beyond the spread; one that worsens past
-PERCENT % within its spread is listed as noise, not a failure. Every other metric is a deterministic
+them by tens of percent, and timings — it must also be worse beyond noise (the paired CI, else the
+spread); one that worsens past PERCENT % within noise is listed as noise, not a failure, and a failure
+names the cell with its ratio and paired CI. Every other metric is a deterministic
 function of its seeds' data, so BASE and NEW measure the same cells and any change past PERCENT % is the
 method's (the spread over seeds there is the data's, not noise). Timing and memory metrics
 (:func:`kvqbench.metrics.is_timing`) are skipped unless named explicitly, because CPU timings are noise.
@@ -52,6 +58,8 @@ from tabulate import tabulate
 
 from kvqbench.metrics import is_timing, rank_key, varies
 from kvqbench.report.reader import read_leaderboard
+from kvqbench.report.stats.headline import unit_of
+from kvqbench.report.stats.paired import compare_gate
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
            "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
@@ -87,6 +95,8 @@ class Change:
     new_n: int
     #: whether the metric's values move between runs of the same seeds (:func:`varies_between_runs`)
     noisy: bool = False
+    #: BASE and NEW paired seed by seed (:func:`paired_change`), ``None`` where the metric is not paired
+    paired: dict[str, Any] | None = None
 
     @property
     def delta(self) -> float:
@@ -125,9 +135,16 @@ class Change:
         return None if spread is None else abs(self.new - self.base) > spread
 
     @property
+    def beyond_noise(self) -> bool | None:
+        """NEW worse beyond the paired CI (:attr:`paired` with an interval), else :attr:`outside_ci`."""
+        if self.paired is not None and self.paired["worse"] is not None:
+            return self.paired["worse"]
+        return self.outside_ci
+
+    @property
     def within_noise(self) -> bool:
-        """A change of a :attr:`noisy` metric no larger than its spread: noise, never a gate failure."""
-        return self.noisy and self.outside_ci is False
+        """A change of a :attr:`noisy` metric not beyond noise (:attr:`beyond_noise`): never a gate failure."""
+        return self.noisy and self.beyond_noise is False
 
 
 @dataclass
@@ -148,6 +165,24 @@ def varies_between_runs(name: str, spec: dict[str, Any] | None = None) -> bool:
     """Whether a metric's values move between runs of the same seeds (:func:`kvqbench.metrics.varies`
     of its saved catalog record ``spec`` is not ``"deterministic"``)."""
     return varies(name, spec) != "deterministic"
+
+
+def paired_change(name: str, spec: dict[str, Any], base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
+    """BASE and NEW of a ``float_noise`` metric paired seed by seed (:func:`~kvqbench.report.stats.paired.compare_gate`
+    on the damage: the value, or ``|value|`` where 0 is best), with ``"unit"`` (:func:`~kvqbench.report.stats.headline.unit_of`);
+    ``None`` for any other metric, a higher-is-better one, or one the ratio cannot take (a value below 0, no
+    seed in common)."""
+    better = spec.get("better", "lower")
+    if varies(name, spec) != "float_noise" or better not in ("lower", "zero"):
+        return None
+
+    def damage(e: dict[str, Any]) -> dict[Any, float]:
+        return {u: abs(v) if better == "zero" else v for u, v in zip(e.get("seeds") or [], e.get("values") or [])}
+
+    try:
+        return {**compare_gate(damage(base), damage(new)), "unit": unit_of(name)}
+    except ValueError:
+        return None
 
 
 def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
@@ -224,7 +259,8 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
                         out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
                                                   bm[name].get("ci95"), nm[name].get("ci95"),
                                                   int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
-                                                  varies_between_runs(name, spec)))
+                                                  varies_between_runs(name, spec),
+                                                  paired_change(name, spec, bm[name], nm[name])))
     new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
     out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
                                     for m in exp} - new_methods)
@@ -320,13 +356,13 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
              f"{sum(1 for c in changes if c.status == 'improved')} better, {n_unch} unchanged"
              + (" (timing metrics ignored unless named in --fail-on)" if len(changes) < len(cmp.changes) else "")]
     lines += [f"note: {n}" for n in cmp.notes]
-    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "beyond CI spread"]
+    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "beyond noise"]
 
     def rows(cs: list[Change]) -> list[list[str]]:
         return [[c.source, c.method, c.setting, c.metric, c.better, _fmt(c.base), _fmt(c.new),
                  _pct(c.worsening_pct).replace("+", "worse +", 1) if c.worsening_pct > 0 else
                  _pct(-c.worsening_pct).replace("+", "better +", 1),
-                 {None: "n/a (1 seed)", True: "yes", False: "no"}[c.outside_ci]] for c in cs[:max_rows]]
+                 _beyond_cell(c)] for c in cs[:max_rows]]
 
     for title, cs in (("Regressions", reg), ("Improvements", imp)):
         lines.append("")
@@ -395,7 +431,21 @@ def _missing_line(cmp: Comparison, *, gate: bool) -> str:
             "with --methods ID,… or --only-common")
 
 
+def _beyond_cell(c: Change) -> str:
+    """The table's "beyond noise" cell: ``yes``/``no`` by the paired CI (``paired``) or the CI spread."""
+    b = c.beyond_noise
+    how = "paired" if c.paired is not None and c.paired["worse"] is not None else "CI spread"
+    return "n/a (1 seed)" if b is None else f"{'yes' if b else 'no'} ({how})"
+
+
 def _spread_text(c: Change) -> str:
+    p = c.paired
+    if p is not None and p["exact_lost"]:
+        return f"exact in BASE, not in NEW at seed(s) {', '.join(map(str, p['exact_lost']))}"
+    if p is not None and p["worse"] is not None:
+        lo, hi = p["ratio_ci95"]
+        return (f"paired over {p['n_units']} {p['unit']}s: {p['ratio']:.3g}× [{lo:.3g}, {hi:.3g}], "
+                f"{'wholly above' if p['worse'] else 'not wholly above'} 1")
     if c.outside_ci is None:
         return "no CI (1 seed)"
     return f"|Δ| {_fmt(abs(c.delta))} {'>' if c.outside_ci else '≤'} CI spread {_fmt(c.spread)}"
@@ -451,16 +501,17 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
     noise = [(r, c) for r, c in crossed if c.within_noise]
     if noise:
         print("", file=out)
-        print(f"within the CI spread: {len(noise)} value(s) of metrics that move between runs (end-to-end, "
-              "timing) worsened past a --fail-on threshold by no more than BASE's plus NEW's 95 % CI "
-              "half-widths — noise, not a failure:", file=out)
+        print(f"within noise: {len(noise)} value(s) of metrics that move between runs (end-to-end, "
+              "timing) worsened past a --fail-on threshold but not beyond noise (the paired 95 % CI of NEW/BASE "
+              "over the seeds both scored includes 1, or |Δ| ≤ BASE's plus NEW's 95 % CI half-widths) — "
+              "noise, not a failure:", file=out)
         for _, c in noise[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
                   f"({_pct(c.worsening_pct)}; {_spread_text(c)})", file=out)
     if hits:
         print("", file=out)
         print(f"FAILED: {len(hits)} value(s) worsened past a --fail-on threshold (end-to-end and timing metrics: "
-              "also beyond the CI spread):", file=out)
+              "also beyond noise):", file=out)
         for rule, c in hits[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
                   f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g}"

@@ -112,7 +112,7 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
     Shared by ``LEADERBOARD.md`` and the README digest. A source with an end-to-end run ranks on its KL
     (bits billed by the same cells), the headline tensor metric of the same setting beside it; one without
     ranks on the headline tensor metric. The best is written with its rank interval, P(best) and ties
-    (``\`a\` (rank 1–2, P(best) 0.83) = \`b\```); every compared method as ``b k2v2 1.12× [0.95, 1.31]``
+    (``a (rank 1–2, P(best) 0.83) = b``, ids in backticks); every compared method as ``b k2v2 1.12× [0.95, 1.31]``
     in the tied or the separated column."""
     h = board.get("headline") or {}
     metric = h.get("metric", "rel_mse")

@@ -94,7 +94,7 @@ def ratio_text(c: dict[str, Any], best_setting: str | None = None) -> str:
 
 
 def best_text(b: dict[str, Any]) -> str:
-    """The best of a budget row and its ties: ``\`kvquant\` (rank 1–2, P(best) 0.83) = \`kitty\```; the
+    """The best of a budget row and its ties: ``kvquant (rank 1–2, P(best) 0.83) = kitty`` (method ids in backticks); the
     ties of a row without a paired verdict (an older board: the overlap rule) as :func:`tied`."""
     if not b.get("method"):
         return "—"
