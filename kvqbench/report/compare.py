@@ -9,25 +9,18 @@ exactly 0 to non-zero counts as an infinite percentage. A real source names its 
 ``real-gemma3-270m``: :func:`kvqbench.cells.real_source`), so one model's cells are compared only with the
 same model's; another model's real source is one side's alone.
 
-A metric computed through a model's forward passes (the catalog says ``float_noise``: the end-to-end and
-long-decode metrics) is scored per seed, and a seed is a text window or a text: BASE and NEW are then
-paired seed by seed (:func:`kvqbench.report.stats.paired.compare_gate`): the geometric-mean ratio NEW/BASE
-of its damage (lower is better; ``|value|`` where 0 is best) with its paired 95 % CI, and NEW is *worse
-beyond noise* when that interval lies wholly above 1 (or a seed exact in BASE is not in NEW). A metric
-without a ratio scale (higher is better, a value below 0) or a timing falls back to the *spread*: the sum
-of BASE's and NEW's 95 % Student-t CI half-widths (``ci95``, present where a side has ≥ 2 seeds; a side
-without one adds 0); a change is *beyond the spread* when ``|new − base|`` exceeds it.
-
 ``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
 :func:`main` return 1 when that metric, in any (source, method, setting), worsens by more than PERCENT %.
-For a metric whose values move between runs of the same seeds — as the catalog declares
-(:func:`kvqbench.metrics.varies`): the model's float noise in the end-to-end and long-decode metrics moves
-them by tens of percent, and timings — it must also be worse beyond noise (the paired CI, else the
-spread); one that worsens past PERCENT % within noise is listed as noise, not a failure, and a failure
-names the cell with its ratio and paired CI. Every other metric is a deterministic
-function of its seeds' data, so BASE and NEW measure the same cells and any change past PERCENT % is the
-method's (the spread over seeds there is the data's, not noise). Timing and memory metrics
-(:func:`kvqbench.metrics.is_timing`) are skipped unless named explicitly, because CPU timings are noise.
+A metric whose values move between runs of the same seeds (:func:`kvqbench.metrics.varies`: float noise
+moves the end-to-end and long-decode metrics by tens of percent; timings) must also be worse *beyond
+noise*, else it is listed as noise: a model-computed damage metric (``float_noise``, lower or 0 is best)
+is paired seed by seed — a seed is a text window or a text — and is worse when the paired 95 % CI of the
+geometric-mean ratio NEW/BASE lies wholly above 1 or a seed exact in BASE is not in NEW
+(:func:`kvqbench.report.stats.gate.paired_change`); a failure names the cell with that ratio and CI. Any
+other such metric (no ratio scale, a timing) is worse when ``|new − base|`` exceeds the *spread*, BASE's
+plus NEW's 95 % Student-t half-widths (``ci95``; a side with one seed adds 0). Every other metric is a
+deterministic function of its seeds' data, so any change past PERCENT % is the method's. Timing and
+memory metrics (:func:`kvqbench.metrics.is_timing`) are skipped unless named, because CPU timings are noise.
 
 A gate (any ``--fail-on``) cannot pass on less than BASE holds. It fails when NEW lacks a source,
 method, setting, metric, seed or finite value that BASE has (a CI job that selected one method by
@@ -37,7 +30,7 @@ also fails on an *incomplete* NEW set (failed, interrupted or missing cells, an 
 cells that did not run could hide the regression the gate is there to catch. What NEW has and BASE lacks
 (a new method) is listed, never an error. Without a gate these are warnings.
 
-Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond the spread for a
+Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond noise for a
 metric that moves between runs), or a gate on a NEW set that lacks part of BASE or is incomplete; 2
 unreadable input, a malformed ``--fail-on``, a ``--fail-on`` or ``--methods`` naming something neither set
 knows (the message names the closest known name), or a ``--fail-on`` whose metric neither set recorded
@@ -58,8 +51,7 @@ from tabulate import tabulate
 
 from kvqbench.metrics import is_timing, rank_key, varies
 from kvqbench.report.reader import read_leaderboard
-from kvqbench.report.stats.headline import unit_of
-from kvqbench.report.stats.paired import compare_gate
+from kvqbench.report.stats.gate import paired_change
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
            "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
@@ -89,14 +81,13 @@ class Change:
     better: str
     base: float
     new: float
-    base_ci: float | None
+    base_ci: float | None  # 95 % half-widths and seed counts of each side
     new_ci: float | None
     base_n: int
     new_n: int
     #: whether the metric's values move between runs of the same seeds (:func:`varies_between_runs`)
     noisy: bool = False
-    #: BASE and NEW paired seed by seed (:func:`paired_change`), ``None`` where the metric is not paired
-    paired: dict[str, Any] | None = None
+    paired: dict[str, Any] | None = None  # paired seed by seed (stats.gate.paired_change); None: not paired
 
     @property
     def delta(self) -> float:
@@ -122,15 +113,13 @@ class Change:
 
     @property
     def spread(self) -> float | None:
-        """The measured spread: BASE's plus NEW's 95 % CI half-width (a side with < 2 seeds has none and
-        adds 0); ``None`` when neither side has one."""
+        """BASE's plus NEW's 95 % CI half-width (a side with < 2 seeds adds 0); ``None`` when neither has one."""
         cis = [ci for ci, n in ((self.base_ci, self.base_n), (self.new_ci, self.new_n)) if ci is not None and n >= 2]
         return math.fsum(cis) if cis else None
 
     @property
     def outside_ci(self) -> bool | None:
-        """Whether ``|new − base|`` exceeds :attr:`spread` (the intervals are disjoint); ``None`` when no
-        spread is measured."""
+        """Whether ``|new − base|`` exceeds :attr:`spread`; ``None`` when no spread is measured."""
         spread = self.spread
         return None if spread is None else abs(self.new - self.base) > spread
 
@@ -165,24 +154,6 @@ def varies_between_runs(name: str, spec: dict[str, Any] | None = None) -> bool:
     """Whether a metric's values move between runs of the same seeds (:func:`kvqbench.metrics.varies`
     of its saved catalog record ``spec`` is not ``"deterministic"``)."""
     return varies(name, spec) != "deterministic"
-
-
-def paired_change(name: str, spec: dict[str, Any], base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | None:
-    """BASE and NEW of a ``float_noise`` metric paired seed by seed (:func:`~kvqbench.report.stats.paired.compare_gate`
-    on the damage: the value, or ``|value|`` where 0 is best), with ``"unit"`` (:func:`~kvqbench.report.stats.headline.unit_of`);
-    ``None`` for any other metric, a higher-is-better one, or one the ratio cannot take (a value below 0, no
-    seed in common)."""
-    better = spec.get("better", "lower")
-    if varies(name, spec) != "float_noise" or better not in ("lower", "zero"):
-        return None
-
-    def damage(e: dict[str, Any]) -> dict[Any, float]:
-        return {u: abs(v) if better == "zero" else v for u, v in zip(e.get("seeds") or [], e.get("values") or [])}
-
-    try:
-        return {**compare_gate(damage(base), damage(new)), "unit": unit_of(name)}
-    except ValueError:
-        return None
 
 
 def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
@@ -331,9 +302,7 @@ def _fmt(x: float | None) -> str:
 
 
 def _pct(w: float) -> str:
-    if math.isinf(w):
-        return "+inf %" if w > 0 else "-inf %"
-    return f"{w:+.2f} %"
+    return ("+inf %" if w > 0 else "-inf %") if math.isinf(w) else f"{w:+.2f} %"
 
 
 def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[FailRule] | None = None,
@@ -362,7 +331,7 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
         return [[c.source, c.method, c.setting, c.metric, c.better, _fmt(c.base), _fmt(c.new),
                  _pct(c.worsening_pct).replace("+", "worse +", 1) if c.worsening_pct > 0 else
                  _pct(-c.worsening_pct).replace("+", "better +", 1),
-                 _beyond_cell(c)] for c in cs[:max_rows]]
+                 {None: "n/a (1 seed)", True: "yes", False: "no"}[c.beyond_noise]] for c in cs[:max_rows]]
 
     for title, cs in (("Regressions", reg), ("Improvements", imp)):
         lines.append("")
@@ -431,18 +400,11 @@ def _missing_line(cmp: Comparison, *, gate: bool) -> str:
             "with --methods ID,… or --only-common")
 
 
-def _beyond_cell(c: Change) -> str:
-    """The table's "beyond noise" cell: ``yes``/``no`` by the paired CI (``paired``) or the CI spread."""
-    b = c.beyond_noise
-    how = "paired" if c.paired is not None and c.paired["worse"] is not None else "CI spread"
-    return "n/a (1 seed)" if b is None else f"{'yes' if b else 'no'} ({how})"
-
-
 def _spread_text(c: Change) -> str:
-    p = c.paired
-    if p is not None and p["exact_lost"]:
+    p = c.paired or {"exact_lost": [], "worse": None}
+    if p["exact_lost"]:
         return f"exact in BASE, not in NEW at seed(s) {', '.join(map(str, p['exact_lost']))}"
-    if p is not None and p["worse"] is not None:
+    if p["worse"] is not None:
         lo, hi = p["ratio_ci95"]
         return (f"paired over {p['n_units']} {p['unit']}s: {p['ratio']:.3g}× [{lo:.3g}, {hi:.3g}], "
                 f"{'wholly above' if p['worse'] else 'not wholly above'} 1")
