@@ -119,7 +119,7 @@ def test_end_to_end_kl_is_paired_by_window_and_a_failure_names_the_cell_with_its
     ratio = math.exp(sum(math.log(a / b) for a, b in zip(worse, KL_WINDOWS)) / len(worse))
     assert lo > 1.0  # the premise, from scipy on the same numbers
     failed = text.split("FAILED: ")[1]
-    assert (f"real/kivi/k2v2 e2e_prefill_kl_nats" in failed
+    assert ("real/kivi/k2v2 e2e_prefill_kl_nats" in failed
             and f"paired over 8 windows: {ratio:.3g}× [{lo:.3g}, {hi:.3g}], wholly above 1" in failed)
     # the overlap of marginal intervals would have called it noise: the spread is larger than the change
     spread = sum(stats.t.ppf(0.975, 7) * stats.sem(v) for v in (KL_WINDOWS, worse))

@@ -45,7 +45,7 @@ def paired_rule(board: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     t = {**PAIRED_TEST, **(board.get("paired_test") or {})}
     unit = next((r["unit"] for r in rows if r.get("unit")), "seed")
     counts = sorted({r["n_units"] for r in rows if r.get("n_units")})
-    n = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}" if counts else "none") + f" here"
+    n = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}" if counts else "none") + " here"
     test = str(t["test"]).replace("one-sided ", "")
     return PAIRED_RULE_TEXT.format(unit=unit, n=n, test=f"one-sided {test}", correction=t["correction"],
                                    alpha=t["alpha"], level=200 * t["alpha"], conf=100 * t["confidence"],

@@ -9,10 +9,9 @@ setting (no variant axes) with every seed it was asked for.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
-
-import math
 
 from kvqbench.cells import BUDGETS, is_plain_setting, setting_order
 from kvqbench.metrics import experiment_of, rank_key
