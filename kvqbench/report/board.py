@@ -13,6 +13,7 @@ from kvqbench.report.stats.aggregate import aggregate, setting_cells
 from kvqbench.report.stats.headline import choose_headline, headline_budget
 from kvqbench.report.stats.longdecode import summarize as summarize_long
 from kvqbench.report.stats.models import model_sources, predictivity_transfer, rank_table
+from kvqbench.report.stats.paired import PAIRED_TEST
 from kvqbench.report.stats.predictivity import predictivity
 from kvqbench.report.stats.quality import data_quality
 from kvqbench.report.stats.ranking import matched_budget, pareto, pareto_metric, rankings
@@ -25,8 +26,9 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
 
     Returns ``{"provenance", "metrics_catalog", "methods", "sources": {source: {stats, rankings,
     pareto, matched_budget, data_quality, cells: {passed, failed, skipped}, failures, data, predictivity,
-    long_decode, headline}}, "headline", "models"}`` (``long_decode``:
-    :func:`kvqbench.report.stats.longdecode.summarize`; ``headline``: :mod:`kvqbench.report.stats.headline`;
+    long_decode, headline}}, "headline", "paired_test", "models"}`` (``long_decode``:
+    :func:`kvqbench.report.stats.longdecode.summarize`; ``headline``: :mod:`kvqbench.report.stats.headline`,
+    its budget rows compared by the rule ``paired_test`` names (:data:`kvqbench.report.stats.paired.PAIRED_TEST`);
     ``models``: :func:`compare_models`).
     """
     stats = aggregate(records)
@@ -66,7 +68,7 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
     for src in sources.values():
         src["headline"] = headline_budget(src["stats"], headline, catalog)
     return {"provenance": provenance, "metrics_catalog": catalog, "methods": methods, "sources": sources,
-            "headline": headline, "models": compare_models(sources, catalog)}
+            "headline": headline, "paired_test": dict(PAIRED_TEST), "models": compare_models(sources, catalog)}
 
 
 def compare_models(sources: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any] | None:
@@ -89,6 +91,7 @@ def summary_of(board: dict[str, Any]) -> dict[str, Any]:
     return {
         "provenance": board["provenance"],
         "headline": board.get("headline"),
+        "paired_test": board.get("paired_test"),
         "methods": {m: {"fidelity": i.get("fidelity"), "deltas": i.get("deltas", []), "arxiv": i.get("arxiv")}
                     for m, i in board["methods"].items()},
         "sources": {

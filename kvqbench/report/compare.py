@@ -9,19 +9,18 @@ exactly 0 to non-zero counts as an infinite percentage. A real source names its 
 ``real-gemma3-270m``: :func:`kvqbench.cells.real_source`), so one model's cells are compared only with the
 same model's; another model's real source is one side's alone.
 
-The *spread* of a value is the one the leaderboard measured: the sum of the 95 % Student-t CI
-half-widths of BASE and NEW (``ci95``, present where a side has ≥ 2 seeds; a side without one adds 0). A
-change is *beyond the spread* when ``|new − base|`` exceeds it, i.e. the two intervals are disjoint.
-
 ``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
 :func:`main` return 1 when that metric, in any (source, method, setting), worsens by more than PERCENT %.
-For a metric whose values move between runs of the same seeds — as the catalog declares
-(:func:`kvqbench.metrics.varies`): the model's float noise in the end-to-end and long-decode metrics moves
-them by tens of percent, and timings — it must also worsen beyond the spread; one that worsens past
-PERCENT % within its spread is listed as noise, not a failure. Every other metric is a deterministic
-function of its seeds' data, so BASE and NEW measure the same cells and any change past PERCENT % is the
-method's (the spread over seeds there is the data's, not noise). Timing and memory metrics
-(:func:`kvqbench.metrics.is_timing`) are skipped unless named explicitly, because CPU timings are noise.
+A metric whose values move between runs of the same seeds (:func:`kvqbench.metrics.varies`: float noise
+moves the end-to-end and long-decode metrics by tens of percent; timings) must also be worse *beyond
+noise*, else it is listed as noise: a model-computed damage metric (``float_noise``, lower or 0 is best)
+is paired seed by seed — a seed is a text window or a text — and is worse when the paired 95 % CI of the
+geometric-mean ratio NEW/BASE lies wholly above 1 or a seed exact in BASE is not in NEW
+(:func:`kvqbench.report.stats.gate.paired_change`); a failure names the cell with that ratio and CI. Any
+other such metric (no ratio scale, a timing) is worse when ``|new − base|`` exceeds the *spread*, BASE's
+plus NEW's 95 % Student-t half-widths (``ci95``; a side with one seed adds 0). Every other metric is a
+deterministic function of its seeds' data, so any change past PERCENT % is the method's. Timing and
+memory metrics (:func:`kvqbench.metrics.is_timing`) are skipped unless named, because CPU timings are noise.
 
 A gate (any ``--fail-on``) cannot pass on less than BASE holds. It fails when NEW lacks a source,
 method, setting, metric, seed or finite value that BASE has (a CI job that selected one method by
@@ -31,7 +30,7 @@ also fails on an *incomplete* NEW set (failed, interrupted or missing cells, an 
 cells that did not run could hide the regression the gate is there to catch. What NEW has and BASE lacks
 (a new method) is listed, never an error. Without a gate these are warnings.
 
-Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond the spread for a
+Exit status of :func:`main`: 0 no threshold crossed; 1 a threshold crossed (beyond noise for a
 metric that moves between runs), or a gate on a NEW set that lacks part of BASE or is incomplete; 2
 unreadable input, a malformed ``--fail-on``, a ``--fail-on`` or ``--methods`` naming something neither set
 knows (the message names the closest known name), or a ``--fail-on`` whose metric neither set recorded
@@ -52,6 +51,7 @@ from tabulate import tabulate
 
 from kvqbench.metrics import did_you_mean, is_timing, rank_key, varies
 from kvqbench.report.reader import check_result_files, read_leaderboard
+from kvqbench.report.stats.gate import paired_change
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
            "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
@@ -81,12 +81,13 @@ class Change:
     better: str
     base: float
     new: float
-    base_ci: float | None
+    base_ci: float | None  # 95 % half-widths and seed counts of each side
     new_ci: float | None
     base_n: int
     new_n: int
     #: whether the metric's values move between runs of the same seeds (:func:`varies_between_runs`)
     noisy: bool = False
+    paired: dict[str, Any] | None = None  # paired seed by seed (stats.gate.paired_change); None: not paired
 
     @property
     def delta(self) -> float:
@@ -112,22 +113,27 @@ class Change:
 
     @property
     def spread(self) -> float | None:
-        """The measured spread: BASE's plus NEW's 95 % CI half-width (a side with < 2 seeds has none and
-        adds 0); ``None`` when neither side has one."""
+        """BASE's plus NEW's 95 % CI half-width (a side with < 2 seeds adds 0); ``None`` when neither has one."""
         cis = [ci for ci, n in ((self.base_ci, self.base_n), (self.new_ci, self.new_n)) if ci is not None and n >= 2]
         return math.fsum(cis) if cis else None
 
     @property
     def outside_ci(self) -> bool | None:
-        """Whether ``|new − base|`` exceeds :attr:`spread` (the intervals are disjoint); ``None`` when no
-        spread is measured."""
+        """Whether ``|new − base|`` exceeds :attr:`spread`; ``None`` when no spread is measured."""
         spread = self.spread
         return None if spread is None else abs(self.new - self.base) > spread
 
     @property
+    def beyond_noise(self) -> bool | None:
+        """NEW worse beyond the paired CI (:attr:`paired` with an interval), else :attr:`outside_ci`."""
+        if self.paired is not None and self.paired["worse"] is not None:
+            return self.paired["worse"]
+        return self.outside_ci
+
+    @property
     def within_noise(self) -> bool:
-        """A change of a :attr:`noisy` metric no larger than its spread: noise, never a gate failure."""
-        return self.noisy and self.outside_ci is False
+        """A change of a :attr:`noisy` metric not beyond noise (:attr:`beyond_noise`): never a gate failure."""
+        return self.noisy and self.beyond_noise is False
 
 
 @dataclass
@@ -226,7 +232,8 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
                         out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
                                                   bm[name].get("ci95"), nm[name].get("ci95"),
                                                   int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
-                                                  varies_between_runs(name, spec)))
+                                                  varies_between_runs(name, spec),
+                                                  paired_change(name, spec, bm[name], nm[name])))
     new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
     out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
                                     for m in exp} - new_methods)
@@ -297,9 +304,7 @@ def _fmt(x: float | None) -> str:
 
 
 def _pct(w: float) -> str:
-    if math.isinf(w):
-        return "+inf %" if w > 0 else "-inf %"
-    return f"{w:+.2f} %"
+    return ("+inf %" if w > 0 else "-inf %") if math.isinf(w) else f"{w:+.2f} %"
 
 
 def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[FailRule] | None = None,
@@ -322,13 +327,13 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
              f"{sum(1 for c in changes if c.status == 'improved')} better, {n_unch} unchanged"
              + (" (timing metrics ignored unless named in --fail-on)" if len(changes) < len(cmp.changes) else "")]
     lines += [f"note: {n}" for n in cmp.notes]
-    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "beyond CI spread"]
+    headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "beyond noise"]
 
     def rows(cs: list[Change]) -> list[list[str]]:
         return [[c.source, c.method, c.setting, c.metric, c.better, _fmt(c.base), _fmt(c.new),
                  _pct(c.worsening_pct).replace("+", "worse +", 1) if c.worsening_pct > 0 else
                  _pct(-c.worsening_pct).replace("+", "better +", 1),
-                 {None: "n/a (1 seed)", True: "yes", False: "no"}[c.outside_ci]] for c in cs[:max_rows]]
+                 {None: "n/a (1 seed)", True: "yes", False: "no"}[c.beyond_noise]] for c in cs[:max_rows]]
 
     for title, cs in (("Regressions", reg), ("Improvements", imp)):
         lines.append("")
@@ -391,6 +396,13 @@ def _missing_line(cmp: Comparison, *, gate: bool) -> str:
 
 
 def _spread_text(c: Change) -> str:
+    p = c.paired or {"exact_lost": [], "worse": None}
+    if p["exact_lost"]:
+        return f"exact in BASE, not in NEW at seed(s) {', '.join(map(str, p['exact_lost']))}"
+    if p["worse"] is not None:
+        lo, hi = p["ratio_ci95"]
+        return (f"paired over {p['n_units']} {p['unit']}s: {p['ratio']:.3g}× [{lo:.3g}, {hi:.3g}], "
+                f"{'wholly above' if p['worse'] else 'not wholly above'} 1")
     if c.outside_ci is None:
         return "no CI (1 seed)"
     return f"|Δ| {_fmt(abs(c.delta))} {'>' if c.outside_ci else '≤'} CI spread {_fmt(c.spread)}"
@@ -446,16 +458,17 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
     noise = [(r, c) for r, c in crossed if c.within_noise]
     if noise:
         print("", file=out)
-        print(f"within the CI spread: {len(noise)} value(s) of metrics that move between runs (end-to-end, "
-              "timing) worsened past a --fail-on threshold by no more than BASE's plus NEW's 95 % CI "
-              "half-widths — noise, not a failure:", file=out)
+        print(f"within noise: {len(noise)} value(s) of metrics that move between runs (end-to-end, "
+              "timing) worsened past a --fail-on threshold but not beyond noise (the paired 95 % CI of NEW/BASE "
+              "over the seeds both scored includes 1, or |Δ| ≤ BASE's plus NEW's 95 % CI half-widths) — "
+              "noise, not a failure:", file=out)
         for _, c in noise[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
                   f"({_pct(c.worsening_pct)}; {_spread_text(c)})", file=out)
     if hits:
         print("", file=out)
         print(f"FAILED: {len(hits)} value(s) worsened past a --fail-on threshold (end-to-end and timing metrics: "
-              "also beyond the CI spread):", file=out)
+              "also beyond noise):", file=out)
         for rule, c in hits[:max_rows]:
             print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
                   f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g}"

@@ -153,10 +153,11 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
 
     for src_name, src in sorted((board.get("sources") or {}).items()):
         _, rows_h, headers = headline_lines(board, src_name, src)
-        keep = [i for i, h in enumerate(headers) if not h.startswith("tied")]  # the ties are named in "best"
+        keep = [i for i, h in enumerate(headers) if not h.startswith(("tied", "separated"))]  # ties named in "best"
         model = (src.get("data") or {}).get("model")
+        ties = ("not separated by the paired test" if board.get("paired_test") else "tied within the 95% CI")
         lines += ["", f"**{src_name}**{f' ({model})' if model and src_name.startswith('real') else ''} — best method "
-                      f"(`a = b`: tied within the 95% CI) at a matched budget of bits/element; rule and ties in full in "
+                      f"(`a = b`: {ties}) at a matched budget of bits/element; rule and ties in full in "
                       f"LEADERBOARD.md.", ""]
         lines.append(tabulate([[r[i] for i in keep] for r in rows_h], headers=[headers[i] for i in keep],
                               tablefmt="github") if rows_h else "_no results_")

@@ -76,7 +76,8 @@ def test_end_to_end_values_fail_only_beyond_the_ci_spread(tmp_path):
     assert abs(shift) < spread  # the premise, from the closed form
     rc, text = _run(base, write_results(tmp_path / "noisy", _e2e_records(noisy, err)), "any:5")
     assert rc == 0, text
-    line = next(ln for ln in text.split("within the CI spread: ")[1].splitlines() if "e2e_prefill_dloss_nats" in ln)
+    # Δ loss can be negative (no ratio scale): judged by the CI spread
+    line = next(ln for ln in text.split("within noise: ")[1].splitlines() if "e2e_prefill_dloss_nats" in ln)
     assert "+51.01 %" in line and f"≤ CI spread {spread:.4g}" in line
     # beyond the spread (and the threshold): fails, naming the spread it exceeded
     far = tuple(d + 1.01 * spread for d in DLOSS)
@@ -92,6 +93,45 @@ def test_end_to_end_values_fail_only_beyond_the_ci_spread(tmp_path):
     assert 0.2 * sum(err) / 3 < _half_width_3(err) + _half_width_3(worse)
     rc, text = _run(base, write_results(tmp_path / "det", _e2e_records(DLOSS, worse)), "rel_mse:5")
     assert rc == 1 and "real/rtn_channel/k4v4 rel_mse" in text.split("FAILED: ")[1]
+
+
+#: end-to-end KL of one cell on 8 text windows (window difficulty spans 6×)
+KL_WINDOWS = (0.41, 0.92, 0.55, 2.4, 0.73, 1.31, 0.62, 1.05)
+
+
+def _kl_records(kl):
+    return [_rec("exp5", "kivi", 2, seed, "real", {"e2e_prefill_kl_nats": v}) for seed, v in enumerate(kl)]
+
+
+def test_end_to_end_kl_is_paired_by_window_and_a_failure_names_the_cell_with_its_ratio(tmp_path):
+    """NEW 1.2× BASE's KL on every window (±3 %): the marginal CI spread is far wider than the change, but
+    paired by window the ratio's CI lies above 1, so the gate fails and names the cell with its ratio.
+    The same +20 % mean from windows that move both ways (NEW/BASE from 0.7× to 1.8×) passes as noise."""
+    from scipy import stats
+
+    base = write_results(tmp_path / "base", _kl_records(KL_WINDOWS))
+    wobble = (1.03, 0.98, 1.01, 0.97, 1.02, 0.99, 1.0, 1.01)
+    worse = tuple(1.2 * v * w for v, w in zip(KL_WINDOWS, wobble))
+    rc, text = _run(base, write_results(tmp_path / "worse", _kl_records(worse)), "e2e_prefill_kl_nats:5")
+    assert rc == 1, text
+    ci = stats.ttest_rel([math.log(v) for v in worse], [math.log(v) for v in KL_WINDOWS]).confidence_interval(0.95)
+    lo, hi = math.exp(ci.low), math.exp(ci.high)
+    ratio = math.exp(sum(math.log(a / b) for a, b in zip(worse, KL_WINDOWS)) / len(worse))
+    assert lo > 1.0  # the premise, from scipy on the same numbers
+    failed = text.split("FAILED: ")[1]
+    assert ("real/kivi/k2v2 e2e_prefill_kl_nats" in failed
+            and f"paired over 8 windows: {ratio:.3g}× [{lo:.3g}, {hi:.3g}], wholly above 1" in failed)
+    # the overlap of marginal intervals would have called it noise: the spread is larger than the change
+    spread = sum(stats.t.ppf(0.975, 7) * stats.sem(v) for v in (KL_WINDOWS, worse))
+    assert sum(worse) / 8 - sum(KL_WINDOWS) / 8 < spread
+    # the same mean change, windows moving both ways: the paired CI includes 1, noise
+    factors = (0.7, 1.8, 0.8, 1.25, 0.9, 1.6, 0.75, 1.5)
+    mixed = tuple(v * f for v, f in zip(KL_WINDOWS, factors))
+    rc, text = _run(base, write_results(tmp_path / "mixed", _kl_records(mixed)), "e2e_prefill_kl_nats:5")
+    ci = stats.ttest_rel([math.log(v) for v in mixed], [math.log(v) for v in KL_WINDOWS]).confidence_interval(0.95)
+    assert ci.low < 0 < ci.high and sum(mixed) > 1.05 * sum(KL_WINDOWS)  # the premise
+    assert rc == 0, text
+    assert "real/kivi/k2v2 e2e_prefill_kl_nats" in text.split("within noise: ")[1] and "not wholly above 1" in text
 
 
 def test_improvement_never_fails(tmp_path, base_dir):

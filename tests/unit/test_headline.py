@@ -5,8 +5,8 @@ table naming its criterion. Torch-free; hand-built records with known rank relat
 from __future__ import annotations
 
 import copy
+import math
 import random
-import re
 
 import pytest
 from scipy.stats import spearmanr
@@ -120,21 +120,85 @@ def test_real_budgets_rank_on_end_to_end_kl_at_bits_billed():
     assert real[8.25]["setting"] == "k4v4"
 
 
-def test_overlapping_cis_print_a_tie_and_every_best_table_names_its_criterion():
-    """Two methods whose KL CIs overlap at a budget are one answer, ``g = h``; apart from the first screen,
-    every heading that names a best method says by which criterion it ranks."""
-    # g and h: 0.203 vs 0.2, each ± 1.27 % (seeds at ∓0.1 %, 95% CI with t(1) = 12.7): overlapping; f (0.45) is not
-    kl = dict(KL, g=0.203)
-    b = _board(_records({m: v / 3 for m, v in kl.items()}, {m: v / 3 for m, v in kl.items()}, jitter=0.002, kl=kl))
+#: per-window end-to-end KL of the best setting (window difficulty spans 3×) and two others' wobble around a
+#: fixed ratio: g 1.66× on every window (±3 %), h 1.02× with ±30 % window to window
+WINDOWS = (0.40, 0.60, 0.46, 1.20, 0.75, 0.52)
+WOBBLE_G = (1.02, 0.97, 1.01, 0.99, 1.03, 0.98)
+WOBBLE_H = (1.3, 0.75, 1.2, 0.8, 1.1, 0.95)
+
+
+def _paired_records() -> list[dict]:
+    """exp5 cells on 6 windows of three methods billed within ≤ 3.0 bits: f best, g 1.66×, h ≈ 1×."""
+    kl = {"f": WINDOWS, "g": tuple(1.66 * w * j for w, j in zip(WINDOWS, WOBBLE_G)),
+          "h": tuple(1.02 * w * j for w, j in zip(WINDOWS, WOBBLE_H))}
+    return [_rec("exp5", m, 2, seed, "real", {"e2e_prefill_kl_nats": v, "e2e_prefill_bits_billed": 2.5})
+            for m, vals in kl.items() for seed, v in enumerate(vals)]
+
+
+def test_budget_rows_are_the_paired_test_on_the_shared_windows():
+    """Each comparison of a budget row is scipy's paired t-test on the log KL of the same windows, Holm over
+    the row; g's marginal 95 % CI overlaps f's (the old rule's tie) yet the paired rule separates it."""
+    import numpy as np
+    from scipy import stats
+
+    b = _board(_paired_records())
     row = next(r for r in b["sources"]["real"]["headline"] if r["budget"] == 3.0)
-    assert row["method"] == "h" and [t["method"] for t in row["ties"]] == ["g"]
+    assert b["paired_test"]["alpha"] == 0.025 and b["paired_test"]["correction"] == "Holm"
+    assert (row["method"], row["unit"], row["n_units"]) == ("f", "window", 6)
+    logs = {c["method"]: np.log([r["metrics"]["e2e_prefill_kl_nats"] for r in _paired_records() if r["method"] == c["method"]])
+            for c in row["comparisons"]}
+    f = np.log(WINDOWS)
+    ps = [stats.ttest_rel(logs[c["method"]], f, alternative="greater").pvalue for c in row["comparisons"]]
+    for c, p in zip(row["comparisons"], ps):
+        ci = stats.ttest_rel(logs[c["method"]], f).confidence_interval(0.95)
+        assert c["ratio"] == pytest.approx(math.exp(np.mean(logs[c["method"]] - f)), rel=1e-12)
+        assert c["ratio_ci95"] == pytest.approx([math.exp(ci.low), math.exp(ci.high)], rel=1e-10)
+        assert c["p"] == pytest.approx(p, rel=1e-10)
+    # Holm over m = 2 by hand: the smaller p times 2, the larger max(that, itself)
+    lo, hi = sorted(ps)
+    holm = {lo: min(1, 2 * lo), hi: min(1, max(2 * lo, hi))}
+    assert [c["p_holm"] for c in row["comparisons"]] == pytest.approx([holm[p] for p in ps], rel=1e-10)
+    by = {c["method"]: c for c in row["comparisons"]}
+    assert by["g"]["tied"] is False and by["h"]["tied"] is True
+    assert [t["method"] for t in row["ties"]] == ["h"] and row["runner_up"] == row["comparisons"][0]["method"]
+    g = [r["metrics"]["e2e_prefill_kl_nats"] for r in _paired_records() if r["method"] == "g"]
+    iv = [stats.t.interval(0.95, 5, loc=np.mean(v), scale=stats.sem(v)) for v in (WINDOWS, g)]
+    assert iv[1][0] < iv[0][1]  # the marginal intervals overlap: the old rule called g tied
+    assert row["rank_interval"][0] == 1 and 0 < row["p_best"] <= 1
+
+
+def test_the_first_screen_writes_the_rank_interval_ratios_and_ties():
+    """The best with its rank interval and P(best) and its ties (``=``); each compared method as
+    ``g 1.66× [lo, hi]`` in the tied or the separated column; the lead-in states the paired rule; every
+    other heading that names a best method says by which criterion it ranks."""
+    b = _board(_paired_records())
+    row = next(r for r in b["sources"]["real"]["headline"] if r["budget"] == 3.0)
     md = render_markdown(b)
     first = md.split("# Details")[0]
-    assert re.search(r"\| ≤ 3\.0 +\| `h` = `g`", first)
+    lo, hi = row["rank_interval"]
+    rank = f"rank {lo}" if lo == hi else f"rank {lo}–{hi}"
+    by = {c["method"]: c for c in row["comparisons"]}
+    g, h = by["g"], by["h"]
+    line = next(ln for ln in first.splitlines() if ln.startswith("| ≤ 3.0 "))
+    assert f"`f` ({rank}, P(best) {row['p_best']:.2f}) = `h`" in line
+    assert f"| g {g['ratio']:.3g}× [{g['ratio_ci95'][0]:.3g}, {g['ratio_ci95'][1]:.3g}]" in line
+    assert f"| h {h['ratio']:.3g}× [{h['ratio_ci95'][0]:.3g}, {h['ratio_ci95'][1]:.3g}]" in line
+    assert "unless a one-sided paired t-test on log values separates them, Holm-corrected" in first
+    assert "α = 0.025" in first and "overlap" not in first
     assert "runner-up" not in md
-    for line in md.splitlines():
-        if line.startswith("#") and "best" in line.lower():
-            assert " by " in line, line
+    for ln in md.splitlines():
+        if ln.startswith("#") and "best" in ln.lower():
+            assert " by " in ln, ln
+
+
+def test_a_row_without_a_ratio_scale_states_why():
+    recs = _paired_records()
+    for r in recs:
+        if r["method"] == "h" and r["seed"] == 2:
+            r["metrics"]["e2e_prefill_kl_nats"] = 0.0  # an exact window: no log ratio
+    row = next(r for r in _board(recs)["sources"]["real"]["headline"] if r["budget"] == 3.0)
+    assert row["comparisons"] == [] and "positive" in row["no_verdict"] and row["method"] == "h"
+    assert "no paired verdict: " in render_markdown(_board(recs)).split("# Details")[0]
 
 
 def test_best_at_budgets_ties_follow_the_overlap_rule():

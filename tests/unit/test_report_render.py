@@ -16,7 +16,20 @@ from test_report_samples import write_results
 from kvqbench.report.rerender import render_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-NO_TORCH = "import sys\nsys.modules['torch'] = None  # any 'import torch' now raises ImportError\n"
+#: torch as if not installed: any import of it raises ImportError. (``sys.modules['torch'] = None`` would
+#: leave a ``torch`` entry that scipy.stats' array-API layer reads as a module and fails on.)
+NO_TORCH = """import importlib.abc, sys
+
+
+class _NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError(f"import of torch halted: {name}")
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
 
 
 def _env_without_torch(tmp_path: Path) -> dict[str, str]:

@@ -10,7 +10,8 @@ from tabulate import tabulate
 
 from kvqbench.cells import is_plain_setting, source_kind
 from kvqbench.metrics import experiment_of
-from kvqbench.report.render.text import cells_text, fmt, rho_text, tied
+from kvqbench.report.render.text import best_text, cells_text, compared_text, fmt, rho_text
+from kvqbench.report.stats.paired import PAIRED_TEST
 from kvqbench.report.stats.predictivity import (
     PREDICTIVITY_BOOTSTRAP,
     PREDICTIVITY_MIN_METHODS,
@@ -18,13 +19,37 @@ from kvqbench.report.stats.predictivity import (
     PREDICTIVITY_TARGETS,
 )
 
-__all__ = ["RULE_TEXT", "no_predictivity_reason", "headline_lines", "headline_screen"]
+__all__ = ["RULE_TEXT", "PAIRED_RULE_TEXT", "no_predictivity_reason", "headline_lines", "headline_screen",
+           "paired_rule"]
 
 
 #: the headline rule in words (:func:`kvqbench.report.stats.headline.headline_rule`)
 RULE_TEXT = ("the declared default `{default}` stays the headline unless another scale-free metric's Spearman ρ "
              "with end-to-end KL beats it by more than the bootstrap: the paired {n_boot}-resample bootstrap 95% "
              "CI over methods (seed {seed}) of ρ(other) − ρ(default) lies wholly above 0")
+
+
+#: the budget rows' rule in words (:func:`kvqbench.report.stats.ranking.paired_at_budgets`)
+PAIRED_RULE_TEXT = ("Settings are compared {unit} by {unit} on the {unit}s they share ({n}): the best has the lowest mean "
+                    "log damage, and each other method — its best setting within the budget — is tied with it (`=`) "
+                    "unless a {test} separates them, {correction}-corrected over the row at one-sided α = {alpha:g} "
+                    "(the two-sided {level:g} % level, so a separated method's 95% ratio CI lies above 1; after Holm a "
+                    "tied one's may too). Beside each: its damage as a multiple of the best's (geometric mean over "
+                    "{unit}s, paired {conf:g}% CI; its setting named where it is not the best's); the "
+                    "best's {conf:g}% rank interval and P(best) come from a {n_boot}-resample paired bootstrap over "
+                    "{unit}s (seed {seed}).")
+
+
+def paired_rule(board: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """:data:`PAIRED_RULE_TEXT` filled from ``board["paired_test"]`` and the rows' unit and unit counts."""
+    t = {**PAIRED_TEST, **(board.get("paired_test") or {})}
+    unit = next((r["unit"] for r in rows if r.get("unit")), "seed")
+    counts = sorted({r["n_units"] for r in rows if r.get("n_units")})
+    n = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}" if counts else "none") + " here"
+    test = str(t["test"]).replace("one-sided ", "")
+    return PAIRED_RULE_TEXT.format(unit=unit, n=n, test=f"one-sided {test}", correction=t["correction"],
+                                   alpha=t["alpha"], level=200 * t["alpha"], conf=100 * t["confidence"],
+                                   n_boot=t["bootstrap"], seed=t["bootstrap_seed"])
 
 
 def no_predictivity_reason(board: dict[str, Any]) -> str:
@@ -82,11 +107,13 @@ def _rule_lines(board: dict[str, Any]) -> str:
 
 
 def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
-    """The headline of one source: the sentences naming the ranking criterion and the headline metric with
-    its rule, the matched-budget rows and their headers. Shared by ``LEADERBOARD.md`` and the README
-    digest. A source with an end-to-end run ranks on its KL (bits billed by the same cells), the headline
-    tensor metric of the same setting beside it; one without ranks on the headline tensor metric. Methods
-    whose 95% CI overlaps the best's are ties, written ``a = b``."""
+    """The headline of one source: the sentences naming the ranking criterion, the paired rule
+    (:func:`paired_rule`) and the headline metric with its rule, the matched-budget rows and their headers.
+    Shared by ``LEADERBOARD.md`` and the README digest. A source with an end-to-end run ranks on its KL
+    (bits billed by the same cells), the headline tensor metric of the same setting beside it; one without
+    ranks on the headline tensor metric. The best is written with its rank interval, P(best) and ties
+    (``a (rank 1–2, P(best) 0.83) = b``, ids in backticks); every compared method as ``b k2v2 1.12× [0.95, 1.31]``
+    in the tied or the separated column."""
     h = board.get("headline") or {}
     metric = h.get("metric", "rel_mse")
     target = h.get("target", PREDICTIVITY_TARGETS[0])
@@ -96,7 +123,7 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
     if long_only:
         crit = ("Ranked on measured long-decode damage: next-token KL `long_kl_nats` over the decoded text (mean "
                 "± 95% CI over texts) at the bits per element billed at T (no end-to-end or tensor experiment "
-                "in this result set); here the ties' CIs are widened by each method's noise floor.")
+                "in this result set).")
     elif e2e:
         crit = (f"Ranked on measured end-to-end damage: next-token KL `{target}` (mean ± 95% CI over text windows) at "
                 f"the bits per element the same cells billed; the headline tensor metric of the same setting beside it.")
@@ -107,27 +134,26 @@ def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) ->
     rule = _rule_lines(board) if chosen_here else (
         f"Headline tensor metric `{metric}` ({h.get('experiment')}), chosen on the {h.get('source')} data by the rule "
         "stated there.")
-    sentence = f"{crit} Methods whose 95% CI overlaps the best's are ties (`a = b`), best mean first. {rule}"
+    sentence = f"{crit} {paired_rule(board, rows_in)} {rule}"
     rows = []
     long = any("long_kl" in b for b in rows_in) and not long_only  # exp6 ran: its KL beside the ranking
     for b in rows_in:
-        ties = b.get("ties") or []
         value = b.get("value", b.get("quality"))
-        row = [f"≤ {b['budget']}", tied(b), b["setting"] or "—", fmt(b["bits"]), fmt(value, b.get("ci95"))]
+        row = [f"≤ {b['budget']}", best_text(b), b["setting"] or "—", fmt(b["bits"]), fmt(value, b.get("ci95"))]
         if e2e:
             row.append(fmt(b.get("quality"), b.get("quality_ci95")))
         if long:
             row.append(fmt(b["long_kl"], b.get("long_kl_ci95")) + (f" @ {b['long_bits_billed']:.3g} b" if
                        b.get("long_bits_billed") is not None else "") if b.get("long_kl") is not None else "—")
-        row.append("; ".join(f"{t['method']} {t['setting']}: {fmt(t['value'], t.get('ci95'))} @ {fmt(t['bits'])} b"
-                             for t in ties) or "—")
+        row += [compared_text(b, True), compared_text(b, False)]
         rows.append(row)
     long_col = ["long-decode KL (`long_kl_nats`) @ bits billed at T"] if long else []
+    compared = ["tied (× best, 95% CI)", "separated (× best, 95% CI)"]
     headers = (["budget (bits/elt)", "best", "bits", "bits billed at T", "long-decode KL (`long_kl_nats`)",
-                "tied (value @ bits)"] if long_only else
+                *compared] if long_only else
                ["budget (bits/elt)", "best", "bits", "bits billed", f"end-to-end KL (`{target}`)", metric, *long_col,
-                "tied (value @ bits)"] if e2e else
-               ["budget (bits/elt)", "best", "bits", "bits effective", metric, *long_col, "tied (value @ bits)"])
+                *compared] if e2e else
+               ["budget (bits/elt)", "best", "bits", "bits effective", metric, *long_col, *compared])
     return sentence, rows, headers
 
 

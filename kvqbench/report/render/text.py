@@ -14,7 +14,7 @@ from kvqbench.cells import is_plain_setting, setting_order
 from kvqbench.report.io import to_jsonable
 
 __all__ = ["canonical", "fmt", "value_text", "missing_text", "cells_text", "rho_text", "tied", "listed",
-           "plain_settings", "completeness_banner"]
+           "plain_settings", "completeness_banner", "ratio_text", "best_text", "compared_text"]
 
 CELL_STATES = ("passed", "failed", "skipped")
 
@@ -80,6 +80,42 @@ def tied(b: dict[str, Any]) -> str:
     if not b.get("method"):
         return "—"
     return " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b.get("ties") or [])])
+
+
+def ratio_text(c: dict[str, Any], best_setting: str | None = None) -> str:
+    """``kvarn 1.66× [1.39, 1.98]``: a comparison's method (and its setting where it is not
+    ``best_setting``), its damage as a multiple of the best's and the paired 95 % CI (``(1 unit)`` when
+    there is no interval)."""
+    r, ci = c.get("ratio"), c.get("ratio_ci95")
+    name = c["method"] + (f" {c['setting']}" if c.get("setting") and c.get("setting") != best_setting else "")
+    if r is None:
+        return name
+    return f"{name} {r:.3g}×" + (f" [{ci[0]:.3g}, {ci[1]:.3g}]" if ci else " (1 unit)")
+
+
+def best_text(b: dict[str, Any]) -> str:
+    """The best of a budget row and its ties: ``kvquant (rank 1–2, P(best) 0.83) = kitty`` (method ids in backticks); the
+    ties of a row without a paired verdict (an older board: the overlap rule) as :func:`tied`."""
+    if not b.get("method"):
+        return "—"
+    if "comparisons" not in b:
+        return tied(b)
+    iv, pb = b.get("rank_interval"), b.get("p_best")
+    rank = (f"rank {iv[0]}" if iv[0] == iv[1] else f"rank {iv[0]}–{iv[1]}") if iv else None
+    what = ", ".join(x for x in (rank, f"P(best) {pb:.2f}" if pb is not None else None) if x)
+    return f"`{b['method']}`" + (f" ({what})" if what else "") + "".join(f" = `{t['method']}`" for t in b.get("ties") or [])
+
+
+def compared_text(b: dict[str, Any], tied_ones: bool, most: int = 4) -> str:
+    """The tied (``tied_ones``) or the separated comparisons of a budget row, ``; ``-joined
+    (:func:`ratio_text`); separated ones beyond ``most`` are counted (``… +5 more``; all are in
+    ``leaderboard.json``). A row without a paired verdict gives its reason in the tied column."""
+    if b.get("no_verdict"):
+        return f"no paired verdict: {b['no_verdict']}" if tied_ones else "—"
+    cs = [c for c in b.get("comparisons") or [] if bool(c.get("tied")) == tied_ones]
+    shown = cs if tied_ones else cs[:most]
+    more = f"; … +{len(cs) - len(shown)} more" if len(cs) > len(shown) else ""
+    return "; ".join(ratio_text(c, b.get("setting")) for c in shown) + more if cs else "—"
 
 
 def listed(items: list, n: int = 5) -> str:

@@ -12,8 +12,12 @@ Two rules, both functions of one source's (one model's) statistics:
 - **The best method at each matched budget** (:func:`headline_budget`) is ranked on the measured
   end-to-end KL where the end-to-end experiment ran (bits: what the same cells billed), and on the
   headline tensor metric where it did not (synthetic or third-party data); the tensor metric of the same
-  setting is shown beside the KL. Methods whose 95 % CI overlaps the best's are ties
-  (:func:`~kvqbench.report.stats.ranking.best_at_budgets`).
+  setting is shown beside the KL. Settings are compared on the units they share (:func:`unit_of`: text
+  windows, texts or seeds): the best has the lowest mean log damage, and every other method's best
+  setting within the budget is tied with it unless a one-sided paired t-test on log damage, Holm over
+  the row at α = 0.025, separates them (:func:`~kvqbench.report.stats.ranking.paired_at_budgets`); each
+  comparison carries its ratio to the best with a paired 95 % CI, and each setting its bootstrap rank
+  interval and probability of ranking first.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ from kvqbench.report.stats.predictivity import (
     PREDICTIVITY_TARGETS,
     spearman_rows,
 )
-from kvqbench.report.stats.ranking import best_at_budgets
+from kvqbench.report.stats.ranking import paired_at_budgets
 
 __all__ = ["HEADLINE_DEFAULT", "FALLBACK_METRIC", "headline_rule", "choose_headline", "headline_budget",
-           "paired_rho_difference", "E2E_BITS"]
+           "paired_rho_difference", "E2E_BITS", "unit_of"]
 
 
 #: the declared default headline metric: attention's next-token distribution error, what the model's
@@ -47,6 +51,14 @@ HEADLINE_DEFAULT: dict[str, str] = {"metric": "static_attn_kl_fwd_nats",
 FALLBACK_METRIC: dict[str, str] = {"metric": "rel_mse", "experiment": experiment_of("rel_mse")}
 #: the bits an end-to-end prefill cell billed per element, beside its KL
 E2E_BITS = "e2e_prefill_bits_billed"
+
+
+def unit_of(metric: str) -> str:
+    """What a metric's settings share and are paired on: ``"window"`` for the end-to-end experiment (each
+    seed scores another text window), ``"text"`` for the long decode (each seed decodes another text),
+    ``"seed"`` for every other experiment (the seed draws the data or the method's randomness)."""
+    exp = experiment_of(metric)
+    return "window" if exp == experiment_of(PREDICTIVITY_TARGETS[0]) else "text" if exp == LONG_EXPERIMENT else "seed"
 
 
 def paired_rho_difference(x_default: Any, x_other: Any, y: Any, *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
@@ -187,18 +199,20 @@ def _bits_of(stats_src: dict[str, Any], m: str, s: str, metric: str) -> float | 
 
 def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
                     budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best method at each matched bits/element budget of one source, with its ties.
+    """The best method at each matched bits/element budget of one source, and every other method's best
+    setting compared with it on the units they share.
 
     Ranked on the end-to-end target (``headline["target"]``, e.g. ``e2e_prefill_kl_nats``) where this
     source has it, else on the headline tensor metric (its better-direction), else — a long tier's results
     alone — on the long-decode KL ``long_kl_nats`` at the bits billed at T. Exact (16-bit) settings, variant
     settings and short entries are not budget points; the fp16 control bills 16 bits and fits no budget.
 
-    Returns one row per budget: ``{"budget", "criterion", "method", "setting", "bits", "value", "ci95",
-    "ties": [{method, setting, bits, value, ci95}], "quality", "quality_ci95", "e2e_kl", "e2e_kl_ci95"}``
-    and, where the source ran the long decode, ``"long_kl", "long_kl_ci95", "long_bits_billed"`` (bits billed at T)
-    (``method`` ``None`` where nothing fits); ``value`` is the criterion's mean, ``quality`` the headline
-    tensor metric's mean of the same (method, setting) (``None`` where it was not measured).
+    Returns one row per budget, the fields of :func:`~kvqbench.report.stats.ranking.paired_at_budgets`
+    (``method``, ``setting``, ``bits``, ``value``, ``ci95``, ``n_units``, ``rank_interval``, ``p_best``,
+    ``comparisons``, ``ties``, ``runner_up``, ``no_verdict``) plus ``"criterion"``, ``"unit"``
+    (:func:`unit_of`), ``"quality"``, ``"quality_ci95"`` (the headline tensor metric of the best's
+    setting, ``None`` where not measured), ``"e2e_kl"``, ``"e2e_kl_ci95"`` and, where the source ran the
+    long decode, ``"long_kl"``, ``"long_kl_ci95"``, ``"long_bits_billed"`` (bits billed at T).
     """
     metric, exp, target = headline["metric"], headline["experiment"], headline.get("target", PREDICTIVITY_TARGETS[0])
     e2e, long = stats_src.get(experiment_of(target)) or {}, stats_src.get(LONG_EXPERIMENT) or {}
@@ -219,19 +233,15 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
                     continue
                 b = _bits_of(stats_src, m, s, crit)
                 if b is not None:
-                    pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": e["ci95"]})
-    rows = best_at_budgets(pts, budgets, better=better)
-    if crit == "long_kl_nats":  # the noise floor widened the intervals for the ties only: show the 95% CIs
-        raw = {(m, s): e[crit]["ci95"] for m, by in long.items() for s, e in by.items() if crit in e}
-        for r in rows:
-            for p in [r, *(r.get("ties") or [])]:
-                if p.get("method"):
-                    p["ci95"] = raw.get((p["method"], p["setting"]))
+                    pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": e["ci95"],
+                                "units": dict(zip(e.get("seeds") or [], e.get("values") or []))})
+    rows = paired_at_budgets(pts, budgets, better=better)
     for r in rows:
         q = (stats_src.get(exp) or {}).get(r["method"], {}).get(r["setting"], {}).get(metric) if r["method"] else None
         k = e2e.get(r["method"], {}).get(r["setting"], {}).get(target) if r["method"] else None
-        r.update(criterion=crit, quality=q["mean"] if q else None, quality_ci95=q["ci95"] if q else None,
-                 e2e_kl=k["mean"] if k else None, e2e_kl_ci95=k["ci95"] if k else None)
+        r.update(criterion=crit, unit=unit_of(crit), quality=q["mean"] if q else None,
+                 quality_ci95=q["ci95"] if q else None, e2e_kl=k["mean"] if k else None,
+                 e2e_kl_ci95=k["ci95"] if k else None)
         if long:  # the long-decode KL of the same (method, setting), with the bits billed at T
             by = long.get(r["method"], {}).get(r["setting"], {}) if r["method"] else {}
             r.update(long_kl=(by.get("long_kl_nats") or {}).get("mean"),

@@ -6,10 +6,13 @@ leaderboard (the KL curves per method and setting as means over seeds, the fp16 
 accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
 and the source's ``stats``.
 
-Ties: two methods' long-decode KL is a tie when their 95 % CIs over seeds overlap or when their means
-differ by no more than the larger of their noise floors (``long_kl_noise_sd_nats``: the standard
-deviation float noise alone causes, measured on the first seed of each seed group;
-:func:`kvqbench.report.stats.intervals.ranked_with_floor`).
+Comparisons: at a budget of bits billed at T, methods are compared on the long-decode KL across the texts
+they share (each seed decodes another text; :func:`long_decode_points` feeds
+:func:`kvqbench.report.stats.ranking.paired_at_budgets`), and on passkey exact match over the trials they
+share with McNemar's test (:func:`passkey_comparisons`). The per-setting tables rank with the noise floor
+(``long_kl_noise_sd_nats``: the standard deviation float noise alone causes, measured on the first seed of
+each seed group): two methods tie when their 95 % CIs over seeds overlap or their means differ by no more
+than the larger floor (:func:`kvqbench.report.stats.intervals.ranked_with_floor`).
 """
 
 from __future__ import annotations
@@ -123,15 +126,14 @@ def noise_floor(stats6: dict[str, Any], method: str, setting: str, metric: str) 
 
 def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
     """The budget points of the long decode (``stats[source][EXPERIMENT]``): per plain, quantizing setting its
-    long-decode KL and the bits billed at T, the 95% CI widened by the setting's noise floor (differences
-    within float noise are ties), for :func:`~kvqbench.report.stats.ranking.best_at_budgets`."""
+    long-decode KL (mean, 95 % half-width, and per text: ``units`` = seed → KL) and the bits billed at T,
+    for :func:`~kvqbench.report.stats.ranking.paired_at_budgets`."""
     pts = []
     for m, by in stats6.items():
         for s, e in by.items():
             kl, bits = e.get("long_kl_nats"), e.get("long_bits_billed")
             if kl is None or bits is None or is_short(kl) or not is_plain_setting(s) or is_exact_setting(s):
                 continue
-            noise = (e.get("long_kl_noise_sd_nats") or {}).get("mean") or 0.0
-            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"],
-                        "ci95": (kl["ci95"] or 0.0) + noise})
+            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"], "ci95": kl["ci95"],
+                        "units": dict(zip(kl.get("seeds") or [], kl.get("values") or []))})
     return pts

@@ -1,20 +1,25 @@
 """Rankings, Pareto fronts and the best method at matched bits budgets (docs/DESIGN.md §5). Torch-free.
 
 Rankings order methods by mean in each metric's better-direction and mark methods whose 95 % CIs overlap
-as ties (:func:`kvqbench.report.stats.intervals.interval`). A budget point is a plain setting (no variant
-axes) with every seed it was asked for.
+as ties (:func:`kvqbench.report.stats.intervals.interval`); the detail tables of exp1 and exp2 budgets do
+too (:func:`best_at_budgets`). The first screen compares settings on the units they share instead
+(:func:`paired_at_budgets`, the rule of :mod:`kvqbench.report.stats.paired`). A budget point is a plain
+setting (no variant axes) with every seed it was asked for.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
 from kvqbench.cells import BUDGETS, is_plain_setting, setting_order
 from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import interval, is_short
+from kvqbench.report.stats.paired import budget_verdict
 
-__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "best_at_budgets", "PARETO_QUALITY", "PARETO_BITS"]
+__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "best_at_budgets", "paired_at_budgets",
+           "PARETO_QUALITY", "PARETO_BITS"]
 
 #: quality metric and bits metric of the Pareto front and the matched-budget selector
 PARETO_QUALITY = "rel_mse"
@@ -172,4 +177,74 @@ def best_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] = B
         out.append({"budget": b, "method": top["method"], "setting": top["setting"], "bits": top["bits"],
                     "value": top["mean"], "ci95": top["ci95"], "ties": ties,
                     "runner_up": ranked[1]["method"] if len(ranked) > 1 else None})
+    return out
+
+
+def _mean_log(units: dict[Any, float]) -> float:
+    """Mean log damage over a point's units (``-inf`` where a value is ≤ 0: such a point sorts first and
+    its verdict says why it has none)."""
+    vals = list(units.values())
+    return math.fsum(math.log(v) if v > 0 else -math.inf for v in vals) / len(vals) if vals else math.inf
+
+
+def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] = BUDGETS, *,
+                      better: str = "lower") -> list[dict[str, Any]]:
+    """The best point at each bits budget ``≤ b`` by the paired rule (:func:`~kvqbench.report.stats.paired.budget_verdict`).
+
+    Args:
+        points: ``{method, setting, bits, mean, ci95, units: {unit id: value}}``, one per setting (the
+            unit ids are what every setting was scored on: seeds, text windows, texts).
+        budgets: bits/element budgets.
+        better: the direction of the values: ``lower`` (damage) or ``zero`` (damage = ``|value|``);
+            ``higher`` has no ratio scale and gives no verdict.
+
+    Each method is represented by its point within the budget with the lowest mean log damage over its
+    units (then fewer bits, then setting); the best is the representative with the lowest mean log damage
+    and every other is compared with it unit by unit, one-sided, Holm over the row. Returns per budget
+    ``{"budget", "method", "setting", "bits", "value", "ci95", "n_units", "rank_interval", "p_best",
+    "comparisons": [{method, setting, bits, value, ci95, ratio, ratio_ci95, p, p_holm, tied, n_units,
+    rank_interval, p_best}] (ascending mean log damage), "ties" (the comparisons with ``tied``),
+    "runner_up" (the first comparison's method), "no_verdict"}``: ``value``/``ci95`` are the arithmetic
+    mean ± 95 % half-width over units; ``no_verdict`` is ``None``, or the reason the row has no paired
+    verdict (a value ≤ 0, no shared unit, a higher-is-better metric), in which case the best is the
+    lowest mean log damage (then the lowest mean) and ``comparisons``/``ties`` are empty. ``method``
+    ``None`` when no point fits.
+    """
+    def damage(p: dict[str, Any]) -> dict[Any, float]:
+        return {u: abs(v) if better == "zero" else v for u, v in (p.get("units") or {}).items()}
+
+    out = []
+    for b in budgets:
+        own: dict[str, dict[str, Any]] = {}
+        for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
+                        key=lambda p: (_mean_log(damage(p)), rank_key(better, p["mean"]), p["bits"], p["method"],
+                                       setting_order(p["setting"]))):
+            own.setdefault(p["method"], p)
+        ranked = sorted(own.values(), key=lambda p: (_mean_log(damage(p)), rank_key(better, p["mean"]), p["bits"],
+                                                     p["method"]))
+        row: dict[str, Any] = {"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
+                               "n_units": None, "rank_interval": None, "p_best": None, "comparisons": [], "ties": [],
+                               "runner_up": None, "no_verdict": None}
+        if not ranked:
+            out.append(row)
+            continue
+
+        def entry(p: dict[str, Any]) -> dict[str, Any]:
+            return {"method": p["method"], "setting": p["setting"], "bits": p["bits"], "value": p["mean"],
+                    "ci95": p["ci95"]}
+
+        try:
+            if better == "higher":
+                raise ValueError("a higher-is-better metric has no damage ratio")
+            v = budget_verdict({(p["method"], p["setting"]): damage(p) for p in ranked})
+        except ValueError as e:
+            out.append({**row, **entry(ranked[0]), "no_verdict": str(e)})
+            continue
+        by_key = {(p["method"], p["setting"]): p for p in ranked}
+        comps = [{**entry(by_key[c["key"]]), **{k: c[k] for k in ("ratio", "ratio_ci95", "p", "p_holm", "tied",
+                                                                  "n_units", "rank_interval", "p_best")}}
+                 for c in v["comparisons"]]
+        out.append({**row, **entry(by_key[v["best"]]), "n_units": v["n_units"], "rank_interval": v["rank_interval"],
+                    "p_best": v["p_best"], "comparisons": comps, "ties": [c for c in comps if c["tied"]],
+                    "runner_up": comps[0]["method"] if comps else None})
     return out
