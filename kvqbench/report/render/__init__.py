@@ -154,6 +154,9 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
             print(msg, file=sys.stderr)
 
         written += [str(p) for p in write_figures(src.parent, out, log=log, jobs=0)]
+    from kvqbench.report.render.html import write_html
+
+    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
     return written
 
 
