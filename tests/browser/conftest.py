@@ -76,10 +76,29 @@ def published_page(tmp_path_factory) -> tuple[Path, dict]:
     return page, board
 
 
-def screenshot(driver, path: Path) -> Path:
-    driver.save_screenshot(str(path))
-    SCREENSHOTS.append(str(path))
-    return path
+@pytest.fixture(scope="session")
+def sel(driver):
+    """selenium's helpers (``By``, ``Keys``, ``Select``, ``ActionChains``), imported only where a browser
+    runs, so that the test modules import without selenium and skip with the driver's one reason."""
+    from types import SimpleNamespace
+
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    return SimpleNamespace(By=By, Keys=Keys, Select=Select, ActionChains=ActionChains)
+
+
+@pytest.fixture()
+def screenshot(driver):
+    """``screenshot(path)``: save the window as a PNG at ``path``, listed at the end of the run."""
+    def save(path: Path) -> Path:
+        driver.save_screenshot(str(path))
+        SCREENSHOTS.append(str(path))
+        return path
+
+    return save
 
 
 def pytest_terminal_summary(terminalreporter):

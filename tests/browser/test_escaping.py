@@ -6,8 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from selenium.webdriver.common.by import By
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_report_samples import PROVENANCE, catalog, records  # noqa: E402
 
@@ -17,7 +15,7 @@ EVIL = 'kivi</script><script>window.__pwned = 1; document.title = "pwned"</scrip
 DELTA = 'G = 128 <img src="x" onerror="window.__pwned = 2"></script><script>window.__pwned = 3</script>'
 
 
-def test_injected_markup_shows_as_text_and_never_runs(driver, tmp_path):
+def test_injected_markup_shows_as_text_and_never_runs(driver, sel, tmp_path):
     recs = records(sources=("synthetic", "real"))
     for r in recs:
         if r["method"] == "kivi":
@@ -30,10 +28,10 @@ def test_injected_markup_shows_as_text_and_never_runs(driver, tmp_path):
     driver.get((run.out_dir / "index.html").as_uri())
     assert driver.execute_script("return window.__pwned") is None
     assert driver.title == "kvqbench leaderboard"
-    assert driver.find_elements(By.ID, "injected") == []
+    assert driver.find_elements(sel.By.ID, "injected") == []
     assert driver.execute_script("return document.querySelectorAll('script').length") == 2  # the page's own two
     assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
-    cells = [c.text for c in driver.find_elements(By.CSS_SELECTOR, "#methods-table tbody td")]
+    cells = [c.text for c in driver.find_elements(sel.By.CSS_SELECTOR, "#methods-table tbody td")]
     assert any(EVIL.replace(" ", "") in c.replace(" ", "") for c in cells), cells
     shown = driver.execute_script("return Array.from(document.querySelectorAll('#metrics tbody tr'))"
                                   ".map(r => r.cells[2].textContent)")
