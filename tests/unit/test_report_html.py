@@ -199,3 +199,23 @@ def test_result_strings_are_text_not_markup(tmp_path):
     page = parse_page(text)
     assert any(evil in cell for row in page.table(id="methods-table") for cell in row)
     assert evil in json.loads(page.data_json)["methods"]
+
+
+def test_paired_first_screen_fields_show_when_present():
+    """docs of issue 32's shape: rank interval, P(best) and each comparison's ratio to the best with its CI."""
+    from test_report_samples import board
+
+    b = board()
+    row = next(r for r in b["sources"]["synthetic"]["headline"] if r.get("method"))
+    row.update({"unit": "seed", "n_units": 16, "rank_interval": [1, 2], "p_best": 0.83, "comparisons": [
+        {"method": "kvarn", "setting": "k2v2", "bits": 2.5625, "value": 0.80, "ci95": 0.39, "ratio": 1.66,
+         "ratio_ci95": [1.39, 1.98], "p": 0.0012, "p_holm": 0.0048, "tied": False, "n_units": 16,
+         "rank_interval": [2, 3], "p_best": 0.04},
+        {"method": "kivi", "setting": "k2v2", "bits": 2.1875, "value": 0.9, "ci95": 0.2, "ratio": 1.1,
+         "ratio_ci95": [0.9, 1.3], "p": 0.3, "p_holm": 0.6, "tied": True, "n_units": 16, "rank_interval": [1, 3]}]})
+    text = render_html(b)
+    assert "best rank 1–2, P(best) 0.83 · paired on 16 seeds" in text
+    rows = [r for _, rs in parse_page(text).tables for r in rs if r and r[0] in ("kvarn k2v2", "kivi k2v2")]
+    assert rows == [["kvarn k2v2", "2.562", "0.8 ± 0.39", "1.66× [1.39, 1.98]", "0.0048", "2–3", ""],
+                    ["kivi k2v2", "2.188", "0.9 ± 0.2", "1.1× [0.9, 1.3]", "0.6", "1–3", "= (tied)"]]
+    assert "P(best)" not in render_html(board())  # today's boards: no paired block at all
