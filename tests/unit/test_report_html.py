@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from test_report_samples import PROVENANCE, catalog, records
 
-from kvqbench.report.rerender import render_dir
 from kvqbench.report.render.html import embed_json, render_html
+from kvqbench.report.rerender import render_dir
 from kvqbench.report.results import write_result_set
 
 ROOT = Path(__file__).resolve().parents[2]

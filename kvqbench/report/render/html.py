@@ -137,7 +137,7 @@ def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any
 
     def series(m: str, pts: list[tuple[float, float, str]], line: bool = True) -> Series:
         st = style(m)
-        return Series(m, st["color"], st["marker"], pts, line, st["linestyle"] == "--")
+        return Series(m, st["color"], st["marker"], pts, line, st["linestyle"], st["facecolor"] != st["color"])
 
     for src_name, src in board["sources"].items():
         figs = out.setdefault(src_name, [])

@@ -15,6 +15,8 @@ from markupsafe import Markup, escape
 
 __all__ = ["Series", "chart", "legend", "marker_points"]
 
+#: SVG ``stroke-dasharray`` of each matplotlib line style
+DASHES = {"-": "", "--": "5 3", "-.": "6 2 1.5 2", ":": "1.5 2"}
 #: plot area inside the SVG's view box (pixels): left, top, right and bottom margins
 MARGIN = (64, 12, 12, 44)
 
@@ -22,14 +24,16 @@ MARGIN = (64, 12, 12, 44)
 @dataclass
 class Series:
     """One method's points: ``points`` are ``(x, y, hover text)``; ``color`` a CSS colour, ``marker`` a
-    matplotlib marker letter (the PNGs' marker for the method), ``line`` joins the points in x order."""
+    matplotlib marker letter and ``linestyle`` a matplotlib line style (the PNGs' for the method), ``hollow``
+    draws the markers as outlines; ``line`` joins the points in x order."""
 
     name: str
     color: str
     marker: str
     points: list[tuple[float, float, str]] = field(default_factory=list)
     line: bool = True
-    dashed: bool = False
+    linestyle: str = "-"
+    hollow: bool = False
 
 
 def _polygon(n: int, r: float, rot: float, sx: float = 1.0) -> list[tuple[float, float]]:
@@ -104,8 +108,8 @@ def chart(series: list[Series], *, xlabel: str, ylabel: str, label: str, xlog: b
     def keep(x: float, y: float) -> bool:
         return (math.isfinite(x) and math.isfinite(y) and (x > 0 or not xlog) and (y > 0 or not ylog))
 
-    shown = [Series(s.name, s.color, s.marker, [p for p in s.points if keep(p[0], p[1])], s.line, s.dashed)
-             for s in series]
+    shown = [Series(s.name, s.color, s.marker, [p for p in s.points if keep(p[0], p[1])], s.line, s.linestyle,
+                    s.hollow) for s in series]
     shown = [s for s in shown if s.points]
     if not shown:
         return Markup("")
@@ -138,7 +142,7 @@ def chart(series: list[Series], *, xlabel: str, ylabel: str, label: str, xlog: b
     for s in shown:
         if s.line and len(s.points) > 1:
             pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y, _ in sorted(s.points))
-            dash = ' stroke-dasharray="5 3"' if s.dashed else ""
+            dash = f' stroke-dasharray="{DASHES[s.linestyle]}"' if DASHES.get(s.linestyle) else ""
             out.append(f'<polyline points="{pts}" fill="none" stroke="{escape(s.color)}" stroke-width="1.4"{dash}/>')
     for s in shown:
         for x, y, tip in s.points:
@@ -150,10 +154,12 @@ def chart(series: list[Series], *, xlabel: str, ylabel: str, label: str, xlog: b
 
 def _shape(s: Series, cx: float, cy: float, r: float = 4.5) -> str:
     shape = marker_points(s.marker, r)
+    paint = (f'fill="#fff" stroke="{escape(s.color)}" stroke-width="1.5"' if s.hollow
+             else f'fill="{escape(s.color)}"')
     if shape is None:
-        return f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="{r}" fill="{escape(s.color)}"/>'
+        return f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="{r}" {paint}/>'
     pts = " ".join(f"{cx + dx:.1f},{cy + dy:.1f}" for dx, dy in shape)
-    return f'<polygon points="{pts}" fill="{escape(s.color)}"/>'
+    return f'<polygon points="{pts}" {paint}/>'
 
 
 def legend(series: list[Series]) -> Markup:
