@@ -91,6 +91,23 @@ def sel(driver):
 
 
 @pytest.fixture()
+def load(driver):
+    """``load(url)``: open ``url`` from a blank page and return once its script has run. Chromium under
+    load can return from ``get`` before the new document is committed, so this waits (up to 30 s) for the
+    new address, a complete document and the row count the page's script writes last."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def go(url: str) -> None:
+        driver.get("about:blank")
+        driver.get(url)
+        WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+            "return location.href === arguments[0] && document.readyState === 'complete' && "
+            "!!document.getElementById('count') && document.getElementById('count').textContent !== ''", url))
+
+    return go
+
+
+@pytest.fixture()
 def screenshot(driver):
     """``screenshot(path)``: save the window as a PNG at ``path``, listed at the end of the run."""
     def save(path: Path) -> Path:

@@ -15,7 +15,7 @@ EVIL = 'kivi</script><script>window.__pwned = 1; document.title = "pwned"</scrip
 DELTA = 'G = 128 <img src="x" onerror="window.__pwned = 2"></script><script>window.__pwned = 3</script>'
 
 
-def test_injected_markup_shows_as_text_and_never_runs(driver, sel, tmp_path):
+def test_injected_markup_shows_as_text_and_never_runs(driver, sel, load, tmp_path):
     recs = records(sources=("synthetic", "real"))
     for r in recs:
         if r["method"] == "kivi":
@@ -25,7 +25,7 @@ def test_injected_markup_shows_as_text_and_never_runs(driver, sel, tmp_path):
     run = write_result_set(recs, prov, tmp_path / "run", catalog=catalog(), figures=False)
     driver.get("about:blank")
     driver.get_log("browser")
-    driver.get((run.out_dir / "index.html").as_uri())
+    load((run.out_dir / "index.html").as_uri())
     assert driver.execute_script("return window.__pwned") is None
     assert driver.title == "kvqbench leaderboard"
     assert driver.find_elements(sel.By.ID, "injected") == []

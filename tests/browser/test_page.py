@@ -23,12 +23,12 @@ def stat_rows(board: dict) -> list[tuple]:
 
 
 @pytest.fixture()
-def page(driver, published_page):
+def page(driver, published_page, load):
     path, board = published_page
     driver.set_window_size(1280, 1000)
     driver.get("about:blank")
     driver.get_log("browser")
-    driver.get(path.as_uri())
+    load(path.as_uri())
     return path, board
 
 
@@ -80,7 +80,7 @@ def test_clicking_a_header_sorts(driver, page, sel):
     assert methods == sorted(methods)
 
 
-def test_a_filter_narrows_lives_in_the_url_and_is_restored(driver, page, sel):
+def test_a_filter_narrows_lives_in_the_url_and_is_restored(driver, page, sel, load):
     path, board = page
     sel.Select(driver.find_element(sel.By.ID, "f-method")).select_by_value("kivi")
     sel.Select(driver.find_element(sel.By.ID, "f-experiment")).select_by_value("exp1")
@@ -90,8 +90,7 @@ def test_a_filter_narrows_lives_in_the_url_and_is_restored(driver, page, sel):
     assert {r[2][0] for r in rows} == {"kivi"}
     url = driver.current_url
     assert "method=kivi" in url and "experiment=exp1" in url
-    driver.get("about:blank")
-    driver.get(url)
+    load(url)
     assert sel.Select(driver.find_element(sel.By.ID, "f-method")).first_selected_option.get_attribute("value") == "kivi"
     assert len(visible_rows(driver)) == sum(want.values())
     # the fidelity filter narrows to the methods the board tags so
