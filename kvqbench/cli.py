@@ -78,15 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "One GPU per shard with --device cuda, one CPU otherwise")
     r.add_argument("--shards", type=int, metavar="N", default=None,
                    help="with --ray: number of shards (default: the cluster's GPUs with --device cuda, else its CPUs)")
-    rep = sub.add_parser("report", help="re-render LEADERBOARD.md, the figures and the terminal table from saved JSON "
-                                        "(no torch)",
-                         description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures "
-                                     "and the terminal table (no torch, no cell runs again); --rebuild also rebuilds "
+    rep = sub.add_parser("report", help="re-render LEADERBOARD.md, index.html, the figures and the terminal table from "
+                                        "saved JSON (no torch)",
+                         description="Re-render a results folder from its saved JSON: LEADERBOARD.md, the PNG figures, "
+                                     "the web page index.html (one self-contained file, figures embedded) and the "
+                                     "terminal table (no torch, no cell runs again); --rebuild also rebuilds "
                                      "leaderboard.json from the per-experiment files. Every JSON file it reads is "
                                      "checked first: one that is truncated or not kvqbench's stops it with one line "
                                      "naming the file (exit 2, nothing written).")
     rep.add_argument("dir", type=Path, help="a results folder holding leaderboard.json")
-    rep.add_argument("--no-figures", action="store_true", help="only the Markdown and the terminal table")
+    rep.add_argument("--no-figures", action="store_true", help="only the Markdown, the web page and the terminal table")
     rep.add_argument("--out", type=Path, default=None, help="write into this folder instead of DIR")
     rep.add_argument("--rebuild", action="store_true",
                      help="rebuild leaderboard.json and summary.json from DIR/exp*_*.json too (done anyway when "
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     pub = sub.add_parser("publish", help="publish a run as the committed, provenance-clean leaderboard/ "
                                          "and regenerate the README digest",
                          description="Copy a run's result set into the committed reference folder (default "
-                                     "leaderboard/) with machine-specific provenance removed, redraw its figures "
+                                     "leaderboard/) with machine-specific provenance removed, redraw its figures and its "
+                                     "web page (index.html) "
                                      "and regenerate the results digest between the markers in the README.")
     pub.add_argument("results", type=Path, help="a results folder written by a run")
     pub.add_argument("dest", type=Path, nargs="?", default=Path("leaderboard"), help="destination (default leaderboard/)")

@@ -12,6 +12,7 @@ What lands in the destination folder (the repository's ``leaderboard/``):
 * ``LEADERBOARD.md`` — one section per source (``## synthetic``, ``## real``, ``## real-<model>`` …; the
   same renderer as a run);
 * ``*_{source}.png`` — the figures, one set per source;
+* ``index.html`` — the web page (:mod:`kvqbench.report.render.html`), drawn after the figures it embeds;
 * ``README.md`` — what these files are and how they were made.
 
 Files of a previous publish that the new run does not produce (e.g. a source that did not run) are
@@ -225,6 +226,7 @@ Rebuild the Markdown and figures from these files alone with `kvqbench report le
   torch version, device, seeds, shapes, command). Local paths and user names are scrubbed.
 - `exp{N}_{source}.json` — every cell's record (per-seed metrics, per-layer values, series).
 - `LEADERBOARD.md` — the tables, one section per data source (`## synthetic`, `## real`, `## real-<model>`).
+- `index.html` — the same tables and figures as one self-contained web page (sortable, filterable; no network).
 - `*_{source}.png` — figures, one set per source (Pareto, MSE vs bits, attention error and KL vs
   context, norm-difference densities, cost).
 
@@ -308,6 +310,9 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
         from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
 
         written += [str(p) for p in write_figures(out, jobs=0)]
+    from kvqbench.report.render.html import write_html
+
+    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
     if readme is not None:
         if update_readme(readme, render_digest(board)):
             written.append(str(readme))

@@ -1,6 +1,7 @@
 """``kvqbench report DIR``: re-render a results folder from its saved JSON (torch-free) —
-``LEADERBOARD.md``, the terminal table and the figures (when matplotlib is available; see
-:mod:`kvqbench.report.render.figures`), or the whole result set rebuilt from its per-experiment files.
+``LEADERBOARD.md``, the terminal table, the figures (when matplotlib is available; see
+:mod:`kvqbench.report.render.figures`) and the web page ``index.html`` (:mod:`kvqbench.report.render.html`),
+or the whole result set rebuilt from its per-experiment files.
 
 Rendering is a pure function of the saved files, so ``kvqbench report DIR`` reproduces the Markdown a
 run wrote byte for byte.
@@ -28,10 +29,11 @@ __all__ = ["render_dir"]
 
 def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out_dir: str | Path | None = None,
                rebuild: bool = False) -> list[str]:
-    """Rebuild ``LEADERBOARD.md`` (and figures) from ``path/leaderboard.json`` (+ ``exp*_*.json``).
+    """Rebuild ``LEADERBOARD.md``, the figures and ``index.html`` from ``path/leaderboard.json``
+    (+ ``exp*_*.json``).
 
     When ``leaderboard.json`` is missing or unreadable (a run killed while writing) or ``rebuild`` is
-    true, the whole result set — ``leaderboard.json``, ``summary.json``, ``LEADERBOARD.md``, figures — is
+    true, the whole result set — ``leaderboard.json``, ``summary.json``, ``LEADERBOARD.md``, figures, page — is
     rebuilt from the per-experiment files ``exp*_*.json`` instead
     (:func:`kvqbench.report.results.write_result_set`; changes made by a ``pytest_kvqbench_update_leaderboard``
     hook are not replayed).
@@ -44,8 +46,8 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
         rebuild: rebuild from the per-experiment files even when ``leaderboard.json`` is fine.
 
     ``out_dir`` holding another result set: a rebuild keeps that set in ``out_dir/previous/`` (the rules of
-    :func:`kvqbench.report.results.write_result_set`); a re-render, which writes only the Markdown and the
-    figures, refuses (``ValueError``) rather than mix two sets.
+    :func:`kvqbench.report.results.write_result_set`); a re-render, which writes only the Markdown, the
+    figures and the page, refuses (``ValueError``) rather than mix two sets.
 
     Every input file is checked before anything is written: each ``exp*_*.json``
     (:func:`kvqbench.report.reader.read_experiment_file`), ``leaderboard.json`` (:func:`read_leaderboard`)
@@ -86,6 +88,9 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
             print(msg, file=sys.stderr)
 
         written += [str(p) for p in write_figures(src.parent, out, log=log, jobs=0)]
+    from kvqbench.report.render.html import write_html
+
+    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
     return written
 
 

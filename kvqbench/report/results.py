@@ -47,7 +47,7 @@ __all__ = ["write_result_set", "completeness", "holds_complete_set", "check_writ
            "record_sort_key"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
-OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "pareto_*.png",
+OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "index.html", "pareto_*.png",
                    "mse_vs_bits_*.png", "attn_error_vs_context_*.png", "attn_kl_vs_context_*.png",
                    "norm_diff_density_*.png", "cost_*.png", "predictivity_*.png")
 #: pytest-benchmark's JSON of exp4's timed round trips, beside the results (serial sessions; a merge joins the shards')
@@ -250,6 +250,9 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
             written += [Path(p) for p in write_figures(folder, log=log, jobs=0)]
         except Exception as e:  # a figure never costs the results
             log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
+    from kvqbench.report.render.html import write_html
+
+    written += [p for p in [write_html(board, folder, log=log)] if p is not None]  # after the figures it embeds
     if write_extra is not None:
         for p in write_extra(board, folder) or []:
             written.append(Path(p))

@@ -141,3 +141,42 @@ def test_a_board_with_two_models_has_their_section_and_figure(tmp_path):
     assert tmp_path / "kl_models.png" in written
     one = assemble(_model_records(KL_A, tensor), catalog(), copy.deepcopy(PROVENANCE))
     assert one["models"] is None and "## Two models" not in render_markdown(one)
+
+
+def test_kl_models_colours_are_the_other_figures_and_the_pages(tmp_path, monkeypatch):
+    """One method, one colour: ``kl_models.png`` colours each method as the predictivity figure of the same
+    run and the web page do (the board's method order). Here fp16 sorts between f and g, so colours taken
+    over the sorted methods without fp16 would shift g and h against the other figures."""
+    pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
+    import json
+
+    from matplotlib.colors import to_hex
+
+    from kvqbench.report.render.figures import save, write_figures
+    from kvqbench.report.render.html import page_data
+
+    tensor = {HEADLINE_DEFAULT["metric"]: KL_A}
+    recs = _model_records(KL_A, tensor)
+    for r in _model_records(KL_B, tensor):
+        r["source"], r["nodeid"] = "real-other", r["nodeid"].replace("-real", "-real-other")
+        recs.append(r)
+    board = assemble(recs, catalog(), copy.deepcopy(PROVENANCE))
+    (tmp_path / "leaderboard.json").write_text(json.dumps(board, sort_keys=True))  # as a run saves it
+    figs: dict = {}
+    orig = save.finish
+    monkeypatch.setattr(save, "finish", lambda fig, path: figs.setdefault(path.name, fig) and orig(fig, path))
+    write_figures(tmp_path, log=lambda m: None, jobs=1)
+
+    def colours(name: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for ax in figs[name].axes:
+            for c in ax.collections:
+                if c.get_label() and not c.get_label().startswith("_"):
+                    out.setdefault(c.get_label().split()[0], to_hex(c.get_edgecolor()[0]))
+        return out
+
+    on_models, on_predictivity = colours("kl_models.png"), colours("predictivity_real.png")
+    on_page = {m["id"]: m["color"].lower() for m in page_data(board)["methods"]}
+    assert set(on_models) == set(KL_A) - {"fp16"} and set(on_predictivity) >= set(on_models)
+    assert {m: on_predictivity[m] for m in on_models} == on_models == {m: on_page[m] for m in on_models}
+    assert len(set(on_models.values())) == len(on_models)  # eight methods, eight colours

@@ -99,7 +99,8 @@ def test_render_dir_in_process_and_missing_folder(tmp_path, capsys):
     out = write_results(tmp_path / "r")
     before = (out / "LEADERBOARD.md").read_bytes()
     written = render_dir(out, figures=False)
-    assert written == [str(out / "LEADERBOARD.md")] and (out / "LEADERBOARD.md").read_bytes() == before
+    assert written == [str(out / "LEADERBOARD.md"), str(out / "index.html")]
+    assert (out / "LEADERBOARD.md").read_bytes() == before
     assert "headline rel_mse" in capsys.readouterr().out
     from kvqbench.cli import main
 

@@ -45,7 +45,7 @@ from kvqbench.report.render.figures import (
 )
 from kvqbench.report.render.figures.data import Source, load_sources
 from kvqbench.report.render.figures.series import X_KEYS, iter_curves, iter_histograms
-from kvqbench.report.render.figures.style import DPI, RC, pyplot
+from kvqbench.report.render.figures.style import DPI, RC, method_order, pyplot
 
 __all__ = ["write_figures", "figure_names", "default_jobs", "FIGURES", "iter_curves", "iter_histograms", "X_KEYS",
            "DPI"]
@@ -173,11 +173,13 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
     written: list[Path] = []
     pair = (board.get("models") or {}).get("sources") or {}
     by_name = {src.name: src for src in sources}
+    # the board's method order, as every other figure and the web page: one method, one colour
+    order = method_order(board, {m for src in sources for exp in src.summary["stats"].values() for m in exp})
     if len(pair) == 2 and all(s in by_name for s in pair.values()):  # two models side by side
         try:
             with plt.rc_context(RC):
-                results.append((models.draw_models({m: by_name[s].summary["stats"] for m, s in pair.items()}, out),
-                                None))
+                results.append((models.draw_models({m: by_name[s].summary["stats"] for m, s in pair.items()}, out,
+                                                   methods=order), None))
         except Exception as e:
             results.append((None, f"kvqbench: figure kl_models.png skipped: {type(e).__name__}: {e}"))
     for p, msg in results:

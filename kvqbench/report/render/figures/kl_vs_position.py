@@ -50,7 +50,8 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     for ax, s in zip(axes[0], settings, strict=True):
         for m, (x, y) in by_setting[s].items():
             st = src.style(m)
-            ax.plot(x, y, color=st["color"], marker=st["marker"], linestyle=st["linestyle"], markersize=4, label=m)
+            ax.plot(x, y, color=st["color"], marker=st["marker"], linestyle=st["linestyle"], markersize=4, label=m,
+                    markerfacecolor=st["facecolor"])
         ax.set_yscale("log")
         ax.set_xlabel("decoded position (tokens; bin centre)")
         ax.set_title(f"{s}", fontsize=10)

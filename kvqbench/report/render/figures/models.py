@@ -29,7 +29,8 @@ def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: lis
     Args:
         stats_by_model: ``{model name: stats of its real source}``, exactly two (A on x, B on y).
         out: the folder to write into.
-        methods: colour order (default: the methods found, sorted).
+        methods: the board's method order (:func:`~kvqbench.report.render.figures.style.method_order`), which
+            fixes each method's colour as in every other figure (default: the methods found, sorted).
         target: the end-to-end metric.
 
     Returns the path, or ``None`` when no (method, setting) has a non-exact KL on both models.
@@ -52,8 +53,9 @@ def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: lis
         for m in style.in_order({m for m, _ in both}):
             for s in sorted(s for mm, s in both if mm == m):
                 bits = setting_bits(s)
-                ax.scatter([pa[(m, s)]["mean"]], [pb[(m, s)]["mean"]], color=style(m)["color"], s=30,
-                           marker=_SHAPES.get(bits[0] if bits else 0, "v"), label=f"{m} {s}")
+                st = style(m)
+                ax.scatter([pa[(m, s)]["mean"]], [pb[(m, s)]["mean"]], edgecolors=st["color"],
+                           facecolors=st["facecolor"], s=30, marker=_SHAPES.get(bits[0] if bits else 0, "v"), label=f"{m} {s}")
         lo = min(min(pa[k]["mean"], pb[k]["mean"]) for k in both)
         hi = max(max(pa[k]["mean"], pb[k]["mean"]) for k in both)
         ax.plot([lo, hi], [lo, hi], color="0.5", linestyle="--", linewidth=0.8)

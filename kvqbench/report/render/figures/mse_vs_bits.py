@@ -57,7 +57,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
             lower = [p[1] * (1 - 1 / _CI_CUT) if o else p[2] for p, o in zip(pts, open_lo, strict=True)]
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[lower, [p[2] for p in pts]],
                         label=m, color=st["color"], marker=st["marker"], linestyle=st["linestyle"],
-                        markersize=5, capsize=2, linewidth=1.2)
+                        markerfacecolor=st["facecolor"], markersize=5, capsize=2, linewidth=1.2)
             cut = [(p[0], p[1] / _CI_CUT) for p, o in zip(pts, open_lo, strict=True) if o]
             if cut:
                 open_note = True

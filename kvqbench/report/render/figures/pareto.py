@@ -41,7 +41,8 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
         xs = [p["bits_effective"] for p in ps]
         ys = [p["rel_mse"] if p["rel_mse"] > 0 else floor for p in ps]
         ax.plot(xs, ys, color=st["color"], linestyle=":", linewidth=0.8, alpha=0.6)
-        ax.scatter(xs, ys, color=st["color"], marker=st["marker"], s=42, label=m, zorder=3)
+        ax.scatter(xs, ys, edgecolors=st["color"], facecolors=st["facecolor"], marker=st["marker"], s=42, label=m,
+                   zorder=3)
     front = sorted(pf.get("front", []), key=lambda p: p["bits_effective"])
     texts: list[tuple[float, float, str]] = []
     step: tuple[list[float], list[float]] | None = None

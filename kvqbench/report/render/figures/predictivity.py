@@ -43,7 +43,8 @@ def draw(plt: Any, src: Source, out: Path, top: int = 4) -> Path | None:
                     continue
                 b = setting_bits(setting)
                 negative |= x < 0
-                ax.scatter([abs(x)], [y], color=style(m)["color"], s=28,
+                st = style(m)
+                ax.scatter([abs(x)], [y], edgecolors=st["color"], facecolors=st["facecolor"], s=28,
                            marker=_SHAPES[(b[0] if b else 0) % len(_SHAPES)],
                            label=f"{m} {setting}" if ax is axes[0][-1] else None)
         ax.set_xscale("log")

@@ -7,15 +7,20 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["DPI", "COLORS", "MARKERS", "RC", "Style", "method_order", "pyplot"]
+__all__ = ["DPI", "COLORS", "MARKERS", "LINESTYLES", "RC", "Style", "method_order", "pyplot"]
 
 #: dots per inch of every PNG
 DPI = 110
 
-#: one colour and one marker per method, in the leaderboard's method order (cycled past the end)
-COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-          "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#843c39"]
-MARKERS = ["o", "s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p", "8", "d"]
+#: the method colours: Paul Tol's colour-blind-safe qualitative scheme "muted" (nine colours, distinct
+#: under the common colour-vision deficiencies; P. Tol, "Colour schemes", SRON technical note
+#: SRON/EPS/TN/09-002, https://personal.sron.nl/~pault/), in its order. fp16, the reference, is black.
+COLORS = ["#332288", "#88CCEE", "#44AA99", "#117733", "#999933", "#DDCC77", "#CC6677", "#882255", "#AA4499"]
+#: one marker per method (none of them fp16's circle), so methods that share a colour still differ
+MARKERS = ["s", "^", "D", "v", "P", "X", "<", ">", "h", "*", "p", "8", "d", "o"]
+#: the line style of each pass through the colours (past nine methods a colour comes back, dash-dotted
+#: and with hollow markers)
+LINESTYLES = ["-", "-.", ":"]
 
 #: matplotlib settings every figure is drawn under (``svg.hashsalt``: fixed ids, no randomness)
 RC: dict[str, Any] = {"font.size": 9, "axes.titlesize": 10, "figure.dpi": DPI, "savefig.dpi": DPI,
@@ -48,17 +53,25 @@ def method_order(board: dict[str, Any] | None, extra: Any) -> list[str]:
 
 
 class Style:
-    """Colour, marker and line style of each method, fixed by its place in ``methods`` (fp16, the
-    reference, is black and dashed); a method not listed takes the next free place."""
+    """Colour, marker, line style and marker face of each method, fixed by its place in ``methods``
+    among the methods other than fp16 (the reference: black, dashed, circles); a method not listed takes
+    the next free place. Every figure and the web page draw with the board's method order
+    (:func:`method_order`), so a method has one look everywhere."""
 
     def __init__(self, methods: list[str]) -> None:
         self.idx = {m: i for i, m in enumerate(methods)}
+        self.slot = {m: j for j, m in enumerate(m for m in methods if m != "fp16")}
 
     def __call__(self, m: str) -> dict[str, Any]:
-        i = self.idx.setdefault(m, len(self.idx))
+        """``{"color", "marker", "linestyle", "facecolor"}`` of method ``m`` (matplotlib names; ``facecolor``
+        is ``"white"`` for a hollow marker)."""
+        self.idx.setdefault(m, len(self.idx))
         if m == "fp16":
-            return {"color": "black", "marker": "o", "linestyle": "--"}
-        return {"color": COLORS[i % len(COLORS)], "marker": MARKERS[i % len(MARKERS)], "linestyle": "-"}
+            return {"color": "black", "marker": "o", "linestyle": "--", "facecolor": "black"}
+        j = self.slot.setdefault(m, len(self.slot))
+        color, lap = COLORS[j % len(COLORS)], j // len(COLORS)
+        return {"color": color, "marker": MARKERS[j % len(MARKERS)], "linestyle": LINESTYLES[lap % len(LINESTYLES)],
+                "facecolor": "white" if lap % 2 else color}
 
     def rank(self, m: str) -> int:
         """Sort key: a method's place in the order (an unlisted one after every listed one)."""
