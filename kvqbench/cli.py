@@ -522,17 +522,15 @@ def _module_deps(modname: str, seen: set[str] | None = None) -> set[str]:
 
 def _kernel_step_modules(path: Path) -> set[str]:
     """The modules declaring the reference steps that a file of ``kvqbench/kernels/`` speeds up: a kernel
-    module ``kernels/<prefix>.py`` serves the steps named ``<prefix>.…``; a C source serves the kernel
-    modules that load it by name."""
-    from kvqbench import kernels
+    module serves the steps it registers; a C source serves the kernel modules that load it by name."""
+    from kvqbench import kernels, steps
 
     here = Path(kernels.__file__).parent
-    if path.suffix == ".py":
-        prefixes = {path.stem}
-    else:
-        prefixes = {py.stem for py in here.glob("*.py") if path.name in py.read_text(encoding="utf-8")}
-    kernels.registered()
-    return {ref.__module__ for step, ref in kernels.references().items() if step.split(".", 1)[0] in prefixes}
+    files = [path] if path.suffix == ".py" else [py for py in here.glob("*.py")
+                                                 if path.name in py.read_text(encoding="utf-8")]
+    mods = {f"kvqbench.kernels.{py.stem}" for py in files}
+    refs = steps.references()
+    return {refs[k.step].__module__ for k in steps.registered().values() if k.fn.__module__ in mods and k.step in refs}
 
 
 def changed_methods(paths: list[str]) -> list[str]:

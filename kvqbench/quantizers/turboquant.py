@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.numerics.hadamard import hadamard_matrix
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
 from kvqbench.numerics.rtn import compute_dtype
@@ -94,7 +94,7 @@ def unit_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return u, norm * p, amax
 
 
-@kernels.reference("turboquant.encode")
+@steps.reference("turboquant.encode")
 def encode(x: torch.Tensor, pi_t: torch.Tensor, thresholds: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """§3.1, Algorithm 1 (quantize): the unit rows ``u`` of ``x`` ``(n, D)`` (:func:`unit_rows`), rotated,
     ``y = u Πᵀ`` (``pi_t`` is ``Πᵀ``, ``(D, D)`` contiguous, ``x``'s dtype), and every coordinate's nearest
@@ -103,7 +103,7 @@ def encode(x: torch.Tensor, pi_t: torch.Tensor, thresholds: torch.Tensor) -> tup
     return nearest_centroid(u @ pi_t, thresholds, dtype=torch.uint8), norm, amax
 
 
-@kernels.reference("turboquant.decode")
+@steps.reference("turboquant.decode")
 def decode(codes: torch.Tensor, norm: torch.Tensor, pi: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """§3.1, Algorithm 1 (dequantize): ``x̂ = ‖x‖ · c[idx] Π`` for ``codes`` ``(n, D)`` uint8, ``norm`` ``(n, 1)``,
     ``pi`` ``(D, D)`` and ``centroids`` ``(L,)`` in the working dtype; ``(n, D)`` in that dtype."""

@@ -10,7 +10,7 @@ import pytest
 import scipy.linalg
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
 from kvqbench.quantizers.kvarn import KVarN
@@ -63,7 +63,7 @@ def _loop_kvarn(x: torch.Tensor, kind: str, bits: int, g: int, n_iter: int = 16)
 def test_matches_loop_reference(kind: str, bits: int, t: int, g: int, fast: bool) -> None:
     x = _x((1, 2, t, 64), seed=bits + t)
     x[..., 3] += 4.0  # a channel offset, so VarN has work to do
-    with contextlib.nullcontext() if fast else kernels.disabled():
+    with contextlib.nullcontext() if fast else steps.disabled():
         y = KVarN(bits, group_size=g).roundtrip(x, kind)
     want = _loop_kvarn(x, kind, bits, g)
     close = torch.isclose(y, want, rtol=1e-4, atol=1e-4)
