@@ -26,8 +26,7 @@ import torch
 
 from kvqbench import steps
 from kvqbench.numerics.rtn import PerToken, compute_dtype, dequantize_packed, quantize_packed
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
-from kvqbench.quantizers.rtn import _check_group_size
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_group_size, register
 
 __all__ = ["PolarQuant", "to_polar", "from_polar", "wrap_angle", "group_codes", "midpoints"]
 
@@ -158,7 +157,7 @@ class PolarQuant(Quantizer):
         v_fp16: bool = False,
     ) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        self.group_size = _check_group_size(group_size)
+        self.group_size = check_group_size(group_size)
         if not isinstance(v_fp16, bool):
             raise ValueError(f"v_fp16 must be a bool, got {v_fp16!r}")
         self.v_fp16 = v_fp16
