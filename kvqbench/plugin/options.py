@@ -13,7 +13,15 @@ import time
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, parse_bits, parse_seeds
-from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, SessionState, Settings, is_worker, xdist_active
+from kvqbench.plugin.state import (
+    SETTINGS_KEY,
+    STATE_KEY,
+    SessionState,
+    Settings,
+    is_worker,
+    out_dir,
+    xdist_active,
+)
 
 
 def _device_type(text: str) -> str:
@@ -172,7 +180,6 @@ def pytest_configure(config: pytest.Config) -> None:
         if not is_worker(config):
             _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
     if s.out_dir is not None and not is_worker(config):  # an explicit folder: check it at once
-        from kvqbench.plugin.results import out_dir
         from kvqbench.report.results import run_folder_problem
 
         problem = run_folder_problem(s.out_dir if not str(s.out_dir).strip() else out_dir(config, s, None))
