@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from kvqbench.cli import LONG_SEEDS, main
+from kvqbench.cli import main
 from kvqbench.experiments import longdecode as LD
+from kvqbench.runner import LONG_SEEDS
 
 
 @pytest.fixture
 def pytest_calls(monkeypatch, tmp_path) -> list[list[str]]:
     """The argument lists ``kvqbench run`` passes to pytest (stubbed), from an empty checkout; the model's
     context reads as 8192 tokens (SmolLM2's) without a model."""
-    import kvqbench.cli as cli_mod
+    import kvqbench.runner as runner
 
     calls: list[list[str]] = []
-    monkeypatch.setattr(cli_mod, "_pytest_main", lambda args: calls.append(list(args)) or 0)
+    monkeypatch.setattr(runner, "_pytest_main", lambda args: calls.append(list(args)) or 0)
     monkeypatch.setattr(LD, "model_context", lambda model: 8192)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
@@ -31,6 +32,16 @@ def test_run_long_selects_the_long_cells_with_their_folder_and_seeds(pytest_call
     assert plain[plain.index("--kvq-seeds") + 1] == LONG_SEEDS
     assert given.count("--kvq-out") == 1 and given[given.index("--kvq-out") + 1] == "elsewhere"
     assert "--kvq-seeds" not in given and "--kvq-seeds=4" in given
+
+
+def test_run_long_with_no_real_says_the_long_tier_is_real_data_only(pytest_calls, capsys):
+    """Every long-tier cell runs on the real model, so ``--long --no-real`` would select none: one line
+    naming why, exit 2, pytest never started."""
+    assert main(["run", "--long", "--no-real"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvqbench run --long: the long tier runs on the real model only")
+    assert "drop --no-real" in err and len(err.splitlines()) == 1
+    assert not pytest_calls
 
 
 def test_run_long_ray_merges_into_the_long_folder(pytest_calls, monkeypatch):
