@@ -116,8 +116,8 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
     if s is None or s.shard is None:
         return
     from kvqbench import shard as sh
+    from kvqbench.eta_tables import coarse_kind_of
     from kvqbench.plugin.sharing import shard_unit
-    from kvqbench.progress import coarse_kind_of
 
     index, count = s.shard
     try:
