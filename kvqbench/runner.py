@@ -206,7 +206,7 @@ def _long_tier_defaults(extra: list[str]) -> list[str]:
 def _long_tier_problem(extra: list[str]) -> str | None:
     """One line when the model of ``--kvq-model`` (default smollm2) has a shorter context than the long
     tier's cells need, or cannot be read; ``None`` otherwise."""
-    from kvqbench.experiments.longdecode import CONFIG_BY_SIZE, check_context
+    from kvqbench.experiments.longtext import CONFIG_BY_SIZE, check_context
 
     model = _option_value(extra, "--kvq-model") or "smollm2"
     try:

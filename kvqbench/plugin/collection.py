@@ -95,11 +95,11 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
 
 def long_context_problem(s: Settings, nodeids: list[str]) -> str | None:
     """One line when the collected cells hold long-tier cells (size ``long``) and the real model's context
-    is shorter than they need (:func:`kvqbench.experiments.longdecode.check_context`); ``None`` otherwise."""
+    is shorter than they need (:func:`kvqbench.experiments.longtext.check_context`); ``None`` otherwise."""
     cells = [parse_nodeid(n).cell for n in nodeids]
     if not s.real or not any(c is not None and c.size == "long" for c in cells):
         return None
-    from kvqbench.experiments.longdecode import CONFIG_BY_SIZE, check_context
+    from kvqbench.experiments.longtext import CONFIG_BY_SIZE, check_context
 
     try:
         check_context(s.model, CONFIG_BY_SIZE["long"].context)

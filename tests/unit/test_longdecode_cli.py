@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvqbench.cli import main
-from kvqbench.experiments import longdecode as LD
+from kvqbench.experiments import longtext as LT
 from kvqbench.runner import LONG_SEEDS
 
 
@@ -17,7 +17,7 @@ def pytest_calls(monkeypatch, tmp_path) -> list[list[str]]:
 
     calls: list[list[str]] = []
     monkeypatch.setattr(runner, "_pytest_main", lambda args: calls.append(list(args)) or 0)
-    monkeypatch.setattr(LD, "model_context", lambda model: 8192)
+    monkeypatch.setattr(LT, "model_context", lambda model: 8192)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
     return calls
@@ -56,10 +56,10 @@ def test_run_long_ray_merges_into_the_long_folder(pytest_calls, monkeypatch):
 
 
 def test_run_long_stops_in_one_line_when_the_context_is_too_short(pytest_calls, monkeypatch, capsys):
-    monkeypatch.setattr(LD, "model_context", lambda model: 1024)
+    monkeypatch.setattr(LT, "model_context", lambda model: 1024)
     assert main(["run", "--long", "--kvq-model", "tiny"]) == 2
     err = capsys.readouterr().err
-    need = LD.CONFIG_BY_SIZE["long"].context
+    need = LT.CONFIG_BY_SIZE["long"].context
     assert err.startswith("kvqbench run --long: --kvq-model tiny: model tiny has a context of 1024 tokens")
     assert f"shorter than the {need} tokens" in err and len(err.strip().splitlines()) == 1
     assert not pytest_calls  # pytest never started
@@ -71,13 +71,13 @@ def test_the_plugin_stops_a_long_session_whose_model_context_is_too_short(monkey
     from kvqbench.plugin.collection import long_context_problem
     from kvqbench.plugin.state import Settings
 
-    monkeypatch.setattr(LD, "model_context", lambda model: 1024)
+    monkeypatch.setattr(LT, "model_context", lambda model: 1024)
     s = Settings(real=True, model="tiny")
     long_cell = "tests/bench/test_exp6_longdecode.py::test_longdecode[kivi-k2v2-seed0-real-long]"
     smoke_cell = "tests/bench/test_exp6_longdecode.py::test_longdecode_smoke[kivi-k2v2-seed0-real-smoke]"
     line = long_context_problem(s, [smoke_cell, long_cell])
     assert line == (f"kvqbench: --kvq-model tiny: model tiny has a context of 1024 tokens, shorter than the "
-                    f"{LD.CONFIG_BY_SIZE['long'].context} tokens the long-decode cells need")
+                    f"{LT.CONFIG_BY_SIZE['long'].context} tokens the long-decode cells need")
     assert long_context_problem(s, [smoke_cell]) is None
-    monkeypatch.setattr(LD, "model_context", lambda model: 8192)
+    monkeypatch.setattr(LT, "model_context", lambda model: 8192)
     assert long_context_problem(s, [long_cell]) is None
