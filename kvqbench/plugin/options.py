@@ -237,8 +237,8 @@ def worker_device(dev: str, workerid: str | None, count: int | None = None) -> s
 def _no_gpu_driver() -> bool:
     """True when this is Linux and no GPU driver is loaded (no ``/dev/nvidia*``, ``/dev/kfd`` (ROCm) or
     ``/dev/dxg`` (WSL)): ``torch.cuda.is_available()`` is then False for sure, and ``--device auto``
-    resolves to ``cpu`` without importing torch (1.5 CPU-seconds in a process that may run no cell:
-    the xdist controller)."""
+    resolves to ``cpu`` without importing torch, which a process that may run no cell (the xdist controller)
+    need not pay for."""
     import glob
 
     return sys.platform.startswith("linux") and os.path.isdir("/dev") and not (

@@ -133,9 +133,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _freeze_for_exit() -> None:
     """The outermost session is over and the process is about to exit: move every live object to the
     garbage collector's permanent generation (``gc.freeze``), so the interpreter's final collection does
-    not walk torch's hundreds of thousands of objects (about half a CPU-second in every process — the
-    serial run, the xdist controller and each worker). Only the objects alive now are frozen; nothing is
-    skipped (atexit handlers, flushes and finalizers run as usual)."""
+    not walk torch's hundreds of thousands of objects in every process (the serial run, the xdist controller
+    and each worker). Only the objects alive now are frozen; nothing is skipped (atexit handlers, flushes
+    and finalizers run as usual)."""
     import gc
 
     gc.freeze()

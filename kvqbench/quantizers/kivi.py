@@ -42,8 +42,8 @@ class KIVI(GroupedRTNQuantizer):
     v_granularity = "per-token, groups of G channels"
     grouped = True
     deltas = (
-        "Default group size G = 128 (paper: 32) so the benchmark budget matches the published "
-        "kvqbench numbers; G is a parameter.",
+        "Default group size G = 128 (paper: 32), so k2v2 is billed 2.25 effective bits, inside the "
+        "benchmark's 2.25-bit budget; G is a parameter.",
         "Static cells quantize the whole tensor (no fp16 residual); the residual R applies in the "
         "pseudo-decode regime only.",
         "Scales and minima are held at working precision and billed as fp16 (reference stores fp16).",
