@@ -120,7 +120,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="dtype the real model is loaded and run in for capture (default float32; bfloat16/float16 "
                      "halve the memory a large model needs). Captured K/V/Q are stored as float32 either way")
     g.addoption("--kvq-capture-cache", action="store", default=None, metavar="DIR",
-                help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder); "
+                help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder, or "
+                     "~/.cache/kvqbench/capture without one); "
                      "shards on one machine that share it capture each model once")
     g.addoption("--kvq-figures", action="store", default="auto", choices=("auto", "on", "off"),
                 help="draw the PNG figures at the end: auto = only when full-size cells ran (a smoke run "
