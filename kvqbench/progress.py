@@ -9,14 +9,10 @@ of the session. It prints one line every ``interval_s`` seconds::
 
 How the ETA is formed (:meth:`Progress.eta`, a pure function of the events and the clock):
 
-1. **A base duration per test**, on the tables' scale: the test's own seconds in ``history`` (this
-   machine's previous runs, kept in pytest's cache by the plugin, each run's seconds divided by its
-   measured speed and blended with what was kept: :meth:`Progress.updated_history`), else in ``prior``
-   (the committed table ``kvqbench/data/eta_prior.json``, measured on a fresh clone — so a user's first
-   run has one too), else the median of its *kind* there, else of the kinds of its test function and data
-   source/size there (a method the tables lack), else the median of its file there. A kind is
-   the test function plus, for benchmark cells, the method and the data source/size in the id
-   (``tests/bench/x.py::test_a|kivi|real-full``).
+1. **A base duration per test** from the tables (:mod:`kvqbench.eta_tables`: this machine's ``history``,
+   else the committed ``prior``): the test's own seconds, else the median of its *kind*, else of the kinds
+   of its test function and data source/size (a method the tables lack), else of its file
+   (:meth:`Progress.base`).
 2. **This machine's speed**, estimated online from the tests finished so far (:meth:`Progress._model`):
    for the whole run and for each folder, file and kind, a recent speed (measured/base, an exponential
    forgetting over :data:`SPEED_MEMORY_S` base seconds of that group's own tests, one test moving it by
@@ -53,37 +49,26 @@ import heapq
 import json
 import math
 import os
-import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from kvqbench.cells import parse_nodeid
+from kvqbench.eta_tables import (
+    AGAIN,
+    coarse_kind_of,
+    file_of,
+    groups_of,
+    kind_of,
+    median,
+    needs_model,
+    new_history,
+    run_scale,
+    split_id,
+)
 
-__all__ = ["Progress", "kind_of", "coarse_kind_of", "file_of", "hms", "load_prior", "schedule_end",
-           "weighted_median", "PRIOR_PATH", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR",
-           "HISTORY_VERSION", "HISTORY_NEW"]
+__all__ = ["Progress", "hms", "schedule_end", "SPEED_MEMORY_S", "SHRINK_N", "QUIET_S", "LATE_FACTOR"]
 
-_TAGS = ("real", "synthetic", "full", "smoke", "long")
-
-#: the committed per-test durations of a fresh-clone run of the test suite and of the main job
-#: (the history format of :meth:`Progress.updated_history`; regenerate with ``scripts/eta_prior.py``)
-PRIOR_PATH = Path(__file__).resolve().parent / "data" / "eta_prior.json"
-#: a group's recent speed forgets exponentially over this many base seconds of its finished tests
-#: (replayed main job: 20 s followed its end-phase slowdown best among 10-60 s; the suite did not change)
+#: a group's recent speed forgets exponentially over this many base seconds of its finished tests (chosen
+#: by replays, docs/ETA.md)
 SPEED_MEMORY_S = 20.0
-#: steps paid once per worker (the real-model capture, the end-to-end model load): the run's first does
-#: the work and fills the disk cache, the later ones read it; tables keep the first as ``kind`` and the
-#: median of the later ones as ``kind + AGAIN``
-PER_WORKER_STEPS: tuple[str, ...] = ("capture|", "model|")
-AGAIN = "|again"
-#: the format of :meth:`Progress.updated_history` (2: every run's seconds on the tables' scale, blended);
-#: a history of another version is not read
-HISTORY_VERSION = 2
-#: the weight of a run's (rescaled) seconds against the value already kept (the prior's for an entry new to the
-#: history), in the log. Replayed main jobs (scripts/eta_error.py --after): a quiet run after a run that was
-#: loaded for half its length had 67 % of its lines within ±30 % at weight 1 (the run's seconds replace the
-#: kept ones), 83 % at 2/3, 92 % at 1/2, 100 % at 1/3 (max error 26 %); a run after a quiet one 100 % at each
-HISTORY_NEW = 1 / 3
 #: one finished test moves a group's recent speed by at most this much (log): an outlier is not a new speed
 SPEED_STEP_CLIP = math.log(2.0)
 #: a group (kind, file, folder) with ``n`` finished tests has weight ``n / (n + SHRINK_N)`` over its parent
@@ -96,78 +81,12 @@ QUIET_S = 1.0
 LATE_FACTOR = 1.5
 
 
-def _groups(kind: str) -> tuple[tuple[str, str], ...]:
-    """A kind's groups, finest first: the kind, its file, its folder."""
-    f = file_of(kind)
-    return (("kind", kind), ("file", f), ("dir", f.rsplit("/", 1)[0]))
-
-
 def hms(sec: float) -> str:
     """``3725`` → ``"1h02m05s"``; ``95`` → ``"1m35s"``; ``7`` → ``"7s"`` (rounded to whole seconds)."""
     sec = int(round(max(sec, 0.0)))
     h, rem = divmod(sec, 3600)
     m, s_ = divmod(rem, 60)
     return f"{h}h{m:02d}m{s_:02d}s" if h else (f"{m}m{s_:02d}s" if m else f"{s_}s")
-
-
-#: test functions whose cells run the real model itself (experiments 5 and 6): the first of them on each worker
-#: pays the ``model|<source-size>`` step (the plugin's ``kvq_model`` fixture times it)
-MODEL_TESTS: tuple[str, ...] = ("test_endtoend", "test_longdecode", "test_longdecode_smoke")
-
-
-def _needs_model(nodeid: str) -> bool:
-    return parse_nodeid(nodeid).function in MODEL_TESTS
-
-
-def _split(nodeid: str) -> tuple[str, str, list[str]]:
-    node = parse_nodeid(nodeid)
-    tags = [t for t in _TAGS if f"-{t}" in f"-{node.params}"]
-    return node.base, node.params, tags
-
-
-def coarse_kind_of(nodeid: str) -> str:
-    """The test function plus the data source/size tags of a benchmark cell id (no method)."""
-    base, _, tags = _split(nodeid)
-    return base + ("|" + "-".join(tags) if tags else "")
-
-
-def kind_of(nodeid: str) -> str:
-    """The test function plus, for benchmark cells (ids ending ``-<source>-<size>``), the method id and
-    the data source/size: cells of one method, function and size cost about the same."""
-    base, params, tags = _split(nodeid)
-    if not tags:
-        return base
-    cell = parse_nodeid(nodeid).cell
-    method = cell.method if cell is not None else params.split("-", 1)[0]
-    return f"{base}|{method}|{'-'.join(tags)}"
-
-
-def file_of(nodeid: str) -> str:
-    """The test file of a node id (``tests/unit/t.py::test_a[1]`` → ``tests/unit/t.py``)."""
-    return parse_nodeid(nodeid).path
-
-
-def _median(v: list[float]) -> float:
-    return float(statistics.median(v)) if v else 0.0
-
-
-def weighted_median(values: list[float], weights: list[float]) -> float:
-    """The smallest value whose cumulative weight reaches half the total (values sorted ascending).
-
-    Raises:
-        ValueError: empty input, lengths differ, or no positive weight.
-    """
-    if not values or len(values) != len(weights):
-        raise ValueError("weighted_median needs equally many values and weights (at least one)")
-    total = sum(w for w in weights if w > 0)
-    if total <= 0:
-        raise ValueError("weighted_median needs a positive weight")
-    acc = 0.0
-    for v, w in sorted(zip(values, weights)):
-        acc += max(w, 0.0)
-        if acc >= total / 2:
-            return float(v)
-    return float(max(values))  # pragma: no cover - rounding only
 
 
 def schedule_end(busy: list[float], costs: list[float], workers: int) -> float:
@@ -188,16 +107,6 @@ def schedule_end(busy: list[float], costs: list[float], workers: int) -> float:
     for c in costs:
         heapq.heapreplace(free, free[0] + c)
     return max(free) if free else 0.0
-
-
-def load_prior(path: str | Path | None = None) -> dict:
-    """The committed prior (``{"tests": {nodeid: s}, "kinds": {kind: s}, "steps": {step: s}}``), or
-    ``{}`` when the file is missing or unreadable (the ETA then learns from this run alone)."""
-    try:
-        doc = json.loads(Path(path or PRIOR_PATH).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) and doc.get("version") == 1 else {}
 
 
 @dataclass
@@ -260,11 +169,11 @@ class Progress:
         self._trace("collected", self.t0, self.t_run, self.workers, list(nodeids), self.history)
         self.total = len(nodeids)
         self.pending = {n: kind_of(n) for n in nodeids}
-        tags = [_split(n)[2] for n in nodeids]
+        tags = [split_id(n)[2] for n in nodeids]
         # the cells that load the model take no capture: a size whose real cells all do expects none
-        sizes = sorted({t[-1] for n, t in zip(nodeids, tags) if "real" in t and len(t) > 1 and not _needs_model(n)})
+        sizes = sorted({t[-1] for n, t in zip(nodeids, tags) if "real" in t and len(t) > 1 and not needs_model(n)})
         self.expected_steps = {f"capture|real-{s}": max(1, self.workers) for s in sizes}
-        for tag in sorted({"-".join(_split(n)[2]) for n in nodeids if _needs_model(n) and _split(n)[2]}):
+        for tag in sorted({"-".join(split_id(n)[2]) for n in nodeids if needs_model(n) and split_id(n)[2]}):
             self.expected_steps[f"model|{tag}"] = max(1, self.workers)
         cells = sorted({"-".join(t) for t in tags if t})
         self.cells = sum(1 for t in tags if t)
@@ -328,7 +237,7 @@ class Progress:
             if kind.startswith(("capture|", "model|")):
                 tag = kind.split("|", 1)[1]
                 model = kind.startswith("model|")
-                if not any(k.endswith("|" + tag) and (not model or _needs_model(n))
+                if not any(k.endswith("|" + tag) and (not model or needs_model(n))
                            for n, k in self.pending.items()):
                     self.expected_steps[kind] = 0
 
@@ -357,7 +266,7 @@ class Progress:
                     parts = k.split("|")
                     if len(parts) == 3:  # function|method|source-size
                         by_coarse.setdefault(f"{parts[0]}|{parts[2]}", []).append(float(v))
-            self._coarse_base = {c: _median(v) for c, v in by_coarse.items()}
+            self._coarse_base = {c: median(v) for c, v in by_coarse.items()}
         coarse = coarse_kind_of(nodeid)
         if coarse in self._coarse_base:
             return self._coarse_base[coarse]
@@ -368,7 +277,7 @@ class Progress:
             by_file: dict[str, list[float]] = {}
             for n, v in merged.items():
                 by_file.setdefault(file_of(n), []).append(v)
-            self._file_base = {f: _median(v) for f, v in by_file.items()}
+            self._file_base = {f: median(v) for f, v in by_file.items()}
         return self._file_base.get(file_of(nodeid))
 
     def _model(self) -> dict[tuple[str, str], list[float]]:
@@ -393,7 +302,7 @@ class Progress:
             x = math.log(max(d, 1e-6) / b)
             step = 1.0 - math.exp(-b / SPEED_MEMORY_S)
             parent = None
-            for key in (("run", ""), *reversed(_groups(kind))):
+            for key in (("run", ""), *reversed(groups_of(kind))):
                 acc = stats.setdefault(key, [x if parent is None else parent, 0])  # the run's first test sets it
                 acc[1] += 1
                 acc[0] += max(step, 1.0 / acc[1]) * min(max(x - acc[0], -SPEED_STEP_CLIP), SPEED_STEP_CLIP)
@@ -415,7 +324,7 @@ class Progress:
         (``n``: that group's finished tests). Tests of one file or folder share a harness (a subprocess
         pytest, a model load) and so run alike; 0 (the table's own speed) with nothing finished."""
         f = cls._root(stats)
-        for key in reversed(_groups(kind)):
+        for key in reversed(groups_of(kind)):
             acc = stats.get(key)
             if acc:
                 f += (acc[0] - f) * acc[1] / (acc[1] + SHRINK_N)
@@ -434,12 +343,12 @@ class Progress:
         if b is not None:
             return b * min(max(math.exp(self._log_speed(self._model(), kind)), 0.05), 20.0)
         if self.durations.get(kind):
-            return _median(self.durations[kind])
+            return median(self.durations[kind])
         ck = coarse_kind_of(nodeid)
         if self.coarse.get(ck):
-            return _median(self.coarse[ck])
+            return median(self.coarse[ck])
         if self.done:
-            return _median([d for v in self.durations.values() for d in v])
+            return median([d for v in self.durations.values() for d in v])
         return None
 
     def _per_worker_steps(self, kind: str, left: int, speed: float) -> list[float]:
@@ -451,7 +360,7 @@ class Progress:
         seen = self.steps.get(kind) or []
         again = None
         if len(seen) > 1:
-            again = _median(seen[1:])
+            again = median(seen[1:])
         else:
             for t in self._tables():
                 v = (t.get("steps") or {}).get(kind + AGAIN)
@@ -469,7 +378,7 @@ class Progress:
         sources) is charged the tables' median seconds per cell × this run's cells; a capture or model load
         of a data size the tables lack, the median of that step at the sizes they have."""
         if self.steps.get(kind):
-            return _median(self.steps[kind])
+            return median(self.steps[kind])
         report = kind.startswith("report|")
         # a suite's report (``|+tests``) that the tables lack: as the same cells' report alone
         for k in (kind, kind.removesuffix("|+tests")) if report else (kind,):
@@ -482,13 +391,13 @@ class Progress:
         if report and self.cells:
             rates = [float(v) / ref for t in self._tables() for k, v in (t.get("steps") or {}).items()
                      if k.startswith("report|") and (ref := (t.get("step_cells") or {}).get(k))]
-            return _median(rates) * self.cells * speed
+            return median(rates) * self.cells * speed
         if not report:  # a capture or model load of a data size the tables lack: as those of the sizes they have
             what, _, rest = kind.partition("|")
             same = [float(v) for t in self._tables() for k, v in (t.get("steps") or {}).items()
                     if k.partition("|")[0] == what and k.endswith(AGAIN) == rest.endswith(AGAIN)]
             if same:
-                return _median(same) * speed
+                return median(same) * speed
         return 0.0
 
     def overhead(self, now: float) -> float:
@@ -518,11 +427,11 @@ class Progress:
             p = self.predict(n, kind)
             if p is None:
                 return None
-            tag = "-".join(_split(n)[2])
+            tag = "-".join(split_id(n)[2])
             if captures.get(tag, 0) > 0:  # the first cells of a size on each worker pay its capture
                 captures[tag] -= 1
                 p += cap_s[tag].pop(0)
-            if models.get(tag, 0) > 0 and _needs_model(n):  # and the first end-to-end cells its model load
+            if models.get(tag, 0) > 0 and needs_model(n):  # and the first end-to-end cells its model load
                 models[tag] -= 1
                 p += model_s[tag].pop(0)
             if n in self.running:
@@ -571,62 +480,18 @@ class Progress:
         note = ""
         if caps and not any(k.startswith("capture|") for k in self.steps):
             note = " (real-model capture pending)"
+        if eta is None and self.done < self.total:
+            note += " (no recorded duration for these tests yet: an estimate follows the first to finish)"
         if os.environ.get("KVQBENCH_PROGRESS_DEBUG"):
             note += f" [{self.debug}]"
         return (f"kvqbench: {self.done}/{self.total} tests, elapsed {hms(now - self.t0)}, "
                 f"ETA {hms(eta) if eta is not None else '?'}{note}")
 
     # ---------------------------------------------------------------- history
-    def run_scale(self) -> float:
-        """This run's seconds per table second: the median of measured/base over its finished tests that
-        the tables know, weighted by their base seconds (so a slow phase of short tests does not decide it);
-        1 with none. Clamped to [0.05, 20]."""
-        obs = [(d / b, b) for _, b, d in self.observed if b > 0 and d > 0]
-        if not obs:
-            return 1.0
-        return min(max(weighted_median([r for r, _ in obs], [w for _, w in obs]), 0.05), 20.0)
-
     def updated_history(self, base: dict | None = None, max_tests: int = 50_000) -> dict:
-        """The history to keep for the next run, on the tables' scale: this run's seconds divided by
-        :meth:`run_scale` (a run on a busy or slower machine keeps its tests' *relative* durations, the
-        next run measures its own speed), each blended with the value already kept for it, or the prior's
-        for an entry new to the history — ``exp(HISTORY_NEW·log new + (1 − HISTORY_NEW)·log old)``, so one
-        run's odd phase (a load that came and went) moves an entry only part of the way — and merged over
-        ``base`` (the cache as it is now,
-        which another session may have updated meanwhile; default the history this run started with); the
-        same for the per-kind medians and the per-step medians. A run that did not finish every test
-        (interrupted, ``-x``) keeps no report step: its results and figures cover only part of the cells."""
-        old = (self.history if base is None else base) or {}
-        scale = self.run_scale()
-
-        def merged(table: dict, new: dict[str, float], part: str) -> dict:
-            out = dict(table or {})
-            start = (self.prior or {}).get(part) or {}
-            for k, v in new.items():
-                v = max(v, 0.0) / scale
-                prev = out.get(k, start.get(k))  # an entry new to the history starts from the prior's
-                if isinstance(prev, (int, float)) and prev > 0 and v > 0:
-                    v = math.exp(HISTORY_NEW * math.log(v) + (1 - HISTORY_NEW) * math.log(float(prev)))
-                out.pop(k, None)  # re-inserted: the newest entries last (kept when trimming)
-                out[k] = round(v, 4)
-            return out
-
-        tests = merged(old.get("tests"), self.measured, "tests")
-        if len(tests) > max_tests:  # keep the newest entries
-            tests = dict(list(tests.items())[-max_tests:])
-        kinds = merged(old.get("kinds"), {k: _median(v) for k, v in self.durations.items() if v}, "kinds")
-        complete = self.done >= self.total
-        new_steps: dict[str, float] = {}
-        for k, v in self.steps.items():
-            if not v or (k.startswith("report|") and not complete):
-                continue
-            if k.startswith(PER_WORKER_STEPS):  # a once-per-worker step: the run's first (the work), the others
-                new_steps[k] = v[0]
-                if len(v) > 1:
-                    new_steps[k + AGAIN] = _median(v[1:])
-            else:
-                new_steps[k] = _median(v)
-        steps = merged(old.get("steps"), new_steps, "steps")
-        cells = {**(old.get("step_cells") or {}),
-                 **{k: self.cells for k in new_steps if k.startswith("report|") and self.cells}}
-        return {"version": HISTORY_VERSION, "tests": tests, "kinds": kinds, "steps": steps, "step_cells": cells}
+        """The history to keep for the next run (:func:`~kvqbench.eta_tables.new_history`): this run's seconds
+        divided by :func:`~kvqbench.eta_tables.run_scale`, blended into ``base`` (the cache as it is now, which another session may
+        have updated meanwhile; default the history this run started with)."""
+        return new_history(self.history if base is None else base, self.prior, run_scale(self.observed), self.measured,
+                           {k: median(v) for k, v in self.durations.items() if v}, self.steps, self.cells,
+                           self.done >= self.total, max_tests)

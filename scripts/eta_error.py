@@ -133,7 +133,7 @@ def replay(events: list[list], history: dict | None = None, prior: dict | None =
 def history_after(traces: list[list[list]], history: dict | None = None, prior: dict | None = None) -> dict:
     """The history the plugin would keep after the traced sessions ``traces`` ran one after the other
     (each starting from the history the previous one kept, the first from ``history``, default none):
-    :meth:`kvqbench.progress.Progress.updated_history` at the end of each."""
+    :func:`kvqbench.eta_tables.new_history` at the end of each."""
     h = history or {}
     for events in traces:
         _, _, p = _feed(events, h, prior, 1e9)
@@ -144,7 +144,8 @@ def history_after(traces: list[list[list]], history: dict | None = None, prior: 
 def _feed(events: list[list], history: dict | None, prior: dict | None, every: float):
     """:func:`replay`'s rows and end, and the :class:`~kvqbench.progress.Progress` fed with the session."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvqbench.progress import Progress, load_prior
+    from kvqbench.eta_tables import load_prior
+    from kvqbench.progress import Progress
 
     head = next((e for e in events if "collected" in e[:2]), None)
     if head is None:
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             history, prior = _table(a.history), _table(a.prior)
             if a.scale_prior:
                 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-                from kvqbench.progress import load_prior
+                from kvqbench.eta_tables import load_prior
 
                 prior = load_prior() if prior is None else prior
                 for text, factor in a.scale_prior:

@@ -11,6 +11,11 @@ tests or cells change a lot, on a fresh clone so that caches are cold as on a us
     kvqbench run --smoke --kvq-real
     python scripts/eta_prior.py .pytest_cache/v/kvqbench/durations -o kvqbench/data/eta_prior.json
 
+The long tier (``kvqbench run --long``, about 80 s a cell) is too long to rerun for the prior: its cells'
+seconds come from a run's result file, e.g. the published one, added after the other files::
+
+    python scripts/eta_prior.py kvqbench/data/eta_prior.json leaderboard/exp6_real.json -o kvqbench/data/eta_prior.json
+
 Each argument is a history file that kvqbench keeps in pytest's cache (``{"tests": {nodeid: s},
 "kinds": …, "steps": …, "step_cells": {report step: cells}}``) or the trace of a session
 (``KVQBENCH_PROGRESS_TRACE=FILE``: that session's own seconds — a history blends every run with the
@@ -36,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvqbench.progress import kind_of  # noqa: E402
+from kvqbench.eta_tables import kind_of  # noqa: E402
 
 
 def merge(histories: list[dict]) -> dict:
@@ -115,10 +120,12 @@ def _eta_error():
 
 
 def load_run(path: Path) -> dict:
-    """A history file (``{"version": 1 or 2, "tests": …}``), or a trace of one session (JSON lines,
+    """A history file (``{"version": 1 or 2, "tests": …}``); a trace of one session (JSON lines,
     ``KVQBENCH_PROGRESS_TRACE``) turned into the history of that session alone: its tests' and steps' own
-    seconds (replayed without tables, so nothing is rescaled or blended). A history keeps every run's seconds
-    on its tables' scale, blended with earlier runs (:meth:`kvqbench.progress.Progress.updated_history`): a
+    seconds (replayed without tables, so nothing is rescaled or blended); or an experiment's result file
+    (``exp6_real.json``): each cell's ``duration_s`` under its node id (no steps), for cells no history holds
+    (the long tier's, from a published run). A history keeps every run's seconds
+    on its tables' scale, blended with earlier runs (:func:`kvqbench.eta_tables.new_history`): a
     trace gives a prior the raw seconds of a fresh-clone run.
 
     Raises:
@@ -129,6 +136,9 @@ def load_run(path: Path) -> dict:
         doc = json.loads(text)
     except ValueError:
         doc = None
+    if isinstance(doc, dict) and isinstance(doc.get("cells"), list) and "experiment" in doc:
+        return {"version": 1, "tests": {c["nodeid"]: float(c["duration_s"]) for c in doc["cells"]
+                                        if isinstance(c, dict) and c.get("nodeid") and c.get("duration_s")}}
     if isinstance(doc, dict):
         if doc.get("version") not in (1, 2):
             raise ValueError(f"{path}: not a kvqbench durations history (version 1 or 2)")
@@ -145,8 +155,9 @@ def load_run(path: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("history", nargs="+", type=Path,
-                    help="pytest-cache history files (.pytest_cache/v/kvqbench/durations), or traces of runs "
-                         "(KVQBENCH_PROGRESS_TRACE files: their own measured seconds)")
+                    help="pytest-cache history files (.pytest_cache/v/kvqbench/durations), traces of runs "
+                         "(KVQBENCH_PROGRESS_TRACE files: their own measured seconds), or experiment result "
+                         "files (exp6_real.json: each cell's duration_s)")
     ap.add_argument("-o", "--out", type=Path, default=None, help="write here (default: stdout)")
     ap.add_argument("--median", action="store_true",
                     help="the files are several runs: rescale each to a common speed and take per test and "

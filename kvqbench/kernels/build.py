@@ -3,7 +3,7 @@ with :mod:`ctypes` — no build step at install time, no torch headers.
 
 A kernel is only ever an optional fast path: :func:`load` returns ``None`` (and the step's fast version
 declines, so its reference runs) when no compiler is found, the compilation or loading fails, or kernels are
-off (:func:`kvqbench.kernels.enabled`).
+off (:func:`kvqbench.steps.enabled`).
 
 The shared object is cached in a folder only this user can write (:mod:`kvqbench.privdir`):
 ``$KVQBENCH_CBUILD_DIR``, else the user's cache folder (``~/.cache/kvqbench/cbuild``), else a folder this
@@ -28,7 +28,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from kvqbench import privdir
+from kvqbench import privdir, steps
 
 __all__ = ["load"]
 
@@ -109,8 +109,6 @@ def _load_cached(source: str) -> ctypes.CDLL | None:
 def load(source: str) -> ctypes.CDLL | None:
     """The compiled shared object of ``source`` (a C file in ``kvqbench/kernels/c/``), or ``None`` (see module
     docstring). Compiled at most once per process and once per cache folder."""
-    from kvqbench import kernels
-
-    if not kernels.enabled():
+    if not steps.enabled():
         return None
     return _load_cached(source)

@@ -16,9 +16,14 @@ import ctypes
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.numerics import dense_sparse
+
+#: agreement with the reference: outliers equal; midpoints and half-ranges within relative ``rtol``; a code may
+#: differ by one where the reference's normalized value lies within ``tie_ulps`` fp32 ulps of a threshold;
+#: decoded values within ``|Δlevel|·half + rtol·|value|``
+TOL = {"tie_ulps": 4, "rtol": 1e-6}
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -31,18 +36,19 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-@kernels.fast("dense_sparse.quantize", when="CPU, fp32 vectors [B, N, n], k ≥ 1 outliers per tail, n ≥ 2k + 1, "
-              "2..256 levels, the C kernel loads; vectors with tied tails, a NaN or an infinity go to the reference")
+@steps.fast("dense_sparse.quantize", when="CPU, fp32 vectors [B, N, n], k ≥ 1 outliers per tail, n ≥ 2k + 1, "
+            "2..256 levels, the C kernel loads; vectors with tied tails, a NaN or an infinity go to the reference",
+            tol=TOL)
 def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor):
     if (vec.dim() != 3 or vec.dtype != torch.float32 or vec.device.type != "cpu" or k < 1
             or codebook.dim() != 2 or codebook.device.type != "cpu" or not 2 <= codebook.shape[1] <= 256):
-        return kernels.DECLINED
+        return steps.DECLINED
     b_, rows, n = (int(s) for s in vec.shape)
     if int(codebook.shape[0]) != b_ or n < 2 * k + 1 or b_ * rows == 0:
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     if lib is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     x = vec.contiguous()
     cb = codebook.to(torch.float32)
     mids = ((cb[:, 1:] + cb[:, :-1]) / 2).contiguous()  # as kvqbench.numerics.kmeans.assign_nearest
@@ -56,7 +62,7 @@ def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor):
                          codes.data_ptr(), rows * n, idx.data_ptr(), val.data_ptr(), lo.data_ptr(), mid.data_ptr(),
                          half.data_ptr(), declined.data_ptr(), work.data_ptr())
     if rc < 0:
-        return kernels.DECLINED
+        return steps.DECLINED
     out = (codes, idx, mid, half, val)
     if rc:  # the declined vectors, each as a layer of its own with its layer's codebook
         b, r = declined.bool().nonzero(as_tuple=True)

@@ -6,7 +6,7 @@ into ``uint8`` codes (a binary search per value beyond 31 thresholds), and
 Comparisons and table reads only, so the results equal the reference's for every non-NaN value on every CPU
 (``tests/property/test_kernels_lloyd_max.py``).
 
-Scope (otherwise :data:`~kvqbench.kernels.DECLINED`): a C compiler, the CPU, fp32 values and a 1-D fp32 table,
+Scope (otherwise :data:`~kvqbench.steps.DECLINED`): a C compiler, the CPU, fp32 values and a 1-D fp32 table,
 ``uint8`` codes, at most 255 thresholds (256 centroids); ``reconstruct`` declines codes beyond the table (the
 reference then raises).
 """
@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 
 __all__ = ["nearest_centroid", "reconstruct"]
@@ -35,16 +35,16 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-@kernels.fast("lloyd_max.nearest_centroid", when="CPU, fp32 values, 1-D thresholds (≤ 255), uint8 codes; a C "
-              "compiler")
+@steps.fast("lloyd_max.nearest_centroid", when="CPU, fp32 values, 1-D thresholds (≤ 255), uint8 codes; a C "
+            "compiler", tol=steps.EXACT)
 def nearest_centroid(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype = torch.int64):
     """:func:`~kvqbench.numerics.lloyd_max.nearest_centroid`: ``uint8`` codes of ``x``'s shape."""
     if not (dtype == torch.uint8 and x.device.type == "cpu" and x.dtype == torch.float32
             and thresholds.device.type == "cpu" and thresholds.dim() == 1 and thresholds.numel() <= 255):
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     if lib is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     xc = x.contiguous()
     thr = thresholds.to(torch.float32).contiguous()  # cast to x's dtype, as the reference does
     idx = torch.empty(x.shape, dtype=torch.uint8)
@@ -52,18 +52,19 @@ def nearest_centroid(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.
     return idx
 
 
-@kernels.fast("lloyd_max.reconstruct", when="CPU, 1-D fp32 table, uint8 codes; a C compiler")
+@steps.fast("lloyd_max.reconstruct", when="CPU, 1-D fp32 table, uint8 codes; a C compiler",
+            tol=steps.EXACT)
 def reconstruct(centroids: torch.Tensor, idx: torch.Tensor):
     """:func:`~kvqbench.numerics.lloyd_max.reconstruct`: an fp32 tensor of ``idx``'s shape."""
     if not (centroids.device.type == idx.device.type == "cpu" and centroids.dtype == torch.float32
             and centroids.dim() == 1 and 0 < centroids.numel() <= 256 and idx.dtype == torch.uint8):
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     if lib is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     ic = idx.contiguous()
     table = torch.zeros(256)
     table[: centroids.numel()] = centroids
     out = torch.empty(idx.shape)
     top = lib.lm_reconstruct(table.data_ptr(), ic.data_ptr(), ic.numel(), out.data_ptr())
-    return out if top < centroids.numel() else kernels.DECLINED  # a code beyond the table: the reference raises
+    return out if top < centroids.numel() else steps.DECLINED  # a code beyond the table: the reference raises

@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.numerics.packing import pack_uint8, packed_nbytes, unpack_uint8
 
@@ -32,15 +32,15 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-@kernels.fast("packing.pack", when=f"CPU, at least {MIN_CODES} codes, a C compiler")
+@steps.fast("packing.pack", when=f"CPU, at least {MIN_CODES} codes, a C compiler", tol=steps.EXACT)
 def pack(flat: torch.Tensor, bits: int, out: torch.Tensor | None = None):
     """:func:`~kvqbench.numerics.packing.pack_uint8` in one pass (the last ``n mod 8`` codes by the reference)."""
     n = flat.numel()
     if flat.device.type != "cpu" or n < MIN_CODES or flat.dtype != torch.uint8:
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     if lib is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     flat = flat.contiguous()
     res = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8) if out is None else out
     n8 = n - n % 8  # whole bytes of the stream at every width
@@ -50,15 +50,16 @@ def pack(flat: torch.Tensor, bits: int, out: torch.Tensor | None = None):
     return res
 
 
-@kernels.fast("packing.unpack", when=f"CPU, uint8 bytes, at least {MIN_CODES} codes of 1..7 bits, a C compiler")
+@steps.fast("packing.unpack", when=f"CPU, uint8 bytes, at least {MIN_CODES} codes of 1..7 bits, a C compiler",
+            tol=steps.EXACT)
 def unpack(p: torch.Tensor, bits: int, numel: int):
     """:func:`~kvqbench.numerics.packing.unpack_uint8` in one pass (the last ``numel mod 8`` codes by the
     reference)."""
     if p.device.type != "cpu" or p.dtype != torch.uint8 or numel < MIN_CODES or bits == 8:
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     if lib is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     p = p[: packed_nbytes(numel, bits)].contiguous()
     codes = torch.empty(numel, dtype=torch.uint8)
     n8 = numel - numel % 8

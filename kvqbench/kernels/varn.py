@@ -18,11 +18,20 @@ from typing import Any, Callable
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.numerics.varn import DEFAULT_ITERS, LOG_SCALE_CLIP, MIN_FLOOR, STD_CLAMP, VarNResult
 
 __all__ = ["varn", "balanced_rtn_rows"]
+
+#: agreement of ``varn.iterate`` with the reference: the imbalances within relative ``rtol``; ``s_row`` and
+#: ``s_col`` within ``rtol`` where both chose the same best iterate, and always the tile's scale
+#: ``s_row[r]·s_col[c]`` within ``rtol`` up to one factor per tile; after the reference's per-row RTN on the
+#: fast scales, a code may differ where ``(B − lo)/scale`` lies within ``eps_code`` code steps of a boundary
+ITERATE_TOL = {"rtol": 1e-4, "eps_code": 2.0**-10}
+#: agreement of ``varn.balanced_rtn`` on the same scales: ``lo`` and ``scale`` within relative ``rtol``; a code
+#: may differ where the reference's ``(B − lo)/scale`` lies within ``eps_code`` of a rounding boundary
+RTN_TOL = {"rtol": 2.0**-20, "eps_code": 2.0**-10}
 
 
 def _lib() -> ctypes.CDLL | None:
@@ -67,16 +76,16 @@ def _as_tiles(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]] | No
     return x3, (x3.stride(0), x3.stride(1), x3.stride(2))
 
 
-@kernels.fast("varn.iterate", when="CPU tensor, the C kernel loads, finite tiles")
+@steps.fast("varn.iterate", when="CPU tensor, the C kernel loads, finite tiles", tol=ITERATE_TOL)
 def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> Any:
     """:func:`kvqbench.numerics.varn.varn`, compiled; ``DECLINED`` for an empty, non-CPU or non-finite
     input or an invalid ``n_iter`` (the reference then runs, and raises where it should)."""
     if not isinstance(n_iter, int) or isinstance(n_iter, bool) or n_iter < 0 or not tiles.is_floating_point():
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     got = _as_tiles(tiles) if lib is not None else None
     if got is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     x3, (st, sr, sc) = got
     n, r, c = x3.shape
     s_row, s_col = torch.empty(n, r, 1), torch.empty(n, 1, c)
@@ -92,32 +101,33 @@ def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> Any:
 
     status = _run(n, r * c, call)
     if status:
-        return kernels.DECLINED
+        return steps.DECLINED
     lead = tiles.shape[:-2]
     return VarNResult(s_row.view(*lead, r, 1), s_col.view(*lead, 1, c), imb.view(lead), imb0.view(lead),
                       best_iter.view(lead))
 
 
-@kernels.fast("varn.balanced_rtn", when="CPU tensors, the C kernel loads, bits 1..8, finite balanced tiles")
+@steps.fast("varn.balanced_rtn", when="CPU tensors, the C kernel loads, bits 1..8, finite balanced tiles",
+            tol=RTN_TOL)
 def balanced_rtn_rows(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, bits: int,
                       floor: float) -> Any:
     """:func:`kvqbench.numerics.varn.balanced_rtn_rows`, compiled, one pass per row; ``DECLINED`` where the
     inputs are not as above (the reference then runs, and raises where it should)."""
     if not isinstance(bits, int) or not 1 <= bits <= 8 or tiles.dtype != torch.float32:
-        return kernels.DECLINED
+        return steps.DECLINED
     lib = _lib()
     got = _as_tiles(tiles) if lib is not None else None
     if got is None:
-        return kernels.DECLINED
+        return steps.DECLINED
     x3, (st, sr, sc) = got
     n, r, c = x3.shape
     lead = tiles.shape[:-2]
     if tuple(s_col.shape) != (*lead, 1, c) or tuple(s_row.shape) != (*lead, r, 1):
-        return kernels.DECLINED
+        return steps.DECLINED
     sc3 = s_col.to(torch.float32).contiguous().view(n, 1, c)
     sr3 = s_row.to(torch.float32).contiguous().view(n, r, 1)
     if sc3.device.type != "cpu" or sr3.device.type != "cpu":
-        return kernels.DECLINED
+        return steps.DECLINED
     q = torch.empty(n, r, c, dtype=torch.uint8)
     lo, scale = torch.empty(n, r, 1), torch.empty(n, r, 1)
     f = ctypes.c_float
@@ -129,5 +139,5 @@ def balanced_rtn_rows(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Ten
                                      scale[i].data_ptr())
 
     if _run(n, r * c, call):
-        return kernels.DECLINED
+        return steps.DECLINED
     return q.view(*lead, r, c), lo.view(*lead, r, 1), scale.view(*lead, r, 1)

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.numerics.kmeans import SortedSamples, assign_nearest, sorted_samples
 
 __all__ = ["outlier_count_per_tail", "split", "normalize", "dense_mask", "quantize", "calibration_samples"]
@@ -68,7 +68,7 @@ def dense_mask(vec: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return torch.ones_like(vec, dtype=torch.bool).scatter_(-1, idx, False)
 
 
-@kernels.reference("dense_sparse.quantize")
+@steps.reference("dense_sparse.quantize")
 def quantize(vec: torch.Tensor, k: int, codebook: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Dense-and-sparse quantization of the vectors ``vec`` ``[B, N, n]`` (fp32) with ``k`` outliers per tail,

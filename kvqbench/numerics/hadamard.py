@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 
 __all__ = [
     "is_power_of_two",
@@ -155,7 +155,7 @@ def _fwht_torch(y: torch.Tensor) -> torch.Tensor:
     return y
 
 
-@kernels.reference("hadamard.fwht")
+@steps.reference("hadamard.fwht")
 def fwht(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate ``x`` by :func:`hadamard_matrix` along its last dim with butterflies: the fast Walsh–Hadamard
     transform, ``d·log₂d`` additions per row instead of the ``d²`` multiply-adds of ``x @ Q``.

@@ -31,7 +31,7 @@ def _acc_dtype(device: torch.device) -> torch.dtype:
 
 #: at most this many thresholds are counted by comparisons (one pass each) instead of a binary search:
 #: a comparison pass is several times cheaper than ``searchsorted``'s per-element search, which wins only
-#: for large codebooks (measured on CPU at 1 thread: 3 thresholds 2.6× faster, 15 about 1.2×)
+#: for large codebooks (docs/PERFORMANCE.md)
 COMPARE_MAX_SCALAR = 15
 #: the same for per-row threshold tensors (a broadcast comparison costs a little more than a scalar one)
 COMPARE_MAX_ROWS = 7

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from scipy import linalg, special
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.numerics.kmeans import count_below
 
 __all__ = [
@@ -280,7 +280,7 @@ def sphere_codebook(bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return lloyd_max("sphere", bits, (int(dim),)).tensors(dtype=torch.float64)
 
 
-@kernels.reference("lloyd_max.nearest_centroid")
+@steps.reference("lloyd_max.nearest_centroid")
 def nearest_centroid(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """Index of the nearest centroid for every entry of ``x`` given the midpoint ``thresholds``
     (``(L−1,)``, ascending): ``#{t : t < x}``, a ``dtype`` (default int64) tensor of ``x``'s shape in
@@ -292,7 +292,7 @@ def nearest_centroid(x: torch.Tensor, thresholds: torch.Tensor, *, dtype: torch.
     return count_below(x, thresholds, dtype=dtype)
 
 
-@kernels.reference("lloyd_max.reconstruct")
+@steps.reference("lloyd_max.reconstruct")
 def reconstruct(centroids: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``centroids[idx]``: the centroid (``(L,)``, any float dtype) of every code of ``idx`` (``uint8``, any
     shape); a tensor of ``idx``'s shape in ``centroids``' dtype."""

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 
 __all__ = ["pack_bits", "unpack_bits", "packed_nbytes", "pack_float_codes", "pack_uint8", "unpack_uint8"]
 
@@ -110,7 +110,7 @@ def pack_bits(codes: torch.Tensor, bits: int, *, out: torch.Tensor | None = None
     return pack_uint8(flat, bits, out)
 
 
-@kernels.reference("packing.pack")
+@steps.reference("packing.pack")
 @torch.no_grad()
 def pack_uint8(flat: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The packing step of :func:`pack_bits`: flat ``uint8`` codes, all below ``2**bits`` (not checked), into
@@ -239,7 +239,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, numel: int, dtype: torch.dtype 
     return out.view(-1).copy_(codes) if out.is_contiguous() else out.copy_(codes.view(out.shape)).reshape(-1)
 
 
-@kernels.reference("packing.unpack")
+@steps.reference("packing.unpack")
 @torch.no_grad()
 def unpack_uint8(p: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The unpacking step of :func:`unpack_bits`: ``numel`` codes of ``bits`` bits from the flat ``uint8``

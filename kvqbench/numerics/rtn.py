@@ -14,7 +14,7 @@ Invariants kept (and tested):
 The split follows torchao's ``quant_primitives`` (choose_qparams / quantize / dequantize); granularities are
 frozen dataclasses instead of boolean flags. Everything acts on ``(batch, kv_heads, seq_len, head_dim)``
 (any leading dims are allowed) and is plain torch. Two steps are declared with
-:func:`kvqbench.kernels.reference` — :func:`quantize_packed` (RTN followed by bit packing) and
+:func:`kvqbench.steps.reference` — :func:`quantize_packed` (RTN followed by bit packing) and
 :func:`dequantize_packed` (unpacking followed by the inverse) — and have a fast version in
 :mod:`kvqbench.kernels.rtn`.
 """
@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.numerics.packing import pack_bits, unpack_bits
 
 __all__ = [
@@ -236,7 +236,7 @@ def rtn_roundtrip(x: torch.Tensor, bits: int, granularity: Granularity, **qparam
     return rtn_dequantize(codes, lo, scale, granularity).to(x.dtype)
 
 
-@kernels.reference("rtn.quantize_packed")
+@steps.reference("rtn.quantize_packed")
 @torch.no_grad()
 def quantize_packed(
     x: torch.Tensor, bits: int, granularity: Granularity
@@ -252,7 +252,7 @@ def quantize_packed(
     return pack_bits(codes, bits, check=False), lo, scale  # clamped codes: in range
 
 
-@kernels.reference("rtn.dequantize_packed")
+@steps.reference("rtn.dequantize_packed")
 @torch.no_grad()
 def dequantize_packed(
     packed: torch.Tensor, shape: tuple[int, ...], bits: int, lo: torch.Tensor, scale: torch.Tensor,

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 
 __all__ = ["VarNResult", "varn", "imbalance", "rtn_rows", "balanced_rtn_rows", "STD_CLAMP", "LOG_SCALE_CLIP",
            "MIN_FLOOR", "DEFAULT_ITERS"]
@@ -83,7 +83,7 @@ def _check(tiles: torch.Tensor, n_iter: int) -> None:
         raise ValueError(f"n_iter must be an int >= 0, got {n_iter!r}")
 
 
-@kernels.reference("varn.iterate")
+@steps.reference("varn.iterate")
 @torch.no_grad()
 def varn(tiles: torch.Tensor, n_iter: int = DEFAULT_ITERS) -> VarNResult:
     """Run VarN on a batch of tiles, as the recipe above: the balanced tile ``B`` is materialized at every
@@ -143,7 +143,7 @@ def rtn_rows(b: torch.Tensor, bits: int, floor: float) -> tuple[torch.Tensor, to
     return q, lo, scale
 
 
-@kernels.reference("varn.balanced_rtn")
+@steps.reference("varn.balanced_rtn")
 @torch.no_grad()
 def balanced_rtn_rows(tiles: torch.Tensor, s_col: torch.Tensor, s_row: torch.Tensor, bits: int,
                       floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -281,9 +281,9 @@ def run_perf(
                                     "token_ratio": b / a})
     env = environment(dev, default_threads=default_threads, cache_bytes=cache_bytes,
                       hqq=hqq_version() if peers else None)
-    from kvqbench import kernels
+    from kvqbench import steps
 
-    cfg = {"kernels": kernels.enabled(), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts,
+    cfg = {"kernels": steps.enabled(), "methods": ids, "tokens": [int(t) for t in tokens], "threads": thread_counts,
            "bits": bits,
            "shape": [1, kv_heads, "T", head_dim], "dtype": "float32", "repeats": repeats,
            "eager_rtn_group": EAGER_GROUP, "cache": cache, "input_copies": copies, "processes": 1}

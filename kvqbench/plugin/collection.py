@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import Cell, parse_nodeid, real_source, source_kind
-from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, cell_of, is_worker, session_config
+from kvqbench.plugin.state import (
+    SETTINGS_KEY,
+    STATE_KEY,
+    Settings,
+    cell_of,
+    is_worker,
+    out_dir,
+    session_config,
+)
 
 #: the counts of benchmark cells before and after the selection (see :func:`no_cell_message`)
 SELECTION_KEY = pytest.StashKey[dict]()
@@ -68,7 +76,6 @@ def real_capture_first(items: list[Any], seeds: list[int] | None = None) -> list
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
     """Remember the collected cells (controller) and, when there are any, check before the first one runs
     that the results folder can be written (a one-line usage error otherwise)."""
-    from kvqbench.plugin.results import out_dir
     from kvqbench.report.results import run_folder_problem
 
     state = config.stash.get(STATE_KEY, None)
@@ -88,11 +95,11 @@ def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
 
 def long_context_problem(s: Settings, nodeids: list[str]) -> str | None:
     """One line when the collected cells hold long-tier cells (size ``long``) and the real model's context
-    is shorter than they need (:func:`kvqbench.experiments.longdecode.check_context`); ``None`` otherwise."""
+    is shorter than they need (:func:`kvqbench.experiments.longtext.check_context`); ``None`` otherwise."""
     cells = [parse_nodeid(n).cell for n in nodeids]
     if not s.real or not any(c is not None and c.size == "long" for c in cells):
         return None
-    from kvqbench.experiments.longdecode import CONFIG_BY_SIZE, check_context
+    from kvqbench.experiments.longtext import CONFIG_BY_SIZE, check_context
 
     try:
         check_context(s.model, CONFIG_BY_SIZE["long"].context)
@@ -109,8 +116,8 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
     if s is None or s.shard is None:
         return
     from kvqbench import shard as sh
+    from kvqbench.eta_tables import coarse_kind_of
     from kvqbench.plugin.sharing import shard_unit
-    from kvqbench.progress import coarse_kind_of
 
     index, count = s.shard
     try:
@@ -265,6 +272,16 @@ def no_cell_message(config: pytest.Config, sel: dict[str, Any]) -> str | None:
             f"Method ids: {', '.join(available())}. Experiments (test names): {exps}. "
             "Cell ids read test_<name>[<method>-k<bits>v<bits>-seed<n>-<synthetic|real[-<model>]>-<smoke|full>]; "
             "real cells need --kvq-real (of a model other than the default, --kvq-model), full-size ones -m full.")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """The explanation of a selection that left no cell (:func:`no_cell_message`), before the summary."""
+    if is_worker(config) or STATE_KEY not in config.stash:
+        return
+    msg = no_cell_message(config, config.stash.get(SELECTION_KEY, {}))
+    if msg:
+        terminalreporter.write_line(msg, yellow=True, bold=True)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -64,6 +64,29 @@ def _pin_threads(n: int) -> None:
         _THREADS_SET.append(n)
 
 
+def capture_cache_dir(config: pytest.Config) -> str:
+    """The folder of the content-addressed real-KV capture cache: ``--kvq-capture-cache``, else pytest's
+    cache folder (``.pytest_cache/d/kvqbench_capture``), else — pytest's cache plugin off (``-p
+    no:cacheprovider``) or its folder not writable (a read-only checkout) — the user's cache folder
+    (:func:`kvqbench.privdir.user_cache_dir`, ``~/.cache/kvqbench/capture``), else a private temporary folder
+    of this process."""
+    s = config.stash.get(SETTINGS_KEY, None)
+    if s is not None and s.capture_cache is not None:
+        return s.capture_cache
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        try:
+            return str(cache.mkdir("kvqbench_capture"))
+        except OSError:
+            pass
+    from kvqbench.privdir import fallback_dir, user_cache_dir
+
+    try:
+        return str(user_cache_dir("capture"))
+    except OSError:  # a read-only home, or a folder another user could write (UnsafePathError)
+        return str(fallback_dir("capture"))
+
+
 #: synthetic calibration batches use this seed offset (independent of every evaluation seed)
 CALIBRATION_SEED_OFFSET = 1_000_033
 
@@ -83,9 +106,7 @@ def load_data(cell: Cell, s: Settings, config: pytest.Config | None = None):
         return data
     from kvqbench.data.capture import capture_kv
 
-    cache_dir = s.capture_cache
-    if cache_dir is None and config is not None and getattr(config, "cache", None) is not None:
-        cache_dir = str(config.cache.mkdir("kvqbench_capture"))
+    cache_dir = s.capture_cache if config is None else capture_cache_dir(config)
     layers = spec.pop("layers")
     t = spec.pop("seq_len")
     full = capture_kv(model=s.model, with_grads=True, cache_dir=cache_dir, device="cpu", seq_len=2 * t,
@@ -128,9 +149,7 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
     from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source, source_loaded
 
     _pin_threads(kvq_settings.threads)
-    cache_dir = kvq_settings.capture_cache
-    if cache_dir is None and getattr(pytestconfig, "cache", None) is not None:
-        cache_dir = str(pytestconfig.cache.mkdir("kvqbench_capture"))
+    cache_dir = capture_cache_dir(pytestconfig)
     size = CALIBRATION_SIZE.get(cell.size, cell.size)
     where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[size].window, "device": kvq_settings.device}
     fresh, t = not source_loaded(**where), time.time()

@@ -13,7 +13,15 @@ import time
 import pytest
 
 from kvqbench.cells import DEFAULT_BITS, parse_bits, parse_seeds
-from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, SessionState, Settings, is_worker, xdist_active
+from kvqbench.plugin.state import (
+    SETTINGS_KEY,
+    STATE_KEY,
+    SessionState,
+    Settings,
+    is_worker,
+    out_dir,
+    xdist_active,
+)
 
 
 def _device_type(text: str) -> str:
@@ -112,7 +120,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="dtype the real model is loaded and run in for capture (default float32; bfloat16/float16 "
                      "halve the memory a large model needs). Captured K/V/Q are stored as float32 either way")
     g.addoption("--kvq-capture-cache", action="store", default=None, metavar="DIR",
-                help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder); "
+                help="folder of the content-addressed real-KV capture cache (default: pytest's cache folder, or "
+                     "~/.cache/kvqbench/capture without one); "
                      "shards on one machine that share it capture each model once")
     g.addoption("--kvq-figures", action="store", default="auto", choices=("auto", "on", "off"),
                 help="draw the PNG figures at the end: auto = only when full-size cells ran (a smoke run "
@@ -172,7 +181,6 @@ def pytest_configure(config: pytest.Config) -> None:
         if not is_worker(config):
             _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
     if s.out_dir is not None and not is_worker(config):  # an explicit folder: check it at once
-        from kvqbench.plugin.results import out_dir
         from kvqbench.report.results import run_folder_problem
 
         problem = run_folder_problem(s.out_dir if not str(s.out_dir).strip() else out_dir(config, s, None))
@@ -230,8 +238,8 @@ def worker_device(dev: str, workerid: str | None, count: int | None = None) -> s
 def _no_gpu_driver() -> bool:
     """True when this is Linux and no GPU driver is loaded (no ``/dev/nvidia*``, ``/dev/kfd`` (ROCm) or
     ``/dev/dxg`` (WSL)): ``torch.cuda.is_available()`` is then False for sure, and ``--device auto``
-    resolves to ``cpu`` without importing torch (1.5 CPU-seconds in a process that may run no cell:
-    the xdist controller)."""
+    resolves to ``cpu`` without importing torch, which a process that may run no cell (the xdist controller)
+    need not pay for."""
     import glob
 
     return sys.platform.startswith("linux") and os.path.isdir("/dev") and not (

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
+from kvqbench.eta_tables import HISTORY_VERSION, load_prior
 from kvqbench.plugin.state import STEP_KEY, is_worker, session_config
-from kvqbench.progress import HISTORY_VERSION, Progress, hms, load_prior
+from kvqbench.progress import Progress, hms
 
 #: the controller's :class:`~kvqbench.progress.Progress` (none on xdist workers)
 PROGRESS_KEY = pytest.StashKey[Progress]()

@@ -1,6 +1,6 @@
 """Writing at the end of a session (controller only): the records are assembled by
 :func:`kvqbench.report.results.write_result_set` — the one assembly ``kvqbench merge`` calls too — with
-the provenance header, the results folder (:func:`out_dir`), pytest-benchmark's JSON and a shard's
+the provenance header, the results folder (:func:`~kvqbench.plugin.state.out_dir`), pytest-benchmark's JSON and a shard's
 ``shard.json``; files are computed at ``pytest_sessionfinish`` and the summary shown at
 ``pytest_terminal_summary``."""
 
@@ -17,9 +17,8 @@ from typing import Any
 
 import pytest
 
-from kvqbench.cells import parse_nodeid
 from kvqbench.plugin.progress import finish_progress, progress_of
-from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, is_worker
+from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, is_worker, out_dir
 from kvqbench.report.results import BENCHMARK_JSON
 
 #: where pytest-benchmark writes this session's JSON before it joins the result set (:func:`_point_benchmark_json`)
@@ -68,34 +67,6 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "start_time": s.start_time,
         **({"shard": f"{s.shard[0]}/{s.shard[1]}"} if s.shard else {}),
     }
-
-
-def out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None,
-            expected: list[str] | None = None) -> Path:
-    """The results folder: ``--kvq-out``, else ``results/`` (``results/smoke/`` when only smoke cells
-    ran; ``…/shards/shard-I-of-N`` for ``--kvq-shard I/N``), relative to the invocation folder."""
-    out = s.out_dir
-    if out is None:
-        state = config.stash[STATE_KEY]
-        ids = expected or (state.shard or {}).get("cells")  # an empty shard: the cells of the whole matrix
-        if ids:
-            smoke = all(_size(i) == "smoke" for i in ids)
-        else:
-            smoke = bool(records) and all(r["size"] == "smoke" for r in records)
-        out = "results/smoke" if smoke else "results"
-        if s.shard is not None:
-            from kvqbench.shard import shard_dir_name
-
-            out = f"{out}/shards/{shard_dir_name(*s.shard)}"
-    folder = Path(out)
-    if not folder.is_absolute():
-        folder = Path(config.invocation_params.dir) / folder
-    return folder
-
-
-def _size(nodeid: str) -> str | None:
-    cell = parse_nodeid(nodeid).cell
-    return None if cell is None else cell.size
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -243,11 +214,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     if is_worker(config) or STATE_KEY not in config.stash:
         return
-    from kvqbench.plugin.collection import SELECTION_KEY, no_cell_message
-
-    msg = no_cell_message(config, config.stash.get(SELECTION_KEY, {}))
-    if msg:
-        terminalreporter.write_line(msg, yellow=True, bold=True)
     state = config.stash[STATE_KEY]
     if not state.board:
         return

@@ -1,16 +1,17 @@
 """The session's settings and state, kept in ``config.stash`` (like pytest's own ``junitxml``), and what
 every part of the plugin asks of a config or an item: is this an xdist worker, is xdist on, which cell
-does an item run."""
+does an item run, which folder do the results go to."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvqbench.cells import DEFAULT_BITS, DEFAULT_MODEL, Cell
+from kvqbench.cells import DEFAULT_BITS, DEFAULT_MODEL, Cell, parse_nodeid
 
 #: the ``user_properties`` key a cell's record travels under (the channel ``record_property`` uses)
 RECORD_KEY = "kvqbench"
@@ -85,6 +86,34 @@ def cell_of(item: Any) -> Cell | None:
     return cell if isinstance(cell, Cell) else None
 
 
+def out_dir(config: pytest.Config, s: Settings, records: list[dict[str, Any]] | None,
+            expected: list[str] | None = None) -> Path:
+    """The results folder: ``--kvq-out``, else ``results/`` (``results/smoke/`` when only smoke cells
+    ran; ``…/shards/shard-I-of-N`` for ``--kvq-shard I/N``), relative to the invocation folder."""
+    out = s.out_dir
+    if out is None:
+        state = config.stash[STATE_KEY]
+        ids = expected or (state.shard or {}).get("cells")  # an empty shard: the cells of the whole matrix
+        if ids:
+            smoke = all(_size(i) == "smoke" for i in ids)
+        else:
+            smoke = bool(records) and all(r["size"] == "smoke" for r in records)
+        out = "results/smoke" if smoke else "results"
+        if s.shard is not None:
+            from kvqbench.shard import shard_dir_name
+
+            out = f"{out}/shards/{shard_dir_name(*s.shard)}"
+    folder = Path(out)
+    if not folder.is_absolute():
+        folder = Path(config.invocation_params.dir) / folder
+    return folder
+
+
+def _size(nodeid: str) -> str | None:
+    cell = parse_nodeid(nodeid).cell
+    return None if cell is None else cell.size
+
+
 #: pytest sessions configured and not yet unconfigured in this process (a pytester run inside the test
 #: suite nests one session in another)
 _SESSIONS = [0]
@@ -104,9 +133,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _freeze_for_exit() -> None:
     """The outermost session is over and the process is about to exit: move every live object to the
     garbage collector's permanent generation (``gc.freeze``), so the interpreter's final collection does
-    not walk torch's hundreds of thousands of objects (about half a CPU-second in every process — the
-    serial run, the xdist controller and each worker). Only the objects alive now are frozen; nothing is
-    skipped (atexit handlers, flushes and finalizers run as usual)."""
+    not walk torch's hundreds of thousands of objects in every process (the serial run, the xdist controller
+    and each worker). Only the objects alive now are frozen; nothing is skipped (atexit handlers, flushes
+    and finalizers run as usual)."""
     import gc
 
     gc.freeze()

@@ -17,6 +17,9 @@ from kvqbench.quantizers.base import (  # noqa: F401
     registry,
 )
 
+# every fast version, registered with kvqbench.steps before a method runs
+from kvqbench import kernels as _kernels  # noqa: F401,E402
+
 # built-in methods, in the leaderboard's canonical order
 from kvqbench.quantizers import fp16  # noqa: F401,E402
 from kvqbench.quantizers import rtn  # noqa: F401,E402

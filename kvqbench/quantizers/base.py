@@ -45,7 +45,7 @@ __all__ = [
     "validate_kv",
     "check_finite",
     "all_finite",
-    "saturate_",
+    "check_group_size",
     "UnknownMethodError",
 ]
 
@@ -154,9 +154,9 @@ class UnknownMethodError(KeyError):
         return str(self.args[0]) if self.args else "unknown method"
 
 
-def validate_kv(x: torch.Tensor, *, name: str = "x", finite: bool = True) -> None:
+def validate_kv(x: torch.Tensor, *, name: str = "x") -> None:
     """Check a K/V tensor: a floating tensor of rank 4 ``(batch, kv_heads, seq_len, head_dim)``,
-    non-empty, and (unless ``finite=False``: the caller checks it, see :func:`check_finite`) finite.
+    non-empty and finite (:func:`check_finite`).
 
     Raises:
         TypeError: not a tensor, or not a floating dtype.
@@ -175,8 +175,7 @@ def validate_kv(x: torch.Tensor, *, name: str = "x", finite: bool = True) -> Non
         raise ValueError(f"{name} is empty (shape {tuple(x.shape)})")
     if x.device.type == "meta":
         raise ValueError(f"{name} is on the 'meta' device and holds no data; materialize it on cpu/cuda first")
-    if finite:
-        check_finite(x, name=name)
+    check_finite(x, name=name)
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -188,19 +187,12 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
-def check_finite(x: torch.Tensor, *stats: torch.Tensor, name: str = "x") -> None:
+def check_finite(x: torch.Tensor, *, name: str = "x") -> None:
     """Raise ``ValueError`` naming the NaN/Inf count when ``x`` has a non-finite element.
-
-    ``stats`` — per-group statistics a method already computed that are non-finite whenever a group of
-    ``x`` holds a NaN/Inf (its min and max, or a scale derived from them): when given and all finite, ``x``
-    is not read again (the fused check, :attr:`Quantizer.finite_check` ``= "stats"``); otherwise ``x``
-    itself is checked (a non-finite statistic can also come from finite data whose range overflows).
 
     Raises:
         ValueError: ``x`` contains NaN or Inf.
     """
-    if stats and all(bool(torch.isfinite(s).all()) for s in stats):
-        return
     if not all_finite(x):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{name} contains {bad} NaN/Inf values; clean the capture before quantizing")
@@ -227,15 +219,15 @@ def _saturate(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.clamp(-big, big)
 
 
-def saturate_(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`_saturate` in place (``out`` itself returned, same values): for a caller that saturates a
-    reconstruction block by block while each block is in cache."""
-    if not (out.is_floating_point() and dtype.is_floating_point):
-        return out
-    big = torch.finfo(dtype).max
-    if (out.dtype == dtype or torch.finfo(out.dtype).max <= big) and all_finite(out):
-        return out
-    return out.clamp_(-big, big)
+def check_group_size(group_size: Any) -> int:
+    """``group_size`` itself when it is a positive int.
+
+    Raises:
+        ValueError: anything else (a bool too).
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    return group_size
 
 
 class Quantizer(ABC):
@@ -261,23 +253,13 @@ class Quantizer(ABC):
     rotation: ClassVar[bool] = False
     fidelity: ClassVar[Literal["faithful", "approximate"]] = "faithful"
     deltas: ClassVar[tuple[str, ...]] = ()
-    #: quantizes pre-RoPE keys by design (KVQuant); the harness then gives it pre-RoPE K and
-    #: re-applies RoPE to its output.
+    #: quantizes pre-RoPE keys (KVQuant): the harness gives it pre-RoPE K and re-applies RoPE to its output
     k_pre_rope: ClassVar[bool] = False
-    #: every statistic the method uses is local to a group of the tensor it is applied to, so a
-    #: codebook/statistics fitted elsewhere cannot matter (codebook-generalization gap == 0).
+    #: its statistics are local to the tensor quantized: no fit, and a codebook-generalization gap of 0
     local_stats: ClassVar[bool] = True
-    #: the method has a ``group_size`` keyword that experiments may sweep (group-size sensitivity).
+    #: has a ``group_size`` keyword, which the group-size sensitivity cells sweep
     grouped: ClassVar[bool] = False
-    #: who rejects NaN/Inf input: ``"input"`` — :meth:`quantize` checks the tensor (one reduction);
-    #: ``"stats"`` — the method's ``_quantize`` calls :func:`check_finite` with per-group statistics that
-    #: cover every element (its min/max), so the check costs no extra pass. A subclass that overrides
-    #: ``_quantize`` of a ``"stats"`` class must check again or set ``"input"``.
-    finite_check: ClassVar[Literal["input", "stats"]] = "input"
-    #: the method draws randomness from its ``seed`` (a rotation, a k-means subsample). ``False`` declares
-    #: that instances differing only in the seed give the same bits, so the harness computes a cell on
-    #: seed-independent (real) data once for every seed; checked for every registered method by the
-    #: conformance properties. The default is the safe one.
+    #: the seed can change its bits; ``False`` lets the harness compute a real-data cell once for every seed
     seeded: ClassVar[bool] = True
 
     def seeded_for(self, shape: tuple[int, ...]) -> bool:
@@ -321,8 +303,7 @@ class Quantizer(ABC):
                 head_dim it cannot handle.
         """
         bits = self.bits_for(kind)
-        validate_kv(x, name=kind.upper() if kind in KINDS else "x",
-                    finite=bits >= 16 or self.finite_check != "stats")
+        validate_kv(x, name=kind.upper() if kind in KINDS else "x")
         if bits >= 16:
             qt = QuantizedTensor({}, tuple(x.shape), x.dtype, x.device, kind, bits)
             qt.fields["passthrough"] = Stored(x.clone(), 16)
@@ -441,9 +422,8 @@ def _load_entry_points() -> None:
 
 
 def registry() -> dict[str, type[Quantizer]]:
-    """id → class for every registered method (built-ins first, then entry points)."""
-    import kvqbench.quantizers  # noqa: F401  (registers the built-ins)
-
+    """id → class for every registered method (built-ins first, then entry points). The built-ins are
+    registered by the package ``kvqbench.quantizers``, which Python imports before this module."""
     _load_entry_points()
     return dict(_REGISTRY)
 

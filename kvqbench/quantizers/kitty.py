@@ -36,10 +36,9 @@ from kvqbench.quantizers.base import (
     Quantizer,
     Stored,
     StreamPolicy,
-    check_finite,
+    check_group_size,
     register,
 )
-from kvqbench.quantizers.rtn import _check_group_size
 
 __all__ = ["Kitty", "boost_count"]
 
@@ -112,7 +111,6 @@ class Kitty(Quantizer):
     fidelity = "faithful"
     grouped = True
     local_stats = True
-    finite_check = "stats"  # every element is inside one group's [lo, hi]
     deltas = (
         "Static cells quantize every token (no fp16 sink or partial page); the 32-token sink, the "
         "fp16 partial page and V's 128-token window apply in the pseudo-decode regime (stream_policy).",
@@ -129,7 +127,7 @@ class Kitty(Quantizer):
     def __init__(self, k_bits: int = 2, v_bits: int | None = None, *, seed: int = 0, group_size: int = 128,
                  boost_fraction: float = 0.25) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        self.group_size = _check_group_size(group_size)
+        self.group_size = check_group_size(group_size)
         if (isinstance(boost_fraction, bool) or not isinstance(boost_fraction, (int, float))
                 or not 0.0 <= float(boost_fraction) <= 1.0):
             raise ValueError(f"boost_fraction must be a number in [0, 1], got {boost_fraction!r}")
@@ -155,7 +153,6 @@ class Kitty(Quantizer):
             return self._quantize_k(x, xf, bits)
         # V (§3): b-bit asym per token over head_dim, the reference's rounding
         lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)
-        check_finite(x, lo, hi, name="V")  # every element is inside its token's [lo, hi]
         levels = (1 << bits) - 1
         scale = _scale(lo, hi, levels)
         qt = self._new_qt(x, kind, bits)
@@ -186,7 +183,6 @@ class Kitty(Quantizer):
         cmap.scatter_(-1, top, torch.arange(n_boost, device=x.device).expand_as(top))
         # §3: asym RTN per page channel, b + 2 bits for a boosted channel, b for the others
         lo, hi = pf.amin(1, keepdim=True), pf.amax(1, keepdim=True)  # (B·H·nP, 1, D)
-        check_finite(x, lo, hi, name="K")  # every element is inside its page channel's [lo, hi]
         levels = torch.where((cmap < n_boost).unsqueeze(1), (1 << (bits + BOOST_EXTRA_BITS)) - 1,
                              (1 << bits) - 1).to(pf.dtype)
         scale = _scale(lo, hi, levels)

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.numerics.rtn import PerToken, compute_dtype, dequantize_packed, quantize_packed
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
-from kvqbench.quantizers.rtn import _check_group_size
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_group_size, register
 
 __all__ = ["PolarQuant", "to_polar", "from_polar", "wrap_angle", "group_codes", "midpoints"]
 
@@ -51,7 +50,7 @@ def to_polar(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rho, wrap_angle(torch.atan2(b, a))
 
 
-@kernels.reference("polarquant.wrap_angle")
+@steps.reference("polarquant.wrap_angle")
 def wrap_angle(phi: torch.Tensor) -> torch.Tensor:
     """§3: atan2's angles ``(−π, π]`` (any shape) folded into ``[0, 2π)``: ``+2π`` where negative, then ``0``
     where that rounds to ``2π``. ``phi`` is consumed: its storage may hold the result."""
@@ -85,7 +84,7 @@ def _token_groups(v: torch.Tensor, g: int) -> torch.Tensor:
     return v.reshape(*v.shape[:-2], -1, g, v.shape[-1])
 
 
-@kernels.reference("polarquant.group_codes")
+@steps.reference("polarquant.group_codes")
 def group_codes(v: torch.Tensor, g: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """§4 for one polar component ``v`` ``(B, H, T, P)`` (fp32 or fp64): the min and max of every pair over
     each group of ``g`` consecutive tokens, ``(B, H, nG, 1, P)`` in ``v``'s dtype, and every value's code
@@ -97,7 +96,7 @@ def group_codes(v: torch.Tensor, g: int, bits: int) -> tuple[torch.Tensor, torch
     return codes, mn, mx
 
 
-@kernels.reference("polarquant.midpoints")
+@steps.reference("polarquant.midpoints")
 def midpoints(codes: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, g: int, bits: int) -> torch.Tensor:
     """§4, decoding: every code ``(B, H, T, P)`` (integer) to its bin's midpoint ``mn + (idx + ½)·s``,
     ``s = (mx − mn)/2**bits``, with ``mn``, ``mx`` ``(B, H, nG, 1, P)`` per group of ``g`` consecutive tokens;
@@ -158,7 +157,7 @@ class PolarQuant(Quantizer):
         v_fp16: bool = False,
     ) -> None:
         super().__init__(k_bits, v_bits, seed=seed)
-        self.group_size = _check_group_size(group_size)
+        self.group_size = check_group_size(group_size)
         if not isinstance(v_fp16, bool):
             raise ValueError(f"v_fp16 must be a bool, got {v_fp16!r}")
         self.v_fp16 = v_fp16

@@ -21,8 +21,9 @@ Stored per group: one scale and one integer zero-point, both billed fp16 (16 + 1
 Effective bits = ``b + 32/G`` (``b + 0.25`` at G = head_dim = 128); nominal (FP8 scale, FP16 zero)
 = ``b + 24/G``.
 
-Steps 2 and 3 are the reference steps ``zpoint.quantize`` and ``zpoint.dequantize``
-(:mod:`kvqbench.kernels`; a fast version lives in :mod:`kvqbench.kernels.zpoint`).
+Steps 2 and 3 are groupwise asymmetric RTN with a clip ratio and an integer zero-point, a general numeric step
+(:mod:`kvqbench.numerics.zpoint`, with a fast version in :mod:`kvqbench.kernels.zpoint`); this file holds what
+is QuaRot's own: the rotation, the clip ratio 0.95, 0 kept in K's range, the group over head_dim.
 """
 
 from __future__ import annotations
@@ -31,63 +32,13 @@ from typing import Any
 
 import torch
 
-from kvqbench import kernels
 from kvqbench.numerics import hadamard
-from kvqbench.numerics.packing import pack_bits, unpack_bits
-from kvqbench.numerics.rtn import to_groups
-from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, check_finite, register
+from kvqbench.numerics.zpoint import dequantize_groups, quantize_groups
+from kvqbench.quantizers.base import Kind, QuantizedTensor, Quantizer, Stored, register
 
-__all__ = ["QuaRot", "quarot_qparams", "quantize_groups", "dequantize_groups", "CLIP_RATIO"]
+__all__ = ["QuaRot", "CLIP_RATIO"]
 
 CLIP_RATIO = 0.95
-
-
-def quarot_qparams(xg: torch.Tensor, bits: int, *, include_zero: bool, clip_ratio: float = CLIP_RATIO
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """QuaRot's asymmetric parameters (arXiv:2404.00456 §4.2) over the last dim of the groups ``xg``
-    ``[..., G]`` (fp32/fp64). Returns ``(scale, zero)``, each ``[..., 1]``; ``zero`` holds integers (as floats).
-
-    Constant-group guard (the reference clamps the scale at 1e-5 and then saturates): a group whose clipped
-    range is 0 (possible only when ``include_zero`` is False, or for an all-zero K group) gets
-    ``scale = |c|`` and ``zero = 1`` if ``c < 0`` else ``0``, so that ``x̂ = c`` exactly; an all-zero group
-    gets ``scale = 0`` and decodes to 0. Never NaN for finite ``xg``.
-    """
-    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-    if include_zero:  # K: 0 inside the range
-        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-    lo_c, hi_c = lo * clip_ratio, hi * clip_ratio  # clip ratio
-    scale = (hi_c - lo_c) / (2**bits - 1)
-    degenerate = scale <= 0
-    zero = torch.round(-lo_c / torch.where(degenerate, torch.ones_like(scale), scale))
-    scale = torch.where(degenerate, lo.abs(), scale)  # constant group c = lo = hi: x̂ = |c|·(q − z) = c
-    zero = torch.where(degenerate, (lo < 0).to(zero.dtype), zero)
-    return scale, zero
-
-
-@kernels.reference("zpoint.quantize")
-def quantize_groups(xr: torch.Tensor, group_size: int, bits: int, *, include_zero: bool, clip_ratio: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step 2: asymmetric RTN of the rotated ``xr`` ``(..., d)`` (fp32/fp64) in groups of ``group_size``
-    consecutive values along the last dim (a partial last group allowed), codes packed.
-
-    Returns ``(packed, scale, zero)``: the ``uint8`` bytes of the codes ``q`` (:func:`~kvqbench.numerics.
-    packing.pack_bits`, ``bits`` 1..8, in ``xr``'s element order) and the parameters ``(..., n_groups, 1)``
-    in ``xr``'s dtype. A zero scale (an all-zero group) gives ``q = z``."""
-    xg, restore = to_groups(xr, -1, group_size)
-    scale, zero = quarot_qparams(xg, bits, include_zero=include_zero, clip_ratio=clip_ratio)
-    safe = torch.where(scale > 0, scale, torch.full_like(scale, float("inf")))  # x/inf = 0: q = z
-    q = torch.round(xg / safe).add_(zero).clamp_(0, 2**bits - 1)
-    return pack_bits(restore(q).to(torch.uint8), bits), scale, zero
-
-
-@kernels.reference("zpoint.dequantize")
-def dequantize_groups(packed: torch.Tensor, shape: tuple[int, ...], group_size: int, bits: int,
-                      scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Step 3's decode: ``scale · (q − z)`` of the codes packed by :func:`quantize_groups` for a tensor of
-    ``shape`` ``(..., d)``; returns ``shape`` in ``scale``'s dtype."""
-    q = unpack_bits(packed, bits, int(torch.Size(shape).numel()), torch.uint8).view(shape)
-    qg, restore = to_groups(q, -1, group_size)
-    return restore(scale * (qg.to(scale.dtype) - zero))
 
 
 @register
@@ -157,14 +108,11 @@ class QuaRot(Quantizer):
     def _group(self, d: int) -> int:
         return d if self.group_size is None else self.group_size
 
-    finite_check = "stats"  # the rotation spreads a NaN/Inf over its token's row: the group scales see it
-
     def _quantize(self, x: torch.Tensor, kind: Kind, bits: int) -> QuantizedTensor:
         g = self._group(int(x.shape[-1]))
         xr = hadamard.fwht(x)  # 1. rotate (§4)
         packed, scale, zero = quantize_groups(xr, g, bits, include_zero=(kind == "k"),  # 2. RTN (§4.2)
                                               clip_ratio=self.clip_ratio)
-        check_finite(x, scale, name=kind.upper())
         qt = self._new_qt(x, kind, bits, group_size=g)
         qt.add_packed("codes", packed, tuple(x.shape), bits)
         qt.fields["scale"] = Stored(scale, 16)

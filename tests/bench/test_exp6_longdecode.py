@@ -16,7 +16,8 @@ import math
 import pytest
 
 from kvqbench.experiments.common import check_roundtrip_finite
-from kvqbench.experiments.longdecode import CONFIG_BY_SIZE, run_longdecode_rows
+from kvqbench.experiments.longdecode import run_longdecode_rows
+from kvqbench.experiments.longtext import CONFIG_BY_SIZE
 
 
 def _check(res, cell, cfg) -> None:

@@ -25,22 +25,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.numerics import dense_sparse
 from kvqbench.quantizers.kvquant import KVQuant, outlier_count_per_tail
 
-pytestmark = pytest.mark.skipif(kernels.lookup("dense_sparse.quantize") is None
-                                or build.load("dense_sparse.c") is None,
+pytestmark = pytest.mark.skipif(build.load("dense_sparse.c") is None,
                                 reason="no C compiler (or KVQBENCH_KERNELS=0): only the reference runs")
 
-TIE_ULPS = 4
-RTOL = 1e-6
+#: the tolerance the fast version declares (:data:`kvqbench.kernels.dense_sparse.TOL`)
+TIE_ULPS = steps.lookup("dense_sparse.quantize").tol["tie_ulps"]
+RTOL = steps.lookup("dense_sparse.quantize").tol["rtol"]
 EPS32 = torch.finfo(torch.float32).eps
 
 
 def _fast(vec: torch.Tensor, k: int, cb: torch.Tensor):
-    return kernels.lookup("dense_sparse.quantize").fn(vec, k, cb)
+    return steps.lookup("dense_sparse.quantize").fn(vec, k, cb)
 
 
 def _vectors(draw, gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
@@ -94,7 +94,7 @@ def _agree(x: torch.Tensor, k: int, cb: torch.Tensor) -> tuple[int, int]:
     """Assert the stated tolerance on finite ``x``; returns ``(differing codes, codes)``."""
     codes_r, idx_r, mid_r, half_r, val_r = dense_sparse.quantize.reference(x, k, cb)
     got = _fast(x, k, cb)
-    assert got is not kernels.DECLINED
+    assert got is not steps.DECLINED
     codes_f, idx_f, mid_f, half_f, val_f = got
     assert torch.equal(idx_f, idx_r) and torch.equal(val_f, val_r)
     torch.testing.assert_close(mid_f, mid_r, rtol=RTOL, atol=0)
@@ -152,11 +152,11 @@ def test_declines_outside_its_conditions() -> None:
     """``DECLINED`` (then the reference runs) without outliers, for ``n < 2k + 1``, fp64, more than 256 levels;
     tied tails, NaN and infinities are handed vector by vector to the reference (equal results)."""
     x, cb = torch.randn(1, 4, 64), torch.linspace(-1, 1, 4).unsqueeze(0)
-    assert _fast(x, 2, cb) is not kernels.DECLINED
-    assert _fast(x, 0, cb) is kernels.DECLINED
-    assert _fast(x, 32, cb) is kernels.DECLINED
-    assert _fast(x.double(), 2, cb) is kernels.DECLINED
-    assert _fast(x, 2, torch.linspace(-1, 1, 257).unsqueeze(0)) is kernels.DECLINED
+    assert _fast(x, 2, cb) is not steps.DECLINED
+    assert _fast(x, 0, cb) is steps.DECLINED
+    assert _fast(x, 32, cb) is steps.DECLINED
+    assert _fast(x.double(), 2, cb) is steps.DECLINED
+    assert _fast(x, 2, torch.linspace(-1, 1, 257).unsqueeze(0)) is steps.DECLINED
     x[0, 1, 5], x[0, 2, 7] = float("nan"), float("-inf")
     x[0, 3] = x[0, 3].round()
     x[0, 3, 0] = x[0, 3, 1] = x[0, 3].max()  # tied top tail
@@ -184,7 +184,7 @@ def test_kvquant_with_kernels_on_and_off_agrees(data) -> None:
     for off in (False, True):
         q = KVQuant(bits, outlier_frac=frac)
         try:
-            with kernels.disabled() if off else contextlib.nullcontext():
+            with steps.disabled() if off else contextlib.nullcontext():
                 if fitted:
                     q.fit(k=torch.randn(shape, generator=torch.Generator().manual_seed(1)),
                           v=torch.randn(shape, generator=torch.Generator().manual_seed(2)))

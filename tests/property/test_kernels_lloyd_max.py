@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.kernels import lloyd_max as fast_lm
 from kvqbench.numerics.lloyd_max import lloyd_max, nearest_centroid, reconstruct
@@ -32,7 +32,7 @@ def test_codes_and_centroids_equal_the_reference(bits, n, seed, on_thresholds):
     x[::7] = x[::7] * 1e30  # beyond every threshold
     ref = nearest_centroid.reference(x, thr, dtype=torch.uint8)
     got = fast_lm.nearest_centroid(x, thr, dtype=torch.uint8)
-    assert got is not kernels.DECLINED and got.dtype == torch.uint8
+    assert got is not steps.DECLINED and got.dtype == torch.uint8
     assert torch.equal(got, ref)
     assert torch.equal(fast_lm.reconstruct(cent, ref), reconstruct.reference(cent, ref))
 
@@ -40,8 +40,8 @@ def test_codes_and_centroids_equal_the_reference(bits, n, seed, on_thresholds):
 def test_outside_scope_declines():
     cent, thr = lloyd_max("gaussian", 2, (1.0,)).tensors(dtype=torch.float32)
     x = torch.randn(10)
-    assert fast_lm.nearest_centroid(x, thr) is kernels.DECLINED  # int64 codes
-    assert fast_lm.nearest_centroid(x.double(), thr, dtype=torch.uint8) is kernels.DECLINED
-    assert fast_lm.reconstruct(cent, torch.tensor([0, 4], dtype=torch.uint8)) is kernels.DECLINED  # beyond the table
+    assert fast_lm.nearest_centroid(x, thr) is steps.DECLINED  # int64 codes
+    assert fast_lm.nearest_centroid(x.double(), thr, dtype=torch.uint8) is steps.DECLINED
+    assert fast_lm.reconstruct(cent, torch.tensor([0, 4], dtype=torch.uint8)) is steps.DECLINED  # beyond the table
     with pytest.raises(IndexError):
         reconstruct(cent, torch.tensor([0, 4], dtype=torch.uint8))

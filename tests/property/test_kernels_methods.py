@@ -1,6 +1,6 @@
 """Every registered method (built-in or third-party: the registry is iterated, as in
 ``tests/unit/test_conformance.py``) reconstructs the same tensor with kernels on as with every step's reference
-(:func:`kvqbench.kernels.disabled`), within a stated tolerance; and every fast version has its own property test.
+(:func:`kvqbench.steps.disabled`), within a stated tolerance; and every fast version has its own property test.
 
 Stated tolerance (``REL``, ``TOKEN_SHARE``): the two reconstructions are equal within ``REL·max|x|`` plus one
 unit in the last place of the output dtype (both are computed in fp32 and rounded to the input's dtype, so values
@@ -23,7 +23,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.quantizers import available, create
 
 from .strategies import kv_tensors
@@ -52,7 +52,7 @@ def _roundtrip(method: str, x: torch.Tensor, kind: str, bits: int):
 def test_kernels_on_and_off_reconstruct_within_the_stated_tolerance(method, x, kind, bits, scale) -> None:
     x = (x.float() * scale).to(x.dtype)
     on = _roundtrip(method, x, kind, bits)
-    with kernels.disabled():
+    with steps.disabled():
         off = _roundtrip(method, x, kind, bits)
     if isinstance(on, str) or isinstance(off, str):
         assert on == off
@@ -70,10 +70,14 @@ def test_kernels_on_and_off_reconstruct_within_the_stated_tolerance(method, x, k
 
 
 def test_every_fast_version_has_a_property_test_module() -> None:
-    """``tests/property/test_kernels_<prefix>.py`` exists for the prefix of every registered fast version."""
+    """``tests/property/test_kernels_<module>.py`` exists for the module of every registered fast version, and
+    reads the tolerance that version declares (``steps.lookup(step).tol``) unless it promises equal results."""
     importlib.import_module("kvqbench.quantizers")  # declares every built-in method's steps
     here = Path(__file__).resolve().parent
-    prefixes = {step.split(".", 1)[0] for step in kernels.registered()}
-    assert prefixes, "no fast version registered"
-    missing = sorted(p for p in prefixes if not (here / f"test_kernels_{p}.py").exists())
+    modules = {k.fn.__module__.rsplit(".", 1)[1] for k in steps.registered().values()}
+    assert modules, "no fast version registered"
+    missing = sorted(m for m in modules if not (here / f"test_kernels_{m}.py").exists())
     assert not missing, f"fast versions without a property test module: {missing}"
+    unread = sorted(k.step for k in steps.registered().values() if k.tol and f'lookup("{k.step}").tol' not in
+                    (here / f"test_kernels_{k.fn.__module__.rsplit('.', 1)[1]}.py").read_text(encoding="utf-8"))
+    assert not unread, f"fast versions whose declared tolerance no property test reads: {unread}"

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.kernels import packing as fast
 from kvqbench.numerics.packing import pack_bits, pack_uint8, packed_nbytes, unpack_bits, unpack_uint8
@@ -29,22 +29,22 @@ def test_fast_packing_gives_the_reference_bytes(bits: int, n: int, seed: int, in
     want = pack_uint8.reference(codes, bits)
     out = torch.full((packed_nbytes(n, bits),), 0xA5, dtype=torch.uint8) if into else None
     got = fast.pack(codes, bits, out)
-    assert got is not kernels.DECLINED and torch.equal(got, want)
+    assert got is not steps.DECLINED and torch.equal(got, want)
     if into:
         assert got.data_ptr() == out.data_ptr()
     if bits < 8:
         unpacked = fast.unpack(want, bits, n)
-        assert unpacked is not kernels.DECLINED and torch.equal(unpacked, unpack_uint8.reference(want, bits, n))
+        assert unpacked is not steps.DECLINED and torch.equal(unpacked, unpack_uint8.reference(want, bits, n))
         assert torch.equal(unpacked, codes)
 
 
 def test_fast_packing_declines_few_codes_and_other_devices_or_dtypes() -> None:
     small = torch.zeros(fast.MIN_CODES - 1, dtype=torch.uint8)
-    assert fast.pack(small, 2) is kernels.DECLINED
-    assert fast.unpack(small, 2, 4 * small.numel()) is not kernels.DECLINED  # 4·n codes: enough
-    assert fast.unpack(small, 2, fast.MIN_CODES - 1) is kernels.DECLINED
-    assert fast.pack(torch.zeros(fast.MIN_CODES, dtype=torch.int16), 2) is kernels.DECLINED
-    assert fast.unpack(torch.zeros(fast.MIN_CODES, dtype=torch.uint8), 8, fast.MIN_CODES) is kernels.DECLINED
+    assert fast.pack(small, 2) is steps.DECLINED
+    assert fast.unpack(small, 2, 4 * small.numel()) is not steps.DECLINED  # 4·n codes: enough
+    assert fast.unpack(small, 2, fast.MIN_CODES - 1) is steps.DECLINED
+    assert fast.pack(torch.zeros(fast.MIN_CODES, dtype=torch.int16), 2) is steps.DECLINED
+    assert fast.unpack(torch.zeros(fast.MIN_CODES, dtype=torch.uint8), 8, fast.MIN_CODES) is steps.DECLINED
 
 
 @settings(max_examples=40, deadline=None)
@@ -54,7 +54,7 @@ def test_pack_bits_is_the_same_with_kernels_on_and_off(bits: int, n: int, seed: 
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n,), generator=g, dtype=torch.int64)
     on = pack_bits(codes, bits)
-    with kernels.disabled():
+    with steps.disabled():
         off = pack_bits(codes, bits)
         back_off = unpack_bits(off, bits, n)
     assert torch.equal(on, off)

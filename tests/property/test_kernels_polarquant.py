@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.kernels import polarquant as fast_pq
 from kvqbench.quantizers.polarquant import group_codes, midpoints, to_polar, wrap_angle
@@ -50,7 +50,7 @@ def test_fast_steps_equal_the_reference(data):
     t, d = data.draw(st.integers(1, 300)), 2 * data.draw(st.integers(1, 40))
     g, bits = data.draw(st.sampled_from([1, 7, 32, 128, 512])), data.draw(st.integers(1, 8))
     x = _keys(data.draw, gen, (b, h, t, d))
-    with kernels.disabled():
+    with steps.disabled():
         rho, phi = to_polar(x)
     raw = torch.atan2(x[..., d // 2 :], x[..., : d // 2])
     fast_phi = fast_pq.wrap_angle(raw.clone())
@@ -58,7 +58,7 @@ def test_fast_steps_equal_the_reference(data):
     for v in (rho, phi):
         ref = group_codes.reference(v, g, bits)
         got = fast_pq.group_codes(v, g, bits)
-        assert got is not kernels.DECLINED
+        assert got is not steps.DECLINED
         for r, f in zip(ref, got):
             assert r.shape == f.shape and r.dtype == f.dtype
             assert torch.equal(r, f)
@@ -69,13 +69,13 @@ def test_fast_steps_equal_the_reference(data):
 def test_group_codes_declines_non_finite_extremes():
     v = torch.randn(1, 1, 8, 4)
     v[0, 0, 3, 1] = math.inf
-    assert fast_pq.group_codes(v, 4, 3) is kernels.DECLINED
+    assert fast_pq.group_codes(v, 4, 3) is steps.DECLINED
     codes, mn, mx = group_codes(v, 4, 3)  # the reference ran
     assert torch.equal(mx, group_codes.reference(v, 4, 3)[2])
 
 
 def test_outside_scope_declines():
     v = torch.randn(1, 1, 8, 4, dtype=torch.float64)
-    assert fast_pq.group_codes(v, 4, 3) is kernels.DECLINED
-    assert fast_pq.wrap_angle(v) is kernels.DECLINED
-    assert fast_pq.wrap_angle(torch.randn(4, 6).t()) is kernels.DECLINED
+    assert fast_pq.group_codes(v, 4, 3) is steps.DECLINED
+    assert fast_pq.wrap_angle(v) is steps.DECLINED
+    assert fast_pq.wrap_angle(torch.randn(4, 6).t()) is steps.DECLINED

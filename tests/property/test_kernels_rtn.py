@@ -7,7 +7,7 @@ Stated tolerance (what the kernel promises on any CPU; ``TIE_ULPS``, ``RTOL``):
   rounding boundary ``k + ½``; there a code may differ by one step. Measured share of codes that differ, over
   this module's hypothesis examples on the development machine: 0 (bit-identical);
 * ``lo`` and ``scale``: equal within relative :data:`RTOL` (one fp32 ulp; measured: equal);
-* decoded values from the same packed bytes: within ``RTOL·(|lo| + |scale|·(2^b − 1))`` of the reference
+* decoded values from the same packed bytes: within ``RTOL_DEC·(|lo| + |scale|·(2^b − 1))`` of the reference
   (measured: equal);
 * the fast version declines exactly the tensors its docstring names (a group holding a NaN or an infinity, a
   range that overflows fp32, a zero of both signs at a group's minimum or maximum) and tensors outside its
@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.kernels import rtn as fast_rtn
 from kvqbench.numerics.packing import unpack_bits
@@ -36,10 +36,12 @@ from kvqbench.numerics.rtn import (
 
 pytestmark = pytest.mark.skipif(build.load("rtnpack.c") is None, reason="no C compiler (or KVQBENCH_KERNELS=0)")
 
-#: a code may differ by one step where the reference value is within this many fp32 ulps of a rounding boundary
-TIE_ULPS = 4
-#: relative tolerance of lo, scale and decoded values (one fp32 ulp)
-RTOL = 2.0**-23
+#: the tolerances the fast versions declare (:data:`kvqbench.kernels.rtn.QUANTIZE_TOL`, ``DEQUANTIZE_TOL``): a
+#: code may differ by one step where the reference value is within TIE_ULPS fp32 ulps of a rounding boundary;
+#: lo and scale within relative RTOL, decoded values within RTOL_DEC
+TIE_ULPS = steps.lookup("rtn.quantize_packed").tol["tie_ulps"]
+RTOL = steps.lookup("rtn.quantize_packed").tol["rtol"]
+RTOL_DEC = steps.lookup("rtn.dequantize_packed").tol["rtol"]
 
 
 def _values(draw, gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
@@ -129,8 +131,8 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: torch.Tensor | float) -> bool:
 def test_fast_rtn_agrees_with_the_reference(case) -> None:
     x, bits, gran = case
     got = fast_rtn.quantize_packed(x, bits, gran)
-    assert (got is kernels.DECLINED) == _declines(x, bits, gran)
-    if got is kernels.DECLINED:
+    assert (got is steps.DECLINED) == _declines(x, bits, gran)
+    if got is steps.DECLINED:
         return
     packed, lo, scale = got
     ref_packed, ref_lo, ref_scale = quantize_packed.reference(x, bits, gran)
@@ -143,9 +145,9 @@ def test_fast_rtn_agrees_with_the_reference(case) -> None:
         assert bool(((codes - ref_codes).abs() <= 1).all())
         assert bool((~differ | _near_tie(x, ref_lo, ref_scale, gran)).all()), "a code differs away from a tie"
     dec = fast_rtn.dequantize_packed(ref_packed, tuple(x.shape), bits, ref_lo, ref_scale, gran)
-    assert dec is not kernels.DECLINED
+    assert dec is not steps.DECLINED
     want = dequantize_packed.reference(ref_packed, tuple(x.shape), bits, ref_lo, ref_scale, gran)
-    bound = _per_element(RTOL * (ref_lo.abs() + ref_scale.abs() * (2**bits - 1)), x, gran)
+    bound = _per_element(RTOL_DEC * (ref_lo.abs() + ref_scale.abs() * (2**bits - 1)), x, gran)
     assert dec.shape == want.shape and _close(dec, want, bound)
 
 
@@ -168,18 +170,18 @@ def test_the_scope() -> None:
     assert fast_rtn.layout((1, 1, 16, 128), 9, PerToken()) is None
     assert fast_rtn.layout((1, 1, 16, 128), 2, PerTensor()) is None
     x = torch.randn(1, 2, 16, 128)
-    assert fast_rtn.quantize_packed(x.double(), 2, PerToken()) is kernels.DECLINED
-    assert fast_rtn.quantize_packed(x.half(), 2, PerToken()) is not kernels.DECLINED
+    assert fast_rtn.quantize_packed(x.double(), 2, PerToken()) is steps.DECLINED
+    assert fast_rtn.quantize_packed(x.half(), 2, PerToken()) is not steps.DECLINED
 
 
 def test_the_dispatcher_runs_the_reference_when_disabled_or_declined() -> None:
-    """``quantize_packed`` is the reference inside :func:`kvqbench.kernels.disabled` and where the fast version
+    """``quantize_packed`` is the reference inside :func:`kvqbench.steps.disabled` and where the fast version
     declines (a NaN): the same outputs as ``.reference``."""
     x = torch.randn(1, 2, 16, 36)  # head_dim 36: outside the fast version's scope
     for a, b in zip(quantize_packed(x, 3, PerToken()), quantize_packed.reference(x, 3, PerToken())):
         assert torch.equal(a, b)
     x = torch.randn(1, 2, 16, 64)
-    with kernels.disabled():
+    with steps.disabled():
         out = quantize_packed(x, 3, PerChannel())
     for a, b in zip(out, quantize_packed.reference(x, 3, PerChannel())):
         assert torch.equal(a, b)

@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.kernels import turboquant as fast_tq
 from kvqbench.numerics.lloyd_max import lloyd_max
@@ -29,7 +29,10 @@ from kvqbench.quantizers.turboquant import _draws, decode, encode, unit_rows
 
 pytestmark = pytest.mark.skipif(build.load("turboquant.c") is None, reason="no C compiler (or KVQBENCH_KERNELS=0)")
 
-EPS = 2.0**-23
+#: the tolerances the fast versions declare (:data:`kvqbench.kernels.turboquant.ENCODE_TOL`, ``DECODE_TOL``)
+ENCODE_TOL = steps.lookup("turboquant.encode").tol
+EPS = ENCODE_TOL["eps"]
+DECODE_EPS = steps.lookup("turboquant.decode").tol["eps"]
 
 
 def _setup(bits: int, d: int, seed: int):
@@ -48,11 +51,11 @@ def test_encode_agrees_with_the_reference_except_at_near_ties(bits, d, n, seed, 
     if n > 3:
         x[3] = 0.0  # a zero row stays zero
     got = fast_tq.encode(x, pi.T.contiguous(), thr)
-    assert got is not kernels.DECLINED
+    assert got is not steps.DECLINED
     codes, norm, amax = got
     ref_codes, ref_norm, ref_amax = encode.reference(x, pi.T.contiguous(), thr)
     assert torch.equal(amax, ref_amax)
-    assert torch.allclose(norm, ref_norm, rtol=2.0**-20, atol=0.0)
+    assert torch.allclose(norm, ref_norm, rtol=ENCODE_TOL["norm_rtol"], atol=0.0)
     diff = codes != ref_codes
     if diff.any():  # only at values within TIE of a threshold
         u, _, _ = unit_rows(x)
@@ -70,9 +73,9 @@ def test_decode_agrees_with_the_reference_within_the_bound(bits, d, n, seed, log
     codes = torch.randint(0, cent.numel(), (n, d), generator=gen, dtype=torch.uint8)
     norm = torch.rand(n, 1, generator=gen) * 10.0**log_scale
     got = fast_tq.decode(codes, norm, pi, cent)
-    assert got is not kernels.DECLINED
+    assert got is not steps.DECLINED
     ref = decode.reference(codes, norm, pi, cent)
-    bound = (d + 2) * EPS * torch.linalg.vector_norm(cent[codes.long()], dim=1, keepdim=True) * norm
+    bound = (d + 2) * DECODE_EPS * torch.linalg.vector_norm(cent[codes.long()], dim=1, keepdim=True) * norm
     assert bool(((got - ref).abs() <= bound).all())
 
 
@@ -89,9 +92,9 @@ def test_a_nan_row_shows_in_its_maximum():
 def test_outside_scope_declines():
     pi, cent, thr = _setup(2, 64, 0)
     x = torch.randn(5, 64)
-    assert fast_tq.encode(x.double(), pi.T.contiguous().double(), thr.double()) is kernels.DECLINED
-    assert fast_tq.encode(torch.randn(5, 48), torch.eye(48), thr) is kernels.DECLINED  # D not a multiple of 32
+    assert fast_tq.encode(x.double(), pi.T.contiguous().double(), thr.double()) is steps.DECLINED
+    assert fast_tq.encode(torch.randn(5, 48), torch.eye(48), thr) is steps.DECLINED  # D not a multiple of 32
     codes = torch.full((5, 64), 4, dtype=torch.uint8)  # beyond a 2-bit codebook: the reference raises
-    assert fast_tq.decode(codes, torch.ones(5, 1), pi, cent) is kernels.DECLINED
+    assert fast_tq.decode(codes, torch.ones(5, 1), pi, cent) is steps.DECLINED
     with pytest.raises(IndexError):
         decode(codes, torch.ones(5, 1), pi, cent)

@@ -1,5 +1,5 @@
 """The fast ``zpoint.quantize`` / ``zpoint.dequantize`` (:mod:`kvqbench.kernels.zpoint`, C) against their
-references (:func:`kvqbench.quantizers.quarot.quantize_groups`, :func:`~kvqbench.quantizers.quarot.dequantize_groups`,
+references (:func:`kvqbench.numerics.zpoint.quantize_groups`, :func:`~kvqbench.numerics.zpoint.dequantize_groups`,
 plain torch), over shapes, group sizes, widths 1..8, clip ratios and six decades of scale.
 
 Stated tolerance:
@@ -11,7 +11,7 @@ Stated tolerance:
 
 Measured share of differing codes on random inputs (:func:`test_share_of_differing_codes_is_measured`, 2·10^6
 codes over the families below, this host): 0 — both sides perform the same IEEE fp32 operations per element.
-The kernel declines (``kernels.DECLINED``, the reference then runs) exactly outside its stated conditions and
+The kernel declines (``steps.DECLINED``, the reference then runs) exactly outside its stated conditions and
 for a NaN or an infinity; the quantizer's results with kernels on and off agree within the same tolerance at
 every input dtype.
 """
@@ -23,24 +23,27 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build
 from kvqbench.numerics.packing import unpack_bits
+from kvqbench.numerics.zpoint import dequantize_groups, quantize_groups
 from kvqbench.quantizers import create
-from kvqbench.quantizers.quarot import CLIP_RATIO, dequantize_groups, quantize_groups
+from kvqbench.quantizers.quarot import CLIP_RATIO
 
 from .strategies import kv_tensors
 
-pytestmark = pytest.mark.skipif(kernels.lookup("zpoint.quantize") is None or build.load("zpoint.c") is None,
+pytestmark = pytest.mark.skipif(build.load("zpoint.c") is None,
                                 reason="no C compiler (or KVQBENCH_KERNELS=0): only the reference runs")
 
-TIE_ULPS = 4
-RTOL = 1e-6
+#: the tolerances the fast versions declare (:data:`kvqbench.kernels.zpoint.QUANTIZE_TOL`, ``DEQUANTIZE_TOL``)
+TIE_ULPS = steps.lookup("zpoint.quantize").tol["tie_ulps"]
+RTOL = steps.lookup("zpoint.quantize").tol["rtol"]
+RTOL_DEC = steps.lookup("zpoint.dequantize").tol["rtol"]
 EPS32 = torch.finfo(torch.float32).eps
 
 
 def _fast(step: str):
-    return kernels.lookup(step).fn
+    return steps.lookup(step).fn
 
 
 def near_tie(v: torch.Tensor) -> torch.Tensor:
@@ -80,7 +83,7 @@ def _agree(xr: torch.Tensor, g: int, bits: int, include_zero: bool, clip: float)
     """Assert the stated tolerance between fast and reference on ``xr``; returns ``(differing codes, codes)``."""
     ref = quantize_groups.reference(xr, g, bits, include_zero=include_zero, clip_ratio=clip)
     got = _fast("zpoint.quantize")(xr, g, bits, include_zero=include_zero, clip_ratio=clip)
-    assert got is not kernels.DECLINED
+    assert got is not steps.DECLINED
     (p_ref, s_ref, z_ref), (p_got, s_got, z_got) = ref, got
     assert s_got.shape == s_ref.shape and z_got.shape == z_ref.shape and p_got.shape == p_ref.shape
     torch.testing.assert_close(s_got, s_ref, rtol=RTOL, atol=0)
@@ -101,8 +104,8 @@ def _agree(xr: torch.Tensor, g: int, bits: int, include_zero: bool, clip: float)
     assert int((q_got - q_ref).abs().max()) <= 1
     dec_ref = dequantize_groups.reference(p_ref, tuple(xr.shape), g, bits, s_ref, z_ref)
     dec_got = _fast("zpoint.dequantize")(p_got, tuple(xr.shape), g, bits, s_got, z_got)
-    assert dec_got is not kernels.DECLINED
-    bound = (s_ref.abs() * (q_got - q_ref).abs()).view(xr.shape) + RTOL * dec_ref.abs()
+    assert dec_got is not steps.DECLINED
+    bound = (s_ref.abs() * (q_got - q_ref).abs()).view(xr.shape) + RTOL_DEC * dec_ref.abs()
     assert bool(((dec_got - dec_ref).abs() <= bound).all())
     return int(differ.sum()), n
 
@@ -135,20 +138,20 @@ def test_declines_outside_its_conditions() -> None:
     a non-contiguous tensor, 9 bits, and a NaN or an infinity; applies otherwise."""
     q = _fast("zpoint.quantize")
     x = torch.randn(4, 64)
-    assert q(x, 64, 2, include_zero=True, clip_ratio=CLIP_RATIO) is not kernels.DECLINED
-    assert q(x.double(), 64, 2, include_zero=True, clip_ratio=CLIP_RATIO) is kernels.DECLINED
-    assert q(x, 48, 2, include_zero=True, clip_ratio=CLIP_RATIO) is kernels.DECLINED  # partial last group
-    assert q(x, 4, 2, include_zero=True, clip_ratio=CLIP_RATIO) is kernels.DECLINED
-    assert q(x.t().contiguous().t(), 4, 2, include_zero=True, clip_ratio=CLIP_RATIO) is kernels.DECLINED
-    assert q(x, 64, 9, include_zero=True, clip_ratio=CLIP_RATIO) is kernels.DECLINED
+    assert q(x, 64, 2, include_zero=True, clip_ratio=CLIP_RATIO) is not steps.DECLINED
+    assert q(x.double(), 64, 2, include_zero=True, clip_ratio=CLIP_RATIO) is steps.DECLINED
+    assert q(x, 48, 2, include_zero=True, clip_ratio=CLIP_RATIO) is steps.DECLINED  # partial last group
+    assert q(x, 4, 2, include_zero=True, clip_ratio=CLIP_RATIO) is steps.DECLINED
+    assert q(x.t().contiguous().t(), 4, 2, include_zero=True, clip_ratio=CLIP_RATIO) is steps.DECLINED
+    assert q(x, 64, 9, include_zero=True, clip_ratio=CLIP_RATIO) is steps.DECLINED
     for bad in (float("nan"), float("inf")):
         y = x.clone()
         y[2, 5] = bad
-        assert q(y, 64, 2, include_zero=True, clip_ratio=CLIP_RATIO) is kernels.DECLINED
+        assert q(y, 64, 2, include_zero=True, clip_ratio=CLIP_RATIO) is steps.DECLINED
     p, s, z = q(x, 64, 2, include_zero=True, clip_ratio=CLIP_RATIO)
     dq = _fast("zpoint.dequantize")
-    assert dq(p, (4, 64), 64, 2, s, z) is not kernels.DECLINED
-    assert dq(p, (4, 64), 64, 2, s.double(), z.double()) is kernels.DECLINED
+    assert dq(p, (4, 64), 64, 2, s, z) is not steps.DECLINED
+    assert dq(p, (4, 64), 64, 2, s.double(), z.double()) is steps.DECLINED
 
 
 def _fields_agree(a, b) -> None:
@@ -167,7 +170,7 @@ def test_quarot_with_kernels_on_and_off_agrees(x, kind, bits, group) -> None:
     (equal on every draw here), and decode within the bound."""
     q = create("quarot", bits, bits, group_size=group)
     qt_on = q.quantize(x, kind)
-    with kernels.disabled():
+    with steps.disabled():
         qt_off = q.quantize(x, kind)
         rec_off = q.dequantize(qt_off)
     rec_on = q.dequantize(qt_on)
@@ -194,7 +197,7 @@ def test_quarot_near_the_top_of_the_range_saturates_with_kernels_on_and_off(shap
         q = create("quarot", bits, bits)
         try:
             if off:
-                with kernels.disabled():
+                with steps.disabled():
                     out.append(q.dequantize(q.quantize(x, kind)))
             else:
                 out.append(q.dequantize(q.quantize(x, kind)))

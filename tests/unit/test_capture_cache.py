@@ -130,3 +130,33 @@ def test_non_finite_capture_is_one_error_naming_model_and_file(tmp_path, fake_mo
     store._save_atomic(bad, tmp_path / "kv-fake.pt")  # a file holding NaN with a valid hash
     with pytest.raises(NonFiniteCaptureError, match=f"cache file {tmp_path / 'kv-fake.pt'}"):
         cap.capture_kv(model="fake", seq_len=T, cache_dir=tmp_path)
+
+
+def test_the_plugin_finds_a_capture_cache_folder_without_pytests_cache(tmp_path, monkeypatch) -> None:
+    """``--kvq-capture-cache`` first, then pytest's cache folder; without pytest's cache plugin (``-p
+    no:cacheprovider``) or with its folder unwritable (a read-only checkout), the user's cache folder."""
+    from types import SimpleNamespace
+
+    from kvqbench.plugin.fixtures import capture_cache_dir
+    from kvqbench.plugin.state import SETTINGS_KEY, Settings
+
+    monkeypatch.setenv("KVQBENCH_CACHE_DIR", str(tmp_path / "user"))
+
+    class Cache:
+        def __init__(self, ok: bool) -> None:
+            self.ok = ok
+
+        def mkdir(self, name: str):
+            if not self.ok:
+                raise PermissionError(13, "Read-only file system", name)
+            return tmp_path / "pytest-cache" / name
+
+    def config(cache=None, capture_cache=None):
+        stash = {SETTINGS_KEY: Settings(capture_cache=capture_cache)}
+        return SimpleNamespace(stash=stash, **({"cache": cache} if cache is not None else {}))
+
+    assert capture_cache_dir(config(Cache(True), capture_cache="/given")) == "/given"
+    assert capture_cache_dir(config(Cache(True))) == str(tmp_path / "pytest-cache" / "kvqbench_capture")
+    for no_pytest_cache in (config(), config(Cache(False))):
+        got = capture_cache_dir(no_pytest_cache)
+        assert got == str(tmp_path / "user" / "capture") and (tmp_path / "user" / "capture").is_dir()

@@ -169,10 +169,10 @@ def test_run_help_lists_every_plugin_option_with_its_default(capsys, pytestconfi
 @pytest.fixture
 def pytest_calls(monkeypatch, tmp_path) -> list[list[str]]:
     """The argument lists ``kvqbench run`` passes to pytest (stubbed), from an empty checkout."""
-    import kvqbench.cli as cli_mod
+    import kvqbench.runner as runner
 
     calls: list[list[str]] = []
-    monkeypatch.setattr(cli_mod, "_pytest_main", lambda args: calls.append(list(args)) or 0)
+    monkeypatch.setattr(runner, "_pytest_main", lambda args: calls.append(list(args)) or 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
     return calls
@@ -187,6 +187,15 @@ def test_run_smoke_is_synthetic_unless_kvq_real(pytest_calls):
     assert "--kvq-real" not in smoke and smoke[:3] == ["tests/bench", "-m", "smoke"]
     assert smoke_real.count("--kvq-real") == 1
     assert "--kvq-real" in full and "full" in full
+
+
+def test_run_echoes_a_pytest_command_the_shell_reads_back(pytest_calls, capsys):
+    """The echoed command, pasted into a shell, gives pytest the same arguments (shell-quoted)."""
+    import shlex
+
+    assert main(["run", "--no-real", "-k", "kivi or kvarn", "--kvq-out", "my results"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("kvqbench run: ")]
+    assert shlex.split(line.removeprefix("kvqbench run: ")) == ["pytest", *pytest_calls[0]]
 
 
 def test_run_smoke_hides_the_benchmark_table_but_keeps_its_json(pytest_calls):
@@ -274,11 +283,11 @@ def test_run_starts_its_workers_with_the_steady_allocator(monkeypatch, tmp_path)
     steady-allocator tunables; a tunable the user already set is kept and wins."""
     import os
 
-    import kvqbench.cli as cli_mod
+    import kvqbench.runner as runner
     from kvqbench.perf import STEADY_TUNABLES
 
     seen = []
-    monkeypatch.setattr(cli_mod, "_pytest_main", lambda args: seen.append(os.environ.get("GLIBC_TUNABLES")) or 0)
+    monkeypatch.setattr(runner, "_pytest_main", lambda args: seen.append(os.environ.get("GLIBC_TUNABLES")) or 0)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tests" / "bench").mkdir(parents=True)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)

@@ -113,12 +113,13 @@ def test_gemma3_270m_smoke_fp16_control_is_exact(pytestconfig) -> None:
     missing = _gemma_missing()
     if missing is not None:
         pytest.skip(missing)
+    from kvqbench.plugin.fixtures import capture_cache_dir
     from kvqbench.quantizers import create
 
     cfg = E.CONFIG_BY_SIZE["smoke"]
     # the benchmark cells' capture cache: the converted model and the calibration capture are shared
     src = E.load_source(model="gemma3-270m", window=cfg.window,
-                        cache_dir=str(pytestconfig.cache.mkdir("kvqbench_capture")))
+                        cache_dir=capture_cache_dir(pytestconfig))
     assert tuple(src.calibration.k.shape) == (18, 1, cfg.window, 256)
     ctl = E.run_endtoend(create("fp16", 2, 2), src, 0, cfg)
     for regime in E.REGIMES:

@@ -7,13 +7,13 @@ import stat
 
 import pytest
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels import build as cbuild
 
 
 def test_switched_off_by_the_environment(monkeypatch) -> None:
-    monkeypatch.setenv(kernels.ENV, "0")
-    assert not kernels.enabled()
+    monkeypatch.setenv(steps.ENV, "0")
+    assert not steps.enabled()
     assert cbuild.load("varn_sums.c") is None
 
 
@@ -23,7 +23,7 @@ def test_a_failing_compiler_falls_back_with_a_warning(monkeypatch, tmp_path) -> 
     cc.chmod(cc.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("KVQBENCH_CBUILD_DIR", str(tmp_path / "build"))
-    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(steps.ENV, raising=False)
     cbuild._load_cached.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="unavailable"):
@@ -37,7 +37,7 @@ def test_builds_once_into_the_cache_folder(monkeypatch, tmp_path) -> None:
     if cbuild._compiler() is None:
         pytest.skip("no C compiler on PATH")
     monkeypatch.setenv("KVQBENCH_CBUILD_DIR", str(tmp_path))
-    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(steps.ENV, raising=False)
     cbuild._load_cached.cache_clear()
     try:
         assert cbuild.load("varn_sums.c") is not None
@@ -62,7 +62,7 @@ def test_a_change_to_an_included_header_rebuilds(monkeypatch, tmp_path) -> None:
     (src / "k.c").write_text('#include "k.h"\nint value(void) { return kvq_value(); }\n')
     monkeypatch.setattr(cbuild, "_HERE", src)
     monkeypatch.setenv("KVQBENCH_CBUILD_DIR", str(tmp_path / "build"))
-    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(steps.ENV, raising=False)
     cbuild._load_cached.cache_clear()
     try:
         assert cbuild.load("k.c").value() == 1

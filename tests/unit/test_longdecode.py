@@ -16,6 +16,7 @@ import torch
 from realmodel import MISSING, Replay, check_decode_cache, real
 
 from kvqbench.experiments import longdecode as LD
+from kvqbench.experiments import longtext as LT
 from kvqbench.experiments import passkey as PK
 from kvqbench.experiments.endtoend import KVCacheHook
 from kvqbench.quantizers import create
@@ -24,7 +25,7 @@ _MISSING = MISSING
 
 
 #: the real tests' configuration: a 64-token text, one block after a 32-token prefill, one passkey length
-SMALL = LD.LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=32, free_tokens=4, noise_draws=1,
+SMALL = LT.LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=32, free_tokens=4, noise_draws=1,
                             passkey_lengths=(64,))
 
 
@@ -32,20 +33,20 @@ SMALL = LD.LongDecodeConfig(length=64, prompt=16, prefill=32, block=32, bin=32, 
 # no model
 def test_config_rejects_a_schedule_with_a_short_last_arrival() -> None:
     with pytest.raises(ValueError, match="multiple of block"):
-        LD.LongDecodeConfig(length=100, prompt=16, prefill=32, block=32)
+        LT.LongDecodeConfig(length=100, prompt=16, prefill=32, block=32)
     with pytest.raises(ValueError, match="shorter than the text"):
-        LD.LongDecodeConfig(length=64, prompt=64, prefill=32, block=32)
+        LT.LongDecodeConfig(length=64, prompt=64, prefill=32, block=32)
     with pytest.raises(ValueError, match="passkey_depths"):
-        LD.LongDecodeConfig(passkey_depths=(0.5, 1.5))
-    cfg = LD.LongDecodeConfig(length=128, prompt=16, prefill=64, block=32, free_tokens=8, passkey_lengths=(100,))
+        LT.LongDecodeConfig(passkey_depths=(0.5, 1.5))
+    cfg = LT.LongDecodeConfig(length=128, prompt=16, prefill=64, block=32, free_tokens=8, passkey_lengths=(100,))
     assert cfg.chunks() == [(0, 64), (64, 96), (96, 128)] and cfg.scored() == (63, 127) and cfg.context == 136
 
 
 def test_the_long_tier_decodes_at_least_2048_tokens_with_two_passkey_lengths_up_to_2048() -> None:
-    long = LD.CONFIG_BY_SIZE["long"]
+    long = LT.CONFIG_BY_SIZE["long"]
     assert long.length >= 2048 and len(long.passkey_lengths) >= 2 and max(long.passkey_lengths) >= 2048
     assert set(long.passkey_depths) == {0.1, 0.5, 0.9}
-    smoke = LD.CONFIG_BY_SIZE["smoke"]
+    smoke = LT.CONFIG_BY_SIZE["smoke"]
     assert smoke.length <= 512 and max(smoke.passkey_lengths) <= 512
 
 
@@ -128,7 +129,7 @@ def test_consecutive_seeds_score_every_depth_of_every_length(n_depths) -> None:
             got = sorted(PK.scored_depth(s, li, n_depths) for s in range(start, start + n_depths))
             assert got == list(range(n_depths))
     # the long tier's four seeds cover the three depths of both lengths
-    long = LD.CONFIG_BY_SIZE["long"]
+    long = LT.CONFIG_BY_SIZE["long"]
     nd = len(long.passkey_depths)
     for li in range(len(long.passkey_lengths)):
         assert {PK.scored_depth(s, li, nd) for s in range(4)} == set(range(nd))
@@ -144,10 +145,10 @@ def test_answer_scores_are_log_probabilities_and_ranks() -> None:
 
 
 def test_check_context_is_one_line() -> None:
-    with pytest.raises(LD.ContextTooShortError) as e:
-        LD.check_context("m", 4096, context=2048)
+    with pytest.raises(LT.ContextTooShortError) as e:
+        LT.check_context("m", 4096, context=2048)
     assert str(e.value) == "model m has a context of 2048 tokens, shorter than the 4096 tokens the long-decode cells need"
-    LD.check_context("m", 2048, context=2048)
+    LT.check_context("m", 2048, context=2048)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,26 +165,26 @@ def src():
 
 @real
 def test_model_context_reads_the_models_own_config(src) -> None:
-    assert LD.model_context("smollm2") == int(src.net.config.max_position_embeddings) >= 8192
+    assert LT.model_context("smollm2") == int(src.net.config.max_position_embeddings) >= 8192
 
 
 @real
 def test_the_text_is_generated_once_and_read_back_byte_identical(src, tmp_path, monkeypatch) -> None:
     cfg = dataclasses.replace(SMALL, length=24, prompt=16, prefill=16, block=8)
-    ids = LD.long_text(src, 0, cfg, folder=tmp_path)
+    ids = LT.long_text(src, 0, cfg, folder=tmp_path)
     (path,) = tmp_path.glob("text-*-T24-seed0-*.json")
     assert len(ids) == 24 and ids[:16] == src.window_ids(0)[:16]
-    assert json.loads(path.read_text())["sha256"] == LD._ids_sha(ids)
+    assert json.loads(path.read_text())["sha256"] == LT.ids_sha(ids)
     special = set(src.tokenizer.all_special_ids)
     assert not special & set(ids[16:])  # the text runs to T: no end-of-text token
     calls = []
-    monkeypatch.setattr(LD, "sample_continuation", lambda *a, **k: calls.append(1) or [])
-    assert LD.long_text(src, 0, cfg, folder=tmp_path) == ids and not calls  # read back, not generated
+    monkeypatch.setattr(LT, "sample_continuation", lambda *a, **k: calls.append(1) or [])
+    assert LT.long_text(src, 0, cfg, folder=tmp_path) == ids and not calls  # read back, not generated
     monkeypatch.undo()
     obj = json.loads(path.read_text())
     obj["ids"][20] += 1  # a file that does not hold what its hash says is generated again: the same text
     path.write_text(json.dumps(obj))
-    assert LD.long_text(src, 0, cfg, folder=tmp_path) == ids
+    assert LT.long_text(src, 0, cfg, folder=tmp_path) == ids
 
 
 @real
@@ -197,7 +198,7 @@ def test_the_cache_loops_pass_the_models_current_cache_argument(src) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         warnings.simplefilter("error", DeprecationWarning)
-        assert len(LD.sample_continuation(src.net, ids, 10, seed=0)) == 10
+        assert len(LT.sample_continuation(src.net, ids, 10, seed=0)) == 10
         LD.decode(src.net, [ids], [(0, 4), (4, 8)], None, score=lambda a, lg: None)
     if "cache" in inspect.signature(src.net.forward).parameters:
         assert LD._cache_kwarg(src.net.forward) == "cache"
@@ -243,7 +244,7 @@ def test_rtn_token_long_decode_equals_one_prefill_on_the_same_cache(src) -> None
     3. the prefill's quantized cache, replayed through the long decode's schedule, gives the prefill's logits
        up to the schedule's own float noise (the unquantized model's decode-vs-prefill difference)."""
     cfg = SMALL
-    ids = LD.long_text(src, 0, cfg)
+    ids = LT.long_text(src, 0, cfg)
     n_layers = src.n_layers
     m = create("rtn_token", 4, 4)
 
@@ -269,5 +270,5 @@ def test_rtn_token_long_decode_equals_one_prefill_on_the_same_cache(src) -> None
 def test_a_short_context_stops_before_any_text_is_generated(src, monkeypatch) -> None:
     monkeypatch.setattr(src.net.config, "max_position_embeddings", 64)
     monkeypatch.setattr(LD, "long_text", lambda *a, **k: pytest.fail("a text was generated"))
-    with pytest.raises(LD.ContextTooShortError, match="context of 64 tokens, shorter than the 68 tokens"):
+    with pytest.raises(LT.ContextTooShortError, match="context of 64 tokens, shorter than the 68 tokens"):
         LD.run_longdecode_rows([create("fp16", 16, 16)], src, [0], SMALL)

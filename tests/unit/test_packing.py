@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench import kernels
+from kvqbench import steps
 from kvqbench.kernels.packing import MIN_CODES as C_MIN_CODES
 from kvqbench.numerics.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -88,7 +88,7 @@ def test_pack_out_and_unpack_out_of_the_wrong_size_raise():
 
 
 def _kernels(on: bool):
-    return contextlib.nullcontext() if on else kernels.disabled()
+    return contextlib.nullcontext() if on else steps.disabled()
 
 
 @settings(max_examples=60, deadline=None)

@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from kvqbench import kernels, privdir
+from kvqbench import privdir, steps
 from kvqbench.kernels import build
 
 
@@ -60,7 +60,7 @@ def test_the_kernel_loader_refuses_a_shared_build_folder(tmp_path, monkeypatch) 
     d.mkdir()
     os.chmod(d, 0o777)
     monkeypatch.setenv("KVQBENCH_CBUILD_DIR", str(d))
-    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(steps.ENV, raising=False)
     build._load_cached.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="writable by group or others"):
@@ -75,7 +75,7 @@ def test_the_kernel_loader_refuses_a_library_others_can_write(tmp_path, monkeypa
         pytest.skip("no C compiler on PATH")
     d = privdir.private_dir(tmp_path / "cb")
     monkeypatch.setenv("KVQBENCH_CBUILD_DIR", str(d))
-    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.delenv(steps.ENV, raising=False)
     build._load_cached.cache_clear()
     try:
         assert build.load("packbits.c") is not None  # builds a private library

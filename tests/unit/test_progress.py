@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvqbench.progress import HISTORY_NEW, HISTORY_VERSION, Progress, coarse_kind_of, hms, kind_of
+from kvqbench.eta_tables import HISTORY_NEW, HISTORY_VERSION, coarse_kind_of, kind_of, run_scale
+from kvqbench.progress import Progress, hms
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,9 @@ def _eta_script():
 
 def test_hms_and_line_format():
     assert (hms(3725), hms(95), hms(7), hms(-1)) == ("1h02m05s", "1m35s", "7s", "0s")
-    assert Progress(total=5, t0=0.0).line(3725.0) == "kvqbench: 0/5 tests, elapsed 1h02m05s, ETA ?"
+    assert Progress(total=5, t0=0.0).line(3725.0) == ("kvqbench: 0/5 tests, elapsed 1h02m05s, ETA ? (no recorded "
+                                                      "duration for these tests yet: an estimate follows the first "
+                                                      "to finish)")
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,7 +75,8 @@ def test_kinds_separate_method_and_data_size():
 
 
 def test_weighted_median_and_schedule_closed_forms():
-    from kvqbench.progress import schedule_end, weighted_median
+    from kvqbench.eta_tables import weighted_median
+    from kvqbench.progress import schedule_end
 
     assert weighted_median([3.0, 1.0, 2.0], [1.0, 1.0, 1.0]) == 2.0
     assert weighted_median([1.0, 10.0], [1.0, 3.0]) == 10.0  # the heavy value holds most of the weight
@@ -345,7 +349,7 @@ def test_history_keeps_a_slower_runs_seconds_on_the_tables_scale_blended_with_wh
     p.step("capture|real-full", 10.0, 0.0, a)
     p.finished(a, 2.0, 12.0)
     p.finished(b, 6.0, 18.0)  # interrupted before c
-    assert p.run_scale() == pytest.approx(2.0)
+    assert run_scale(p.observed) == pytest.approx(2.0)
     h = p.updated_history()
     assert h["version"] == HISTORY_VERSION
     assert h["tests"] == {a: pytest.approx(1.0), b: pytest.approx(3.0)}
@@ -357,7 +361,7 @@ def test_history_keeps_a_slower_runs_seconds_on_the_tables_scale_blended_with_wh
     q.collected([a, b, c])
     for n, d in ((a, 2.0), (b, 3.0), (c, 10.0)):
         q.finished(n, d)
-    assert q.run_scale() == pytest.approx(1.0)
+    assert run_scale(q.observed) == pytest.approx(1.0)
     w = HISTORY_NEW
     assert q.updated_history()["tests"] == {a: pytest.approx(math.exp(w * math.log(2.0) + (1 - w) * math.log(4.0)),
                                                              abs=1e-4), b: 3.0, c: 10.0}
@@ -567,7 +571,7 @@ def test_an_entry_new_to_the_history_starts_from_the_prior():
     p.collected([a, b])
     p.finished(a, 2.0)
     p.finished(b, 8.0)
-    assert p.run_scale() == 1.0  # the base-weighted median of 1 and 4: the lower one
+    assert run_scale(p.observed) == 1.0  # the base-weighted median of 1 and 4: the lower one
     w = HISTORY_NEW
     assert p.updated_history()["tests"] == {a: 2.0, b: pytest.approx(8.0**w * 2.0 ** (1 - w), abs=1e-4)}
 
@@ -585,7 +589,7 @@ def test_eta_after_a_busy_interrupted_run_stays_within_30_percent():
     for n in list(prior["tests"])[: int(0.3 * len(prior["tests"]))]:
         t += 3.0 * prior["tests"][n]
         p.finished(n, 3.0 * prior["tests"][n], now=t)
-    assert p.run_scale() == pytest.approx(3.0, rel=1e-3)
+    assert run_scale(p.observed) == pytest.approx(3.0, rel=1e-3)
     history = p.updated_history()
     samples, end, _ = _simulate(history, speed=1.0, seed=12, prior=prior)
     errs = [abs(eta - (end - t)) / (end - t) for t, eta in samples if t >= 0.2 * end and end - t >= 5.0]
@@ -669,7 +673,7 @@ def test_eta_prior_median_of_runs_rescales_each_run_and_drops_an_odd_one(tmp_pat
 
 
 def test_the_committed_prior_covers_the_test_suite_the_main_job_and_the_smoke_commands():
-    from kvqbench.progress import load_prior
+    from kvqbench.eta_tables import load_prior
 
     prior = load_prior()
     tests = prior["tests"]
@@ -734,3 +738,24 @@ def test_the_long_tier_expects_a_model_load_per_worker_and_no_capture():
     assert p.expected_steps["model|real-long"] == 2 and not any(k.startswith("capture|") for k in p.expected_steps)
     assert "capture pending" not in p.line(0.0)
     assert p.eta(0.0) == pytest.approx(2 * 10.0 + 6.0)
+
+
+def test_a_long_tier_prior_from_a_result_file_gives_an_eta_before_any_cell_finishes(tmp_path):
+    """Tables without the long tier give no ETA until a long cell finishes (the line says why); a prior that
+    scripts/eta_prior.py made from a result file's ``duration_s`` gives one from the start: 4 cells of 80 s
+    on 2 workers, no step the tables know, so 160 s."""
+    spec = importlib.util.spec_from_file_location("eta_prior", ROOT / "scripts" / "eta_prior.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cells = [f"tests/bench/test_exp6_longdecode.py::test_longdecode[kivi-k2v2-seed{i}-real-long]" for i in range(4)]
+    bare = Progress(interval_s=0, workers=2, prior={"version": 1, "tests": {"t.py::test_a": 1.0}}, trace_path=None)
+    bare.collected(cells)
+    assert bare.eta(30.0) is None and "ETA ? (no recorded duration for these tests yet" in bare.line(30.0)
+    result = tmp_path / "exp6_real.json"
+    result.write_text(json.dumps({"experiment": "exp6", "cells": [{"nodeid": n, "duration_s": 80.0} for n in cells]}))
+    prior = mod.merge([mod.load_run(result)])
+    assert prior["tests"] == {n: 80.0 for n in cells}
+    p = Progress(interval_s=0, workers=2, prior=prior, trace_path=None)
+    p.collected(cells)
+    assert p.eta(0.0) == pytest.approx(160.0)
+    assert p.line(0.0).endswith("ETA 2m40s")

@@ -156,12 +156,12 @@ def test_unsupported_bit_width_raises() -> None:
 def test_nan_inf_raise_naming_the_count(bad: float) -> None:
     """The group scales see a NaN/Inf (the rotation spreads it over its row): the input is then checked and
     the error names its count, with kernels on and off."""
-    from kvqbench import kernels
+    from kvqbench import steps
 
     x = _x((1, 2, 300, 64))
     x[0, 1, 250, 3] = bad
     for off in (False, True):
-        with kernels.disabled() if off else contextlib.nullcontext():
+        with steps.disabled() if off else contextlib.nullcontext():
             with pytest.raises(ValueError, match=r"^K contains 1 NaN/Inf values"):
                 QuaRot(2).quantize(x, "k")
 

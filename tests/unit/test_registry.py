@@ -85,3 +85,12 @@ def test_entry_point_methods_are_loaded(monkeypatch):
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
     assert "third_party_test_method" in registry()
     assert get("third_party_test_method") is ThirdParty
+
+
+def test_check_group_size_accepts_positive_ints_only() -> None:
+    from kvqbench.quantizers.base import check_group_size
+
+    assert check_group_size(8) == 8
+    for bad in (0, -1, True, 2.0, None, "8"):
+        with pytest.raises(ValueError, match="group_size must be a positive int"):
+            check_group_size(bad)

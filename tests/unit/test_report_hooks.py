@@ -52,7 +52,8 @@ def args():
 
 
 SLOW = "import time, pytest\n@pytest.fixture(autouse=True)\ndef slow():\n    time.sleep(0.05)\n"
-PROGRESS = re.compile(r"^kvqbench: (\d+)/8 tests, elapsed (?:\d+h)?(?:\d+m)?\d+s, ETA ((?:\d+h)?(?:\d+m)?\d+s|\?)$")
+PROGRESS = re.compile(r"^kvqbench: (\d+)/8 tests, elapsed (?:\d+h)?(?:\d+m)?\d+s, ETA ((?:\d+h)?(?:\d+m)?\d+s|"
+                      r"\? \(no recorded duration for these tests yet: an estimate follows the first to finish\))$")
 
 
 def _progress(res) -> list[int]:

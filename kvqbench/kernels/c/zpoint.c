@@ -1,6 +1,6 @@
 /* Groupwise asymmetric RTN with an integer zero-point (x̂ = scale·(q − z)), fused with the bit packing of its
  * codes, and its decode from the packed bytes: the fast versions of the reference steps zpoint.quantize and
- * zpoint.dequantize (kvqbench/quantizers/quarot.py; wrapped by kvqbench/kernels/zpoint.py), over contiguous fp32
+ * zpoint.dequantize (kvqbench/numerics/zpoint.py; wrapped by kvqbench/kernels/zpoint.py), over contiguous fp32
  * rows [rows, d] cut into groups of g consecutive values (g a multiple of 8 that divides d: every group starts at
  * a byte of the packed stream).
  *
