@@ -1,5 +1,6 @@
-"""The import graph of ``kvqbench``: no circles anywhere, ``report/`` free of torch, and its statistics
-free of its renderers (docs/INTERNALS.md). Every import counts, at module level or inside a function:
+"""The import graph of ``kvqbench``: no circles anywhere, the step registry on the lowest floor, numerics
+below the fast versions and the methods, ``report/`` free of torch, and its statistics free of its renderers
+(docs/INTERNALS.md). Every import counts, at module level or inside a function:
 both run, and both tie one module to another."""
 
 from __future__ import annotations
@@ -93,24 +94,36 @@ def test_cycle_finder_sees_a_circle_and_a_chain():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
 
 
-#: circles outside ``report/`` that the restructuring of the plugin and the quantizers (issue 33, items 4
-#: and 5, another branch) removes: ``base.py`` importing its package to register the built-ins, and
-#: ``plugin.collection`` ↔ ``plugin.results``. Empty this when that branch is merged.
-PENDING = [
-    ["kvqbench.plugin.collection", "kvqbench.plugin.results"],
-    sorted(["kvqbench.quantizers", "kvqbench.quantizers.base", *(f"kvqbench.quantizers.{m}" for m in (
-        "fp16", "kitty", "kivi", "kvarn", "kvquant", "polarquant", "quarot", "rtn", "turboquant"))]),
-]
-
-
 def test_no_import_circle_in_report():
     found = cycles(graph("kvqbench.report"))
     assert not found, "import circles: " + "; ".join(" ↔ ".join(c) for c in found)
 
 
 def test_no_import_circle_in_kvqbench():
-    found = [c for c in cycles(graph()) if c not in PENDING]
+    found = cycles(graph())
     assert not found, "import circles: " + "; ".join(" ↔ ".join(c) for c in found)
+
+
+def _kvq_imports_of(prefix: str) -> dict[str, set[str]]:
+    g = graph()
+    return {m: deps for m, deps in g.items() if m == prefix or m.startswith(prefix + ".")}
+
+
+def test_the_step_registry_is_the_lowest_floor():
+    assert graph()["kvqbench.steps"] == set()
+
+
+def test_numerics_imports_only_numerics_and_the_registry():
+    bad = {m: sorted(d for d in deps if not (d == "kvqbench.steps" or d.startswith("kvqbench.numerics")))
+           for m, deps in _kvq_imports_of("kvqbench.numerics").items()}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_fast_versions_sit_between_numerics_and_the_methods():
+    allowed = ("kvqbench.steps", "kvqbench.privdir", "kvqbench.numerics", "kvqbench.kernels")
+    bad = {m: sorted(d for d in deps if not d.startswith(allowed))
+           for m, deps in _kvq_imports_of("kvqbench.kernels").items()}
+    assert not {m: d for m, d in bad.items() if d}
 
 
 def test_report_imports_no_torch_by_its_source():
