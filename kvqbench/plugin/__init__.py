@@ -7,6 +7,7 @@ its own with its hooks and its ``config.stash`` keys, as pytest's own core plugi
 - :mod:`~kvqbench.plugin.fixtures` — ``kvq_settings``, ``kvq_data``, ``kvq_model``, ``kvq_method``;
 - :mod:`~kvqbench.plugin.sharing` — ``kvq_run``/``kvq_seed_rows``: one computation for several cells;
 - :mod:`~kvqbench.plugin.recording` — ``kvq_record`` and the records' way to the controller;
+- :mod:`~kvqbench.plugin.resume` — the results folder's journal: records kept as computed, reused by a rerun;
 - :mod:`~kvqbench.plugin.results` — the result set written at session end;
 - :mod:`~kvqbench.plugin.progress` — the progress line and its ETA.
 
@@ -19,10 +20,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvqbench.plugin import collection, fixtures, options, progress, recording, results, sharing, state
+from kvqbench.plugin import collection, fixtures, options, progress, recording, results, resume, sharing, state
 
 #: the plugin's modules, in the order they are registered (their options appear in this order)
-MODULES = (state, options, collection, fixtures, sharing, recording, results, progress)
+MODULES = (state, options, collection, fixtures, sharing, recording, resume, results, progress)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:

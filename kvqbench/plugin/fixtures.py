@@ -12,6 +12,7 @@ import pytest
 
 from kvqbench.cells import SIZES, Cell, source_kind
 from kvqbench.data.memory import release_freed
+from kvqbench.plugin.resume import is_reused
 from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings
 
 _DATA_CACHE: dict[tuple, Any] = {}
@@ -26,7 +27,10 @@ def kvq_settings(pytestconfig: pytest.Config) -> Settings:
 @pytest.fixture
 def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
     """The cell's :class:`~kvqbench.data.KVData` on the session device (cached per process). The
-    real-model capture is timed and reported as its own progress step (not as the cell's duration)."""
+    real-model capture is timed and reported as its own progress step (not as the cell's duration).
+    ``None`` for a cell reused from the journal (:mod:`kvqbench.plugin.resume`), which runs nothing."""
+    if is_reused(request.node):
+        return None
     _pin_threads(kvq_settings.threads)
     key = (cell.source, cell.size, cell.seed if cell.source == "synthetic" else None, kvq_settings.device,
            kvq_settings.model, kvq_settings.dtype)
@@ -145,7 +149,10 @@ CALIBRATION_SIZE: dict[str, str] = {"long": "full"}
 def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, request: pytest.FixtureRequest):
     """The real model of ``--kvq-model`` with the calibration capture of the cell's end-to-end window
     (:class:`kvqbench.experiments.endtoend.RealSource`; the model is loaded once per process, the capture
-    is disk-cached like the other real data). Runs on the session device with pinned CPU threads."""
+    is disk-cached like the other real data). Runs on the session device with pinned CPU threads. ``None``
+    for a cell reused from the journal (:mod:`kvqbench.plugin.resume`)."""
+    if is_reused(request.node):
+        return None
     from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source, source_loaded
 
     _pin_threads(kvq_settings.threads)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvqbench.eta_tables import HISTORY_VERSION, load_prior
+from kvqbench.plugin.resume import reused_ids
 from kvqbench.plugin.state import STEP_KEY, is_worker, session_config
 from kvqbench.progress import Progress, hms
 
@@ -59,10 +60,11 @@ def _start_progress(config: pytest.Config, nodeids: list[str], workers: int) -> 
     prog = progress_of(config)
     if prog is None or prog.total or config.option.collectonly:  # --collect-only runs nothing
         return
+    reused = reused_ids(config)  # cells reused from the journal run nothing: neither counted nor timed
     with _PROGRESS_LOCK:
         prog.workers = max(1, workers)
         prog.t_run = time.time()
-        prog.collected(nodeids)
+        prog.collected([n for n in nodeids if n not in reused])
     if prog.interval_s > 0 and prog.total:
         _PrintThread(config, prog).start()
 
@@ -259,7 +261,7 @@ def _stop_progress(config: pytest.Config) -> None:
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Count the finished test (and any step paid inside its setup) and print the line when it is due."""
     prog = progress_of(session_config())
-    if prog is None:
+    if prog is None or report.nodeid in reused_ids(session_config()):
         return
     with _PROGRESS_LOCK:
         d = float(getattr(report, "duration", 0.0) or 0.0)

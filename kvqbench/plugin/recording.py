@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvqbench.plugin.resume import REUSED_KEY, is_reused
 from kvqbench.plugin.state import RECORD_KEY, STATE_KEY, cell_of, session_config
 
 
@@ -64,6 +65,8 @@ def kvq_record(request: pytest.FixtureRequest) -> Recorder:
                "size": "", "variant": {}, "nodeid": request.node.nodeid, "status": "pending", "metrics": {},
                "per_layer": {}}
         request.node.user_properties.append((RECORD_KEY, rec))
+    if is_reused(request.node):  # its stored record replaces this one (kvqbench.plugin.resume)
+        return Recorder(rec)
     if "kvq_method" in request.fixturenames:
         rec["method_info"] = request.getfixturevalue("kvq_method").describe()
     if "kvq_data" in request.fixturenames:
@@ -121,10 +124,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if config is None:
         return
     state = config.stash[STATE_KEY]
+    reused = any(k == REUSED_KEY for k, _ in report.user_properties)
     for rec in recs:
         rec = dict(rec)
         rec["status"] = report.outcome
-        rec["duration_s"] = round(float(report.duration), 6)
+        if not reused:  # a reused record keeps the duration of the run that computed it
+            rec["duration_s"] = round(float(report.duration), 6)
         if report.outcome == "failed":
             rec["error"] = _error_text(report)
         elif report.outcome == "skipped":

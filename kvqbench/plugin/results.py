@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from kvqbench.plugin.progress import finish_progress, progress_of
+from kvqbench.plugin.resume import reused_count
 from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, is_worker, out_dir
 from kvqbench.report.results import BENCHMARK_JSON
 
@@ -66,6 +67,7 @@ def provenance(config: pytest.Config, s: Settings, records: list[dict[str, Any]]
         "command": shlex.join(["pytest", *(str(a) for a in config.invocation_params.args)]),
         "start_time": s.start_time,
         **({"shard": f"{s.shard[0]}/{s.shard[1]}"} if s.shard else {}),
+        **({"reused_cells": reused_count(config)} if reused_count(config) else {}),  # from an interrupted run
     }
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kvqbench.cells import Cell, parse_nodeid, source_kind
+from kvqbench.plugin.resume import journal_siblings, stored_result
 from kvqbench.plugin.state import Settings
 
 #: the process's :class:`kvqbench.memo.ResultMemo` (made on first use)
@@ -55,18 +56,32 @@ def seed_free_key(cell: Cell, method: Any, s: Settings, fn: Any, args: tuple,
 
 
 @pytest.fixture
-def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, pytestconfig: pytest.Config):
+def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, pytestconfig: pytest.Config,
+            request: pytest.FixtureRequest):
     """``kvq_run(fn, *args)`` → ``fn(kvq_method, kvq_data, *args)`` (an experiment's ``run_*``), computed
     once per session for the real-data cells of a method that draws no randomness (see
     :func:`seed_free_key` and :mod:`kvqbench.memo`): every seed of such a cell gets its own copy of the
-    one result and records ``extra["seeds_share_one_computation"] = True``. Not for timings (exp4)."""
+    one result and records ``extra["seeds_share_one_computation"] = True``; the copies of the other seeds
+    go to the journal at once (:mod:`kvqbench.plugin.resume`), and a cell whose values an interrupted run
+    computed gets those. Not for timings (exp4)."""
     def run(fn: Any, *args: Any) -> Any:
+        stored = stored_result(pytestconfig, request.node.nodeid)
+        if stored is not None:
+            return stored
         cal = getattr(kvq_data, "calibration", None)
         shapes = tuple(tuple(d.k.shape) for d in (kvq_data, cal) if d is not None)
         key = seed_free_key(cell, kvq_method, kvq_settings, fn, args, shapes)
-        res = _memo(pytestconfig).compute(key, lambda: fn(kvq_method, kvq_data, *args))
+        computed = []
+
+        def compute() -> Any:
+            computed.append(True)
+            return fn(kvq_method, kvq_data, *args)
+
+        res = _memo(pytestconfig).compute(key, compute)
         if key is not None:
             res.extra[SEEDS_SHARED] = True
+            if computed:
+                journal_siblings(pytestconfig, request.node.nodeid, {seed: res for seed in kvq_settings.seeds})
         return res
 
     return run
@@ -103,9 +118,10 @@ def shard_unit(nodeid: str, seeds: list[int]) -> str:
     return f"{node.base}[{replace(node.cell, seed=0).id}]|seeds{group}"
 
 
-def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:
+def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any, siblings: Any = None) -> Any:
     """The logic of :func:`kvq_seed_rows` for ``cell`` (whose configured method is ``method``), with the
-    session's settings ``s`` and result store ``memo`` (:class:`kvqbench.memo.ResultMemo`)."""
+    session's settings ``s`` and result store ``memo`` (:class:`kvqbench.memo.ResultMemo`); ``siblings``,
+    when given, is called with ``{seed: result}`` of the group's other seeds once computed."""
     from kvqbench.quantizers import create
 
     group = seed_group(cell.seed, s.seeds)
@@ -137,11 +153,14 @@ def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any) -> Any:
         if seed != cell.seed:
             memo.put(base + (seed,), r)
     memo.release(claim)
+    if siblings is not None:
+        siblings({seed: r for seed, r in zip(group, results) if seed != cell.seed})
     return results[group.index(cell.seed)]
 
 
 @pytest.fixture
-def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestconfig: pytest.Config):
+def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestconfig: pytest.Config,
+                  request: pytest.FixtureRequest):
     """``kvq_seed_rows(fn)`` → this cell's result of ``fn(methods, seeds)``: a computation of one method's
     cells at several seeds together (``methods[i]`` = the cell's method at ``seeds[i]``; it returns one
     result per seed, each the one its cell would get alone), e.g. as the rows of one batch.
@@ -151,8 +170,19 @@ def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestcon
     cells run seed 0 first, see :func:`kvqbench.plugin.collection.real_capture_first`); one that starts
     while another worker computes its group waits for that result instead of computing the group again.
     ``fn`` may depend on nothing but the cell's method, bits, variant, source and size and the session
-    settings (its results are stored under those). Every result records ``extra["seeds_computed_together"]``. Not for timings."""
-    return lambda fn: seed_rows(cell, kvq_method, kvq_settings, _memo(pytestconfig), fn)
+    settings (its results are stored under those). Every result records ``extra["seeds_computed_together"]``.
+    The other seeds' results go to the journal at once (:mod:`kvqbench.plugin.resume`), and a cell whose
+    values an interrupted run computed gets those. Not for timings."""
+    nodeid = request.node.nodeid
+
+    def rows(fn: Any) -> Any:
+        stored = stored_result(pytestconfig, nodeid)
+        if stored is not None:
+            return stored
+        return seed_rows(cell, kvq_method, kvq_settings, _memo(pytestconfig), fn,
+                         lambda results: journal_siblings(pytestconfig, nodeid, results))
+
+    return rows
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -26,7 +26,7 @@ import torch
 from kvqbench.data.capture import registry
 from kvqbench.data.capture.errors import MissingDependencyError
 
-__all__ = ["DEFAULT_MODEL", "SMOLLM2_GGUF", "CAPTURE_DTYPES", "HUB_PROBE_S", "default_model_path", "check_model"]
+__all__ = ["DEFAULT_MODEL", "SMOLLM2_GGUF", "CAPTURE_DTYPES", "HUB_PROBE_S", "default_model_path", "check_model", "model_fingerprint"]
 
 #: the model id that selects the bundled SmolLM2-135M-Instruct GGUF.
 DEFAULT_MODEL = "smollm2"
@@ -90,6 +90,17 @@ def _resolve(model: str) -> _ModelRef:
     if _looks_like_path(model):
         raise FileNotFoundError(f"model path {model!r} does not exist")
     return _ModelRef(model, model, None, False, model)
+
+
+def model_fingerprint(model: str) -> str:
+    """What identifies ``model``'s weights in disk-cache and reuse keys: a registered model's pinned SHA-256 (its
+    file checked), a local file's resolved path and size, a local folder's path and ``config.json`` time, or
+    a Hugging Face id as given. Never written to results (it may hold a local path).
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`check_model` for a model that does not resolve.
+    """
+    return _resolve(model).fingerprint
 
 
 def _require_real_deps(*, gguf: bool, default_model: bool) -> None:
