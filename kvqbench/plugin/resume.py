@@ -204,6 +204,9 @@ def _announce(config: pytest.Config, st: Resume | None) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     config = session.config
     st = _open(config, [it.nodeid for it in session.items if cell_of(it) is not None])
+    for it in session.items:  # nothing is timed in a reused cell, deliberately: no pytest-benchmark warning
+        if st is not None and it.nodeid in st.reused and "benchmark" in getattr(it, "fixturenames", ()):
+            it.add_marker(pytest.mark.filterwarnings("ignore:Benchmark fixture was not used at all"))
     if not is_worker(config):
         _announce(config, st)
 
