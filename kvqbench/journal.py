@@ -97,8 +97,8 @@ class Journal:
         self.session = session
         self.records: dict[str, dict[str, Any]] = {}
         self.results: dict[str, dict[str, Any]] = {}
-        #: node ids journaled under another run context (other code, settings or data)
-        self.foreign: set[str] = set()
+        #: node ids earlier sessions journaled, under any run context
+        self.nodeids: set[str] = set()
         self.problem: str | None = None
 
     def load(self) -> "Journal":
@@ -114,13 +114,13 @@ class Journal:
                 continue
             if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("session") == self.session:
                 continue
+            self.nodeids.add(str(doc.get("nodeid")))
             if doc.get("context") != self.context:
-                self.foreign.add(str(doc.get("nodeid")))
-            elif isinstance(doc.get("record"), dict):
+                continue
+            if isinstance(doc.get("record"), dict):
                 self.records[str(doc.get("key"))] = doc["record"]
             elif isinstance(doc.get("result"), dict):
                 self.results[str(doc.get("key"))] = doc["result"]
-        self.foreign -= {r.get("nodeid") for r in self.records.values()}
         return self
 
     def record(self, key: str) -> dict[str, Any] | None:

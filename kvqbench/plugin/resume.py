@@ -190,7 +190,7 @@ def _announce(config: pytest.Config, st: Resume | None) -> None:
         more = f"; {len(st.stored)} more computed there rerun only their checks" if st.stored else ""
         msg = (f"kvqbench: reusing {len(st.reused)} of {len(st.keys)} cells from {where}/ (interrupted run of the "
                f"same code and settings{more}); --kvq-fresh recomputes all")
-    elif st.journal.foreign & set(st.keys):
+    elif st.journal.nodeids & set(st.keys):  # journaled under other keys
         msg = (f"kvqbench: {where}/ holds an interrupted run of other code, settings or data: its cells are "
                "computed again")
     tr = config.pluginmanager.get_plugin("terminalreporter")
