@@ -101,8 +101,9 @@ class Journal:
         self.nodeids: set[str] = set()
         self.problem: str | None = None
 
-    def load(self) -> "Journal":
-        """Read the lines earlier sessions wrote under this context (unreadable lines are skipped); returns self."""
+    def load(self, keys: set[str] | None = None) -> "Journal":
+        """Read the lines earlier sessions wrote under this context (unreadable lines are skipped), keeping
+        only those of ``keys`` when given (the cells a session collected); returns self."""
         try:
             text = self.path.read_text(encoding="utf-8", errors="replace")
         except OSError:
@@ -115,7 +116,7 @@ class Journal:
             if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("session") == self.session:
                 continue
             self.nodeids.add(str(doc.get("nodeid")))
-            if doc.get("context") != self.context:
+            if doc.get("context") != self.context or (keys is not None and doc.get("key") not in keys):
                 continue
             if isinstance(doc.get("record"), dict):
                 self.records[str(doc.get("key"))] = doc["record"]

@@ -159,16 +159,15 @@ def _open(config: pytest.Config, ids: list[str]) -> Resume | None:
     folder = out_dir(config, s, None, ids)
     context = context_digest(run_context(s))
     st.journal = Journal(folder, context, st.session)
-    if not st.fresh:
-        st.journal.load()
     data: dict[str, str] = {}
     for nodeid in ids:
         node = parse_nodeid(nodeid)
-        if node.cell is None:
-            continue
-        key = cell_key(context, file_digest(config.rootpath / node.path), _data_identity(node.cell.source, s, data),
-                       nodeid)
-        st.keys[nodeid] = key
+        if node.cell is not None:
+            st.keys[nodeid] = cell_key(context, file_digest(config.rootpath / node.path),
+                                       _data_identity(node.cell.source, s, data), nodeid)
+    if not st.fresh:
+        st.journal.load(set(st.keys.values()))
+    for nodeid, key in st.keys.items():
         if st.journal.record(key) is not None:
             st.reused.add(nodeid)
         elif st.journal.result(key) is not None:
