@@ -64,7 +64,7 @@ from kvqbench.experiments.nexttoken import ReferenceSide, block_metrics, next_to
 from kvqbench.experiments.reconstruction import CellResult
 from kvqbench.quantizers.base import Quantizer
 
-__all__ = ["source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
+__all__ = ["prompt_cache", "source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
            "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side", "CacheWriter",
            "ReferenceSide", "RowsHook", "run_model_rows", "run_endtoend_rows", "run_hidden_rows", "head_blocks",
            "model_rope", "HEAD_BLOCK"]
