@@ -252,7 +252,6 @@ def test_exp5_text_is_the_pinned_pydoc_topics_and_a_change_is_one_line() -> None
     """The text is the listed topics of this Python's ``pydoc_data.topics`` (hashed here independently with
     hashlib), and any edit of it stops with one line naming the Python."""
     import hashlib
-
     from pydoc_data.topics import topics
 
     from kvqbench.data import text as T
