@@ -294,27 +294,18 @@ def head_blocks(net: Any, hidden: torch.Tensor, first: int, stop: int):
 @torch.no_grad()
 def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], hook: KVCacheHook | None,
               *, first: int = 0) -> torch.Tensor:
-    """Run ``net`` over ``ids`` in forward calls of the spans ``chunks`` with a cache that applies ``hook``.
-
-    Args:
-        first: logits are returned from position ``first`` on (the LM head runs on the blocks that hold
-            them only; the KV cache, hence every later logit, is unaffected). ``0``: every position.
-    Returns:
-        Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t``
-        predicts token ``t+1``).
-    """
+    """Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t`` predicts
+    token ``t+1``) of ``net`` run over ``ids`` in forward calls of the spans ``chunks`` (from 0) with a
+    cache that applies ``hook``; the LM head runs on the blocks holding positions ``≥ first`` only."""
     return run_model_rows(net, [ids], chunks, hook, first=first)[0]
 
 
 @torch.no_grad()
 def run_model_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
                    hook: KVCacheHook | RowsHook | None, *, first: int = 0) -> torch.Tensor:
-    """:func:`run_model` over several token sequences of one length at once (see
-    :func:`run_hidden_rows`); holds every logit, so meant for small vocabularies and tests — the
-    experiment scores :func:`head_blocks` one block at a time.
+    """:func:`run_model` over several token sequences of one length at once (:func:`run_hidden_rows`):
+    logits ``(len(rows), len(row) − first, vocab)`` fp32; holds every logit (tests, small vocabularies).
 
-    Returns:
-        Logits ``(len(rows), len(row) − first, vocab)`` fp32.
     Raises:
         ValueError: no rows, or rows of different lengths.
     """
@@ -407,8 +398,7 @@ def _layer(data: KVData, i: int) -> KVData:
 
 def layer_methods(method: Quantizer, calibration: KVData) -> list[Quantizer]:
     """One copy of ``method`` per decoder layer; a data-dependent one is fitted on that layer's
-    calibration tokens (with their Fisher weights; pre-RoPE keys un-rotated with the layer's own table,
-    the keys the hook hands it), a local one is used as it is."""
+    calibration tokens (with their Fisher weights), a local one is used as it is."""
     out = []
     for i in range(int(calibration.k.shape[0])):
         m = copy.deepcopy(method)
@@ -469,7 +459,16 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     rows = [src.text_window_ids(i) for i in window_indices]
     pre_rope = any(m.k_pre_rope for m in methods)
     cos, sin = src.rope(cfg.window) if pre_rope else (None, None)
-    per_row = [layer_methods(m, src.calibration) for m in methods]
+    fits: dict[str, list[Quantizer]] = {}  # a fit the seed plays no part in is shared by the rows
+    shape = (1, *tuple(src.calibration.k.shape)[1:])
+    per_row = []
+    for m in methods:
+        key = json.dumps({k: repr(v) for k, v in m.params().items() if k != "seed"}) + type(m).__name__
+        if m.seeded_for(shape) or key not in fits:
+            per_row.append(layer_methods(m, src.calibration))
+            fits.setdefault(key, per_row[-1])
+        else:
+            per_row.append(copy.deepcopy(fits[key]))
     a, b = cfg.scored(cfg.regimes[0])
     results = []
     for method, i, ids in zip(methods, window_indices, rows):
