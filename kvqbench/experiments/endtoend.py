@@ -35,10 +35,15 @@ cross-entropy of the true next token, nats/token, minus the unquantized model's 
 and the bits billed (mean over layers of K and V bits per element at the full window).
 
 Logits are never held for a whole window: the decoder keeps its final hidden states, and the LM head
-(:func:`kvqbench.data.capture.lm_logits`) turns them into logits :data:`HEAD_BLOCK` positions at a time,
-each block scored at once — so a 262k vocabulary (Gemma 3) costs a block of ``(HEAD_BLOCK, vocab)``
-logits. Blocks are aligned to the continuation's first position, so the quantized and the unquantized
-run compute every logit with the same matrix shapes and the fp16 control stays bitwise exact.
+(:func:`kvqbench.data.capture.lm_logits`) turns them into logits :data:`HEAD_BLOCK` positions at a time
+— so a 262k vocabulary (Gemma 3) costs a block of ``(HEAD_BLOCK, vocab)`` logits. A window's
+continuations of both regimes go through the head as one stack (prefill's ``W − P`` positions, then
+decode's: one matrix product of ``2·(W − P)`` rows, which a CPU computes faster per row than two of
+``W − P``), the unquantized run's in the same stack, so the quantized and the unquantized run compute
+every logit with the same matrix shapes and the fp16 control stays bitwise exact. The unquantized side
+of the metrics (:class:`~kvqbench.experiments.nexttoken.ReferenceSide`), like the prompt's K/V, is
+computed once per window and process and shared by every setting on that window, and a data-dependent
+method's per-layer fit whose seed plays no part is computed once per process and shared by every window.
 
 Sliding-window layers (Gemma 3) need nothing of their own: the cache keeps every token, the model's mask
 hides the tokens outside the window; a model with a RoPE table per layer type gives each layer its own.
@@ -233,19 +238,22 @@ def _cache_kwarg(fn: Any) -> str:
 
 #: positions whose logits the LM head computes at a time, in blocks aligned to multiples of it (below
 #: about 16 rows a CPU GEMM may take another kernel path, another summation order: every run computes a
-#: position's logits in the same block shape, so they are bitwise the same for the same hidden states)
-HEAD_BLOCK = 64
+#: position's logits in the same block shape, so they are bitwise the same for the same hidden states);
+#: the full exp5 cells' stack of both regimes (2 × 64 positions) is one block
+HEAD_BLOCK = 128
 
 
 @torch.no_grad()
 def run_hidden_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
                     hook: KVCacheHook | RowsHook | None,
-                    prompt: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                    prompt: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, *,
+                    primed: bool = False) -> torch.Tensor:
     """Run ``net``'s decoder over several token sequences of one length, one batch row each, in forward
     calls of the spans ``chunks``, with a cache that applies ``hook`` (give each row its own hook with
     :class:`RowsHook`). ``prompt``: per decoder layer the exact K/V ``(len(rows), kv_heads, P, head_dim)``
     of the rows' first ``P`` tokens (:func:`prompt_cache`), given to the cache (and ``hook``) as its first
-    arrival before the chunks, which then start at ``P``.
+    arrival before the chunks, which then start at ``P``; ``primed``: ``hook`` holds that arrival already
+    (:meth:`KVCacheHook.extend`), the cache only stores it.
 
     On a CPU every row's values are bitwise those of a one-row run of the same sequence and hook (the
     model computes each row's values by the same kernels; checked by ``tests/unit/test_endtoend.py``):
@@ -267,9 +275,10 @@ def run_hidden_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tu
     dev = next(net.parameters()).device
     x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
     n = int(x.shape[0])
-    cache = quantized_cache(hook)
+    cache = quantized_cache(None if primed else hook)
     for layer, (k, v) in enumerate(prompt or ()):
         cache.update(k, v, layer)
+    cache.kvq_hook = hook
     kw = _cache_kwarg(decoder.forward)
     out = []
     for a, b in chunks:
@@ -329,11 +338,16 @@ class _Keep(CacheWriter):
 _CACHE: dict[tuple, Any] = {}
 #: the most bytes :data:`_CACHE` keeps (at least one entry is always kept)
 _MAX_CACHE_BYTES = 2**30
+#: per process, oldest first: the per-layer fits of data-dependent methods whose seed plays no part
+#: (:func:`layer_methods`), by source and method parameters
+_FITS: dict[tuple, list[Quantizer]] = {}
+#: the most fits :data:`_FITS` keeps
+_MAX_FITS = 4
 
 
 def _nbytes(v: Any) -> int:
-    if isinstance(v, ReferenceSide):
-        return v.logits.numel() * 4
+    if isinstance(v, tuple):  # the reference sides of a window's regimes
+        return sum(r.logits.numel() * 4 for r in v)
     return sum(k.numel() * k.element_size() * 2 for k, _ in v)
 
 
@@ -371,21 +385,37 @@ def prompt_cache(src: RealSource, rows: Sequence[list[int]], prompt: int) -> lis
             for i in range(len(per_row[0]))]
 
 
-def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig) -> list[ReferenceSide]:
-    """Per window of ``rows``: the :class:`ReferenceSide` of its scored positions under the regime's
-    schedule (cached per process like :func:`prompt_cache`: every method's cell on the window reuses it).
-    The windows not cached yet run as one batch."""
-    a, b = cfg.scored(regime)
+def _stack(hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per row, the regimes' final hidden states one after the other: ``(rows, Σ positions, hidden_size)``."""
+    return hidden[0] if len(hidden) == 1 else torch.cat(list(hidden), 1)
 
-    def compute(todo: list[list[int]]) -> list[ReferenceSide]:
-        hidden = run_hidden_rows(src.net, todo, cfg.chunks(regime), None, prompt_cache(src, todo, cfg.prompt))
+
+def _logits(net: Any, stack: torch.Tensor) -> torch.Tensor:
+    """The logits ``(positions, vocab)`` fp32 of one row's stack of final hidden states (:func:`head_blocks`)."""
+    blocks = [lg for _, _, lg in head_blocks(net, stack, 0, int(stack.shape[0]))]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 0)
+
+
+def _references(src: RealSource, rows: Sequence[list[int]], cfg: EndToEndConfig) -> list[tuple[ReferenceSide, ...]]:
+    """Per window of ``rows``: the :class:`ReferenceSide` of its scored positions under each regime's
+    schedule (in ``cfg.regimes`` order), its logits computed from the regimes' stack as a cell's are
+    (:func:`_stack`); cached per process like :func:`prompt_cache`: every method's cell on the window
+    reuses them. The windows not cached yet run as one batch."""
+    a, b = cfg.scored(cfg.regimes[0])
+    n = cfg.window - cfg.prompt
+
+    def compute(todo: list[list[int]]) -> list[tuple[ReferenceSide, ...]]:
+        prompt = prompt_cache(src, todo, cfg.prompt)
+        stack = _stack([run_hidden_rows(src.net, todo, cfg.chunks(r), None, prompt) for r in cfg.regimes])
         out = []
-        for ids, h in zip(todo, hidden):
-            logits = torch.cat([lg for _, _, lg in head_blocks(src.net, h, 0, b - a)], 0)
-            out.append(reference_side(logits, torch.tensor(ids[a + 1:b + 1], dtype=torch.long)))
+        for ids, h in zip(todo, stack):
+            logits = _logits(src.net, h)
+            t = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
+            out.append(tuple(reference_side(logits[i * n:i * n + b - a].clone(), t) for i in range(len(cfg.regimes))))
         return out
 
-    return _cached([_key(src, ids, tuple(cfg.chunks(regime)), (a, b)) for ids in rows], rows, compute)
+    what = tuple((r, tuple(cfg.chunks(r))) for r in cfg.regimes)
+    return _cached([_key(src, ids, "references", what, (a, b), HEAD_BLOCK) for ids in rows], rows, compute)
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -459,16 +489,20 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     rows = [src.text_window_ids(i) for i in window_indices]
     pre_rope = any(m.k_pre_rope for m in methods)
     cos, sin = src.rope(cfg.window) if pre_rope else (None, None)
-    fits: dict[str, list[Quantizer]] = {}  # a fit the seed plays no part in is shared by the rows
     shape = (1, *tuple(src.calibration.k.shape)[1:])
     per_row = []
     for m in methods:
-        key = json.dumps({k: repr(v) for k, v in m.params().items() if k != "seed"}) + type(m).__name__
-        if m.seeded_for(shape) or key not in fits:
+        if m.local_stats or m.seeded_for(shape):
             per_row.append(layer_methods(m, src.calibration))
-            fits.setdefault(key, per_row[-1])
-        else:
-            per_row.append(copy.deepcopy(fits[key]))
+            continue
+        # a fit the seed plays no part in: one per process, shared by every row and window (a copy each)
+        key = (src.model_name, src.device, src.window, type(m).__name__,
+               json.dumps({k: repr(v) for k, v in m.params().items() if k != "seed"}))
+        if key not in _FITS:
+            _FITS[key] = layer_methods(m, src.calibration)
+            while len(_FITS) > _MAX_FITS:
+                _FITS.pop(next(iter(_FITS)))
+        per_row.append(copy.deepcopy(_FITS[key]))
     a, b = cfg.scored(cfg.regimes[0])
     results = []
     for method, i, ids in zip(methods, window_indices, rows):
@@ -481,13 +515,25 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
                           "regimes": list(cfg.regimes), "k_pre_rope": bool(method.k_pre_rope)})
         results.append(res)
     prompt = prompt_cache(src, rows, cfg.prompt)
-    for regime in cfg.regimes:
-        hooks = [KVCacheHook(ms, streaming=regime == "decode", cos=cos, sin=sin) for ms in per_row]
-        hidden = run_hidden_rows(src.net, rows, cfg.chunks(regime), hooks[0] if len(hooks) == 1 else RowsHook(hooks),
-                                 prompt)
-        refs = _references(src, rows, regime, cfg)
-        for res, hook, h, side, ids in zip(results, hooks, hidden, refs, rows):
-            m = block_metrics(side, head_blocks(src.net, h, 0, b - a), torch.tensor(ids[a + 1:b + 1], dtype=torch.long))
+    first = [KVCacheHook(ms, streaming=False, cos=cos, sin=sin) for ms in per_row]  # the prompt's arrival
+    for r, hook in enumerate(first):
+        for layer, (k, v) in enumerate(prompt):
+            hook.extend(layer, k[r:r + 1], v[r:r + 1])
+    hooks, hidden = {}, []
+    for regime in cfg.regimes:  # quantized once for the regimes whose rules are the same (KVCacheHook.fork)
+        hs = hooks[regime] = [hook.fork(streaming=regime == "decode") for hook in first]
+        hidden.append(run_hidden_rows(src.net, rows, cfg.chunks(regime), hs[0] if len(hs) == 1 else RowsHook(hs),
+                                      prompt, primed=True))
+    stack = _stack(hidden)
+    del hidden
+    refs = _references(src, rows, cfg)
+    n = cfg.window - cfg.prompt
+    for r, (res, h, sides, ids) in enumerate(zip(results, stack, refs, rows)):
+        logits = _logits(src.net, h)
+        targets = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
+        for i, (regime, side) in enumerate(zip(cfg.regimes, sides)):
+            hook = hooks[regime][r]
+            m = block_metrics(side, [(0, b - a, logits[i * n:i * n + b - a])], targets)
             pre = f"e2e_{regime}_"
             for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
                 res.metrics[pre + name] = m[name]
@@ -496,4 +542,5 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
                 tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
             res.extra[regime] = {"loss_ref_nats": m["loss_ref_nats"], "forward_calls": len(cfg.chunks(regime)),
                                  **hook.describe()}
+        del logits
     return results

@@ -77,6 +77,33 @@ class KVCacheHook(CacheWriter):
         self.k = [Stream(m, "k", rules) for m in self.methods]
         self.v = [Stream(m, "v", rules) for m in self.methods]
 
+    def fork(self, *, streaming: bool) -> "KVCacheHook":
+        """A hook of the same methods and RoPE tables under the rules ``streaming`` selects, holding what it
+        would hold had it received this hook's arrivals so far (:meth:`Stream.fork`: a copy of each stream
+        whose rules are the same, so a prompt both regimes share is quantized once)."""
+        new = KVCacheHook(self.methods, streaming=streaming, cos=self.cos, sin=self.sin)
+        new.k = [s.fork(n.policy) for s, n in zip(self.k, new.k)]
+        new.v = [s.fork(n.policy) for s, n in zip(self.v, new.v)]
+        return new
+
+    @torch.no_grad()
+    def extend(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Feed the new tokens of ``layer`` (``(batch, kv_heads, n, head_dim)``, K post-RoPE, following the
+        tokens fed so far) to its streams, without building the view :meth:`write` builds.
+
+        Raises:
+            ValueError: ``layer`` beyond the methods given.
+        """
+        if layer >= len(self.methods):
+            raise ValueError(f"the model has more layers than methods given ({len(self.methods)})")
+        start = self.k[layer].length
+        stop = start + int(k_new.shape[-2])
+        rope = self._rope(layer) if self._pre(layer) else None
+        if rope is not None:
+            k_new = apply_rope(k_new, rope[0][start:stop], -rope[1][start:stop])  # RoPE⁻¹
+        self.k[layer].extend(k_new)
+        self.v[layer].extend(v_new)
+
     def _pre(self, layer: int) -> bool:
         return self.methods[layer].k_pre_rope
 
@@ -93,16 +120,8 @@ class KVCacheHook(CacheWriter):
         """:meth:`update` in place: feed the new tokens and overwrite the quantized tokens of ``k_out`` /
         ``v_out`` (the exact cache after the arrival, ``(batch, kv_heads, L, head_dim)``, e.g. a copy of
         it or one batch row of a copy) with their dequantized values."""
-        if layer >= len(self.methods):
-            raise ValueError(f"the model has more layers than methods given ({len(self.methods)})")
-        length = int(k_out.shape[-2])
-        start = length - int(k_new.shape[-2])
-        k_in = k_new
+        self.extend(layer, k_new, v_new)
         rope = self._rope(layer) if self._pre(layer) else None
-        if rope is not None:
-            k_in = apply_rope(k_new, rope[0][start:length], -rope[1][start:length])  # RoPE⁻¹
-        self.k[layer].extend(k_in)
-        self.v[layer].extend(v_new)
         self._state(self.k[layer], k_out, rope)
         self._state(self.v[layer], v_out, None)
 
