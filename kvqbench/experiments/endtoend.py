@@ -519,11 +519,17 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     for r, hook in enumerate(first):
         for layer, (k, v) in enumerate(prompt):
             hook.extend(layer, k[r:r + 1], v[r:r + 1])
-    hooks, hidden = {}, []
+    hidden, held = [], {}  # held: per regime, per row, what the cache held at the end (bits, description)
     for regime in cfg.regimes:  # quantized once for the regimes whose rules are the same (KVCacheHook.fork)
-        hs = hooks[regime] = [hook.fork(streaming=regime == "decode") for hook in first]
+        hs = [hook.fork(streaming=regime == "decode") for hook in first]
         hidden.append(run_hidden_rows(src.net, rows, cfg.chunks(regime), hs[0] if len(hs) == 1 else RowsHook(hs),
                                       prompt, primed=True))
+        held[regime] = [(hook.bits_billed(), hook.describe()) for hook in hs]
+        for res, hook in zip(results, hs):
+            for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
+                tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
+        del hs  # the regime's caches: one regime's are held at a time
+    del first
     stack = _stack(hidden)
     del hidden
     refs = _references(src, rows, cfg)
@@ -532,15 +538,13 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
         logits = _logits(src.net, h)
         targets = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
         for i, (regime, side) in enumerate(zip(cfg.regimes, sides)):
-            hook = hooks[regime][r]
             m = block_metrics(side, [(0, b - a, logits[i * n:i * n + b - a])], targets)
+            bits, described = held[regime][r]
             pre = f"e2e_{regime}_"
             for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
                 res.metrics[pre + name] = m[name]
-            res.metrics[pre + "bits_billed"] = hook.bits_billed()
-            for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
-                tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
+            res.metrics[pre + "bits_billed"] = bits
             res.extra[regime] = {"loss_ref_nats": m["loss_ref_nats"], "forward_calls": len(cfg.chunks(regime)),
-                                 **hook.describe()}
+                                 **described}
         del logits
     return results
