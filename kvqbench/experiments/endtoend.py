@@ -91,8 +91,8 @@ class EndToEndConfig:
     """
 
     window: int = 256
-    prompt: int = 192
-    block: int = 32
+    prompt: int = 224
+    block: int = 16
     regimes: tuple[str, ...] = REGIMES
 
     def __post_init__(self) -> None:
@@ -120,7 +120,7 @@ class EndToEndConfig:
 #: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`)
 CONFIG_BY_SIZE: dict[str, EndToEndConfig] = {
     "smoke": EndToEndConfig(window=64, prompt=48, block=8),
-    "full": EndToEndConfig(window=256, prompt=192, block=32),
+    "full": EndToEndConfig(window=256, prompt=224, block=16),
 }
 
 
