@@ -1,80 +1,77 @@
 """Experiment 5 — end-to-end damage on a small real model (docs/DESIGN.md §4): does the tensor error matter?
 
-The real model (``--kvq-model``, SmolLM2-135M by default) runs over a window of the shipped corpus with a
-method's quantize → dequantize applied **inside its KV cache**, where the model keeps K and V, and its
-next-token distributions are compared with the unquantized model's on the same text. This is a
-validation of the tensor metrics on one small model, not task accuracy.
+The real model (``--kvq-model``, SmolLM2-135M by default) reads a window of real prose with a method's
+quantize → dequantize applied **inside its KV cache** (:mod:`kvqbench.experiments.kvcache`: the cache
+stores exact K/V and hands attention the cache as the method holds it), and its next-token
+distributions are compared with the unquantized model's on the same text. This is a validation of the
+tensor metrics on one small model, not task accuracy.
 
-The hook (:func:`quantized_cache`) leaves the model alone, like Hugging Face's ``QuantizedCache``: it is a
-``transformers.DynamicCache`` whose ``update`` stores the exact K/V as usual and returns, instead of them,
-the cache *as the method holds it* — ``(batch, kv_heads, seq_len, head_dim)``, post-RoPE K exactly as the
-model caches it. No modeling code is edited, no attention is patched. Per decoder layer the cache keeps
-one :class:`~kvqbench.experiments.streaming.Stream` for K and one for V (the rules of exp2's
-pseudo-decode: each token is quantized once, when the method's stream policy releases it, and never
-re-quantized; fp16 sink / residual / partial-tile tokens are the exact values). A method that quantizes
-pre-RoPE keys by design (``k_pre_rope``, KVQuant) is given the keys un-rotated with the model's own RoPE
-tables and its output is rotated back, as experiment 1 does with the captured pre-RoPE keys.
+**Text.** Window ``i`` (``i`` = the cell's seed, the same text for every method and bits) is tokens
+``[i·W, (i+1)·W)`` of the pinned exp5 text (:mod:`kvqbench.data.text`: Python Language Reference topics
+read from the standard library's ``pydoc_data``, SHA-256 checked), tokenized without special tokens.
+Data-dependent methods (KVQuant's codebooks) are calibrated, per layer, on the first ``W`` tokens of the
+shipped ``corpus.txt`` with their Fisher weights (the capture of experiments 1–3), another text: no
+scored token is a calibration token.
 
-Regimes (both score against the unquantized model run with the *same* schedule of forward calls, so the
-fp16 control is bitwise exact):
+**Schedule.** Each window is a prompt of its first ``P`` tokens, read by the unquantized model in one
+forward call — as a serving engine prefills a prompt at full precision and then keeps its cache — and a
+continuation of ``W − P`` tokens read with the quantized cache. The prompt's forward call and its exact
+K/V are computed once per window and shared by the reference and every method's cell; each method's
+cache receives the prompt's K/V as its first arrival. Regimes (both score the same positions against
+the unquantized model run with the *same* schedule, so the fp16 control is bitwise exact):
 
-* **prefill** — the window in one forward pass; every layer's K and V are round-tripped as a whole
-  (one quantization per layer and kind, no streaming rules: exp1/exp2-static's view) before attention
-  uses them. Scored: every position ``t ∈ [0, W−1)`` (its logits predict token ``t+1``).
-* **decode** — a prefill of ``P`` tokens, then the rest arriving ``block`` tokens per forward call,
-  quantized under each method's stream policy (exp2's pseudo-decode). Scored: the positions a decoder
-  produces, ``t ∈ [P−1, W−1)``. ``W − P`` is a multiple of ``block``, so no one-token arrival exists
-  (a per-channel group of one token would round-trip losslessly); bits are billed from what is stored
-  anyway (every segment's stored bits + 16 bits per fp16 element), never from a nominal formula.
+* **prefill** — the continuation in one forward call; K and V are quantized as each arrival is whole
+  (no streaming rules: one round trip of the prompt, one of the continuation, per layer and kind) —
+  exp1/exp2-static's view.
+* **decode** — the continuation arriving ``block`` tokens per forward call under each method's stream
+  policy (exp2's pseudo-decode; fp16 sink / residual / partial-tile tokens exact). ``W − P`` is a
+  multiple of ``block``, so no one-token arrival exists. Bits are billed from what is stored (every
+  segment's stored bits + 16 bits per fp16 element), never from a nominal formula.
 
-Metrics per regime ``r`` (``e2e_{r}_…``): mean next-token ``KL(p‖p̂)`` in nats over the scored
-positions and its p99 over positions, top-1 agreement with the unquantized model, Δ loss (mean
-next-token cross-entropy of the true next token, nats/token, minus the unquantized model's on the same
-positions) and the bits billed (mean over layers of K and V bits per element at the full window).
+Scored: the positions ``t ∈ [P, W−1)`` the continuation produces (position ``t`` predicts token ``t+1``).
+Metrics per regime ``r`` (``e2e_{r}_…``): mean next-token ``KL(p‖p̂)`` in nats over the scored positions
+and its p99 over positions, top-1 agreement with the unquantized model, Δ loss (mean next-token
+cross-entropy of the true next token, nats/token, minus the unquantized model's on the same positions)
+and the bits billed (mean over layers of K and V bits per element at the full window).
 
-Logits are never held for a whole window: the model's decoder runs under the regime's schedule and keeps
-its final hidden states, and the LM head (:func:`kvqbench.data.capture.lm_logits`) turns them into
-logits :data:`HEAD_BLOCK` positions at a time, each block scored at once — so a 262k vocabulary (Gemma 3)
-costs a block of ``(HEAD_BLOCK, vocab)`` logits, not ``(W, vocab)``. Blocks are aligned to absolute
-positions, so the quantized and the unquantized run compute every logit with the same matrix shapes and
-the fp16 control stays bitwise exact.
+Logits are never held for a whole window: the decoder keeps its final hidden states, and the LM head
+(:func:`kvqbench.data.capture.lm_logits`) turns them into logits :data:`HEAD_BLOCK` positions at a time
+— so a 262k vocabulary (Gemma 3) costs a block of ``(HEAD_BLOCK, vocab)`` logits. A window's
+continuations of both regimes go through the head as one stack (prefill's ``W − P`` positions, then
+decode's: one matrix product of ``2·(W − P)`` rows, which a CPU computes faster per row than two of
+``W − P``), the unquantized run's in the same stack, so the quantized and the unquantized run compute
+every logit with the same matrix shapes and the fp16 control stays bitwise exact. The unquantized side
+of the metrics (:class:`~kvqbench.experiments.nexttoken.ReferenceSide`), like the prompt's K/V, is
+computed once per window and process and shared by every setting on that window, and a data-dependent
+method's per-layer fit whose seed plays no part is computed once per process and shared by every window.
 
-Sliding-window layers (Gemma 3's local attention) need nothing of their own: the cache keeps every token
-(a plain ``DynamicCache``, never the model's sliding one), the model's mask hides the tokens outside the
-window, and the method quantizes what the cache holds. Models with one RoPE table per layer type (Gemma
-3's local and global RoPE) give each layer its own table for the pre-RoPE path.
-
-Text: window ``i`` (``i`` = the cell's seed) is tokens ``[(i+1)·W, (i+2)·W)`` of the corpus token stream;
-data-dependent methods (KVQuant's codebooks) are calibrated, per layer, on tokens ``[0, W)`` — an
-independent part of the same text, with its Fisher weights (a capture with gradients), as experiments
-1–3 calibrate on independent tokens. Several seeds = several windows (and seeds of random methods) give
-a mean ± 95 % CI per setting.
+Sliding-window layers (Gemma 3) need nothing of their own: the cache keeps every token, the model's mask
+hides the tokens outside the window; a model with a RoPE table per layer type gives each layer its own.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import inspect
 import json
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from kvqbench.data.memory import release_after
-from kvqbench.data.types import KVData, apply_rope
+from kvqbench.data.types import KVData
 from kvqbench.experiments.common import check_positive_ints, fit_method, tally_nonfinite
+from kvqbench.experiments.kvcache import CacheWriter, KVCacheHook, RowsHook, quantized_cache
+from kvqbench.experiments.nexttoken import ReferenceSide, block_metrics, next_token_metrics, reference_side
+from kvqbench.experiments.realmodel import RealSource, load_source, model_rope, source_loaded
 from kvqbench.experiments.reconstruction import CellResult
-from kvqbench.experiments.streaming import Stream
-from kvqbench.numerics.attention import kl_rows
-from kvqbench.quantizers.base import Quantizer, StreamPolicy
+from kvqbench.quantizers.base import Quantizer
 
-__all__ = ["source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
-           "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side",
+__all__ = ["prompt_cache", "source_loaded", "EndToEndConfig", "CONFIG_BY_SIZE", "REGIMES", "KVCacheHook", "RealSource", "load_source",
+           "quantized_cache", "run_model", "run_endtoend", "next_token_metrics", "reference_side", "CacheWriter",
            "ReferenceSide", "RowsHook", "run_model_rows", "run_endtoend_rows", "run_hidden_rows", "head_blocks",
            "model_rope", "HEAD_BLOCK"]
 
@@ -88,290 +85,43 @@ class EndToEndConfig:
 
     Attributes:
         window: tokens per text window ``W``.
-        prefill: tokens of the decode regime's prefill ``P`` (``1 ≤ P < W``).
-        block: tokens per forward call after the prefill; ``W − P`` must be a multiple of it.
+        prompt: tokens ``P`` the unquantized model reads first (``1 ≤ P < W − 1``).
+        block: tokens per forward call of the decode regime; ``W − P`` must be a multiple of it.
         regimes: which regimes to run.
     """
 
     window: int = 256
-    prefill: int = 128
-    block: int = 32
+    prompt: int = 224
+    block: int = 16
     regimes: tuple[str, ...] = REGIMES
 
     def __post_init__(self) -> None:
-        check_positive_ints(self, "window", "prefill", "block")
-        if not self.prefill < self.window:
-            raise ValueError(f"prefill ({self.prefill}) must be shorter than the window ({self.window})")
-        if (self.window - self.prefill) % self.block:
-            raise ValueError(f"window − prefill ({self.window - self.prefill}) must be a multiple of block "
+        check_positive_ints(self, "window", "prompt", "block")
+        if not self.prompt < self.window - 1:
+            raise ValueError(f"prompt ({self.prompt}) must be shorter than the window ({self.window}) minus one")
+        if (self.window - self.prompt) % self.block:
+            raise ValueError(f"window − prompt ({self.window - self.prompt}) must be a multiple of block "
                              f"({self.block}): no short (e.g. one-token) last arrival")
         bad = [r for r in self.regimes if r not in REGIMES]
         if bad or not self.regimes:
             raise ValueError(f"regimes must be a non-empty subset of {REGIMES}, got {self.regimes!r}")
 
     def chunks(self, regime: str) -> list[tuple[int, int]]:
-        """The ``[start, stop)`` token spans of the forward calls of ``regime``."""
+        """The ``[start, stop)`` token spans of the forward calls of ``regime`` after the prompt."""
         if regime == "prefill":
-            return [(0, self.window)]
-        return [(0, self.prefill)] + [(a, a + self.block) for a in range(self.prefill, self.window, self.block)]
+            return [(self.prompt, self.window)]
+        return [(a, a + self.block) for a in range(self.prompt, self.window, self.block)]
 
     def scored(self, regime: str) -> tuple[int, int]:
-        """``[first, stop)`` positions whose next-token prediction is scored."""
-        return (0, self.window - 1) if regime == "prefill" else (self.prefill - 1, self.window - 1)
+        """``[first, stop)`` positions whose next-token prediction is scored (the same in both regimes)."""
+        return self.prompt, self.window - 1
 
 
 #: the configuration of the benchmark cells per cell size (see :data:`kvqbench.cells.SIZES`)
 CONFIG_BY_SIZE: dict[str, EndToEndConfig] = {
-    "smoke": EndToEndConfig(window=64, prefill=32, block=16),
-    "full": EndToEndConfig(window=256, prefill=128, block=32),
+    "smoke": EndToEndConfig(window=64, prompt=48, block=8),
+    "full": EndToEndConfig(window=256, prompt=224, block=16),
 }
-
-
-# --------------------------------------------------------------------------------------------------
-# the cache hook
-class CacheWriter:
-    """A cache hook whose :meth:`update` is its in-place :meth:`write` on a copy of the exact cache."""
-
-    @torch.no_grad()
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
-               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed the new tokens of ``layer`` and return its K and V as the hook holds them.
-
-        Args:
-            k_new, v_new: the arriving tokens ``(batch, kv_heads, n, head_dim)`` (K post-RoPE).
-            k_all, v_all: the exact cache after the arrival ``(batch, kv_heads, L, head_dim)``.
-        Returns:
-            ``(K̂, V̂)`` of ``k_all``'s shape: quantized tokens dequantized (K rotated back to post-RoPE for
-            a pre-RoPE method), fp16 tokens exact.
-        Raises:
-            ValueError: ``layer`` beyond the methods given.
-        """
-        k_out, v_out = k_all.clone(), v_all.clone()
-        self.write(layer, k_new, v_new, k_out, v_out)
-        return k_out, v_out
-
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_out: torch.Tensor,
-              v_out: torch.Tensor) -> None:
-        """Feed the new tokens and overwrite ``k_out`` / ``v_out`` (a copy of the exact cache) in place."""
-        raise NotImplementedError
-
-
-class KVCacheHook(CacheWriter):
-    """The quantized view of a model's KV cache: per layer a :class:`Stream` for K and one for V.
-
-    Args:
-        methods: one configured (and fitted) quantizer per decoder layer.
-        streaming: ``True`` — each method's stream policy (decode); ``False`` — no rules, every arrival
-            quantized as a whole (prefill in one call = one round trip per layer and kind).
-        cos, sin: the model's RoPE tables for every position the cache will see, ``(positions,
-            head_dim)`` for every layer or ``(layers, positions, head_dim)`` per layer; needed when a
-            method quantizes pre-RoPE keys.
-    Raises:
-        ValueError: a pre-RoPE method without RoPE tables.
-    """
-
-    def __init__(self, methods: Sequence[Quantizer], *, streaming: bool,
-                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:
-        self.methods = list(methods)
-        self.cos, self.sin = cos, sin
-        if any(m.k_pre_rope for m in self.methods) and (cos is None or sin is None):
-            raise ValueError("a method quantizes pre-RoPE keys: pass the model's RoPE tables (cos, sin)")
-        rules = None if streaming else StreamPolicy()  # None: the method's own stream policy
-        self.k = [Stream(m, "k", rules) for m in self.methods]
-        self.v = [Stream(m, "v", rules) for m in self.methods]
-
-    def _pre(self, layer: int) -> bool:
-        return self.methods[layer].k_pre_rope
-
-    def _rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer``'s RoPE tables ``(positions, head_dim)``."""
-        assert self.cos is not None and self.sin is not None
-        if self.cos.dim() == 3:
-            return self.cos[layer], self.sin[layer]
-        return self.cos, self.sin
-
-    @torch.no_grad()
-    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_out: torch.Tensor,
-              v_out: torch.Tensor) -> None:
-        """:meth:`update` in place: feed the new tokens and overwrite the quantized tokens of ``k_out`` /
-        ``v_out`` (the exact cache after the arrival, ``(batch, kv_heads, L, head_dim)``, e.g. a copy of
-        it or one batch row of a copy) with their dequantized values."""
-        if layer >= len(self.methods):
-            raise ValueError(f"the model has more layers than methods given ({len(self.methods)})")
-        length = int(k_out.shape[-2])
-        start = length - int(k_new.shape[-2])
-        k_in = k_new
-        rope = self._rope(layer) if self._pre(layer) else None
-        if rope is not None:
-            k_in = apply_rope(k_new, rope[0][start:length], -rope[1][start:length])  # RoPE⁻¹
-        self.k[layer].extend(k_in)
-        self.v[layer].extend(v_new)
-        self._state(self.k[layer], k_out, rope)
-        self._state(self.v[layer], v_out, None)
-
-    def _state(self, stream: Stream, out: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        res = stream.result(0)
-        s, q = res.boundary(stream.length)
-        if q > s:
-            xh = res.x_hat[..., s:q, :]
-            if rope is not None:
-                xh = apply_rope(xh, rope[0][s:q], rope[1][s:q])
-            out[..., s:q, :] = xh.to(out.dtype)
-
-    def bits_billed(self) -> float:
-        """Mean over layers of the K and V bits per element billed at the current length."""
-        vals = []
-        for sk, sv in zip(self.k, self.v):
-            n = sk.length
-            vals.append(0.5 * (sk.result(0).effective_bits(n) + sv.result(0).effective_bits(n)))
-        return math.fsum(vals) / len(vals)
-
-    def describe(self) -> dict[str, Any]:
-        """Policies, fp16 tokens at the current length and segment counts (layer 0; every layer alike)."""
-        sk, sv = self.k[0], self.v[0]
-        return {"policy": {"k": dataclasses.asdict(sk.policy), "v": dataclasses.asdict(sv.policy)},
-                "fp16_tokens": {"k": sk.result(0).fp16_tokens(sk.length), "v": sv.result(0).fp16_tokens(sv.length)},
-                "segments": {"k": len(sk.segments), "v": len(sv.segments)}}
-
-
-class RowsHook:
-    """Independent :class:`KVCacheHook` s, one per batch row: row ``r`` of every arrival goes to
-    ``hooks[r]`` alone, so each row's streams (and any per-tensor statistics) see exactly the tokens a
-    one-row run of the same window would, and never another row's.
-
-    Args:
-        hooks: one hook per batch row (each with its own methods, e.g. differently seeded).
-    Raises:
-        ValueError: no hook.
-    """
-
-    def __init__(self, hooks: Sequence[KVCacheHook]) -> None:
-        self.hooks = list(hooks)
-        if not self.hooks:
-            raise ValueError("RowsHook needs at least one hook")
-
-    @torch.no_grad()
-    def update(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor, k_all: torch.Tensor,
-               v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`KVCacheHook.update` row by row (shapes as there, ``batch`` = the number of hooks).
-
-        Raises:
-            ValueError: a batch of another size than the hooks.
-        """
-        if int(k_all.shape[0]) != len(self.hooks):
-            raise ValueError(f"batch of {int(k_all.shape[0])} rows for {len(self.hooks)} hooks")
-        k_out, v_out = k_all.clone(), v_all.clone()
-        for r, hook in enumerate(self.hooks):
-            hook.write(layer, k_new[r:r + 1], v_new[r:r + 1], k_out[r:r + 1], v_out[r:r + 1])
-        return k_out, v_out
-
-
-@functools.lru_cache(maxsize=1)
-def _cache_class() -> type:
-    from transformers import DynamicCache
-
-    class QuantizedKVCache(DynamicCache):
-        """A ``DynamicCache`` that stores exact K/V and hands attention the quantized view of
-        :class:`KVCacheHook` (``None``: a pass-through, the plain cache)."""
-
-        def __init__(self, hook: KVCacheHook | None) -> None:
-            super().__init__()
-            self.kvq_hook = hook
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[override]
-            keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            if self.kvq_hook is None:
-                return keys, values
-            return self.kvq_hook.update(layer_idx, key_states, value_states, keys, values)
-
-    return QuantizedKVCache
-
-
-def quantized_cache(hook: KVCacheHook | None) -> Any:
-    """A ``transformers.DynamicCache`` subclass instance whose ``update`` returns ``hook``'s quantized view
-    (``None``: a plain cache). Pass it to the model as its cache."""
-    return _cache_class()(hook)
-
-
-# --------------------------------------------------------------------------------------------------
-# the model side
-@dataclass
-class RealSource:
-    """The model, its tokenizer and the calibration capture of one (model, window) setting."""
-
-    model_name: str
-    net: Any
-    tokenizer: Any
-    calibration: KVData
-    window: int
-    device: str
-    _windows: dict[int, list[int]] = dataclasses.field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def n_layers(self) -> int:
-        return int(self.calibration.k.shape[0])
-
-    def window_ids(self, index: int) -> list[int]:
-        """Tokens ``[(index+1)·W, (index+2)·W)`` of the corpus token stream (window ``index``)."""
-        from kvqbench.data.capture import _tokens
-
-        if not isinstance(index, int) or index < 0:
-            raise ValueError(f"window index must be an int >= 0, got {index!r}")
-        if index not in self._windows:  # tokenizing the corpus is the same work for every cell
-            w = self.window
-            ids, _ = _tokens(self.tokenizer, (index + 2) * w)
-            self._windows[index] = ids[(index + 1) * w:(index + 2) * w]
-        return list(self._windows[index])
-
-    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's RoPE tables per layer ``(layers, length, head_dim)`` fp32 for positions
-        ``0 … length−1`` (a model with one table per layer type, e.g. Gemma 3, gives each layer its type's)."""
-        return model_rope(self.net, length, self.device)
-
-
-def model_rope(net: Any, length: int, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """``net``'s RoPE tables per decoder layer ``(layers, length, head_dim)`` fp32 for positions
-    ``0 … length−1``, from its own rotary-embedding module (called once per layer type where its config
-    has ``layer_types`` and the module takes one)."""
-    from kvqbench.data.capture import _decoder
-
-    rotary = _decoder(net).rotary_emb
-    pos = torch.arange(length, device=device)[None]
-    dummy = torch.zeros(1, length, 1, device=device, dtype=torch.float32)
-    n_layers = int(net.config.num_hidden_layers)
-    types = getattr(net.config, "layer_types", None)
-    if types is None or "layer_type" not in inspect.signature(rotary.forward).parameters:
-        cos, sin = rotary(dummy, pos)
-        return cos[0].float().expand(n_layers, -1, -1), sin[0].float().expand(n_layers, -1, -1)
-    table = {t: rotary(dummy, pos, t) for t in dict.fromkeys(types)}
-    return (torch.stack([table[t][0][0].float() for t in types]),
-            torch.stack([table[t][1][0].float() for t in types]))
-
-
-_SOURCES: dict[tuple, RealSource] = {}
-
-
-def source_loaded(*, model: str, window: int, device: str = "cpu") -> bool:
-    """Whether :func:`load_source` already holds this source in this process (no load to pay)."""
-    return (model, window, device) in _SOURCES
-
-
-def load_source(*, model: str, window: int, device: str = "cpu", cache_dir: str | None = None) -> RealSource:
-    """The model (loaded once per process, :func:`kvqbench.data.capture.load_model`) and a calibration
-    capture of the first ``window`` tokens (all layers, with Fisher weights; disk-cached in
-    ``cache_dir``, like a GGUF model's converted weights). Cached per process.
-
-    Raises:
-        MissingDependencyError, FileNotFoundError, ValueError: see :func:`kvqbench.data.capture.capture_kv`.
-    """
-    key = (model, window, device)
-    if key not in _SOURCES:
-        from kvqbench.data.capture import capture_kv, load_model
-
-        net, tok = load_model(model, device=device, cache_dir=cache_dir)
-        cal = capture_kv(model=model, seq_len=window, with_grads=True, device=device, cache_dir=cache_dir)
-        _SOURCES[key] = RealSource(model, net, tok, cal, window, device)
-    return _SOURCES[key]
 
 
 def _cache_kwarg(fn: Any) -> str:
@@ -381,16 +131,22 @@ def _cache_kwarg(fn: Any) -> str:
 
 #: positions whose logits the LM head computes at a time, in blocks aligned to multiples of it (below
 #: about 16 rows a CPU GEMM may take another kernel path, another summation order: every run computes a
-#: position's logits in the same block shape, so they are bitwise the same for the same hidden states)
-HEAD_BLOCK = 64
+#: position's logits in the same block shape, so they are bitwise the same for the same hidden states);
+#: the full exp5 cells' stack of both regimes (2 × 64 positions) is one block
+HEAD_BLOCK = 128
 
 
 @torch.no_grad()
 def run_hidden_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
-                    hook: KVCacheHook | RowsHook | None) -> torch.Tensor:
+                    hook: KVCacheHook | RowsHook | None,
+                    prompt: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, *,
+                    primed: bool = False) -> torch.Tensor:
     """Run ``net``'s decoder over several token sequences of one length, one batch row each, in forward
     calls of the spans ``chunks``, with a cache that applies ``hook`` (give each row its own hook with
-    :class:`RowsHook`).
+    :class:`RowsHook`). ``prompt``: per decoder layer the exact K/V ``(len(rows), kv_heads, P, head_dim)``
+    of the rows' first ``P`` tokens (:func:`prompt_cache`), given to the cache (and ``hook``) as its first
+    arrival before the chunks, which then start at ``P``; ``primed``: ``hook`` holds that arrival already
+    (:meth:`KVCacheHook.extend`), the cache only stores it.
 
     On a CPU every row's values are bitwise those of a one-row run of the same sequence and hook (the
     model computes each row's values by the same kernels; checked by ``tests/unit/test_endtoend.py``):
@@ -398,8 +154,8 @@ def run_hidden_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tu
     are too small to use the CPU well one row at a time.
 
     Returns:
-        The final hidden states (after the model's last norm) ``(len(rows), len(row), hidden_size)`` in
-        the model's dtype; :func:`head_blocks` turns them into logits.
+        The final hidden states (after the model's last norm) of the chunks' positions ``(len(rows),
+        Σ chunk lengths, hidden_size)`` in the model's dtype; :func:`head_blocks` turns them into logits.
     Raises:
         ValueError: no rows, or rows of different lengths.
     """
@@ -412,7 +168,10 @@ def run_hidden_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tu
     dev = next(net.parameters()).device
     x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
     n = int(x.shape[0])
-    cache = quantized_cache(hook)
+    cache = quantized_cache(None if primed else hook)
+    for layer, (k, v) in enumerate(prompt or ()):
+        cache.update(k, v, layer)
+    cache.kvq_hook = hook
     kw = _cache_kwarg(decoder.forward)
     out = []
     for a, b in chunks:
@@ -437,27 +196,18 @@ def head_blocks(net: Any, hidden: torch.Tensor, first: int, stop: int):
 @torch.no_grad()
 def run_model(net: Any, ids: Sequence[int], chunks: Sequence[tuple[int, int]], hook: KVCacheHook | None,
               *, first: int = 0) -> torch.Tensor:
-    """Run ``net`` over ``ids`` in forward calls of the spans ``chunks`` with a cache that applies ``hook``.
-
-    Args:
-        first: logits are returned from position ``first`` on (the LM head runs on the blocks that hold
-            them only; the KV cache, hence every later logit, is unaffected). ``0``: every position.
-    Returns:
-        Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t``
-        predicts token ``t+1``).
-    """
+    """Logits ``(len(ids) − first, vocab)`` fp32 of positions ``first … len(ids)−1`` (position ``t`` predicts
+    token ``t+1``) of ``net`` run over ``ids`` in forward calls of the spans ``chunks`` (from 0) with a
+    cache that applies ``hook``; the LM head runs on the blocks holding positions ``≥ first`` only."""
     return run_model_rows(net, [ids], chunks, hook, first=first)[0]
 
 
 @torch.no_grad()
 def run_model_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]],
                    hook: KVCacheHook | RowsHook | None, *, first: int = 0) -> torch.Tensor:
-    """:func:`run_model` over several token sequences of one length at once (see
-    :func:`run_hidden_rows`); holds every logit, so meant for small vocabularies and tests — the
-    experiment scores :func:`head_blocks` one block at a time.
+    """:func:`run_model` over several token sequences of one length at once (:func:`run_hidden_rows`):
+    logits ``(len(rows), len(row) − first, vocab)`` fp32; holds every logit (tests, small vocabularies).
 
-    Returns:
-        Logits ``(len(rows), len(row) − first, vocab)`` fp32.
     Raises:
         ValueError: no rows, or rows of different lengths.
     """
@@ -466,99 +216,99 @@ def run_model_rows(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tup
     return torch.stack([torch.cat([lg for _, _, lg in head_blocks(net, h, first, stop)], 0) for h in hidden])
 
 
-@dataclass(frozen=True)
-class ReferenceSide:
-    """The unquantized side of :func:`next_token_metrics` for some positions, computed once and shared
-    by every method's cell on the same text: the logits ``(positions, vocab)`` fp32, the top-1 tokens
-    and the cross-entropy of the true next tokens ``(positions,)`` fp64."""
+class _Keep(CacheWriter):
+    """A pass-through hook that keeps each layer's arriving K/V (the exact prompt cache)."""
 
-    logits: torch.Tensor
-    top1: torch.Tensor
-    nll: torch.Tensor
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-
-def reference_side(logits_ref: torch.Tensor, targets: torch.Tensor) -> ReferenceSide:
-    """:class:`ReferenceSide` of the unquantized ``logits_ref`` ``(positions, vocab)`` and the true next
-    tokens ``targets`` ``(positions,)`` (cross-entropy in float64, :data:`_METRIC_ROWS` rows at a time)."""
-    t = targets.to(logits_ref.device).long()[:, None]
-    nll = [-torch.log_softmax(logits_ref[r:r + _METRIC_ROWS].double(), -1).gather(-1, t[r:r + _METRIC_ROWS])[:, 0]
-           for r in range(0, int(logits_ref.shape[0]), _METRIC_ROWS)]
-    nll_all = torch.cat(nll) if nll else torch.zeros(0, dtype=torch.float64)
-    return ReferenceSide(logits_ref.float(), logits_ref.argmax(-1), nll_all)
+    def update(self, layer, k_new, v_new, k_all, v_all):  # type: ignore[override]
+        self.kv[layer] = (k_new, v_new)
+        return k_all, v_all
 
 
-#: rows of :func:`next_token_metrics`' fp64 work at a time (2 × vocab 49 152 × 8 B ≈ 0.8 MB)
-_METRIC_ROWS = 2
+#: per process, least recently used first: each window's exact prompt K/V and reference sides
+_CACHE: dict[tuple, Any] = {}
+#: the most bytes :data:`_CACHE` keeps (at least one entry is always kept)
+_MAX_CACHE_BYTES = 2**30
+#: per process, oldest first: the per-layer fits of data-dependent methods whose seed plays no part
+#: (:func:`layer_methods`), by source and method parameters
+_FITS: dict[tuple, list[Quantizer]] = {}
+#: the most fits :data:`_FITS` keeps
+_MAX_FITS = 4
 
 
-def next_token_metrics(logits_ref: torch.Tensor | None, logits: torch.Tensor, targets: torch.Tensor, *,
-                       reference: ReferenceSide | None = None) -> dict[str, Any]:
-    """Next-token damage of ``logits`` against ``logits_ref`` ``(positions, vocab)``.
-
-    ``targets`` ``(positions,)`` are the true next tokens. Computed in float64. Returns ``kl_nats``
-    (mean over positions of ``KL(p‖p̂)``, ``p = softmax(logits_ref)``; each term ≥ 0), ``kl_p99_nats``
-    (its 99th percentile over positions, linear interpolation), ``top1_agree`` (share of positions whose
-    argmax agrees, in ``[0, 1]``), ``dloss_nats`` (mean cross-entropy of ``targets`` under ``logits``
-    minus under ``logits_ref``), ``loss_ref_nats`` and the per-position KL list. ``reference``: the
-    precomputed :func:`reference_side` of ``(logits_ref, targets)`` (the same values, computed once;
-    ``logits_ref`` may then be ``None``).
-
-    Raises:
-        ValueError: neither ``logits_ref`` nor ``reference`` given.
-    """
-    if reference is None and logits_ref is None:
-        raise ValueError("next_token_metrics needs logits_ref or reference")
-    ref = reference_side(logits_ref, targets) if reference is None else reference
-    return _block_metrics(ref, [(0, int(logits.shape[0]), logits)], targets)
+def _nbytes(v: Any) -> int:
+    if isinstance(v, tuple):  # the reference sides of a window's regimes
+        return sum(r.logits.numel() * 4 for r in v)
+    return sum(k.numel() * k.element_size() * 2 for k, _ in v)
 
 
-def _block_metrics(ref: ReferenceSide, blocks: Any, targets: torch.Tensor) -> dict[str, Any]:
-    """:func:`next_token_metrics` from the logits given as ``(a, b, logits[a:b])`` blocks covering the
-    reference's positions in order; every value is per position, so the result does not depend on the
-    blocking. The fp64 work runs :data:`_METRIC_ROWS` rows at a time (each row's values are the same as
-    in one pass, but the temporaries stay small)."""
-    t = targets.long()[:, None]
-    kls, nlls, agree = [], [], []
-    for a, b, lg in blocks:
-        agree.append(ref.top1[a:b].to(lg.device) == lg.argmax(-1))
-        for r in range(0, b - a, _METRIC_ROWS):
-            x, y = a + r, min(a + r + _METRIC_ROWS, b)
-            lp = torch.log_softmax(ref.logits[x:y].double(), -1)
-            lq = torch.log_softmax(lg[r:r + y - x].double(), -1)
-            kls.append(kl_rows(lp, lq.to(lp.device), lp.exp()))
-            nlls.append(-lq.gather(-1, t[x:y].to(lq.device))[:, 0].to(lp.device))
-    kl, nll = torch.cat(kls), torch.cat(nlls)
-    agr = torch.cat(agree).double()
-    return {"kl_nats": float(kl.mean()), "kl_p99_nats": float(torch.quantile(kl, 0.99)),
-            "top1_agree": float(agr.mean()), "dloss_nats": float((nll - ref.nll.to(nll.device)).mean()),
-            "loss_ref_nats": float(ref.nll.mean()), "kl_per_position": [float(v) for v in kl]}
-
-
-_REFERENCES: dict[tuple, ReferenceSide] = {}
-#: the most bytes of reference logits kept per process (at least one reference is always kept)
-_MAX_REFERENCE_BYTES = 2**30
-
-
-def _references(src: RealSource, rows: Sequence[list[int]], regime: str, cfg: EndToEndConfig) -> list[ReferenceSide]:
-    """Per window of ``rows``: the :class:`ReferenceSide` of its scored positions (``cfg.scored(regime)``)
-    under the regime's forward schedule (cached per process within :data:`_MAX_REFERENCE_BYTES`: every
-    method's cell on the same window reuses it). The windows not cached yet run as one batch
-    (:func:`run_hidden_rows`)."""
-    a, b = cfg.scored(regime)
-    keys = [(src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
-             tuple(cfg.chunks(regime)), (a, b)) for ids in rows]
-    got = {k: _REFERENCES[k] for k in keys if k in _REFERENCES}
+def _cached(keys: Sequence[tuple], rows: Sequence[list[int]], compute: Any) -> list[Any]:
+    """The values of ``keys`` from :data:`_CACHE`; the missing ones computed together by ``compute(rows
+    of the missing keys)`` (one value per row) and kept, least recently used evicted beyond
+    :data:`_MAX_CACHE_BYTES`."""
+    got = {k: _CACHE.pop(k) for k in keys if k in _CACHE}
     todo = {k: ids for k, ids in zip(keys, rows) if k not in got}
     if todo:
-        hidden = run_hidden_rows(src.net, list(todo.values()), cfg.chunks(regime), None)
-        for (key, ids), h in zip(todo.items(), hidden):
-            logits = torch.cat([lg for _, _, lg in head_blocks(src.net, h, a, b)], 0)
-            got[key] = reference_side(logits, torch.tensor(ids[a + 1:b + 1], dtype=torch.long))
-            size = got[key].logits.numel() * 4
-            while _REFERENCES and sum(r.logits.numel() * 4 for r in _REFERENCES.values()) + size > _MAX_REFERENCE_BYTES:
-                _REFERENCES.pop(next(iter(_REFERENCES)))
-            _REFERENCES[key] = got[key]
+        got.update(zip(todo, compute(list(todo.values()))))
+    for k in keys:
+        _CACHE[k] = got[k]  # most recently used last
+    while len(_CACHE) > 1 and sum(_nbytes(v) for v in _CACHE.values()) > _MAX_CACHE_BYTES:
+        _CACHE.pop(next(iter(_CACHE)))
     return [got[k] for k in keys]
+
+
+def _key(src: RealSource, ids: list[int], *what: Any) -> tuple:
+    return (src.model_name, src.device, hashlib.sha256(json.dumps(ids).encode()).hexdigest()) + what
+
+
+def prompt_cache(src: RealSource, rows: Sequence[list[int]], prompt: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The exact K/V of the first ``prompt`` tokens of each row, per decoder layer, stacked over the rows
+    ``(len(rows), kv_heads, prompt, head_dim)`` (post-RoPE K): one unquantized forward call per window,
+    cached per process and shared by the reference and every method's cell on that window."""
+    def compute(todo: list[list[int]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        keep = _Keep()
+        run_hidden_rows(src.net, todo, [(0, prompt)], keep)
+        return [[(k[r:r + 1].clone(), v[r:r + 1].clone()) for _, (k, v) in sorted(keep.kv.items())]
+                for r in range(len(todo))]
+
+    per_row = _cached([_key(src, ids, "prompt", prompt) for ids in rows], rows, compute)
+    return [(torch.cat([p[i][0] for p in per_row]), torch.cat([p[i][1] for p in per_row]))
+            for i in range(len(per_row[0]))]
+
+
+def _stack(hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per row, the regimes' final hidden states one after the other: ``(rows, Σ positions, hidden_size)``."""
+    return hidden[0] if len(hidden) == 1 else torch.cat(list(hidden), 1)
+
+
+def _logits(net: Any, stack: torch.Tensor) -> torch.Tensor:
+    """The logits ``(positions, vocab)`` fp32 of one row's stack of final hidden states (:func:`head_blocks`)."""
+    blocks = [lg for _, _, lg in head_blocks(net, stack, 0, int(stack.shape[0]))]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 0)
+
+
+def _references(src: RealSource, rows: Sequence[list[int]], cfg: EndToEndConfig) -> list[tuple[ReferenceSide, ...]]:
+    """Per window of ``rows``: the :class:`ReferenceSide` of its scored positions under each regime's
+    schedule (in ``cfg.regimes`` order), its logits computed from the regimes' stack as a cell's are
+    (:func:`_stack`); cached per process like :func:`prompt_cache`: every method's cell on the window
+    reuses them. The windows not cached yet run as one batch."""
+    a, b = cfg.scored(cfg.regimes[0])
+    n = cfg.window - cfg.prompt
+
+    def compute(todo: list[list[int]]) -> list[tuple[ReferenceSide, ...]]:
+        prompt = prompt_cache(src, todo, cfg.prompt)
+        stack = _stack([run_hidden_rows(src.net, todo, cfg.chunks(r), None, prompt) for r in cfg.regimes])
+        out = []
+        for ids, h in zip(todo, stack):
+            logits = _logits(src.net, h)
+            t = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
+            out.append(tuple(reference_side(logits[i * n:i * n + b - a].clone(), t) for i in range(len(cfg.regimes))))
+        return out
+
+    what = tuple((r, tuple(cfg.chunks(r))) for r in cfg.regimes)
+    return _cached([_key(src, ids, "references", what, (a, b), HEAD_BLOCK) for ids in rows], rows, compute)
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -571,8 +321,7 @@ def _layer(data: KVData, i: int) -> KVData:
 
 def layer_methods(method: Quantizer, calibration: KVData) -> list[Quantizer]:
     """One copy of ``method`` per decoder layer; a data-dependent one is fitted on that layer's
-    calibration tokens (with their Fisher weights; pre-RoPE keys un-rotated with the layer's own table,
-    the keys the hook hands it), a local one is used as it is."""
+    calibration tokens (with their Fisher weights), a local one is used as it is."""
     out = []
     for i in range(int(calibration.k.shape[0])):
         m = copy.deepcopy(method)
@@ -585,7 +334,7 @@ def layer_methods(method: Quantizer, calibration: KVData) -> list[Quantizer]:
 @torch.no_grad()
 def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
                  config: EndToEndConfig | None = None) -> CellResult:
-    """Run experiment 5 for one method on window ``window_index`` of the corpus.
+    """Run experiment 5 for one method on window ``window_index`` of the exp5 text.
 
     Args:
         method: a configured quantizer (copied per layer; copies of a data-dependent one are fitted on
@@ -593,14 +342,14 @@ def run_endtoend(method: Quantizer, src: RealSource, window_index: int,
         src: the model and calibration capture (:func:`load_source`); ``src.window`` must equal
             ``config.window``.
         window_index: which text window (see module doc); the cells use their seed.
-        config: window, prefill, block, regimes (default :class:`EndToEndConfig`).
+        config: window, prompt, block, regimes (default :class:`EndToEndConfig`).
     Returns:
         :class:`~kvqbench.experiments.reconstruction.CellResult` with metrics ``e2e_{regime}_kl_nats``,
         ``…_kl_p99_nats``, ``…_top1_agree``, ``…_dloss_nats``, ``…_bits_billed`` and ``extra`` (window,
         schedule, scored positions, reference loss, stream policies, token hash, and the non-finite
         element counts of the cache contents, :data:`~kvqbench.experiments.common.ROUNDTRIP_NONFINITE`).
     Raises:
-        ValueError: a config whose window differs from the source's.
+        ValueError: a config whose window differs from the source's; a window beyond the text.
     """
     return run_endtoend_rows([method], src, [window_index], config)[0]
 
@@ -623,39 +372,72 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
         ValueError: no row, ``methods`` and ``window_indices`` of different lengths, or a config whose
             window differs from the source's.
     """
+    from kvqbench.data.text import SOURCE, TEXT_SHA256
+
     cfg = config or EndToEndConfig()
     if cfg.window != src.window:
         raise ValueError(f"config window {cfg.window} != the source's calibration window {src.window}")
     if not methods or len(methods) != len(window_indices):
         raise ValueError(f"one window per method: got {len(methods)} methods and {len(window_indices)} windows")
-    rows = [src.window_ids(i) for i in window_indices]
+    rows = [src.text_window_ids(i) for i in window_indices]
     pre_rope = any(m.k_pre_rope for m in methods)
     cos, sin = src.rope(cfg.window) if pre_rope else (None, None)
-    per_row = [layer_methods(m, src.calibration) for m in methods]
-    targets = [torch.tensor(ids[1:], dtype=torch.long) for ids in rows]
+    shape = (1, *tuple(src.calibration.k.shape)[1:])
+    per_row = []
+    for m in methods:
+        if m.local_stats or m.seeded_for(shape):
+            per_row.append(layer_methods(m, src.calibration))
+            continue
+        # a fit the seed plays no part in: one per process, shared by every row and window (a copy each)
+        key = (src.model_name, src.device, src.window, type(m).__name__,
+               json.dumps({k: repr(v) for k, v in m.params().items() if k != "seed"}))
+        if key not in _FITS:
+            _FITS[key] = layer_methods(m, src.calibration)
+            while len(_FITS) > _MAX_FITS:
+                _FITS.pop(next(iter(_FITS)))
+        per_row.append(copy.deepcopy(_FITS[key]))
+    a, b = cfg.scored(cfg.regimes[0])
     results = []
     for method, i, ids in zip(methods, window_indices, rows):
         res = CellResult()
-        res.extra.update({"window": cfg.window, "window_index": i,
-                          "window_tokens": [(i + 1) * cfg.window, (i + 2) * cfg.window],
-                          "calibration_tokens": [0, cfg.window], "prefill_tokens": cfg.prefill,
-                          "block": cfg.block, "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+        res.extra.update({"window": cfg.window, "window_index": i, "window_tokens": [i * cfg.window, (i + 1) * cfg.window],
+                          "text": {"source": SOURCE, "sha256": TEXT_SHA256},
+                          "tokens_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+                          "calibration": {"text": "kvqbench/data/corpus.txt", "tokens": [0, cfg.window]},
+                          "prompt_tokens": cfg.prompt, "block": cfg.block, "scored_positions": [a, b],
                           "regimes": list(cfg.regimes), "k_pre_rope": bool(method.k_pre_rope)})
         results.append(res)
-    for regime in cfg.regimes:
-        hooks = [KVCacheHook(ms, streaming=regime == "decode", cos=cos, sin=sin) for ms in per_row]
-        a, b = cfg.scored(regime)
-        hidden = run_hidden_rows(src.net, rows, cfg.chunks(regime), hooks[0] if len(hooks) == 1 else RowsHook(hooks))
-        refs = _references(src, rows, regime, cfg)
-        for res, hook, h, side, tg in zip(results, hooks, hidden, refs, targets):
-            blocks = ((x - a, y - a, lg) for x, y, lg in head_blocks(src.net, h, a, b))
-            m = _block_metrics(side, blocks, tg[a:b])
+    prompt = prompt_cache(src, rows, cfg.prompt)
+    first = [KVCacheHook(ms, streaming=False, cos=cos, sin=sin) for ms in per_row]  # the prompt's arrival
+    for r, hook in enumerate(first):
+        for layer, (k, v) in enumerate(prompt):
+            hook.extend(layer, k[r:r + 1], v[r:r + 1])
+    hidden, held = [], {}  # held: per regime, per row, what the cache held at the end (bits, description)
+    for regime in cfg.regimes:  # quantized once for the regimes whose rules are the same (KVCacheHook.fork)
+        hs = [hook.fork(streaming=regime == "decode") for hook in first]
+        hidden.append(run_hidden_rows(src.net, rows, cfg.chunks(regime), hs[0] if len(hs) == 1 else RowsHook(hs),
+                                      prompt, primed=True))
+        held[regime] = [(hook.bits_billed(), hook.describe()) for hook in hs]
+        for res, hook in zip(results, hs):
+            for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
+                tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
+        del hs  # the regime's caches: one regime's are held at a time
+    del first
+    stack = _stack(hidden)
+    del hidden
+    refs = _references(src, rows, cfg)
+    n = cfg.window - cfg.prompt
+    for r, (res, h, sides, ids) in enumerate(zip(results, stack, refs, rows)):
+        logits = _logits(src.net, h)
+        targets = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
+        for i, (regime, side) in enumerate(zip(cfg.regimes, sides)):
+            m = block_metrics(side, [(0, b - a, logits[i * n:i * n + b - a])], targets)
+            bits, described = held[regime][r]
             pre = f"e2e_{regime}_"
             for name in ("kl_nats", "kl_p99_nats", "top1_agree", "dloss_nats"):
                 res.metrics[pre + name] = m[name]
-            res.metrics[pre + "bits_billed"] = hook.bits_billed()
-            for sk, sv in zip(hook.k, hook.v):  # every token's value as the cache held it at the end
-                tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
-            res.extra[regime] = {"scored_positions": [a, b], "loss_ref_nats": m["loss_ref_nats"],
-                                 "forward_calls": len(cfg.chunks(regime)), **hook.describe()}
+            res.metrics[pre + "bits_billed"] = bits
+            res.extra[regime] = {"loss_ref_nats": m["loss_ref_nats"], "forward_calls": len(cfg.chunks(regime)),
+                                 **described}
+        del logits
     return results

@@ -237,6 +237,26 @@ class Stream:
         self.lengths.append(length)
         return length
 
+    @torch.no_grad()
+    def fork(self, policy: StreamPolicy | None = None) -> "Stream":
+        """A new stream of the same method and kind under ``policy`` (default the method's own) that holds
+        what it would hold had it received this stream's arrivals so far: a copy where the rules are this
+        stream's (the same quantize calls on the same tokens; methods quantize as pure functions), else the
+        arrivals replayed through the new rules. Later arrivals to either stream leave the other as it is."""
+        new = Stream(self.method, self.kind, policy, capacity=self._capacity)
+        if self._x is None or self._x_hat is None:
+            return new
+        if new.policy == self.policy:
+            new._x, new._x_hat = self._x.clone(), self._x_hat.clone()
+            new._len, new._done = self._len, self._done
+            new.segments, new.lengths, new.boundaries = list(self.segments), list(self.lengths), dict(self.boundaries)
+            return new
+        start = 0
+        for length in self.lengths:
+            new.extend(self._x[..., start:length, :])
+            start = length
+        return new
+
     def result(self, block: int) -> StreamResult:
         """The :class:`StreamResult` so far (``block`` is recorded as the arrival block size). Its
         ``x_hat`` is a view of the stream's buffer: later arrivals update it."""

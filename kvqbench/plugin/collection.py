@@ -31,13 +31,13 @@ def _source(item: Any) -> str | None:
     return None if cell is None else cell.source
 
 
-def real_capture_first(items: list[Any], seeds: list[int] | None = None) -> list[Any]:
+def real_capture_first(items: list[Any], settings: Settings | None = None) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
     (``kvq_data``), then every item that needs no real data, then the other real cells: the real cells of
     the other experiments by seed (seed 0 of every real cell before seed 1, so the cells that share one
     computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done), with the
     cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5: the cell of
-    the group's first seed, :func:`~kvqbench.plugin.sharing.seed_group` of ``seeds``) spread evenly among
+    the group's first seed, :func:`~kvqbench.plugin.sharing.seed_group` of the cell's seeds in ``settings``) spread evenly among
     them from the start, and last the other seeds of each group, which only read what their group's first
     cell stored. xdist deals consecutive cells to a worker in chunks: spread out, the heavy group cells
     fall into every chunk alike, and a worker never draws a group's other seed while the other worker
@@ -52,10 +52,11 @@ def real_capture_first(items: list[Any], seeds: list[int] | None = None) -> list
     from kvqbench.plugin.sharing import seed_group
 
     def role(it: Any) -> int:  # 0: computes a seed group, 1: an ordinary real cell, 2: reads a group's result
-        seed = cell_of(it).seed
+        cell = cell_of(it)
         if "kvq_seed_rows" not in getattr(it, "fixturenames", ()):
             return 1
-        return 0 if seed == seed_group(seed, list(seeds or [0]))[0] else 2
+        seeds = settings.seeds_for(cell.experiment, cell.size) if settings is not None else [0]
+        return 0 if cell.seed == seed_group(cell.seed, list(seeds))[0] else 2
 
     def real(it: Any) -> bool:
         return source_kind(_source(it) or "") == "real"
@@ -126,7 +127,7 @@ def _apply_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
         raise pytest.UsageError(f"--kvq-shard: {e}") from None
     matrix = [it.nodeid for it in items]
     est = sh.estimate_durations(matrix, durations, coarse_kind_of)
-    keep = set(sh.split(matrix, count, est, unit=lambda n: shard_unit(n, s.seeds))[index - 1])
+    keep = set(sh.split(matrix, count, est, unit=lambda n: shard_unit(n, s))[index - 1])
     selected = [it for it in items if it.nodeid in keep]
     deselected = [it for it in items if it.nodeid not in keep]
     doc = sh.shard_doc(index, count, matrix, [it.nodeid for it in items if cell_of(it) is not None],
@@ -179,7 +180,7 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
     combos: list[tuple[tuple[str, Any], ...]] = [()]
     for axis, values in variants.items():
         combos = [c + ((axis, v),) for c in combos for v in values]
-    seeds = s.seeds[:1] if marker.kwargs.get("single_seed") else s.seeds
+    single = bool(marker.kwargs.get("single_seed"))
     sources = ["synthetic"] + ([real_source(s.model)] if s.real else [])
     only_sources = marker.kwargs.get("sources")  # e.g. ("real",): an experiment that needs the real model
     if only_sources:
@@ -192,7 +193,7 @@ def _cells_for(marker: pytest.Mark, s: Settings) -> list[Cell]:
             for m in methods:
                 for kb, vb in pairs + [(b, b) for b in extra if fits.setdefault((m, b), fits_largest_budget(m, b))]:
                     for var in combos:
-                        for seed in seeds:
+                        for seed in s.seeds[:1] if single else s.seeds_for(exp, size):
                             cells.append(Cell(exp, m, kb, vb, seed, src, size, var))
     return cells
 
@@ -227,7 +228,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     yield
     _apply_shard(config, items)
     if is_worker(config):
-        items[:] = real_capture_first(items, config.stash[SETTINGS_KEY].seeds)
+        items[:] = real_capture_first(items, config.stash[SETTINGS_KEY])
     cells_left = sum(1 for it in items if cell_of(it) is not None)
     other_left = sum(1 for it in items if it.get_closest_marker("kvq") is None)
     sel = {"kvq_items": len(kvq), "cells_left": cells_left, "other_left": other_left,

@@ -94,6 +94,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "0 keeps none)")
     g.addoption("--kvq-seeds", action="store", default="3", type=_argtype(parse_seeds), metavar="N|a,b,c",
                 help="seeds of every cell: a count N (seeds 0..N-1) or a comma list (default 3)")
+    g.addoption("--kvq-windows", action="store", default="16", type=_argtype(parse_seeds), metavar="N|a,b,c",
+                help="text windows of the end-to-end cells (exp5, full size; the seed is the window, the same "
+                     "text for every method): a count N (windows 0..N-1) or a comma list (default 16)")
     g.addoption("--kvq-real", action="store_true", default=False,
                 help="also run the real-model cells (captures KV from --kvq-model; needs kvqbench[real])")
     g.addoption("--kvq-model", action="store", default=None, metavar="ID_OR_PATH",
@@ -142,6 +145,7 @@ def pytest_configure(config: pytest.Config) -> None:
         device=config.getoption("--device"),
         out_dir=config.getoption("--kvq-out"),
         seeds=config.getoption("--kvq-seeds"),
+        windows=config.getoption("--kvq-windows"),
         real=config.getoption("--kvq-real"),
         model=config.getoption("--kvq-model") or Settings.model,
         bits=config.getoption("--kvq-bits") or list(DEFAULT_BITS),
@@ -180,6 +184,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _check_real_deps(s.model)
         if not is_worker(config):
             _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
+            _check_text()
     if s.out_dir is not None and not is_worker(config):  # an explicit folder: check it at once
         from kvqbench.report.results import run_folder_problem
 
@@ -209,6 +214,16 @@ def _check_keep(keep: int | None) -> None:
         keep_count(keep)
     except ValueError as e:
         raise pytest.UsageError(f"kvqbench: {e}") from None
+
+
+def _check_text() -> None:
+    """Stop the session before any cell when this Python's exp5 text is not the pinned one (one line)."""
+    from kvqbench.data.text import TextMismatchError, load_text
+
+    try:
+        load_text()
+    except TextMismatchError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 def _check_model(model: str) -> None:

@@ -6,6 +6,7 @@ keeps such a group in one shard (:func:`shard_unit`)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -105,7 +106,7 @@ def seed_group(seed: int, seeds: list[int], size: int = SEED_GROUP) -> list[int]
     return ordered[i:i + size]
 
 
-def shard_unit(nodeid: str, seeds: list[int]) -> str:
+def shard_unit(nodeid: str, settings: Settings) -> str:
     """The unit a cell is sharded with (:func:`kvqbench.shard.split`): a real-data cell goes with the
     other cells of its seed group (:func:`seed_group`), which share one computation — a method that draws
     no randomness computes every seed once (:func:`kvq_run`), exp5 computes a group's seeds as one batch
@@ -114,6 +115,8 @@ def shard_unit(nodeid: str, seeds: list[int]) -> str:
     node = parse_nodeid(nodeid)
     if node.cell is None or source_kind(node.cell.source) != "real":
         return nodeid
+    exp = re.search(r"test_(exp\d+)_", node.base)  # tests/bench/test_exp<N>_<name>.py
+    seeds = settings.seeds_for(exp.group(1) if exp else "", node.cell.size)
     group = "_".join(str(g) for g in seed_group(node.cell.seed, seeds))
     return f"{node.base}[{replace(node.cell, seed=0).id}]|seeds{group}"
 
@@ -124,7 +127,7 @@ def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any, siblings
     when given, is called with ``{seed: result}`` of the group's other seeds once computed."""
     from kvqbench.quantizers import create
 
-    group = seed_group(cell.seed, s.seeds)
+    group = seed_group(cell.seed, s.seeds_for(cell.experiment, cell.size))
     base = (fn.__module__, fn.__qualname__, cell.experiment, cell.method, cell.k_bits, cell.v_bits,
             tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
             s.device, s.model, s.dtype)

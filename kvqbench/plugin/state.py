@@ -38,6 +38,12 @@ class Settings:
     dtype: str = "float32"  # --kvq-dtype: the dtype the real model is loaded and run in for capture
     capture_cache: str | None = None  # --kvq-capture-cache DIR (default: pytest's cache folder)
     figures: str = "auto"  # --kvq-figures: auto (full runs only), on, off
+    windows: list[int] = field(default_factory=lambda: list(range(16)))  # --kvq-windows: exp5's full cells
+
+    def seeds_for(self, experiment: str, size: str) -> list[int]:
+        """The seeds a cell of ``experiment`` at ``size`` sweeps: exp5's full cells one per text window
+        (``--kvq-windows``), every other cell ``--kvq-seeds``."""
+        return self.windows if (experiment, size) == ("exp5", "full") else self.seeds
 
 
 @dataclass

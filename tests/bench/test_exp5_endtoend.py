@@ -1,11 +1,12 @@
 """Experiment 5 cells: end-to-end damage on the real model (docs/DESIGN.md §4).
 
-One case per (method × bits × seed) on the real source only (``--kvq-real``); the seed picks the text
-window (and seeds random methods). Bits swept by default: 2 and 4, like experiment 2 (16 bits is exact
+One case per (method × bits × window) on the real source only (``--kvq-real``); the seed is the window of
+the exp5 text (the same text for every setting; full cells sweep ``--kvq-windows``, 16 by default) and
+seeds random methods. Bits swept by default: 2 and 4, like experiment 2 (16 bits is exact
 for every method), and 8 for the methods whose 8-bit cache fits the largest matched budget (8.25 bits per
 element; :func:`kvqbench.plugin.collection.fits_largest_budget`), so that budget ranks on a measured
 8-bit KL; ``--kvq-bits`` overrides all of it. The cells of one method and bits at the seeds of a group
-(``kvq_seed_rows``: 0, 1, 2 by default) run as the rows of one batch, each row with its own method and
+(``kvq_seed_rows``: runs of three windows) run as the rows of one batch, each row with its own method and
 cache (:func:`~kvqbench.experiments.endtoend.run_endtoend_rows`), computed by whichever of them runs
 first: the values are those of one window at a time, in less time.
 """

@@ -268,6 +268,7 @@ def test_xdist_order_spreads_seed_group_cells_and_puts_their_other_seeds_last():
 
     from kvqbench.cells import Cell
     from kvqbench.plugin.collection import real_capture_first
+    from kvqbench.plugin.state import Settings
 
     def item(exp, seed, fixtures):
         cell = Cell(exp, "fp16", 2, 2, seed, "real", "full")
@@ -277,11 +278,11 @@ def test_xdist_order_spreads_seed_group_cells_and_puts_their_other_seeds_last():
     cells = ("kvq_data", "kvq_run")
     groups = ("kvq_model", "kvq_seed_rows")
     items = [item("exp1", s, cells) for s in (0, 1, 2)] + [item("exp5", s, groups) for s in (0, 1, 2)]
-    order = [it.name for it in real_capture_first(items, [0, 1, 2])]
+    order = [it.name for it in real_capture_first(items, Settings(windows=[0, 1, 2]))]
     assert order == ["exp1-0", "exp5-0", "exp1-1", "exp1-2", "exp5-1", "exp5-2"]  # exp1-0: the capture cell
     # groups of three seeds (0-2, 3-4): seeds 0 and 3 compute, each before half the plain cells; 1, 2, 4 read
     items = ([item("exp5", s, groups) for s in range(5)] + [item("exp1", s, cells) for s in range(5)]
              + [item("exp3", s, cells) for s in range(5)])
-    order = [it.name for it in real_capture_first(items, [0, 1, 2, 3, 4])]
+    order = [it.name for it in real_capture_first(items, Settings(seeds=list(range(5)), windows=list(range(5))))]
     assert order == ["exp1-0", "exp5-0", "exp3-0", "exp1-1", "exp3-1", "exp1-2", "exp5-3", "exp3-2", "exp1-3",
                      "exp3-3", "exp1-4", "exp3-4", "exp5-1", "exp5-2", "exp5-4"]

@@ -165,15 +165,17 @@ def test_split_keeps_each_unit_in_one_shard_and_balances_the_units(durations, la
 
 def test_real_seed_groups_are_one_shard_unit():
     from kvqbench.plugin.sharing import seed_group, shard_unit
+    from kvqbench.plugin.state import Settings
 
     seeds = [0, 1, 2, 3, 4]
+    s = Settings(seeds=seeds, windows=seeds)
     real = "tests/bench/test_exp5_endtoend.py::test_endtoend[kivi-k2v2-seed{}-real-full]"
-    units = {s: shard_unit(real.format(s), seeds) for s in seeds}
+    units = {n: shard_unit(real.format(n), s) for n in seeds}
     for a in seeds:  # same unit exactly when the seeds are computed together
         for b in seeds:
             assert (units[a] == units[b]) == (b in seed_group(a, seeds))
     synthetic = real.replace("-real-", "-synthetic-")
-    assert len({shard_unit(synthetic.format(s), seeds) for s in seeds}) == len(seeds)  # independent cells
+    assert len({shard_unit(synthetic.format(n), s) for n in seeds}) == len(seeds)  # independent cells
 
 
 def test_shards_are_the_same_under_any_hash_seed_and_cover_the_matrix(runs):

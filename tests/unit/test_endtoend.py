@@ -60,13 +60,13 @@ class _PreRopeIdentity(FP16):
 # no model
 def test_config_rejects_a_short_last_arrival() -> None:
     with pytest.raises(ValueError, match="multiple of block"):
-        E.EndToEndConfig(window=64, prefill=31, block=8)
+        E.EndToEndConfig(window=64, prompt=31, block=8)
     with pytest.raises(ValueError, match="shorter than the window"):
-        E.EndToEndConfig(window=64, prefill=64, block=8)
-    cfg = E.EndToEndConfig(window=64, prefill=32, block=16)
-    assert cfg.chunks("decode") == [(0, 32), (32, 48), (48, 64)]
-    assert cfg.chunks("prefill") == [(0, 64)]
-    assert cfg.scored("prefill") == (0, 63) and cfg.scored("decode") == (31, 63)
+        E.EndToEndConfig(window=64, prompt=63, block=1)
+    cfg = E.EndToEndConfig(window=64, prompt=32, block=16)
+    assert cfg.chunks("decode") == [(32, 48), (48, 64)]  # after the prompt, which every regime shares
+    assert cfg.chunks("prefill") == [(32, 64)]
+    assert cfg.scored("prefill") == cfg.scored("decode") == (32, 63)
 
 
 def test_next_token_metrics_match_closed_forms() -> None:
@@ -194,7 +194,9 @@ def test_smoke_cells_fp16_exact_and_kvquant_calibrated(model) -> None:
         assert ctl.metrics[f"e2e_{regime}_bits_billed"] == 16.0
     kvq = E.run_endtoend(create("kvquant", 2, 2), src, 0, cfg)
     assert ctl.extra["tokens_sha256"] == kvq.extra["tokens_sha256"]
-    assert kvq.extra["window_tokens"] == [cfg.window, 2 * cfg.window]  # disjoint from calibration [0, W)
+    assert kvq.extra["window_tokens"] == [0, cfg.window]  # of the exp5 text; calibration is corpus.txt's
+    assert kvq.extra["calibration"] == {"text": "kvqbench/data/corpus.txt", "tokens": [0, cfg.window]}
+    assert src.text_window_ids(0) != src.window_ids(0)
     assert kvq.extra["roundtrip_nonfinite"] == {"k": 0, "v": 0}
     for regime in E.REGIMES:
         assert kvq.metrics[f"e2e_{regime}_kl_nats"] > 0
@@ -211,9 +213,9 @@ def test_batch_rows_give_each_window_the_values_it_gets_alone(model) -> None:
     cfg = E.CONFIG_BY_SIZE["smoke"]
     src = E.load_source(model="smollm2", window=cfg.window)
     pairs = [(create("rtn_tensor", 2, 2), 2), (create("kvquant", 2, 2, seed=1), 0), (create("turboquant", 2, 2, seed=2), 1)]
-    E._REFERENCES.clear()  # references of the three windows computed in one batch here
+    E._CACHE.clear()  # references of the three windows computed in one batch here
     rows = E.run_endtoend_rows([m for m, _ in pairs], src, [w for _, w in pairs], cfg)
-    E._REFERENCES.clear()  # … and one window at a time here
+    E._CACHE.clear()  # … and one window at a time here
     alone = [E.run_endtoend(m, src, w, cfg) for m, w in pairs]
     for r, a, (_, w) in zip(rows, alone, pairs):
         assert r.metrics == a.metrics and r.extra == a.extra
@@ -244,3 +246,39 @@ def test_rows_hook_feeds_each_row_to_its_own_hook_only() -> None:
     assert [h.bits_billed() for h in hooks] == [h.bits_billed() for h in alone]
     with pytest.raises(ValueError, match="2 hooks"):
         E.RowsHook(hooks).update(0, x[:1], x[:1], x[:1], x[:1])
+
+
+def test_exp5_text_is_the_pinned_pydoc_topics_and_a_change_is_one_line() -> None:
+    """The text is the listed topics of this Python's ``pydoc_data.topics`` (hashed here independently with
+    hashlib), and any edit of it stops with one line naming the Python."""
+    import hashlib
+    from pydoc_data.topics import topics
+
+    from kvqbench.data import text as T
+
+    joined = "\n\n".join(topics[t].strip() for t in T.TOPICS)
+    assert hashlib.sha256(joined.encode("utf-8")).hexdigest() == T.TEXT_SHA256 == hashlib.sha256(
+        T.load_text().encode()).hexdigest()
+    with pytest.raises(T.TextMismatchError) as err:
+        T.check_text(joined.replace("assert", "assure", 1), {t: topics[t] for t in T.TOPICS[1:]})
+    msg = str(err.value)
+    assert "\n" not in msg and "'assert' is missing" in msg and T.TEXT_SHA256[:16] in msg
+
+
+@real
+def test_windows_tile_the_text_and_share_one_exact_prompt(model) -> None:
+    """Window i is tokens [i·W, (i+1)·W) of the text; the prompt cache of a window is the unquantized
+    model's own cache after reading the prompt (equal to a fresh one-row run), whatever batch computed it."""
+    cfg = E.CONFIG_BY_SIZE["smoke"]
+    src = E.load_source(model="smollm2", window=cfg.window)
+    ids = src.text_ids()
+    assert src.text_window_ids(1) == ids[cfg.window:2 * cfg.window]
+    with pytest.raises(ValueError, match="windows of 64"):
+        src.text_window_ids(len(ids) // cfg.window)
+    E._CACHE.clear()
+    both = E.prompt_cache(src, [src.text_window_ids(0), src.text_window_ids(1)], cfg.prompt)
+    keep = E._Keep()
+    E.run_hidden_rows(src.net, [src.text_window_ids(1)], [(0, cfg.prompt)], keep)
+    for (k, v), (k1, v1) in zip(both, (keep.kv[i] for i in sorted(keep.kv))):
+        assert k.shape[0] == 2 and k.shape[-2] == cfg.prompt
+        assert torch.equal(k[1:], k1) and torch.equal(v[1:], v1)

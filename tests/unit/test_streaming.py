@@ -5,7 +5,7 @@ import torch
 
 from kvqbench.data.synthetic import make_synthetic
 from kvqbench.experiments.accumulation import AccumulationConfig, run_accumulation
-from kvqbench.experiments.streaming import quantized_boundary, simulate_stream
+from kvqbench.experiments.streaming import Stream, quantized_boundary, simulate_stream
 from kvqbench.quantizers import create
 from kvqbench.quantizers.base import StreamPolicy
 
@@ -112,3 +112,25 @@ def test_errors():
     s = simulate_stream(m, x, "k", block=16)
     with pytest.raises(ValueError, match="arrival"):
         s.boundary(10)
+
+
+@pytest.mark.parametrize("policy", [StreamPolicy(), StreamPolicy(sink_tokens=4, residual_tokens=8, residual_mode="sliding"),
+                                    StreamPolicy(tile_tokens=16)])
+def test_fork_holds_what_a_stream_fed_the_same_arrivals_holds(policy) -> None:
+    """A fork of a no-rules stream after its first arrival, fed the later arrivals, equals a stream under the
+    fork's rules that received every arrival itself (a copy where the rules are the same, a replay where they
+    differ; per-tensor RTN, so each segment's boundaries show in its values), and the original stays as it was."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 40, 8)
+    m = create("rtn_tensor", 2, 2)
+    first = Stream(m, "k", StreamPolicy())
+    first.extend(x[..., :24, :])
+    before = first.x_hat.clone()
+    fork, alone = first.fork(policy), Stream(m, "k", policy)
+    alone.extend(x[..., :24, :])
+    for a, b in ((24, 32), (32, 40)):
+        fork.extend(x[..., a:b, :])
+        alone.extend(x[..., a:b, :])
+    assert torch.equal(fork.x_hat, alone.x_hat) and not torch.equal(fork.x_hat, x)
+    assert (fork.segments, fork.boundaries, fork.lengths) == (alone.segments, alone.boundaries, alone.lengths)
+    assert first.length == 24 and torch.equal(first.x_hat, before)
