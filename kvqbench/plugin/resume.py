@@ -115,8 +115,8 @@ def _device_names(s: Settings) -> list[str]:
 def run_context(s: Settings) -> dict[str, Any]:
     """Everything of a session, besides the cell itself, that determines a cell's values: the code (every
     file of the ``kvqbench`` package), the Python and library versions, the methods registered from other
-    packages, the device and its name, capture dtype, threads, the seed list (a seed group's rows depend on
-    it) and the kernels switch."""
+    packages, the device and its name, capture dtype, threads, the seed and window lists (a seed group's rows
+    depend on them) and the kernels switch."""
     from importlib.metadata import PackageNotFoundError, entry_points, version
 
     from kvqbench.journal import source_digest
@@ -132,7 +132,7 @@ def run_context(s: Settings) -> dict[str, Any]:
     return {"kvqbench": source_digest(), "python": platform.python_version(),
             "packages": {n: ver(n) for n in ("torch", "numpy", "scipy", "transformers", "gguf")},
             "methods": methods, "device": s.device.split(":")[0], "device_names": _device_names(s),
-            "dtype": s.dtype, "threads": s.threads, "seeds": list(s.seeds),
+            "dtype": s.dtype, "threads": s.threads, "seeds": list(s.seeds), "windows": list(s.windows),
             "env": {k: os.environ.get(k) for k in ("KVQBENCH_KERNELS", "CC")}}
 
 

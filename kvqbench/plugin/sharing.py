@@ -82,7 +82,7 @@ def kvq_run(cell: Cell, kvq_method: Any, kvq_data: Any, kvq_settings: Settings, 
         if key is not None:
             res.extra[SEEDS_SHARED] = True
             if computed:
-                journal_siblings(pytestconfig, request.node.nodeid, {seed: res for seed in kvq_settings.seeds})
+                journal_siblings(pytestconfig, request.node.nodeid, {seed: res for seed in kvq_settings.seeds_for(cell.experiment, cell.size)})
         return res
 
     return run
