@@ -160,7 +160,7 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
         lines += ["", f"**{src_name}**{f' ({model})' if model and src_name.startswith('real') else ''} — best method "
                       f"(`a = b`: {ties}) at a matched budget of bits/element; rule and ties in full in "
                       f"LEADERBOARD.md.", ""]
-        lines.append(tabulate([[r[i] for i in keep] for r in rows_h], headers=[headers[i] for i in keep],
+        lines.append(tabulate([[_short_ties(r[i]) for i in keep] for r in rows_h], headers=[headers[i] for i in keep],
                               tablefmt="github") if rows_h else "_no results_")
     rho = ((board.get("models") or {}).get("rank_table") or {}).get("rho") or {}
     if rho:
@@ -168,6 +168,13 @@ def render_digest(board: dict[str, Any], *, link: str = "leaderboard/LEADERBOARD
         lines += ["", f"**{a} vs {b}** — Spearman ρ of the methods' end-to-end KL ranks: " + ", ".join(
             f"{s} {fmt(r.get('rho'))} ({r.get('n_methods')} methods)" for s, r in rho.items()) + "."]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _short_ties(cell: Any, most: int = 3) -> Any:
+    """A digest cell ``best = a = b = …`` with at most ``most`` names after the best, then ``= +N more``
+    (LEADERBOARD.md names them all)."""
+    parts = cell.split(" = ") if isinstance(cell, str) else []
+    return " = ".join(parts[:most + 1] + [f"+{len(parts) - most - 1} more"]) if len(parts) > most + 2 else cell
 
 
 def seeds_text(board: dict[str, Any]) -> str:

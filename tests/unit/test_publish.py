@@ -155,3 +155,13 @@ def test_readme_digest_matches_published_leaderboard():
 
     assert md.read_text(encoding="utf-8") == render_markdown(read_json(lb)), "leaderboard/LEADERBOARD.md is stale"
     assert find_leaks(read_json(lb)) == [], "leaderboard/leaderboard.json holds local paths or names"
+
+
+def test_digest_names_at_most_three_ties_and_counts_the_rest():
+    """The README digest keeps a best cell short; LEADERBOARD.md names every tie."""
+    from kvqbench.report.publish import _short_ties
+
+    names = ["`kivi` (rank 1, P(best) 1.00)"] + [f"`m{i}`" for i in range(6)]
+    assert _short_ties(" = ".join(names)) == " = ".join(names[:4]) + " = +3 more"
+    assert _short_ties(" = ".join(names[:5])) == " = ".join(names[:5])  # one more name is no longer than "+1 more"
+    assert _short_ties("`kivi`") == "`kivi`" and _short_ties(None) is None
