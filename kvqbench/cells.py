@@ -102,11 +102,12 @@ class Cell:
         return d
 
 
-def parse_seeds(text: str) -> list[int]:
+def parse_seeds(text: str, option: str = "--kvq-seeds") -> list[int]:
     """``"3"`` → ``[0, 1, 2]``; ``"0,5,7"`` → ``[0, 5, 7]``.
 
     Raises:
-        ValueError: not a positive count or a comma list of non-negative ints.
+        ValueError: not a positive count or a comma list of non-negative ints (the message names ``option``,
+            the command-line option being parsed).
     """
     text = str(text).strip()
     try:
@@ -121,7 +122,7 @@ def parse_seeds(text: str) -> list[int]:
         return list(range(n))
     except ValueError:
         raise ValueError(
-            f"--kvq-seeds expects a count of at least 1 (e.g. 3: seeds 0, 1, 2) or a comma list of distinct "
+            f"{option} expects a count of at least 1 (e.g. 3: seeds 0, 1, 2) or a comma list of distinct "
             f"non-negative seeds (e.g. 0,5,7, or 0, for seed 0 alone); got {text!r}"
         ) from None
 

@@ -31,6 +31,10 @@ def _device_type(text: str) -> str:
     raise argparse.ArgumentTypeError(f"--device expects auto, cpu, cuda or cuda:N; got {text!r}")
 
 
+def _parse_windows(text: str) -> list[int]:
+    return parse_seeds(text, option="--kvq-windows")
+
+
 def _argtype(fn):
     """Wrap a ``ValueError``-raising parser so argparse shows its message (not a generic one)."""
 
@@ -94,7 +98,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      "0 keeps none)")
     g.addoption("--kvq-seeds", action="store", default="3", type=_argtype(parse_seeds), metavar="N|a,b,c",
                 help="seeds of every cell: a count N (seeds 0..N-1) or a comma list (default 3)")
-    g.addoption("--kvq-windows", action="store", default="16", type=_argtype(parse_seeds), metavar="N|a,b,c",
+    g.addoption("--kvq-windows", action="store", default="16", type=_argtype(_parse_windows), metavar="N|a,b,c",
                 help="text windows of the end-to-end cells (exp5, full size; the seed is the window, the same "
                      "text for every method): a count N (windows 0..N-1) or a comma list (default 16)")
     g.addoption("--kvq-real", action="store_true", default=False,

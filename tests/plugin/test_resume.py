@@ -24,6 +24,7 @@ import torch  # noqa: F401
 
 from kvqbench.journal import JOURNAL_NAME, Journal, source_digest
 from kvqbench.metrics import is_timing
+from tests.plugin import inner_session
 
 pytest_plugins = ["pytester"]
 
@@ -136,14 +137,7 @@ ARGS = ["-p", "no:cacheprovider", "-p", "no:randomly", "-m", "smoke", "--kvq-met
 
 @pytest.fixture
 def run(pytester, monkeypatch):
-    from importlib.metadata import entry_points
-
-    args = list(ARGS)
-    if not any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
-        args += ["-p", "kvqbench.plugin"]
-    pytester.makepyfile(test_cells=CELL_TEST)
-    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(var, raising=False)
+    args = inner_session(pytester, monkeypatch, ARGS, CELL_TEST)
 
     def go(*extra, stop_at=None):
         monkeypatch.delenv("STOP_AT", raising=False)

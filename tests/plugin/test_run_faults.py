@@ -13,6 +13,8 @@ import pytest
 # imported inside a run, and neither can be imported twice in one process
 import torch  # noqa: F401
 
+from tests.plugin import inner_session
+
 pytest_plugins = ["pytester"]
 
 # STOP_AT: the node id fragment at which a cell raises KeyboardInterrupt (Ctrl-C) / fails
@@ -40,18 +42,9 @@ ARGS = ["-p", "no:cacheprovider", "-m", "smoke", "--kvq-methods", "fp16,kivi", "
 
 @pytest.fixture
 def run(pytester, monkeypatch):
-    from importlib.metadata import entry_points
-
-    args = list(ARGS)
-    if not any(ep.name == "kvqbench" for ep in entry_points(group="pytest11")):
-        args += ["-p", "kvqbench.plugin"]
-    pytester.makepyfile(test_cells=CELL_TEST)
+    args = inner_session(pytester, monkeypatch, ARGS, CELL_TEST)
     marker = pytester.path / "ran"
     monkeypatch.setenv("RAN_MARKER", str(marker))
-    # the inner run is a session of its own: under an outer `-n auto` the worker's variables would make
-    # pytest-benchmark think it runs under xdist and switch itself off
-    for var in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
-        monkeypatch.delenv(var, raising=False)
 
     def go(*extra, **env):
         for k in ("STOP_AT", "FAIL_AT"):

@@ -244,6 +244,7 @@ def test_run_rejects_bad_shard_options_before_running(argv, message, capsys, mon
 @pytest.mark.parametrize("argv,message", [
     (["--kvq-bits", "2,,4"], "argument --kvq-bits: --kvq-bits expects a comma list of ints in 1..8 or 16"),
     (["--kvq-seeds", "0"], "argument --kvq-seeds: --kvq-seeds expects a count of at least 1"),
+    (["--kvq-windows", "abc"], "argument --kvq-windows: --kvq-windows expects a count of at least 1"),
     (["--kvq-figures", "maybe"], "argument --kvq-figures: invalid choice: 'maybe'"),
     (["--kvq-progress=-5"], "argument --kvq-progress: --kvq-progress expects seconds >= 0"),
     (["--kvq-keep=-1"], "argument --kvq-keep: --kvq-keep expects a count >= 0 of kept result sets; got '-1'"),

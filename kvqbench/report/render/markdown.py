@@ -33,6 +33,14 @@ __all__ = ["render_markdown"]
 _RECONSTRUCTION = experiment_of("rel_mse")
 
 
+
+def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, last_headers: list[str]) -> str:
+    """A detail table of best-at-budget rows (ties by overlapping 95 % CIs): budget, best, bits, the bits
+    and the value under ``bits_key`` / ``value_key``."""
+    return tabulate([[f"≤ {b['budget']}", tied(b), b["setting"] or "—", fmt(b[bits_key]), fmt(b[value_key])]
+                     for b in rows], headers=["budget", "best (= tied within 95% CI)", "bits", *last_headers],
+                    tablefmt="github")
+
 def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     order = list(board.get("methods", {}))
     for by in src["stats"].values():
@@ -196,18 +204,12 @@ def render_markdown(board: dict[str, Any]) -> str:
             if mb:
                 lines += ["### Best method at a matched budget by relative MSE alone (exp1 reconstruction; the first "
                           "screen ranks by end-to-end KL where it was measured)", ""]
-                lines += [tabulate([[f"≤ {b['budget']}", tied(b), b["setting"] or "—",
-                                     fmt(b["bits_effective"]), fmt(b["rel_mse"])] for b in mb],
-                                   headers=["budget", "best (= tied within 95% CI)", "bits", "bits effective", "rel. MSE"],
-                                   tablefmt="github"), ""]
+                lines += [_budget_table(mb, "bits_effective", "rel_mse", ["bits effective", "rel. MSE"]), ""]
             dk = (src.get("pareto_decode_kl") or {}).get("matched_budget") or []
             if any(b["method"] for b in dk):
                 lines += ["### Best method at a matched budget by pseudo-decode attention KL alone (exp2 decoding; "
                           "bits billed, fp16 windows at 16)", ""]
-                lines += [tabulate([[f"≤ {b['budget']}", tied(b), b["setting"] or "—",
-                                     fmt(b["bits"]), fmt(b["quality"])] for b in dk],
-                                   headers=["budget", "best (= tied within 95% CI)", "bits", "bits billed", "KL(p‖p̂) nats"],
-                                   tablefmt="github"), ""]
+                lines += [_budget_table(dk, "bits", "quality", ["bits billed", "KL(p‖p̂) nats"]), ""]
             low = settings[0] if settings else None
             if low:
                 t = _all_metrics_table(src, low)
