@@ -40,9 +40,10 @@ Logits are never held for a whole window: the decoder keeps its final hidden sta
 continuations of both regimes go through the head as one stack (prefill's ``W − P`` positions, then
 decode's: one matrix product of ``2·(W − P)`` rows, which a CPU computes faster per row than two of
 ``W − P``), the unquantized run's in the same stack, so the quantized and the unquantized run compute
-every logit with the same matrix shapes and the fp16 control stays bitwise exact. The unquantized side
-of the metrics (:class:`~kvqbench.experiments.nexttoken.ReferenceSide`), like the prompt's K/V, is
-computed once per window and process and shared by every setting on that window, and a data-dependent
+every logit with the same matrix shapes and the fp16 control stays bitwise exact. The unquantized run's
+stack of final hidden states, like the prompt's K/V, is computed once per window and process and shared
+by every setting on that window (a cell turns it into the unquantized side of its metrics,
+:class:`~kvqbench.experiments.nexttoken.ReferenceSide`, one window at a time), and a data-dependent
 method's per-layer fit whose seed plays no part is computed once per process and shared by every window.
 
 Sliding-window layers (Gemma 3) need nothing of their own: the cache keeps every token, the model's mask
@@ -227,7 +228,7 @@ class _Keep(CacheWriter):
         return k_all, v_all
 
 
-#: per process, least recently used first: each window's exact prompt K/V and reference sides
+#: per process, least recently used first: each window's exact prompt K/V and reference stack
 _CACHE: dict[tuple, Any] = {}
 #: the most bytes :data:`_CACHE` keeps (at least one entry is always kept)
 _MAX_CACHE_BYTES = 2**30
@@ -239,8 +240,8 @@ _MAX_FITS = 4
 
 
 def _nbytes(v: Any) -> int:
-    if isinstance(v, tuple):  # the reference sides of a window's regimes
-        return sum(r.logits.numel() * 4 for r in v)
+    if isinstance(v, torch.Tensor):  # a window's reference stack of final hidden states
+        return v.numel() * v.element_size()
     return sum(k.numel() * k.element_size() * 2 for k, _ in v)
 
 
@@ -289,26 +290,30 @@ def _logits(net: Any, stack: torch.Tensor) -> torch.Tensor:
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 0)
 
 
-def _references(src: RealSource, rows: Sequence[list[int]], cfg: EndToEndConfig) -> list[tuple[ReferenceSide, ...]]:
-    """Per window of ``rows``: the :class:`ReferenceSide` of its scored positions under each regime's
-    schedule (in ``cfg.regimes`` order), its logits computed from the regimes' stack as a cell's are
-    (:func:`_stack`); cached per process like :func:`prompt_cache`: every method's cell on the window
-    reuses them. The windows not cached yet run as one batch."""
-    a, b = cfg.scored(cfg.regimes[0])
-    n = cfg.window - cfg.prompt
-
-    def compute(todo: list[list[int]]) -> list[tuple[ReferenceSide, ...]]:
+def _reference_stacks(src: RealSource, rows: Sequence[list[int]], cfg: EndToEndConfig) -> list[torch.Tensor]:
+    """Per window of ``rows``: the unquantized model's stack of final hidden states ``(Σ positions,
+    hidden_size)`` fp32 under each regime's schedule (:func:`_stack`, in ``cfg.regimes`` order), cached per
+    process like :func:`prompt_cache`: every method's cell on the window reuses it. The windows not cached
+    yet run as one batch. The stack, not its logits, is kept: ``hidden_size`` values per position instead
+    of ``vocab`` (640 against 262 144 on Gemma 3)."""
+    def compute(todo: list[list[int]]) -> list[torch.Tensor]:
         prompt = prompt_cache(src, todo, cfg.prompt)
         stack = _stack([run_hidden_rows(src.net, todo, cfg.chunks(r), None, prompt) for r in cfg.regimes])
-        out = []
-        for ids, h in zip(todo, stack):
-            logits = _logits(src.net, h)
-            t = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
-            out.append(tuple(reference_side(logits[i * n:i * n + b - a].clone(), t) for i in range(len(cfg.regimes))))
-        return out
+        return [h.clone() for h in stack]
 
     what = tuple((r, tuple(cfg.chunks(r))) for r in cfg.regimes)
-    return _cached([_key(src, ids, "references", what, (a, b), HEAD_BLOCK) for ids in rows], rows, compute)
+    return _cached([_key(src, ids, "reference stack", what) for ids in rows], rows, compute)
+
+
+def _reference_sides(src: RealSource, stack: torch.Tensor, ids: list[int], cfg: EndToEndConfig) -> tuple[ReferenceSide, ...]:
+    """The :class:`ReferenceSide` of a window's scored positions under each regime (in ``cfg.regimes``
+    order), its logits computed from the window's reference ``stack`` (:func:`_reference_stacks`) as a
+    cell's are from its own (:func:`_logits`, the same matrix shapes)."""
+    a, b = cfg.scored(cfg.regimes[0])
+    n = cfg.window - cfg.prompt
+    logits = _logits(src.net, stack)
+    t = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
+    return tuple(reference_side(logits[i * n:i * n + b - a].clone(), t) for i in range(len(cfg.regimes)))
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -425,9 +430,10 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     del first
     stack = _stack(hidden)
     del hidden
-    refs = _references(src, rows, cfg)
+    refs = _reference_stacks(src, rows, cfg)
     n = cfg.window - cfg.prompt
-    for r, (res, h, sides, ids) in enumerate(zip(results, stack, refs, rows)):
+    for r, (res, h, ref, ids) in enumerate(zip(results, stack, refs, rows)):
+        sides = _reference_sides(src, ref, ids, cfg)  # one window's reference logits at a time
         logits = _logits(src.net, h)
         targets = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
         for i, (regime, side) in enumerate(zip(cfg.regimes, sides)):
@@ -439,5 +445,5 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
             res.metrics[pre + "bits_billed"] = bits
             res.extra[regime] = {"loss_ref_nats": m["loss_ref_nats"], "forward_calls": len(cfg.chunks(regime)),
                                  **described}
-        del logits
+        del logits, sides
     return results

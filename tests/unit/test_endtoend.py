@@ -282,3 +282,20 @@ def test_windows_tile_the_text_and_share_one_exact_prompt(model) -> None:
     for (k, v), (k1, v1) in zip(both, (keep.kv[i] for i in sorted(keep.kv))):
         assert k.shape[0] == 2 and k.shape[-2] == cfg.prompt
         assert torch.equal(k[1:], k1) and torch.equal(v[1:], v1)
+
+
+@real
+def test_reference_is_kept_as_hidden_states_and_gives_the_uncached_values(model) -> None:
+    """A window's cached reference is the unquantized stack of final hidden states, ``(2·(W − P),
+    hidden_size)`` fp32 — not ``vocab`` logits per position — and a cell that reuses it gets the values of
+    a cell that computes it afresh, bitwise."""
+    cfg = E.CONFIG_BY_SIZE["smoke"]
+    src = E.load_source(model="smollm2", window=cfg.window)
+    E._CACHE.clear()
+    cold = E.run_endtoend(create("rtn_token", 2, 2), src, 1, cfg)
+    stacks = [v for k, v in E._CACHE.items() if "reference stack" in k]
+    hidden = int(src.net.config.hidden_size)
+    assert [tuple(s.shape) for s in stacks] == [(len(cfg.regimes) * (cfg.window - cfg.prompt), hidden)]
+    assert stacks[0].dtype == torch.float32
+    warm = E.run_endtoend(create("rtn_token", 2, 2), src, 1, cfg)
+    assert warm.metrics == cold.metrics and warm.extra == cold.extra
