@@ -33,6 +33,17 @@ def test_a_suite_session_writes_its_smoke_results_into_pytests_temporary_folder(
     assert _snapshot(ROOT / "results") == before
 
 
+def _root_conftest():
+    """The repository's own conftest.py, loaded by its path: under a whole-suite session the module name
+    ``conftest`` may belong to another folder's conftest (tests/browser has one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvqbench_root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _config(args, markexpr="not full", kvq_out=None, tmp=None, worker=False):
     from kvqbench.plugin.state import SETTINGS_KEY, Settings
 
@@ -57,7 +68,7 @@ def _config(args, markexpr="not full", kvq_out=None, tmp=None, worker=False):
     (["tests/bench/test_exp1_reconstruction.py::test_reconstruction"], "not full", False),
 ])
 def test_which_sessions_write_into_the_temporary_folder(tmp_path, monkeypatch, args, markexpr, moved):
-    import conftest
+    conftest = _root_conftest()
     from kvqbench.plugin.state import SETTINGS_KEY
 
     monkeypatch.delenv(conftest.SUITE_OUT_ENV, raising=False)
@@ -68,7 +79,7 @@ def test_which_sessions_write_into_the_temporary_folder(tmp_path, monkeypatch, a
 
 
 def test_kvq_out_and_the_environment_variable_win(tmp_path, monkeypatch):
-    import conftest
+    conftest = _root_conftest()
     from kvqbench.plugin.state import SETTINGS_KEY
 
     monkeypatch.delenv(conftest.SUITE_OUT_ENV, raising=False)
