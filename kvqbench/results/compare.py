@@ -50,7 +50,8 @@ from typing import Any, Iterable
 from tabulate import tabulate
 
 from kvqbench.metrics import did_you_mean, is_timing, rank_key, varies
-from kvqbench.report.reader import check_result_files, read_leaderboard
+from kvqbench.report.reader import read_leaderboard
+from kvqbench.results.read import check_result_files
 from kvqbench.report.stats.gate import paired_change
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",

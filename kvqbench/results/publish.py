@@ -237,7 +237,7 @@ Rebuild the Markdown and figures from these files alone with `kvqbench report le
 - `*_{source}.png` — figures, one set per source (Pareto, MSE vs bits, attention error and KL vs
   context, norm-difference densities, cost).
 
-The README's results digest is generated from `leaderboard.json` (see `kvqbench/report/publish.py`).
+The README's results digest is generated from `leaderboard.json` (see `kvqbench/results/publish.py`).
 """
 
 
@@ -283,7 +283,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
 
     Returns the written paths. Raises ``FileNotFoundError`` (no ``leaderboard.json``) or ``ValueError``
     (``leaderboard.json`` is not a kvqbench leaderboard, the result set is incomplete — see
-    :mod:`kvqbench.report.results` — or a local path or name survived scrubbing; nothing is written then).
+    :mod:`kvqbench.results.write` — or a local path or name survived scrubbing; nothing is written then).
     """
     src = Path(results_dir)
     out = Path(dest)

@@ -5,7 +5,7 @@ One function does it for every caller:
 
 - the pytest plugin at session end (with the session's records and the cells it collected),
 - ``kvqbench report DIR`` (records read back from ``DIR/exp*_*.json``,
-  :func:`kvqbench.report.reader.load_result_set`),
+  :func:`kvqbench.results.read.load_result_set`),
 - a merge of several shards (their records concatenated, their expected cells summed).
 
 Nothing computed is lost and a complete result set is never replaced by a partial one:
@@ -21,7 +21,7 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 - a complete set never deletes the complete set it replaces, and no set deletes a finished shard's set: that one moves to
   ``DEST/previous/<UTC start of its run>-<digest>/`` with one line saying where, and ``previous/`` keeps
   the newest 5 such sets (``keep``; ``--kvq-keep N``, ``KVQBENCH_KEEP=N``), naming each one it removes
-  (:mod:`kvqbench.report.previous`);
+  (:mod:`kvqbench.results.previous`);
 - when the destination cannot be written at all, everything goes to a fresh temporary folder whose path
   is logged.
 """
@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 from kvqbench.metrics import catalog_dict
 from kvqbench.report.board import assemble, summary_of
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
-from kvqbench.report.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
+from kvqbench.results.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 from kvqbench.report.render.markdown import render_markdown
 
 __all__ = ["write_result_set", "completeness", "holds_complete_set", "check_writable", "run_folder_problem",
@@ -292,7 +292,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
-        records: cell records (the plugin's, or read back by :func:`kvqbench.report.reader.load_result_set`); records of
+        records: cell records (the plugin's, or read back by :func:`kvqbench.results.read.load_result_set`); records of
             experiment ``"adhoc"`` are ignored. Any order (they are sorted).
         provenance: the provenance header of every file.
         out_dir: the destination folder (created when missing).
@@ -315,7 +315,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
             empty), the destination's files of those names from an earlier set are replaced or removed with
             it; ``None`` (a re-render, a merge) leaves them.
         keep: how many complete sets displaced by complete ones ``out_dir/previous/`` keeps (default
-            ``KVQBENCH_KEEP``, else 5; see :mod:`kvqbench.report.previous`).
+            ``KVQBENCH_KEEP``, else 5; see :mod:`kvqbench.results.previous`).
 
     Returns a :class:`ResultSet`; ``paths`` is empty when there are no records; ``note`` holds every line
     logged about where sets went (one per line). Exceptions raised by the
@@ -378,7 +378,7 @@ def _keep_displaced_set(dest: Path, comp: dict[str, Any], keep: int, log: Log) -
     """Before a complete set replaces the complete set in ``dest`` (a rerun, a narrower or broader
     selection, a merge), or any set replaces a finished shard's set (another shard run into the same
     folder): move the old one's files to ``dest/previous/<id>/`` and apply the retention
-    (:func:`kvqbench.report.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
+    (:func:`kvqbench.results.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
     set over a complete one (it goes to ``incomplete/``) or a ``dest`` without either."""
     if not (comp.get("complete") and holds_complete_set(dest)) and not holds_finished_shard(dest):
         return []

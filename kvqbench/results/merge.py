@@ -6,7 +6,7 @@ the whole collected matrix, every cell of the matrix, the cells it selected, and
 :func:`merge_shards` checks that the folders belong to one run — the same commit, versions,
 configuration (seeds, bits, threads, device type, capture dtype, model, shard count, cell matrix) and
 data (the real capture's model, text and tokens) — reads their records back and writes them with the
-same :func:`~kvqbench.report.results.write_result_set` a session uses, so the merged files are those a
+same :func:`~kvqbench.results.write.write_result_set` a session uses, so the merged files are those a
 single session would have written (provenance and timings aside). Cells of the matrix that no folder
 holds are listed and the merged set is stamped incomplete, as a partial run is.
 
@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 from kvqbench.cells import DEFAULT_MODEL, parse_nodeid, source_kind
 from kvqbench.report.io import read_json, write_json_atomic
-from kvqbench.report.reader import load_result_set
-from kvqbench.report.results import BENCHMARK_JSON, ResultSet, UpdateBoard, WriteExtra, write_result_set
+from kvqbench.results.read import load_result_set
+from kvqbench.results.write import BENCHMARK_JSON, ResultSet, UpdateBoard, WriteExtra, write_result_set
 
 __all__ = ["MergeError", "Shard", "read_shard", "by_model", "check_compatible", "merged_provenance", "merge_shards",
            "MergeResult", "CHECKED", "merge_benchmark_json", "missing_cells_note"]
@@ -286,12 +286,12 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
 
     Args:
         folders: shard folders (each written by a ``--kvq-shard I/N`` session), any order.
-        out_dir: destination (the rules of :func:`~kvqbench.report.results.write_result_set` apply: an
+        out_dir: destination (the rules of :func:`~kvqbench.results.write.write_result_set` apply: an
             incomplete merge never replaces a complete result set there).
         figures: render the PNG figures too.
         log: one-line messages (default stderr).
         update_board, write_extra: callbacks passed on to
-            :func:`~kvqbench.report.results.write_result_set` (the pytest hooks are not called: see docs/HOOKS.md).
+            :func:`~kvqbench.results.write.write_result_set` (the pytest hooks are not called: see docs/HOOKS.md).
 
     Returns a :class:`MergeResult`.
 
