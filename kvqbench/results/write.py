@@ -39,8 +39,8 @@ from typing import Any, Callable, Iterable
 from kvqbench.metrics import catalog_dict
 from kvqbench.report.board import assemble, summary_of
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
-from kvqbench.results.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 from kvqbench.report.render.markdown import render_markdown
+from kvqbench.results.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 
 __all__ = ["write_result_set", "completeness", "holds_complete_set", "check_writable", "run_folder_problem",
            "PUBLISHED_MARKER", "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON",
@@ -137,25 +137,27 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
     return out
 
 
-def holds_finished_shard(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds the set of one shard that ran its share without failure
-    (:func:`completeness`'s ``shard_done``): not complete, but finished work that no other set may delete."""
+def _completeness_in(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The completeness record of ``folder/leaderboard.json`` (``{}`` when it holds none); ``None`` when
+    there is no readable leaderboard document."""
     try:
         doc = read_json(Path(folder) / "leaderboard.json")
     except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and bool((doc.get("completeness") or {}).get("shard_done"))
+        return None
+    return (doc.get("completeness") or {}) if isinstance(doc, dict) else None
+
+
+def holds_finished_shard(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds the set of one shard that ran its share without failure
+    (:func:`completeness`'s ``shard_done``): not complete, but finished work that no other set may delete."""
+    return bool((_completeness_in(folder) or {}).get("shard_done"))
 
 
 def holds_complete_set(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a complete result set: a readable ``leaderboard.json`` that does not say it
     is incomplete (one without a completeness record counts as complete)."""
-    lb = Path(folder) / "leaderboard.json"
-    try:
-        doc = read_json(lb)
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and (doc.get("completeness") or {}).get("complete", True) is not False
+    comp = _completeness_in(folder)
+    return comp is not None and comp.get("complete", True) is not False
 
 
 #: the line ``kvqbench publish`` writes into a published leaderboard folder's README.md
