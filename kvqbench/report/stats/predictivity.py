@@ -15,7 +15,7 @@ from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
 
 __all__ = ["PREDICTIVITY_TARGETS", "PREDICTIVITY_EXPERIMENTS", "PREDICTIVITY_BOOTSTRAP", "PREDICTIVITY_SEED",
-           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows", "resampled_rho", "percentile_ci95"]
+           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman", "spearman_rows", "resampled_rho", "percentile_ci95"]
 
 
 #: the model-damage quantities tensor metrics are correlated with, each from the experiment the catalog
@@ -71,14 +71,22 @@ def percentile_ci95(samples: Any, n_boot: int) -> list[float] | None:
     return [float(lo), float(hi)]
 
 
-def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
-    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened) with ``scipy.stats.spearmanr``, and its
-    bootstrap 95 % CI over methods (:func:`resampled_rho`, :func:`percentile_ci95`)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+def spearman(x: Any, y: Any) -> tuple[float | None, float | None]:
+    """``scipy.stats.spearmanr`` of the 1-d ``x``, ``y`` as ``(rho, pvalue)``; ``(None, None)`` when ρ is
+    undefined (a constant side)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # constant input: ρ is undefined (NaN), reported as None
-        rho = float(spearmanr(x.ravel(), y.ravel()).statistic)
-    if not math.isfinite(rho):
+        warnings.simplefilter("ignore")  # constant input: ρ is NaN, reported as None
+        res = spearmanr(x, y)
+    rho = float(res.statistic)
+    return (rho, float(res.pvalue)) if math.isfinite(rho) else (None, None)
+
+
+def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
+    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened, :func:`spearman`), and its bootstrap 95 % CI
+    over methods (:func:`resampled_rho`, :func:`percentile_ci95`)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    rho, _ = spearman(x.ravel(), y.ravel())
+    if rho is None:
         return None, None
     return rho, percentile_ci95(resampled_rho([x], y, n_boot, seed)[0], n_boot)
 
