@@ -49,6 +49,7 @@ from kvqbench.report.reader import experiment_files, read_experiment_file, read_
 from kvqbench.report.render.headline import headline_lines
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.render.text import fmt
+from kvqbench.results.write import write_figures_and_page
 
 __all__ = ["scrub", "find_leaks", "publish", "render_digest", "seeds_text", "update_readme", "readme_digest",
            "DIGEST_START", "DIGEST_END"]
@@ -313,13 +314,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     board = docs["leaderboard.json"]
     written.append(str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board))))
     written.append(str(write_text_atomic(out / "README.md", _FOLDER_README)))
-    if figures:
-        from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
-
-        written += [str(p) for p in write_figures(out, jobs=0)]
-    from kvqbench.report.render.html import write_html
-
-    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
+    written += [str(p) for p in write_figures_and_page(board, out, figures=figures)]
     if readme is not None:
         if update_readme(readme, render_digest(board)):
             written.append(str(readme))

@@ -17,7 +17,7 @@ from kvqbench.report.reader import read_experiment_files, read_leaderboard
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.render.terminal import render_terminal
 from kvqbench.results.read import check_result_files, leaderboard_path, load_result_set
-from kvqbench.results.write import write_result_set
+from kvqbench.results.write import write_figures_and_page, write_result_set
 
 __all__ = ["render_dir"]
 
@@ -76,17 +76,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     written = [str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board)))]
     if echo:
         print(render_terminal(board))
-    if figures:
-        from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
-
-        def log(msg: str) -> None:
-            print(msg, file=sys.stderr)
-
-        written += [str(p) for p in write_figures(src.parent, out, log=log, jobs=0)]
-    from kvqbench.report.render.html import write_html
-
-    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
-    return written
+    return written + [str(p) for p in write_figures_and_page(board, out, figures=figures, data_dir=src.parent)]
 
 
 def _same_folder(a: Path, b: Path) -> bool:

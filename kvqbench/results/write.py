@@ -44,7 +44,7 @@ from kvqbench.results.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, ke
 
 __all__ = ["write_result_set", "completeness", "holds_complete_set", "check_writable", "run_folder_problem",
            "PUBLISHED_MARKER", "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON",
-           "record_sort_key"]
+           "record_sort_key", "write_figures_and_page"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "index.html", "pareto_*.png",
@@ -245,20 +245,31 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     written.append(write_json_atomic(folder / "summary.json", {**summary_of(board), "completeness": brief}))
     written.append(write_text_atomic(folder / "LEADERBOARD.md", render_markdown(board)))
     written.append(write_json_atomic(folder / "leaderboard.json", board))
-    if figures:
-        try:
-            from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
-
-            written += [Path(p) for p in write_figures(folder, log=log, jobs=0)]
-        except Exception as e:  # a figure never costs the results
-            log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
-    from kvqbench.report.render.html import write_html
-
-    written += [p for p in [write_html(board, folder, log=log)] if p is not None]  # after the figures it embeds
+    written += write_figures_and_page(board, folder, figures=figures, log=log)
     if write_extra is not None:
         for p in write_extra(board, folder) or []:
             written.append(Path(p))
     return written, board
+
+
+def write_figures_and_page(board: dict[str, Any], out: Path, *, figures: bool = True, log: Log | None = None,
+                           data_dir: Path | None = None) -> list[Path]:
+    """Draw the PNG figures from the result files in ``data_dir`` (default ``out``) into ``out`` when
+    ``figures`` (matplotlib imported only then), then write ``out/index.html`` for ``board``, which embeds
+    them; the written paths. A figure or page that fails is one line on ``log`` (default stderr): neither
+    ever costs the results."""
+    log = log or _stderr
+    written: list[Path] = []
+    if figures:
+        try:
+            from kvqbench.report.render.figures import write_figures
+
+            written += [Path(p) for p in write_figures(data_dir or out, out, log=log, jobs=0)]
+        except Exception as e:
+            log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
+    from kvqbench.report.render.html import write_html
+
+    return written + [p for p in [write_html(board, out, log=log)] if p is not None]
 
 
 def _move_in(staging: Path, dest: Path, written: list[Path], *, keep_figures: bool = False,
