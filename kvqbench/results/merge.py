@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -180,7 +181,7 @@ def _check_one_run(shards: list[Shard]) -> None:
 def _strip_shard_args(command: str) -> str:
     try:
         toks = shlex.split(command)
-    except ValueError:  # not shell-quoted (an older provenance): words
+    except ValueError:  # not shell-quoted: split into words
         toks = command.split()
     out, skip = [], False
     for t in toks:
@@ -348,10 +349,7 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
 def missing_cells_note(missing: list[str], total: int, show: int = 10) -> str:
     """The lines that name a merge's missing cells: how many, per test function, then the first ``show`` node
     ids one per line (the full list is the result's ``completeness.not_run_ids``)."""
-    per_test: dict[str, int] = {}
-    for n in missing:
-        fn = parse_nodeid(n).name
-        per_test[fn] = per_test.get(fn, 0) + 1
+    per_test = Counter(parse_nodeid(n).name for n in missing)
     lines = [f"kvqbench merge: {len(missing)} of {total} cells missing ("
              + ", ".join(f"{fn} ×{k}" for fn, k in per_test.items()) + "):"]
     lines += [f"  {n}" for n in missing[:show]]
