@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import legend_outside
+from kvqbench.report.render.figures.style import legend_outside
 from kvqbench.report.render.figures.data import Source, setting_bits
 
 __all__ = ["draw", "panels"]
