@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from kvqbench.cells import Setting
-from kvqbench.report.render.figures.series import histograms_with_tails, iter_curves
+from kvqbench.report.render.figures.series import histograms, iter_curves
 from kvqbench.report.render.figures.style import Style, method_order
 from kvqbench.report.stats.aggregate import setting_key
 
@@ -119,8 +119,8 @@ def mean_histograms(cells: list[dict[str, Any]], setting: str, kind: Callable[[s
                     ) -> tuple[dict[tuple[str, Any], XY], dict[tuple[str, Any], tuple[float, float]]]:
     """Like :func:`mean_curves` for histograms: ``({(method, key): (edges, mean density)}, {(method,
     key): (under, over)})``, the second the mean shares of tokens below the first edge and above the
-    last (:func:`series.histograms_with_tails`)."""
-    acc = _first_per_cell(cells, setting, kind, histograms_with_tails)
+    last (:func:`series.histograms`)."""
+    acc = _first_per_cell(cells, setting, kind, histograms)
     curves = {k: _mean_y(v) for k, v in acc.items()}
     tails = {k: (math.fsum(t[0] for *_, t in v) / len(v), math.fsum(t[1] for *_, t in v) / len(v))
              for k, v in acc.items()}
