@@ -18,7 +18,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from kvqbench.report.reader import read_experiment_files, read_leaderboard
 from kvqbench.report.render.figures import (

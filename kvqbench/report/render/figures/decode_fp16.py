@@ -14,11 +14,11 @@ import textwrap
 from typing import Any
 
 from kvqbench.report.render.figures.data import XY, mean_curves, passed_at
-
 from kvqbench.report.render.figures.series import regime
 from kvqbench.report.render.figures.style import CONTEXT_AXIS, Style
 
 __all__ = ["decode_fp16", "all_fp16_at", "draw_fp16_panel", "fp16_note"]
+
 
 def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, dict[str, Any]]:
     """What pseudo-decode holds in fp16, per method whose billed bits change with the length by more
@@ -59,12 +59,14 @@ def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, d
         out[m] = {"x": xs, "bits": ys, "share": share_y, "newest": newest}
     return out
 
+
 def all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
     """Whether every token is fp16 at each of the lengths ``xs0`` (fp16 share 1 there)."""
     if not info or info.get("share") is None:
         return False
     at = dict(zip(info["x"], info["share"], strict=False))
     return all(x in at and at[x] >= 1.0 - 1e-9 for x in xs0)
+
 
 def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: Style,
                     top_axes: Any, decode_curves: dict[str, XY], kind: str, src: str = "") -> None:
@@ -117,6 +119,7 @@ def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any
             top_axes[0][i].set_xlabel(CONTEXT_AXIS)
             a.text(0.0, 0.95, "\n".join(line for para in note for line in (textwrap.wrap(para, 82) or [""])),
                    transform=a.transAxes, fontsize=8, va="top")
+
 
 def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
                decode_curves: dict[str, XY], kind: str, src: str = "") -> list[str]:

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.style import legend_outside
 from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.render.figures.style import legend_outside
 
 __all__ = ["draw", "panels"]
 

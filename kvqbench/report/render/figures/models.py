@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.style import legend_outside
 from kvqbench.report.render.figures.data import setting_bits
-from kvqbench.report.render.figures.style import RC, Style, pyplot
+from kvqbench.report.render.figures.style import RC, Style, legend_outside, pyplot
 from kvqbench.report.stats.models import kl_points, rank_table
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 

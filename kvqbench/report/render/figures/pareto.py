@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.style import bits_axis, legend_outside
 from kvqbench.report.render.figures.data import Source
 from kvqbench.report.render.figures.placement import CORE_RADIUS, place_labels
+from kvqbench.report.render.figures.style import bits_axis, legend_outside
 
 __all__ = ["draw"]
 

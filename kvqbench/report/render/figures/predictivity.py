@@ -9,8 +9,8 @@ from typing import Any
 
 from kvqbench.metrics import experiment_of
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.style import legend_outside
 from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.render.figures.style import legend_outside
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 
 __all__ = ["draw"]
