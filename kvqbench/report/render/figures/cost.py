@@ -15,14 +15,13 @@ from kvqbench.report.render.figures.style import COLORS, span_decades
 __all__ = ["draw"]
 
 _COST = experiment_of("quant_latency_ms")
-_RECONSTRUCTION = experiment_of("bits_effective")
 
 
 def draw(plt: Any, src: Source, out: Path) -> Path | None:
     """Draw the figure from the exp4 stats of ``src`` at the headline setting (or the first setting
     that ran); ``None`` when exp4 did not run or holds neither latencies nor bits."""
-    catalog, stats = src.catalog, src.stats
-    exp4 = stats.get(_COST) or {}
+    catalog = src.catalog
+    exp4 = src.stats.get(_COST) or {}
     settings = {s for by in exp4.values() for s in by}
     if not settings:
         return None
@@ -32,24 +31,19 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     lat = sorted((n for n in names if varies(n, catalog.get(n)) == "timing" and _unit(n, catalog) == "ms"),
                  key=lambda n: ("dequant" in n, n))
     bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
-    bit_src = exp4
-    if not bit_names:  # fall back to the reconstruction experiment's bits accounting
-        bit_src = stats.get(_RECONSTRUCTION) or {}
-        bit_names = [n for n in ("bits_nominal", "bits_effective")
-                     if any(n in (by.get(setting) or {}) for by in bit_src.values())]
     methods = src.style.in_order(exp4)
-    panels = [p for p in (("latency", lat, exp4), ("bits", bit_names, bit_src)) if p[1]]
+    panels = [p for p in (("latency", lat), ("bits", bit_names)) if p[1]]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels) + 1, 4.8), squeeze=False)
     unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in src.cells(_COST))
-    for ax, (kind, metric_names, by_method) in zip(axes[0], panels, strict=False):
+    for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
         drawn: list[tuple[Any, list[float], list[float]]] = []
         for j, n in enumerate(metric_names):
             xs, ys, es = [], [], []
             for i, m in enumerate(methods):
-                e = ((by_method.get(m) or {}).get(setting) or {}).get(n)
+                e = ((exp4.get(m) or {}).get(setting) or {}).get(n)
                 if e is not None:
                     xs.append(i + (j - (len(metric_names) - 1) / 2) * w)
                     ys.append(e["mean"])
