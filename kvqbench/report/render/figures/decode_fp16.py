@@ -69,10 +69,11 @@ def all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
 
 
 def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: Style,
-                    top_axes: Any, decode_curves: dict[str, XY], kind: str, src: str = "") -> None:
-    """Under the pseudo-decode panel: per method whose fp16 share changes with the length, the newest
-    tokens still in fp16 (solid, left axis) and the billed bits/element (dashed, right axis); beside it,
-    a note that says, from the data, why those curves jump between neighbouring lengths."""
+                    decode_curves: dict[str, XY], kind: str, src: str = "") -> None:
+    """In the second row of ``grid`` (one column per regime of ``regimes``), under the pseudo-decode
+    panel: per method whose fp16 share changes with the length, the newest tokens still in fp16 (solid,
+    left axis) and the billed bits/element (dashed, right axis); beside it, a note that says, from the
+    data, why those curves jump between neighbouring lengths."""
     from matplotlib.lines import Line2D
 
     ax = grid[1][regimes.index("pseudo-decode")]
@@ -109,14 +110,14 @@ def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any
         ax.set_title("billed bits in pseudo-decode (fp16 sink / residual / partial-tile tokens at 16 bits)",
                      fontsize=8)
         ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
+    grid[0][regimes.index("pseudo-decode")].set_xlabel("")
     note = fp16_note(fp16, methods, decode_curves, kind, src)
     for i, reg in enumerate(regimes):
         if reg != "pseudo-decode":
             a = grid[1][i]
             a.axis("off")
-            top_axes[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
-            top_axes[0][i].set_xlabel(CONTEXT_AXIS)
+            grid[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
+            grid[0][i].set_xlabel(CONTEXT_AXIS)
             a.text(0.0, 0.95, "\n".join(line for para in note for line in (textwrap.wrap(para, 82) or [""])),
                    transform=a.transAxes, fontsize=8, va="top")
 
@@ -146,13 +147,12 @@ def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
         if info["newest"] is None:
             continue
         ys = dict(zip(*decode_curves[m], strict=False)) if m in decode_curves else {}
-        every = [x for x in info["x"] if all_fp16_at(info, [x])]
-        some: dict[float, list[float]] = {}
-        none = []
+        every, none = [], []  # lengths where every token is fp16; where none of the newest is
+        some: dict[float, list[float]] = {}  # the newest n tokens fp16 → lengths
         for x, n in zip(info["x"], info["newest"], strict=False):
-            if x in every:
-                continue
-            if n > 0:
+            if all_fp16_at(info, [x]):
+                every.append(x)
+            elif n > 0:
                 some.setdefault(n, []).append(x)
             else:
                 none.append(x)
