@@ -34,7 +34,7 @@ from kvqbench.report.render.figures import (
 from kvqbench.report.render.figures.data import load_sources
 from kvqbench.report.render.figures.style import RC, method_order, pyplot
 
-__all__ = ["write_figures", "default_jobs", "FIGURES"]
+__all__ = ["write_figures", "FIGURES"]
 
 Log = Callable[[str], None]
 
@@ -55,13 +55,6 @@ FIGURES: tuple[tuple[str, Callable[..., Path | None], int], ...] = (
 #: the running :func:`write_figures`' jobs ``(file name, start rank, draw())``, read by the forked pool
 #: workers (they inherit it, so neither the data nor matplotlib objects are pickled)
 _JOBS: list[tuple[str, int, Callable[[], Path | None]]] = []
-
-
-def default_jobs() -> int:
-    """How many processes draw figures when the caller asks for ``jobs=0``: the CPUs this process may
-    run on, at most 8."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, n))
 
 
 def _run_job(i: int) -> tuple[Path | None, str | None]:
@@ -103,7 +96,7 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
         out_dir: where the PNGs go (default ``results_dir``).
         log: one-line messages (missing matplotlib, a figure that failed); default stderr.
         jobs: processes drawing figures side by side (forked, so the JSON is read once); ``0`` = one per
-            available CPU (:func:`default_jobs`); ``1`` (default) draws in this process. The PNGs are the
+            CPU this process may run on, at most 8; ``1`` (default) draws in this process. The PNGs are the
             same bytes either way; where ``fork`` is unavailable the figures are drawn serially.
 
     Never raises for a missing matplotlib or a figure that fails to render; raises
@@ -132,7 +125,9 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
         order = method_order(board, {m for src in sources for exp in src.stats.values() for m in exp})
         jobs_list.append((models.FILE, len(FIGURES), partial(
             models.draw_models, {m: by_name[s].stats for m, s in pair.items()}, out, methods=order)))
-    n_jobs = min(default_jobs() if jobs == 0 else max(1, jobs), len(jobs_list))
+    if jobs == 0:
+        jobs = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    n_jobs = min(max(1, jobs), len(jobs_list))
     with plt.rc_context(RC):
         _JOBS[:] = jobs_list
         try:
