@@ -86,7 +86,7 @@ def test_series_discovery():
     got = {"/".join(p): (x, y) for p, x, y in iter_curves(series)}
     assert got == {"static/attn_mse": ([1, 2, 3], [0.1, 0.2, 0.3]),
                    "pseudo_decode/attn_kl": ([1, 2, 3], [2.0, 3.0, 4.0]),  # mean over layers
-                   "other": ([1, 2], [5, 6])}
+                   "other/y": ([1, 2], [5, 6])}
     hists = list(histograms({"k_norm_diff": {"edges": [0, 1, 2], "counts": [3, 1]}}))
     assert hists == [(("k_norm_diff", "counts"), [0.0, 1.0, 2.0], [0.75, 0.25], (0.0, 0.0))]
 

@@ -4,8 +4,8 @@ need not register anything with the figures.
 ``series`` is walked recursively:
 
 * a *curve* is a list of numbers under a dict that also holds an x list named one of :data:`X_KEYS`
-  (``context_len``, ``context``, ``ctx`` …; inherited by nested dicts), or a dict ``{"x": [...],
-  "y": [...]}``. Per-layer curves (list of lists) are averaged over layers.
+  (``context_lengths``, ``context_len``, ``x`` …; inherited by nested dicts). Per-layer curves (list of
+  lists) are averaged over layers.
 * a *histogram* is a list of numbers named ``…density``, ``…counts`` or ``…hist`` beside a list of bin
   edges named ``…edges``, with one value fewer than the edges, or two more (an underflow and an
   overflow bin first and last).
@@ -33,15 +33,11 @@ def _is_num_list(v: Any) -> bool:
                                                       for x in v)
 
 
-def _is_nested_num_list(v: Any) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(_is_num_list(x) for x in v) \
-        and len({len(x) for x in v}) == 1
-
-
 def _as_curve(v: Any) -> list[float] | None:
+    """A list of numbers as floats; equally long lists of numbers (one per layer): their mean over layers."""
     if _is_num_list(v):
         return [float(x) for x in v]
-    if _is_nested_num_list(v):  # per layer → mean over layers
+    if isinstance(v, list) and v and all(_is_num_list(x) for x in v) and len({len(x) for x in v}) == 1:
         return [math.fsum(col) / len(col) for col in zip(*v, strict=False)]
     return None
 
@@ -50,11 +46,6 @@ def iter_curves(series: Any, path: tuple[str, ...] = (), x: list[float] | None =
                 ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
     """Yield ``(path, x, y)`` for every curve in a record's ``series`` (see module doc)."""
     if not isinstance(series, dict):
-        return
-    if _is_num_list(series.get("x")) and _as_curve(series.get("y")) is not None:
-        y = _as_curve(series["y"])
-        if y is not None and len(y) == len(series["x"]):
-            yield path, [float(v) for v in series["x"]], y
         return
     here = next((series[k] for k in X_KEYS if k in series and _is_num_list(series[k])), None)
     xs = [float(v) for v in here] if here is not None else x
@@ -107,7 +98,7 @@ def regime(name: str) -> str:
 def error_kind(name: str) -> str | None:
     """What an exp2 series path measures: ``"kl"``, ``"kl_rev"``, ``"rel_mse"``, ``"mse"``, ``"mae"``,
     ``"cos"``, or ``None`` (a signed gap, a bias, a logit error … that no figure draws)."""
-    if "kl" in re.split(r"[^a-z0-9]+", name) or re.search(r"(^|[^a-z])kl([^a-z]|$)", name):
+    if re.search(r"(^|[^a-z])kl([^a-z]|$)", name):
         return "kl_rev" if re.search(r"rev", name) else "kl"
     if any(w in name for w in ("signed", "gap", "bias", "var", "slope", "weighted", "logit", "attn_k")):
         return None
