@@ -69,7 +69,7 @@ def all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
 
 
 def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: Style,
-                    decode_curves: dict[str, XY], kind: str, src: str = "") -> None:
+                    decode_curves: dict[str, XY], kind: str, src: str) -> None:
     """In the second row of ``grid`` (one column per regime of ``regimes``), under the pseudo-decode
     panel: per method whose fp16 share changes with the length, the newest tokens still in fp16 (solid,
     left axis) and the billed bits/element (dashed, right axis); beside it, a note that says, from the
@@ -123,14 +123,13 @@ def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any
 
 
 def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
-               decode_curves: dict[str, XY], kind: str, src: str = "") -> list[str]:
+               decode_curves: dict[str, XY], kind: str, src: str) -> list[str]:
     """The note beside the fp16 panel, as paragraphs, every claim from the data: what changes with the
     length (which tokens stay fp16), then, for each method whose newest tokens are all fp16 at some
     lengths and all quantized at others, the lengths of each case with its error there and what the
     data say about it: lower wherever the newest tokens are fp16 (the fp16 share explains the jumps),
-    or ranges that overlap (it does not). ``src`` (``synthetic``/``real``) names the data."""
+    or ranges that overlap (it does not). ``src`` (``synthetic``, ``real`` …) names the data."""
     what = "KL" if kind in ("kl", "kl_rev") else "error"
-    data = f"this {src} data" if src else "this data"
     paras = [f"Pseudo-decode, {', '.join(methods)}: which tokens stay fp16 (attention sinks, a recent window, "
              "a partly filled last tile) changes with the length, and so do the bits billed. The panel to the "
              "right of this note (below the pseudo-decode curves) shows, at each length, the newest tokens "
@@ -168,16 +167,16 @@ def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
                      f"({rng([ys[x] for x in none if x in ys])})")
         with_fp16 = [ys[x] for xs in some.values() for x in xs if x in ys]
         without = [ys[x] for x in none if x in ys]
-        if with_fp16 and without and max(with_fp16) < min(without):
-            verdict = (f"on {data} the {what} is {min(without) / max(with_fp16):.2g}–"
-                       f"{max(without) / min(with_fp16):.2g}× higher wherever none of the newest tokens are "
-                       f"fp16: the fp16 share explains the jumps")
-        elif with_fp16 and without and max(without) <= min(with_fp16):
-            verdict = (f"on {data} the {what} is no higher where none of the newest tokens are fp16: the fp16 "
-                       f"share does not explain the curve's shape")
-        elif with_fp16 and without:
-            verdict = (f"on {data} the two ranges overlap: the fp16 share does not explain the curve's shape")
-        else:
-            verdict = ""
+        verdict = ""
+        if with_fp16 and without:
+            verdict = f"on this {src} data the "
+            if max(with_fp16) < min(without):
+                verdict += (f"{what} is {min(without) / max(with_fp16):.2g}–{max(without) / min(with_fp16):.2g}× "
+                            "higher wherever none of the newest tokens are fp16: the fp16 share explains the jumps")
+            elif max(without) <= min(with_fp16):
+                verdict += (f"{what} is no higher where none of the newest tokens are fp16: the fp16 share does "
+                            "not explain the curve's shape")
+            else:
+                verdict += "two ranges overlap: the fp16 share does not explain the curve's shape"
         paras.append(f"{m}: " + "; ".join(parts) + (f". So {verdict}." if verdict else "."))
     return paras
