@@ -153,6 +153,7 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     # number, as a number whose leader may cross markers: (boxes, leader segments, has a leader, (dx, dy,
     # ha, va, leader) per spot)
     wide = size("8" * len(str(len(texts))))  # a number is placed as the widest one (digits are equally wide)
+    inset = {"left": gap, "bottom": gap, "right": -gap, "top": -gap, "center": 0.0}
     own_of = []
     free = []
     for x, y, text in texts:
@@ -167,7 +168,8 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
             ok = (boxes[:, 0] >= ab.x0) & (boxes[:, 2] <= ab.x1) & (boxes[:, 1] >= ab.y0) & (boxes[:, 3] <= ab.y1)
             ok &= ~meets(boxes, full_boxes) & ~meets(boxes, notes) & ~seg_box_hits(line_segs, boxes).any(0)
             dxy = np.array([(sp[1], sp[2]) for sp in spots])
-            lead = np.hypot(dxy[:, 0], dxy[:, 1]) > _LEADER_FROM
+            reach = np.hypot(dxy[:, 0], dxy[:, 1])  # points from the point to the label's anchor
+            lead = reach > _LEADER_FROM
             mid = np.column_stack([(boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2])
             d = np.maximum(np.hypot(mid[:, 0] - cx, mid[:, 1] - cy), 1e-9)
             start = np.column_stack([cx + (mid[:, 0] - cx) * rad / d, cy + (mid[:, 1] - cy) * rad / d])
@@ -185,12 +187,10 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
                 dist = np.hypot(ddx, ddy) - radii[None, :]
                 ok &= dist[:, ~own].min(1) >= np.maximum(dist[:, own].min(1) + _LABEL_CLEAR * pt, _LABEL_CLEAR * pt)
             if k == 0:  # words sit near their point: a long leader into a cluster reads as someone else's
-                ok &= np.hypot(dxy[:, 0], dxy[:, 1]) <= _WORD_REACH
-            sx = {"left": gap, "right": -gap, "center": 0.0}  # the anchor sits ``gap`` inside the box
-            sy = {"bottom": gap, "top": -gap, "center": 0.0}
+                ok &= reach <= _WORD_REACH
             keep = np.flatnonzero(ok)
-            per_alt.append((boxes[keep], segs[keep], lead[keep],
-                            [(spots[j][1] + sx[spots[j][3]] / pt, spots[j][2] + sy[spots[j][4]] / pt,
+            per_alt.append((boxes[keep], segs[keep], lead[keep],  # the anchor sits ``gap`` inside the box
+                            [(spots[j][1] + inset[spots[j][3]] / pt, spots[j][2] + inset[spots[j][4]] / pt,
                               spots[j][3], spots[j][4], bool(lead[j])) for j in keep]))
         free.append(per_alt)
 

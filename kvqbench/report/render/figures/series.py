@@ -4,7 +4,7 @@ need not register anything with the figures.
 ``series`` is walked recursively:
 
 * a *curve* is a list of numbers under a dict that also holds an x list named one of :data:`X_KEYS`
-  (``context_lengths``, ``context_len``, ``x`` …; inherited by nested dicts). Per-layer curves (list of
+  (inherited by nested dicts). Per-layer curves (list of
   lists) are averaged over layers.
 * a *histogram* is a list of numbers named ``…density``, ``…counts`` or ``…hist`` beside a list of bin
   edges named ``…edges``, with one value fewer than the edges, or two more (an underflow and an
@@ -24,8 +24,8 @@ from typing import Any, Iterable
 
 __all__ = ["X_KEYS", "iter_curves", "histograms", "regime", "error_kind"]
 
-X_KEYS: tuple[str, ...] = ("context_len", "context_lens", "context_length", "context_lengths", "context",
-                           "ctx_len", "ctx", "lengths", "tokens", "positions", "seq_lens", "x")
+#: names of an x list: exp2 writes ``context_lengths``
+X_KEYS: tuple[str, ...] = ("context_lengths", "context_len", "x")
 
 
 def _is_num_list(v: Any) -> bool:
