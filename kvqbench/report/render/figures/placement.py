@@ -122,14 +122,15 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
         u, v = ax.transData.transform((x, y))
         return float(u), float(v)
 
-    def around(c: Any, r: Any) -> Any:  # boxes (rows x0, y0, x1, y1) of half-width r around the centres c
-        return np.column_stack([c - r[:, None], c + r[:, None]])
+    def around(c: Any, r: Any, pad: float) -> Any:
+        """Boxes (rows x0, y0, x1, y1) reaching ``r + pad`` from the centres ``c`` on each side."""
+        return np.column_stack([c - r[:, None] - pad, c + r[:, None] + pad])
 
     centres = np.array([px(x, y) for x, y, _ in markers]).reshape(-1, 2)
     radii = np.array([r for *_, r in markers], dtype=float) * pt
-    full_boxes = around(centres, radii + gap)
-    core_boxes = around(centres, np.minimum(radii, CORE_RADIUS * pt) + gap)
-    clear_boxes = around(centres, radii + _LABEL_CLEAR * pt)  # a word label's leader keeps out of these
+    full_boxes = around(centres, radii, gap)
+    core_boxes = around(centres, np.minimum(radii, CORE_RADIUS * pt), gap)
+    clear_boxes = around(centres, radii + _LABEL_CLEAR * pt, 0.0)  # a word label's leader keeps out of these
     notes = np.array([(b.x0 - gap, b.y0 - gap, b.x1 + gap, b.y1 + gap)  # notes already on the axes
                       for b in (t.get_window_extent(renderer) for t in ax.texts)]).reshape(-1, 4)
     line_segs = []
