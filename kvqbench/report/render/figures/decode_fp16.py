@@ -20,7 +20,7 @@ from kvqbench.report.render.figures.style import CONTEXT_AXIS, Style
 __all__ = ["decode_fp16", "all_fp16_at", "draw_fp16_panel", "fp16_note"]
 
 
-def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, dict[str, Any]]:
+def decode_fp16(cells: list[dict[str, Any]], setting: str) -> dict[str, dict[str, Any]]:
     """What pseudo-decode holds in fp16, per method whose billed bits change with the length by more
     than 5 % (its fp16 share — attention sinks, a recent window, a partly filled last tile — changes
     with it): ``{method: {"x": lengths, "bits": billed bits/element, "share": share of the tokens in
@@ -28,8 +28,6 @@ def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, d
     are the fp16 tokens that are not sink tokens: ``share · L − sink`` (sinks from the cells'
     ``extra.decode.policy``; None where a cell records no policy), all ``L`` where every token is fp16.
     Empty when no method qualifies."""
-    if setting is None:
-        return {}
 
     def kind(name: str) -> Any:
         last = name.split("/")[-1]
