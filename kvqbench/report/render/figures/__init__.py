@@ -125,8 +125,9 @@ def write_figures(results_dir: str | Path, out_dir: str | Path | None = None, *,
         order = method_order(board, {m for src in sources for exp in src.stats.values() for m in exp})
         jobs_list.append((models.FILE, len(FIGURES), partial(
             models.draw_models, {m: by_name[s].stats for m, s in pair.items()}, out, methods=order)))
-    if jobs == 0:
-        jobs = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if jobs == 0:  # the CPUs this process may run on, at most 8
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+        jobs = min(8, len(cpus))
     n_jobs = min(max(1, jobs), len(jobs_list))
     with plt.rc_context(RC):
         _JOBS[:] = jobs_list

@@ -143,8 +143,8 @@ def _draw(plt: Any, src: Source, out: Path, quantity: str) -> Path | None:
     order = style.in_order(handles)  # every method drawn in any panel
     legend_outside(axes[0][-1], [handles[m] for m in order], order)
     if fp16:
-        draw_fp16_panel(grid, regimes, fp16, style, {m: xy for (m, r), xy in curves.items() if r == "pseudo-decode"},
-                        kind, src.name)
+        decode = {m: xy for (m, r), xy in curves.items() if r == "pseudo-decode"}
+        draw_fp16_panel(grid, regimes, fp16, style, decode, kind, src.name)
     what = "Attention KL" if quantity == "kl" else "Attention error"
     fig.suptitle(f"{what} vs context length at {setting} ({src.name}; mean over seeds)", fontsize=11)
     name = "attn_kl_vs_context" if quantity == "kl" else "attn_error_vs_context"

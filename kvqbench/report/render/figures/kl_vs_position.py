@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.render.figures.data import Source, symmetric_settings
 from kvqbench.report.render.figures.style import legend_outside
 
 __all__ = ["draw"]
@@ -21,15 +21,14 @@ __all__ = ["draw"]
 def draw(plt: Any, src: Source, out: Path) -> Path | None:
     """Draw the figure; ``None`` when the source holds no long-decode KL curve with a positive bin."""
     curves = (src.summary.get("long_decode") or {}).get("kl_curve") or {}
-    settings = sorted({s for by in curves.values() for s in by
-                       if (b := setting_bits(s)) and b[0] == b[1] and b[0] < 16}, key=setting_bits)
+    settings = symmetric_settings(s for by in curves.values() for s in by)
     # {setting: {method: (bin centres, mean KL)}}, bins whose KL is not positive left out
     lines: dict[str, dict[str, tuple[list[float], list[float]]]] = {s: {} for s in settings}
     for s in settings:
         for m in src.style.in_order(curves):
             c = curves[m].get(s) or {}
-            pts = [((a + b - 1) / 2, y) for a, b, y in zip(c.get("start", []), c.get("stop", []), c.get("mean", []))
-                   if y > 0]
+            bins = zip(c.get("start", []), c.get("stop", []), c.get("mean", []))
+            pts = [((a + b - 1) / 2, y) for a, b, y in bins if y > 0]
             if pts:
                 lines[s][m] = ([p[0] for p in pts], [p[1] for p in pts])
     if not any(lines.values()):

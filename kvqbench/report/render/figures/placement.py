@@ -186,7 +186,8 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
                 ddy = np.maximum(np.maximum(boxes[:, None, 1] - centres[None, :, 1], 0.0),
                                  centres[None, :, 1] - boxes[:, None, 3])
                 dist = np.hypot(ddx, ddy) - radii[None, :]
-                ok &= dist[:, ~own].min(1) >= np.maximum(dist[:, own].min(1) + _LABEL_CLEAR * pt, _LABEL_CLEAR * pt)
+                own_d = dist[:, own].min(1)
+                ok &= dist[:, ~own].min(1) >= np.maximum(own_d + _LABEL_CLEAR * pt, _LABEL_CLEAR * pt)
             if k == 0:  # words sit near their point: a long leader into a cluster reads as someone else's
                 ok &= reach <= _WORD_REACH
             keep = np.flatnonzero(ok)
