@@ -95,7 +95,7 @@ def _label_spots(cx: float, cy: float, w: float, h: float, radius: float, pt: fl
 
 def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
                  markers: list[tuple[float, float, float]],
-                 lines: list[tuple[list[float], list[float]]] | None = None) -> None:
+                 lines: list[Any] | None = None) -> None:
     """Label points so that no label overlaps another label, a marker, a line of ``lines`` or leaves
     the axes, and no leader line runs through a marker, a label or another leader line.
 
