@@ -6,14 +6,12 @@ leaderboard (the KL curves per method and setting as means over seeds, the fp16 
 accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
 and the source's ``stats``.
 
-Comparisons: at a budget of bits billed at T, methods are compared on the long-decode KL across the texts
-they share (each seed decodes another text; :func:`long_decode_points` feeds
-:func:`kvqbench.report.stats.ranking.paired_at_budgets`); passkey exact match is reported per length
-(McNemar's test, :func:`kvqbench.report.stats.paired.mcnemar_exact`, is not applied yet: 4 counted trials
-per setting cannot reach p < 0.025). The per-setting tables rank with the noise floor
-(``long_kl_noise_sd_nats``: the standard deviation float noise alone causes, measured on the first seed of
-each seed group): two methods tie when their 95 % CIs over seeds overlap or their means differ by no more
-than the larger floor (:func:`kvqbench.report.stats.intervals.ranked_with_floor`).
+Comparisons pair the settings across the texts they share (each seed decodes another text; docs/METRICS.md,
+"Paired comparisons"): at a budget of bits billed at T, on the long-decode KL (:func:`long_decode_points`
+feeds :func:`kvqbench.report.stats.ranking.paired_at_budgets`); per setting, every metric's ranking
+(:func:`kvqbench.report.stats.ranking.rankings`); passkey exact match, each method's counted trials against
+the unquantized model's on the same prompts by McNemar's exact test, Holm over the methods of a bit width
+(:func:`passkey_mcnemar`).
 """
 
 from __future__ import annotations
@@ -26,17 +24,13 @@ from kvqbench.cells import is_exact_setting, is_plain_setting
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.aggregate import setting_key
 from kvqbench.report.stats.intervals import is_short, mean_ci
+from kvqbench.report.stats.paired import ALPHA, holm, mcnemar_exact
 
-__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "noise_floor", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
+__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "passkey_mcnemar", "LONG_PREDICTIVITY_TARGETS",
            "CI_SHARE_TARGET"]
 
 #: the long-decode experiment
 EXPERIMENT = experiment_of("long_kl_nats")
-
-
-#: the metric whose noise-floor metric decides ties (``name → its noise standard deviation``)
-NOISE_OF = {"long_kl_nats": "long_kl_noise_sd_nats",
-            "long_kl_last_quarter_nats": "long_kl_last_quarter_noise_sd_nats"}
 
 #: the predictivity targets this module reports beside the short-window KL (see
 #: :data:`kvqbench.report.stats.predictivity.PREDICTIVITY_TARGETS`)
@@ -56,8 +50,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 
     Returns ``{"kl_curve": {method: {setting: {"start", "stop", "mean", "ci95", "n"}}}, "fp16_share_at_T":
     {method: {setting: share}}, "passkey_reference": {"lengths", "depths", "accuracy", "rank_worst", "n_seeds", "floor"},
-    "passkey_accuracy": {method: {setting: [share or None per length]}}, "text_tokens", "prefill_tokens",
-    "bin"}``: the KL curve's bins (decoded positions ``[start, stop)``) with the mean over seeds of each
+    "passkey_accuracy": {method: {setting: [share or None per length]}}, "passkey_mcnemar"
+    (:func:`passkey_mcnemar`), "text_tokens", "prefill_tokens", "bin"}``: the KL curve's bins (decoded positions ``[start, stop)``) with the mean over seeds of each
     bin's mean KL and its 95 % half-width (seeds whose bins differ from the first seed's are left out);
     the share of the cache held in fp16 at T (mean of K and V, mean over seeds); the unquantized model's
     exact-match share per passkey length and its worst key-token rank (means over seeds); a method's
@@ -71,6 +65,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     curves: dict[tuple[str, str], list[dict]] = defaultdict(list)
     shares: dict[tuple[str, str], list[float]] = defaultdict(list)
     acc: dict[tuple[str, str], list[list]] = defaultdict(list)
+    trials: dict[tuple[str, str], dict[tuple, bool]] = defaultdict(dict)
     ref_acc: dict[int, list[list[float]]] = defaultdict(list)
     ref_rank: dict[int, list[list[float]]] = defaultdict(list)
     lengths: list[int] | None = None
@@ -90,6 +85,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
             lengths, depths = lengths or list(pk["lengths"]), depths or list(pk.get("depths") or [])
             if list(pk["lengths"]) == lengths:
                 acc[key].append(list(pk.get("accuracy") or [None] * len(lengths)))
+                trials[key].update({(r["seed"], n): bool(a) for n, a in zip(lengths, pk.get("accuracy") or [])
+                                    if a is not None})
                 ref_acc[r["seed"]].append([float(a) for a in pk["ref_accuracy"]])
                 ref_rank[r["seed"]].append([_mean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
                 floor = (extra.get("passkey") or {}).get("reference_floor", floor)
@@ -112,17 +109,12 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         out["passkey_reference"] = {"lengths": lengths, "accuracy": [_mean(list(c)) for c in zip(*per_seed)],
                                     "rank_worst": [_mean(list(c)) for c in zip(*per_seed_rank)],
                                     "n_seeds": len(seeds), "floor": floor, "depths": depths}
+        out["passkey_mcnemar"] = passkey_mcnemar(trials)
     first = recs[0].get("extra") or {}
     out["text_tokens"] = first.get("text_tokens")
     out["prefill_tokens"] = first.get("prefill_tokens")
     out["bin"] = ((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin")
     return out
-
-
-def noise_floor(stats6: dict[str, Any], method: str, setting: str, metric: str) -> float | None:
-    """The noise floor (standard deviation) of ``metric`` at a (method, setting), ``None`` without one."""
-    e = stats6.get(method, {}).get(setting, {}).get(NOISE_OF.get(metric, ""))
-    return e["mean"] if e else None
 
 
 def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
@@ -138,3 +130,28 @@ def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
             pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"], "ci95": kl["ci95"],
                         "units": dict(zip(kl.get("seeds") or [], kl.get("values") or []))})
     return pts
+
+
+def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]], *, alpha: float = ALPHA) -> dict[str, Any]:
+    """Passkey exact match against the unquantized model, trial by trial.
+
+    Args:
+        trials: ``(method, setting)`` → ``{(seed, length): exact match}`` over the method's counted trials
+            (the prompts the unquantized model retrieves: it passes every one of them).
+        alpha: family-wise level over the methods of one setting.
+
+    Each method's trials are paired with the unquantized model's on the same prompts (seed, length and
+    the seed's depth) and compared by McNemar's exact one-sided test (:func:`~kvqbench.report.stats.paired.mcnemar_exact`:
+    the method fails where the reference passes more often than the reverse), Holm over the methods of
+    each setting. Returns ``{setting: {method: {"n_trials", "lost" (trials only the reference passed),
+    "p", "p_holm", "separated", "min_p"}}}``; ``min_p`` = 0.5 ** n_trials, the smallest p these trials
+    can give (every one lost): with ``min_p > alpha`` no method can be separated.
+    """
+    out: dict[str, Any] = {}
+    for s in sorted({s for _, s in trials}):
+        ms = sorted(m for m, s2 in trials if s2 == s)
+        tests = [mcnemar_exact([True] * len(trials[(m, s)]), list(trials[(m, s)].values())) for m in ms]
+        adj = holm([t["p"] for t in tests])
+        out[s] = {m: {"n_trials": t["n_trials"], "lost": t["best_only"], "p": t["p"], "p_holm": ph,
+                      "separated": ph <= alpha, "min_p": 0.5 ** t["n_trials"]} for m, t, ph in zip(ms, tests, adj)}
+    return out

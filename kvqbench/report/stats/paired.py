@@ -16,6 +16,7 @@ scale: a result reads as "× the best's".
   each setting's rank interval and probability of ranking first.
 - :func:`mcnemar_exact`: McNemar's exact test on paired binary trials (passkey exact match).
 - :func:`compare_gate`: ``compare BASE NEW`` for one cell scored per unit: worse only beyond the paired CI.
+- :func:`paired_ranking`: a ranking table's rule — every pair tested one-sided, Holm over the table's pairs.
 
 Values must be finite. The log scale needs positive values: a unit where both sides are exactly equal
 (both exactly 0 included) contributes a log difference of exactly 0; any other value ≤ 0 raises
@@ -25,6 +26,7 @@ itself). Pure functions of their arguments (numpy and scipy.stats only): the sam
 
 from __future__ import annotations
 
+import math
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +34,7 @@ from scipy import stats
 
 __all__ = ["ALPHA", "CONFIDENCE", "BOOTSTRAP", "BOOTSTRAP_SEED", "PAIRED_TEST", "shared_units", "aligned",
            "log_differences", "paired_ratio", "holm", "mcnemar_exact", "rank_intervals", "budget_verdict",
-           "compare_gate"]
+           "compare_gate", "paired_ranking"]
 
 #: family-wise error rate of the one-sided tests of one budget row (Holm over the candidates compared with
 #: the best): 0.025, the one-sided half of the two-sided 5 % level, so that a comparison called separated
@@ -272,3 +274,65 @@ def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float], 
     worse = None if r["ratio_ci95"] is None else r["ratio_ci95"][0] > 1.0
     return {"n_units": r["n_units"], "ratio": r["ratio"], "ratio_ci95": r["ratio_ci95"], "worse": worse,
             "exact_lost": []}
+
+
+def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, ratio_scale: bool,
+                   better: str = "lower", alpha: float = ALPHA) -> dict[str, Any]:
+    """A ranking table by the paired rule (docs/METRICS.md, "Paired comparisons"): every pair tested.
+
+    Args:
+        per_setting: setting key → (unit id → value); the mapping's order breaks exact ties.
+        ratio_scale: compare on the log scale (:func:`kvqbench.metrics.is_ratio_scale`); a pair where
+            either side has a value ≤ 0 at a shared unit (an exact setting) is compared on the raw scale.
+        better: ``lower``, ``higher`` or ``zero`` (badness ``|value|``, raw scale).
+        alpha: family-wise level of the table's tests.
+
+    Badness is the value (``lower``), its negative (``higher``, on the log scale ``−log``) or ``|value|``.
+    Settings are ordered by mean badness over their own units — mean log badness where ``ratio_scale``
+    (a value ≤ 0 counts as ``log 0``) —, then mean raw badness. On the units every setting shares, each
+    pair is tested one-sided, "the later one is worse" (``scipy.stats.ttest_1samp`` on the per-unit
+    badness differences, the paired t-test ``ttest_rel``; zero variance: p = 0 when the difference is
+    > 0, else 1), Holm over all the table's pairs (:func:`holm`); a pair is *separated* when its
+    adjusted p ≤ ``alpha``. A setting's ``rank`` = 1 + the settings listed before it that are separated
+    from it, never below the rank above it; ``ties`` = the settings it is not separated from.
+
+    Returns ``{"n_units", "no_verdict", "rows": [{"key", "rank", "ties"}]}`` best first. With fewer than
+    2 shared units there is no test: ``no_verdict`` says so, every ``rank`` is ``None`` and ``ties`` empty.
+    """
+    keys = list(per_setting)
+    sign = -1.0 if better == "higher" else 1.0
+
+    def badness(v: np.ndarray, log: bool) -> np.ndarray:
+        if better == "zero":
+            return np.abs(v)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return sign * np.log(np.where(v > 0, v, 0.0)) if log else sign * v
+
+    own = [np.array([float(v) for v in per_setting[k].values() if v is not None and np.isfinite(v)]) for k in keys]
+    ratio_scale = ratio_scale and better != "zero"
+    key = [((float(np.mean(badness(v, ratio_scale))) if v.size else math.inf),
+            (float(np.mean(badness(v, False))) if v.size else math.inf), i) for i, v in enumerate(own)]
+    order = [k[2] for k in sorted(key)]
+    units = shared_units(per_setting)
+    n = len(units)
+    if n < 2:
+        why = "no shared unit" if n == 0 else "one shared unit"
+        return {"n_units": n, "no_verdict": f"{why}: no paired test",
+                "rows": [{"key": keys[i], "rank": None, "ties": []} for i in order]}
+    x = aligned(per_setting, units)[order]
+    positive = np.all(x > 0, axis=1)
+    pairs = [(a, b) for b in range(len(order)) for a in range(b)]  # a listed before b
+    d = np.array([badness(x[b], ratio_scale and positive[a] and positive[b])
+                  - badness(x[a], ratio_scale and positive[a] and positive[b]) for a, b in pairs]).reshape(len(pairs), n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = stats.ttest_1samp(d, 0.0, axis=1, alternative="greater").pvalue if pairs else np.zeros(0)
+    flat = np.ptp(d, axis=1) == 0
+    p = np.where(flat, np.where(d[:, 0] > 0, 0.0, 1.0), p)
+    separated = {pr for pr, ph in zip(pairs, holm([float(v) for v in p])) if ph <= alpha}
+    rows: list[dict[str, Any]] = []
+    for b, i in enumerate(order):
+        rank = 1 + sum(1 for a in range(b) if (a, b) in separated)
+        rank = max(rank, rows[-1]["rank"]) if rows else rank
+        rows.append({"key": keys[i], "rank": rank,
+                     "ties": [keys[order[o]] for o in range(len(order)) if o != b and (min(o, b), max(o, b)) not in separated]})
+    return {"n_units": n, "no_verdict": None, "rows": rows}

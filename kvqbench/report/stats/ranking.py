@@ -1,10 +1,10 @@
 """Rankings, Pareto fronts and the best method at matched bits budgets (docs/DESIGN.md §5). Torch-free.
 
-Rankings order methods by mean in each metric's better-direction and mark methods whose 95 % CIs overlap
-as ties (:func:`kvqbench.report.stats.intervals.interval`); the detail tables of exp1 and exp2 budgets do
-too (:func:`best_at_budgets`). The first screen compares settings on the units they share instead
-(:func:`paired_at_budgets`, the rule of :mod:`kvqbench.report.stats.paired`). A budget point is a plain
-setting (no variant axes) with every seed it was asked for.
+Every comparison pairs the settings on the units they share (seeds, text windows, texts) by the rule of
+:mod:`kvqbench.report.stats.paired`: the rankings per metric and setting (:func:`rankings`,
+:func:`~kvqbench.report.stats.paired.paired_ranking`) and the best at each bits budget, on the first
+screen and in the detail tables (:func:`paired_at_budgets`). A budget point is a plain setting (no variant
+axes) with every seed it was asked for.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections import defaultdict
 from typing import Any
 
 from kvqbench.cells import BUDGETS, is_plain_setting, setting_order
-from kvqbench.metrics import experiment_of, rank_key
-from kvqbench.report.stats.intervals import interval, is_short
-from kvqbench.report.stats.paired import budget_verdict
+from kvqbench.metrics import experiment_of, is_ratio_scale, rank_key
+from kvqbench.report.stats.intervals import is_short
+from kvqbench.report.stats.paired import budget_verdict, paired_ranking
 
-__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "best_at_budgets", "paired_at_budgets",
+__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "paired_at_budgets",
            "PARETO_QUALITY", "PARETO_BITS"]
 
 #: quality metric and bits metric of the Pareto front and the matched-budget selector
@@ -26,17 +26,21 @@ PARETO_QUALITY = "rel_mse"
 PARETO_BITS = "bits_effective"
 
 
-def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
-    """Per metric, per setting: every method that ran, best first.
+def _units(e: dict[str, Any]) -> dict[Any, float]:
+    """A stats entry's values by unit (its seeds: seeds, text windows or texts)."""
+    return dict(zip(e.get("seeds") or [], e.get("values") or []))
 
-    Returns ``{metric: {"better", "unit", "by_setting": {setting: [{method, mean, ci95, n, rank,
-    ties}]}}}``. Methods are listed best mean first; ``rank`` = 1 + the number of methods that are
-    *significantly* better (their whole 95% CI lies on the better side of this method's CI; with one
-    seed, a strictly better value), raised where needed so it never decreases down the list (a method
-    with a very wide CI shares its better neighbour's rank instead of rank 1). Methods that cannot be
-    told apart share a rank and ties do not chain; ``ties`` lists every method whose CI overlaps this
-    one's. Metrics not in ``catalog`` are not ranked. A method whose entry is short (fewer seeds than
-    asked, :func:`is_short`) is listed last with ``rank: None``, ``short: true`` and ``n_asked``.
+
+def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
+    """Per metric, per setting: every method that ran, best first, by the paired rule.
+
+    Returns ``{metric: {"better", "unit", "experiment", "by_setting": {setting: [{method, mean, ci95, n,
+    rank, ties}]}}}``: the order, ``rank`` and ``ties`` of
+    :func:`~kvqbench.report.stats.paired.paired_ranking` on the seeds (windows, texts) the methods share,
+    on the log scale where the metric is ratio-scale (:func:`kvqbench.metrics.is_ratio_scale`). With fewer
+    than 2 shared units every row has ``rank`` ``None`` and ``no_verdict`` (the reason). Metrics not in
+    ``catalog`` are not ranked. A method whose entry is short (fewer seeds than asked, :func:`is_short`) is
+    listed last with ``rank: None``, ``short: true`` and ``n_asked``.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -53,17 +57,15 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         for setting in sorted(table[name], key=setting_order):
             rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
             short = [(m, e) for m, e in rows if is_short(e)]
-            rows = [(m, e) for m, e in rows if not is_short(e)]
-            ivs = {m: interval(e, better) for m, e in rows}
+            entries = {m: e for m, e in rows if not is_short(e)}
+            verdict = paired_ranking({m: _units(e) for m, e in entries.items()},
+                                     ratio_scale=is_ratio_scale(name, spec), better=better)
             ranked = []
-            for m, e in rows:
-                lo, hi = ivs[m]
-                ties = [m2 for m2, _ in rows if m2 != m and not (ivs[m2][1] < lo or ivs[m2][0] > hi)]
-                rank = 1 + sum(1 for m2, _ in rows if ivs[m2][1] < lo)
-                if ranked:  # listed by mean: a rank never goes down the list (a wide CI shares its
-                    rank = max(rank, ranked[-1]["rank"])  # neighbour's rank, not rank 1)
-                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
-                               "rank": rank, "ties": ties,
+            for r in verdict["rows"]:
+                e = entries[r["key"]]
+                ranked.append({"method": r["key"], "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
+                               "rank": r["rank"], "ties": r["ties"],
+                               **({"no_verdict": verdict["no_verdict"]} if verdict["no_verdict"] else {}),
                                **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})
             for m, e in short:  # fewer seeds than asked: listed after the ranked methods, never ranked
                 ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
@@ -96,11 +98,11 @@ def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
 
 
 def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``, with the
-    methods whose 95% CI overlaps it (``ties``, :func:`best_at_budgets`)."""
-    return [{"budget": m["budget"], "method": m["method"], "setting": m["setting"], "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"], "ties": m["ties"], "runner_up": m["runner_up"]}
-            for m in _quality_front(stats_src, budgets)["matched_budget"]]
+    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b`` and every
+    other method compared with it over the seeds (:func:`paired_at_budgets`): its rows with ``bits`` named
+    ``bits_effective`` and ``quality`` named after the metric."""
+    return [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
+             PARETO_QUALITY: m["quality"]} for m in _quality_front(stats_src, budgets)["matched_budget"]]
 
 
 def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_fwd_nats",
@@ -121,7 +123,8 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
             if is_short(metrics[quality]) or is_short(metrics[bits]):
                 continue  # fewer seeds than asked: not a budget point (see aggregate)
             pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
-                        "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"]})
+                        "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"],
+                        "units": _units(metrics[quality])})
     pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
     front = []
     for p in pts:
@@ -130,54 +133,11 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
             and (q["bits"] < p["bits"] or q["quality"] < p["quality"]) for q in pts)
         if p["on_front"]:
             front.append({k: p[k] for k in ("method", "setting", "bits", "quality")})
-    matched = [{"budget": r["budget"], "method": r["method"], "setting": r["setting"], "bits": r["bits"],
-                "quality": r["value"], "ties": r["ties"], "runner_up": r["runner_up"]}
-               for r in best_at_budgets([{**p, "mean": p["quality"]} for p in pts], budgets)]
-    return {"experiment": experiment, "quality": quality, "bits": bits, "points": pts, "front": front,
+    matched = [{**{k: v for k, v in r.items() if k != "value"}, "quality": r["value"]}
+               for r in paired_at_budgets([{**p, "mean": p["quality"]} for p in pts], budgets)]
+    return {"experiment": experiment, "quality": quality, "bits": bits,
+            "points": [{k: v for k, v in p.items() if k != "units"} for p in pts], "front": front,
             "matched_budget": matched}
-
-
-def best_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] = BUDGETS, *, better: str = "lower",
-                    floor: float = 0.0) -> list[dict[str, Any]]:
-    """The best point at each bits budget ``≤ b`` and the methods tied with it.
-
-    Args:
-        points: ``{method, setting, bits, mean, ci95}`` (``ci95`` ``None`` for one seed).
-        budgets: bits/element budgets.
-        better: the direction of ``mean`` (``lower``, ``higher``, ``zero``).
-        floor: a noise floor in the units of ``mean``: intervals are widened by it (0: the 95% CIs alone).
-
-    Each method is represented by its best point within the budget (ties broken by fewer bits). The best
-    has the best mean (then fewer bits, then name); every other method whose interval ``mean ± (ci95 +
-    floor)`` overlaps the best's is a tie (the overlap rule of :func:`rankings`). Returns per budget
-    ``{"budget", "method", "setting", "bits", "value", "ci95", "ties": [{method, setting, bits, value,
-    ci95}] (best mean first), "runner_up"}`` (the second method, tied or not; ``method`` ``None`` when no
-    point fits).
-    """
-    out = []
-    for b in budgets:
-        own: dict[str, dict[str, Any]] = {}
-        for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
-                        key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"], p["setting"])):
-            own.setdefault(p["method"], p)
-        ranked = sorted(own.values(), key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"]))
-        if not ranked:
-            out.append({"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
-                        "ties": [], "runner_up": None})
-            continue
-
-        def iv(p: dict[str, Any]) -> tuple[float, float]:
-            lo, hi = interval({"mean": p["mean"], "ci95": (p["ci95"] or 0.0) + floor}, better)
-            return lo, hi
-
-        top = ranked[0]
-        lo, hi = iv(top)
-        ties = [{"method": p["method"], "setting": p["setting"], "bits": p["bits"], "value": p["mean"], "ci95": p["ci95"]}
-                for p in ranked[1:] if not (iv(p)[0] > hi or iv(p)[1] < lo)]
-        out.append({"budget": b, "method": top["method"], "setting": top["setting"], "bits": top["bits"],
-                    "value": top["mean"], "ci95": top["ci95"], "ties": ties,
-                    "runner_up": ranked[1]["method"] if len(ranked) > 1 else None})
-    return out
 
 
 def _mean_log(units: dict[Any, float]) -> float:
