@@ -116,7 +116,7 @@ def seeds_text(src: dict[str, Any]) -> str:
         seeds = tuple(sorted({sd for e in entries for sd in e.get("seeds") or []}))
         if seeds:
             groups.setdefault((unit_of(names[0]) if names else "seed", seeds), []).append(exp)
-    return ", ".join(f"{unit}s {_span(list(seeds))} ({', '.join(exps)})"
+    return ", ".join(f"{unit}{'s' if len(seeds) > 1 else ''} {_span(list(seeds))} ({', '.join(exps)})"
                      for (unit, seeds), exps in groups.items()) or "?"
 
 

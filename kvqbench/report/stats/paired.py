@@ -27,6 +27,7 @@ itself). Pure functions of their arguments (numpy and scipy.stats only): the sam
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -294,7 +295,9 @@ def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, 
     badness differences, the paired t-test ``ttest_rel``; zero variance: p = 0 when the difference is
     > 0, else 1), Holm over all the table's pairs (:func:`holm`); a pair is *separated* when its
     adjusted p ≤ ``alpha``. A setting's ``rank`` = 1 + the settings listed before it that are separated
-    from it, never below the rank above it; ``ties`` = the settings it is not separated from.
+    from it, never below the rank above it; ``ties`` = the settings it is not separated from. On a
+    ratio-scale lower-is-better metric a setting exactly 0 at every shared unit (exact by construction, the
+    fp16 control) is not tested: it is separated from every other setting and tied with the other exact ones.
 
     Returns ``{"n_units", "no_verdict", "rows": [{"key", "rank", "ties"}]}`` best first. With fewer than
     2 shared units there is no test: ``no_verdict`` says so, every ``rank`` is ``None`` and ``ties`` empty.
@@ -321,14 +324,17 @@ def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, 
                 "rows": [{"key": keys[i], "rank": None, "ties": []} for i in order]}
     x = aligned(per_setting, units)[order]
     positive = np.all(x > 0, axis=1)
-    pairs = [(a, b) for b in range(len(order)) for a in range(b)]  # a listed before b
+    exact = np.all(x == 0, axis=1) & (ratio_scale and better == "lower")  # damage 0 by construction: not a sample
+    pairs = [(a, b) for b in range(len(order)) for a in range(b) if not (exact[a] or exact[b])]  # a listed before b
     d = np.array([badness(x[b], ratio_scale and positive[a] and positive[b])
                   - badness(x[a], ratio_scale and positive[a] and positive[b]) for a, b in pairs]).reshape(len(pairs), n)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, p ≈ 0, as it should be
         p = stats.ttest_1samp(d, 0.0, axis=1, alternative="greater").pvalue if pairs else np.zeros(0)
     flat = np.ptp(d, axis=1) == 0
     p = np.where(flat, np.where(d[:, 0] > 0, 0.0, 1.0), p)
     separated = {pr for pr, ph in zip(pairs, holm([float(v) for v in p])) if ph <= alpha}
+    separated |= {(a, b) for b in range(len(order)) for a in range(b) if exact[a] != exact[b]}
     rows: list[dict[str, Any]] = []
     for b, i in enumerate(order):
         rank = 1 + sum(1 for a in range(b) if (a, b) in separated)
