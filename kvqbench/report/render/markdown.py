@@ -16,7 +16,6 @@ from kvqbench.report.render.longdecode import markdown_lines as longdecode_lines
 from kvqbench.report.render.models import models_lines
 from kvqbench.report.render.text import (
     RANKING_RULE,
-    best_text,
     canonical,
     cells_text,
     completeness_banner,
@@ -41,7 +40,8 @@ _RECONSTRUCTION = experiment_of("rel_mse")
 def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, last_headers: list[str]) -> str:
     """A detail table of best-at-budget rows (the first screen's paired rule over seeds): budget, best and
     its ties, bits, the bits and the value under ``bits_key`` / ``value_key``."""
-    return tabulate([[f"≤ {b['budget']}", best_text(b) + (" (no paired verdict)" if b.get("no_verdict") else ""),
+    return tabulate([[f"≤ {b['budget']}", " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b["ties"])])
+                      + (" (no paired verdict)" if b.get("no_verdict") else "") if b.get("method") else "—",
                       b["setting"] or "—", fmt(b[bits_key]), fmt(b[value_key])] for b in rows],
                     headers=["budget", "best (= tied: not separated, paired over seeds)", "bits", *last_headers],
                     tablefmt="github")
