@@ -123,8 +123,10 @@ def paired_ratio(best: Sequence[float], other: Sequence[float], *, confidence: f
         return {"n_units": n, "ratio": ratio, "ratio_ci95": [ratio, ratio], "p": 0.0 if mean > 0 else 1.0}
     equal = np.asarray(best, dtype=np.float64) == np.asarray(other, dtype=np.float64)  # d = 0 there, 0s included
     lb, la = (np.log(np.where(equal, 1.0, np.asarray(v, dtype=np.float64))) for v in (best, other))
-    ci = stats.ttest_rel(la, lb).confidence_interval(confidence)
-    p = stats.ttest_rel(la, lb, alternative="greater").pvalue
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, as it should be
+        ci = stats.ttest_rel(la, lb).confidence_interval(confidence)
+        p = stats.ttest_rel(la, lb, alternative="greater").pvalue
     return {"n_units": n, "ratio": ratio, "ratio_ci95": [float(np.exp(ci.low)), float(np.exp(ci.high))],
             "p": float(p)}
 
