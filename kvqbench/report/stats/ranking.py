@@ -167,7 +167,8 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
     "runner_up" (the first comparison's method), "no_verdict"}``: ``value``/``ci95`` are the arithmetic
     mean ± 95 % half-width over units; ``no_verdict`` is ``None``, or the reason the row has no paired
     verdict (a value ≤ 0, no shared unit, a higher-is-better metric), in which case the best is the
-    lowest mean log damage (then the lowest mean) and ``comparisons``/``ties`` are empty. ``method``
+    lowest mean log damage (then the lowest mean) and ``comparisons``/``ties`` are empty; with one shared
+    unit the comparisons are listed (ratios, no test) but ``ties`` is empty and ``no_verdict`` says so. ``method``
     ``None`` when no point fits.
     """
     def damage(p: dict[str, Any]) -> dict[Any, float]:
@@ -205,6 +206,8 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
                                                                   "n_units", "rank_interval", "p_best")}}
                  for c in v["comparisons"]]
         out.append({**row, **entry(by_key[v["best"]]), "n_units": v["n_units"], "rank_interval": v["rank_interval"],
-                    "p_best": v["p_best"], "comparisons": comps, "ties": [c for c in comps if c["tied"]],
-                    "runner_up": comps[0]["method"] if comps else None})
+                    "p_best": v["p_best"], "comparisons": comps,
+                    "ties": [c for c in comps if c["tied"]] if v["n_units"] > 1 else [],
+                    "runner_up": comps[0]["method"] if comps else None,
+                    "no_verdict": None if v["n_units"] > 1 or not comps else "one shared unit: no paired test"})
     return out
