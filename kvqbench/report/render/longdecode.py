@@ -19,7 +19,7 @@ from kvqbench.report.render.text import (
     ties_text,
     value_text,
 )
-from kvqbench.report.stats.longdecode import CI_SHARE_TARGET, EXPERIMENT, LONG_PREDICTIVITY_TARGETS, long_decode_points
+from kvqbench.report.stats.longdecode import EXPERIMENT, LONG_PREDICTIVITY_TARGETS, long_decode_points
 from kvqbench.report.stats.paired import ALPHA
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 from kvqbench.report.stats.ranking import paired_at_budgets
@@ -62,7 +62,6 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
             "rank", "method", "KL nats", "KL last quarter", "top-1 last quarter", "KL slope /1k tokens",
             "Δ loss nats/token", "bits billed at T", "fp16 share at T", "noise floor (sd)",
             "tied with (paired)"], tablefmt="github"), ""]
-        out += _ci_line(have)
     if not out:
         return []
     t, p = summary.get("text_tokens"), summary.get("prefill_tokens")
@@ -74,19 +73,6 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
             "16 bits; the fp16 share at T is how much of the cache they hold then. The noise floor is the "
             "standard deviation of the KL over the run and its draws with the cached K/V perturbed at relative "
             f"1e-7 (float noise alone). {RANKING_RULE} (texts here).", "", *out]
-
-
-def _ci_line(have: dict[str, dict[str, Any]]) -> list[str]:
-    """One line under a setting's long-decode table: which methods' KL has a 95 % half-width over
-    :data:`CI_SHARE_TARGET` of its mean (none without two seeds; exact zeros are left out)."""
-    shares = {m: e["long_kl_nats"]["ci95"] / e["long_kl_nats"]["mean"] for m, e in have.items()
-              if e["long_kl_nats"].get("ci95") is not None and e["long_kl_nats"]["mean"] > 0}
-    if not shares:
-        return []
-    wide = [f"`{m}` {100 * v:.0f} %" for m, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v > CI_SHARE_TARGET]
-    head = (f"95% half-width over seeds ≤ {100 * CI_SHARE_TARGET:.0f} % of the mean KL for "
-            f"{len(shares) - len(wide)} of {len(shares)} methods")
-    return [head + (f"; wider: {', '.join(wide)}." if wide else "."), ""]
 
 
 def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, Any]) -> list[str]:

@@ -26,8 +26,7 @@ from kvqbench.report.stats.aggregate import setting_key
 from kvqbench.report.stats.intervals import is_short, mean_ci
 from kvqbench.report.stats.paired import ALPHA, holm, mcnemar_exact
 
-__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "passkey_mcnemar", "LONG_PREDICTIVITY_TARGETS",
-           "CI_SHARE_TARGET"]
+__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "passkey_mcnemar", "LONG_PREDICTIVITY_TARGETS"]
 
 #: the long-decode experiment
 EXPERIMENT = experiment_of("long_kl_nats")
@@ -35,10 +34,6 @@ EXPERIMENT = experiment_of("long_kl_nats")
 #: the predictivity targets this module reports beside the short-window KL (see
 #: :data:`kvqbench.report.stats.predictivity.PREDICTIVITY_TARGETS`)
 LONG_PREDICTIVITY_TARGETS = ("long_kl_nats", "passkey_logp_drop_nats")
-
-#: the largest 95 % half-width over seeds, as a share of the mean, at which a long-decode KL is precise
-#: enough to compare methods
-CI_SHARE_TARGET = 0.25
 
 
 def _mean(xs: list[float]) -> float:

@@ -281,66 +281,51 @@ def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float], 
 
 def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, ratio_scale: bool,
                    better: str = "lower", alpha: float = ALPHA) -> dict[str, Any]:
-    """A ranking table by the paired rule (docs/METRICS.md, "Paired comparisons"): every pair tested.
+    """A ranking table by the paired rule (docs/METRICS.md, "A ranking table"): every pair tested.
 
     Args:
-        per_setting: setting key → (unit id → value); the mapping's order breaks exact ties.
-        ratio_scale: compare on the log scale (:func:`kvqbench.metrics.is_ratio_scale`); a pair where
-            either side has a value ≤ 0 at a shared unit (an exact setting) is compared on the raw scale.
-        better: ``lower``, ``higher`` or ``zero`` (badness ``|value|``, raw scale).
-        alpha: family-wise level of the table's tests.
+        per_setting: setting key → (unit id → value); its order breaks exact ties.
+        ratio_scale: log scale (:func:`kvqbench.metrics.is_ratio_scale`); a pair with a value ≤ 0 goes raw.
+        better: ``lower``, ``higher`` (badness −value, −log) or ``zero`` (badness ``|value|``, raw).
+        alpha: family-wise level over the table's pairs.
 
-    Badness is the value (``lower``), its negative (``higher``, on the log scale ``−log``) or ``|value|``.
-    Settings are ordered by mean badness over their own units — mean log badness where ``ratio_scale``
-    (a value ≤ 0 counts as ``log 0``) —, then mean raw badness. On the units every setting shares, each
-    pair is tested one-sided, "the later one is worse" (``scipy.stats.ttest_1samp`` on the per-unit
-    badness differences, the paired t-test ``ttest_rel``; zero variance: p = 0 when the difference is
-    > 0, else 1), Holm over all the table's pairs (:func:`holm`); a pair is *separated* when its
-    adjusted p ≤ ``alpha``. A setting's ``rank`` = 1 + the settings listed before it that are separated
-    from it, never below the rank above it; ``ties`` = the settings it is not separated from. On a
-    ratio-scale lower-is-better metric a setting exactly 0 at every shared unit (exact by construction, the
-    fp16 control) is not tested: it is separated from every other setting and tied with the other exact ones.
-
-    Returns ``{"n_units", "no_verdict", "rows": [{"key", "rank", "ties"}]}`` best first. With fewer than
-    2 shared units there is no test: ``no_verdict`` says so, every ``rank`` is ``None`` and ``ties`` empty.
+    Settings are listed by mean (log) badness over their own units, then mean raw badness. Each pair is
+    tested one-sided, "the later one is worse", on the shared units (``scipy.stats.ttest_1samp`` on the
+    badness differences = ``ttest_rel``; zero variance: p = 0 for a difference > 0, else 1), Holm over
+    the pairs (:func:`holm`); separated when the adjusted p ≤ ``alpha``. ``rank`` = 1 + the settings
+    above that are separated from it, never below the rank above; ``ties`` = those not separated. On a
+    ratio-scale lower-is-better metric a setting 0 at every shared unit (exact: the fp16 control) is not
+    tested: separated from the rest, tied with the other exact ones. Returns ``{"n_units", "no_verdict",
+    "rows": [{"key", "rank", "ties"}]}`` best first; with < 2 shared units ``no_verdict`` says why and
+    every ``rank`` is ``None``.
     """
-    keys = list(per_setting)
-    sign = -1.0 if better == "higher" else 1.0
+    keys, sign, ratio_scale = list(per_setting), -1.0 if better == "higher" else 1.0, ratio_scale and better != "zero"
 
     def badness(v: np.ndarray, log: bool) -> np.ndarray:
-        if better == "zero":
-            return np.abs(v)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return sign * np.log(np.where(v > 0, v, 0.0)) if log else sign * v
+            return np.abs(v) if better == "zero" else sign * (np.log(np.where(v > 0, v, 0.0)) if log else v)
 
     own = [np.array([float(v) for v in per_setting[k].values() if v is not None and np.isfinite(v)]) for k in keys]
-    ratio_scale = ratio_scale and better != "zero"
-    key = [((float(np.mean(badness(v, ratio_scale))) if v.size else math.inf),
-            (float(np.mean(badness(v, False))) if v.size else math.inf), i) for i, v in enumerate(own)]
-    order = [k[2] for k in sorted(key)]
+    order = sorted(range(len(keys)), key=lambda i: (float(np.mean(badness(own[i], ratio_scale))), float(np.mean(
+        badness(own[i], False))), i) if own[i].size else (math.inf, math.inf, i))
     units = shared_units(per_setting)
-    n = len(units)
-    if n < 2:
-        why = "no shared unit" if n == 0 else "one shared unit"
-        return {"n_units": n, "no_verdict": f"{why}: no paired test",
+    if len(units) < 2:
+        return {"n_units": len(units), "no_verdict": f"{'one' if units else 'no'} shared unit: no paired test",
                 "rows": [{"key": keys[i], "rank": None, "ties": []} for i in order]}
     x = aligned(per_setting, units)[order]
-    positive = np.all(x > 0, axis=1)
+    log = ratio_scale & np.all(x > 0, axis=1)
     exact = np.all(x == 0, axis=1) & (ratio_scale and better == "lower")  # damage 0 by construction: not a sample
-    pairs = [(a, b) for b in range(len(order)) for a in range(b) if not (exact[a] or exact[b])]  # a listed before b
-    d = np.array([badness(x[b], ratio_scale and positive[a] and positive[b])
-                  - badness(x[a], ratio_scale and positive[a] and positive[b]) for a, b in pairs]).reshape(len(pairs), n)
+    pairs = [(a, b) for b in range(len(order)) for a in range(b) if not (exact[a] or exact[b])]  # a listed above b
+    d = np.array([badness(x[b], log[a] & log[b]) - badness(x[a], log[a] & log[b]) for a, b in pairs]).reshape(-1, len(units))
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, p ≈ 0, as it should be
         p = stats.ttest_1samp(d, 0.0, axis=1, alternative="greater").pvalue if pairs else np.zeros(0)
-    flat = np.ptp(d, axis=1) == 0
-    p = np.where(flat, np.where(d[:, 0] > 0, 0.0, 1.0), p)
+    p = np.where(np.ptp(d, axis=1) == 0, np.where(d[:, 0] > 0, 0.0, 1.0), p)
     separated = {pr for pr, ph in zip(pairs, holm([float(v) for v in p])) if ph <= alpha}
     separated |= {(a, b) for b in range(len(order)) for a in range(b) if exact[a] != exact[b]}
     rows: list[dict[str, Any]] = []
     for b, i in enumerate(order):
-        rank = 1 + sum(1 for a in range(b) if (a, b) in separated)
-        rank = max(rank, rows[-1]["rank"]) if rows else rank
-        rows.append({"key": keys[i], "rank": rank,
-                     "ties": [keys[order[o]] for o in range(len(order)) if o != b and (min(o, b), max(o, b)) not in separated]})
-    return {"n_units": n, "no_verdict": None, "rows": rows}
+        rank = max([1 + sum((a, b) in separated for a in range(b))] + [r["rank"] for r in rows[-1:]])
+        rows.append({"key": keys[i], "rank": rank, "ties": [keys[order[o]] for o in range(len(order))
+                                                             if o != b and (min(o, b), max(o, b)) not in separated]})
+    return {"n_units": len(units), "no_verdict": None, "rows": rows}
