@@ -172,15 +172,12 @@ def _mcnemar_text(t: dict[str, Any] | None) -> str:
 
 def _mcnemar_caption(mc: dict[str, Any]) -> str:
     """The passkey comparison's rule and, from the trial counts, whether it can separate at all."""
-    n = sorted({t["n_trials"] for by in mc.values() for t in by.values() if t["n_trials"]})
-    if not n:
-        return ""
-    can = f"with {n[-1]} trials the smallest attainable p is 0.5^{n[-1]} = {0.5 ** n[-1]:.2g}" + (
-        f" > {ALPHA}, so no method can be separated from it yet" if 0.5 ** n[-1] > ALPHA else "")
-    return (f"Each method's counted trials are paired with the unquantized model's on the same prompts (same "
-            f"seed, length and depth; it passes all of them) and compared by McNemar's exact one-sided test, "
-            f"Holm over the methods of a bit width at α = {ALPHA} (docs/METRICS.md, \"Paired comparisons\"); "
-            f"{can}.")
+    n = max([t["n_trials"] for by in mc.values() for t in by.values()] or [0])
+    can = f"; with {n} trials the smallest attainable p is 0.5^{n} = {0.5 ** n:.2g}" + (
+        f" > {ALPHA}, so no method can be separated from it yet" if 0.5 ** n > ALPHA else "")
+    return (f"Each method's counted trials are compared with the unquantized model's on the same prompts (seed, "
+            f"length, depth; it passes all) by McNemar's exact one-sided test, Holm over the methods of a bit width "
+            f"at α = {ALPHA} (docs/METRICS.md){can}." if n else "")
 
 
 def _rho(row: dict[str, Any] | None) -> str:

@@ -6,12 +6,9 @@ leaderboard (the KL curves per method and setting as means over seeds, the fp16 
 accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
 and the source's ``stats``.
 
-Comparisons pair the settings across the texts they share (each seed decodes another text; docs/METRICS.md,
-"Paired comparisons"): at a budget of bits billed at T, on the long-decode KL (:func:`long_decode_points`
-feeds :func:`kvqbench.report.stats.ranking.paired_at_budgets`); per setting, every metric's ranking
-(:func:`kvqbench.report.stats.ranking.rankings`); passkey exact match, each method's counted trials against
-the unquantized model's on the same prompts by McNemar's exact test, Holm over the methods of a bit width
-(:func:`passkey_mcnemar`).
+Comparisons pair settings on the texts they share (each seed decodes another text): the budget rows
+(:func:`long_decode_points` feeds :func:`kvqbench.report.stats.ranking.paired_at_budgets`), the per-setting
+rankings (:func:`kvqbench.report.stats.ranking.rankings`), passkey exact match (:func:`passkey_mcnemar`).
 """
 
 from __future__ import annotations
@@ -130,23 +127,18 @@ def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
 def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]], *, alpha: float = ALPHA) -> dict[str, Any]:
     """Passkey exact match against the unquantized model, trial by trial.
 
-    Args:
-        trials: ``(method, setting)`` → ``{(seed, length): exact match}`` over the method's counted trials
-            (the prompts the unquantized model retrieves: it passes every one of them).
-        alpha: family-wise level over the methods of one setting.
-
-    Each method's trials are paired with the unquantized model's on the same prompts (seed, length and
-    the seed's depth) and compared by McNemar's exact one-sided test (:func:`~kvqbench.report.stats.paired.mcnemar_exact`:
-    the method fails where the reference passes more often than the reverse), Holm over the methods of
-    each setting. Returns ``{setting: {method: {"n_trials", "lost" (trials only the reference passed),
-    "p", "p_holm", "separated", "min_p"}}}``; ``min_p`` = 0.5 ** n_trials, the smallest p these trials
-    can give (every one lost): with ``min_p > alpha`` no method can be separated.
+    ``trials``: ``(method, setting)`` → ``{(seed, length): exact match}`` over its counted trials (prompts the
+    unquantized model retrieves: it passes all). Each method is compared with it on the same prompts by
+    McNemar's exact one-sided test (:func:`~kvqbench.report.stats.paired.mcnemar_exact`), Holm over the
+    methods of a setting at ``alpha``. Returns ``{setting: {method: {"n_trials", "lost" (trials only the
+    reference passed), "p", "p_holm", "separated", "min_p"}}}``; ``min_p`` = 0.5 ** n_trials, the smallest
+    p the trials allow: above ``alpha`` nothing can be separated.
     """
     out: dict[str, Any] = {}
     for s in sorted({s for _, s in trials}):
         ms = sorted(m for m, s2 in trials if s2 == s)
         tests = [mcnemar_exact([True] * len(trials[(m, s)]), list(trials[(m, s)].values())) for m in ms]
-        adj = holm([t["p"] for t in tests])
         out[s] = {m: {"n_trials": t["n_trials"], "lost": t["best_only"], "p": t["p"], "p_holm": ph,
-                      "separated": ph <= alpha, "min_p": 0.5 ** t["n_trials"]} for m, t, ph in zip(ms, tests, adj)}
+                      "separated": ph <= alpha, "min_p": 0.5 ** t["n_trials"]}
+                  for m, t, ph in zip(ms, tests, holm([t["p"] for t in tests]))}
     return out
