@@ -32,15 +32,14 @@ def _units(e: dict[str, Any]) -> dict[Any, float]:
 
 
 def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
-    """Per metric, per setting: every method that ran, best first, by the paired rule.
+    """Per metric in ``catalog``, per setting: every method that ran, best first, by the paired rule.
 
     Returns ``{metric: {"better", "unit", "experiment", "by_setting": {setting: [{method, mean, ci95, n,
-    rank, ties}]}}}``: the order, ``rank`` and ``ties`` of
-    :func:`~kvqbench.report.stats.paired.paired_ranking` on the seeds (windows, texts) the methods share,
-    on the log scale where the metric is ratio-scale (:func:`kvqbench.metrics.is_ratio_scale`). With fewer
-    than 2 shared units every row has ``rank`` ``None`` and ``no_verdict`` (the reason). Metrics not in
-    ``catalog`` are not ranked. A method whose entry is short (fewer seeds than asked, :func:`is_short`) is
-    listed last with ``rank: None``, ``short: true`` and ``n_asked``.
+    rank, ties}]}}}``: order, ``rank`` and ``ties`` of :func:`~kvqbench.report.stats.paired.paired_ranking`
+    on the units (seeds, windows, texts) the methods share, log scale where the metric is ratio-scale
+    (:func:`kvqbench.metrics.is_ratio_scale`); without a test (< 2 shared units) ``rank`` is ``None`` and
+    ``no_verdict`` says why. A short entry (fewer seeds than asked, :func:`is_short`) is listed last with
+    ``rank: None``, ``short: true`` and ``n_asked``.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -51,40 +50,28 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
                         table[name][setting].append((meth, entry))
     out: dict[str, Any] = {}
     for name in sorted(table):
-        spec = catalog[name]
-        better = spec["better"]
-        by_setting = {}
+        spec, by_setting = catalog[name], {}
         for setting in sorted(table[name], key=setting_order):
-            rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
-            short = [(m, e) for m, e in rows if is_short(e)]
-            entries = {m: e for m, e in rows if not is_short(e)}
-            verdict = paired_ranking({m: _units(e) for m, e in entries.items()},
-                                     ratio_scale=is_ratio_scale(name, spec), better=better)
-            ranked = []
-            for r in verdict["rows"]:
-                e = entries[r["key"]]
-                ranked.append({"method": r["key"], "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
-                               "rank": r["rank"], "ties": r["ties"],
-                               **({"no_verdict": verdict["no_verdict"]} if verdict["no_verdict"] else {}),
-                               **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})
-            for m, e in short:  # fewer seeds than asked: listed after the ranked methods, never ranked
-                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
-                               "n_asked": e["n_asked"], "rank": None, "ties": [], "short": True})
-            by_setting[setting] = ranked
-        out[name] = {"better": better, "unit": spec["unit"], "experiment": spec["experiment"],
+            entries = {m: e for m, e in sorted(table[name][setting]) if not is_short(e)}
+            v = paired_ranking({m: _units(e) for m, e in entries.items()}, ratio_scale=is_ratio_scale(name, spec),
+                               better=spec["better"])
+            by_setting[setting] = [
+                {"method": r["key"], **{k: entries[r["key"]][k] for k in ("mean", "ci95", "n")}, "rank": r["rank"],
+                 "ties": r["ties"], **({"no_verdict": v["no_verdict"]} if v["no_verdict"] else {}),
+                 **{k: entries[r["key"]][k] for k in ("worst_layer",) if k in entries[r["key"]]}} for r in v["rows"]] + [
+                {"method": m, **{k: e[k] for k in ("mean", "ci95", "n", "n_asked")}, "rank": None, "ties": [],
+                 "short": True} for m, e in sorted(table[name][setting], key=lambda me: (rank_key(spec["better"], me[1]["mean"]), me[0]))
+                if is_short(e)]  # fewer seeds than asked: listed after the ranked methods, never ranked
+        out[name] = {"better": spec["better"], "unit": spec["unit"], "experiment": spec["experiment"],
                      "by_setting": by_setting}
     return out
-
-
-def _quality_front(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> dict[str, Any]:
-    return pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)
 
 
 def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
     """Every exp1 (method, bits) point as (effective bits/element, relative MSE) and the non-dominated
     front (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly).
     The generic rule is :func:`pareto_metric`; this names the fields after the metrics."""
-    gen = _quality_front(stats_src)
+    gen = pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS)
     bits_nominal = {(m, s): e.get("bits_nominal", {}).get("mean")
                     for m, by in stats_src.get(experiment_of(PARETO_QUALITY), {}).items() for s, e in by.items()}
 
@@ -102,7 +89,8 @@ def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGE
     other method compared with it over the seeds (:func:`paired_at_budgets`): its rows with ``bits`` named
     ``bits_effective`` and ``quality`` named after the metric."""
     return [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"]} for m in _quality_front(stats_src, budgets)["matched_budget"]]
+             PARETO_QUALITY: m["quality"]}
+            for m in pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)["matched_budget"]]
 
 
 def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_fwd_nats",
