@@ -45,13 +45,10 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
     shares = summary.get("fp16_share_at_T") or {}
     ranking = (src.get("rankings") or {}).get("long_kl_nats", {}).get("by_setting", {})
     out = []
-    for s in plain_settings(stats6):
-        have = {m: by[s] for m, by in stats6.items() if "long_kl_nats" in by.get(s, {})}
-        if not have or s not in ranking:
-            continue
+    for s in [s for s in plain_settings(stats6) if ranking.get(s)]:
         rows = []
         for r in ranking[s]:
-            e = have[r["method"]]
+            e = stats6[r["method"]][s]
             noise = e.get("long_kl_noise_sd_nats")
             rows.append([rank_text(r), f"`{r['method']}`", _val(e.get("long_kl_nats")),
                          _val(e.get("long_kl_last_quarter_nats")), _val(e.get("long_top1_last_quarter")),
@@ -165,9 +162,8 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
 
 def _mcnemar_text(t: dict[str, Any] | None) -> str:
     """``worse, 5 of 6 lost (Holm p 0.016)`` / ``tied, 1 of 4 lost (Holm p 1)``; ``—`` without counted trials."""
-    if not t or not t["n_trials"]:
-        return "—"
-    return f"{'worse' if t['separated'] else 'tied'}, {t['lost']} of {t['n_trials']} lost (Holm p {t['p_holm']:.2g})"
+    return (f"{'worse' if t['separated'] else 'tied'}, {t['lost']} of {t['n_trials']} lost (Holm p {t['p_holm']:.2g})"
+            if t and t["n_trials"] else "—")
 
 
 def _mcnemar_caption(mc: dict[str, Any]) -> str:

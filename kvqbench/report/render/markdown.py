@@ -36,7 +36,6 @@ __all__ = ["render_markdown"]
 _RECONSTRUCTION = experiment_of("rel_mse")
 
 
-
 def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, last_headers: list[str]) -> str:
     """A detail table of best-at-budget rows (the first screen's paired rule over seeds): budget, best and
     its ties, bits, the bits and the value under ``bits_key`` / ``value_key``."""
@@ -45,6 +44,7 @@ def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, las
                       b["setting"] or "—", fmt(b[bits_key]), fmt(b[value_key])] for b in rows],
                     headers=["budget", "best (= tied: not separated, paired over seeds)", "bits", *last_headers],
                     tablefmt="github")
+
 
 def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     order = list(board.get("methods", {}))
@@ -101,8 +101,7 @@ def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
         if not ranked:
             continue
         order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked if not x.get("short"))
-        if ranked[0].get("no_verdict"):
-            order = f"no verdict ({ranked[0]['no_verdict']}): " + order
+        order = (f"no verdict ({ranked[0]['no_verdict']}): " if ranked[0].get("no_verdict") else "") + order
         short = [f"{x['method']} (n={x['n']}/{x['n_asked']})" for x in ranked if x.get("short")]
         if short:
             order += "; not ranked: " + ", ".join(short)

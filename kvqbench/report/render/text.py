@@ -88,36 +88,27 @@ RANKING_RULE = (f"Ranked by the paired rule (docs/METRICS.md, \"Paired compariso
 
 def rank_text(r: dict[str, Any]) -> Any:
     """A ranking row's rank; ``n=2/3`` for a short entry, ``—`` without a verdict."""
-    if r.get("short"):
-        return f"n={r['n']}/{r['n_asked']}"
-    return "—" if r.get("rank") is None else r["rank"]
+    return f"n={r['n']}/{r['n_asked']}" if r.get("short") else "—" if r.get("rank") is None else r["rank"]
 
 
 def ties_text(r: dict[str, Any]) -> str:
     """A ranking row's ties, or why it has none: ``not ranked: n=2 of 3 seeds``, ``no verdict (…)``."""
-    if r.get("short"):
-        return f"not ranked: n={r['n']} of {r['n_asked']} seeds"
-    if r.get("no_verdict"):
-        return f"no verdict ({r['no_verdict']})"
-    return ", ".join(r.get("ties") or [])
-
-
-def _span(xs: list[int]) -> str:
-    return f"{xs[0]}–{xs[-1]}" if len(xs) > 2 and xs == list(range(xs[0], xs[-1] + 1)) else ", ".join(map(str, xs))
+    return (f"not ranked: n={r['n']} of {r['n_asked']} seeds" if r.get("short") else
+            f"no verdict ({r['no_verdict']})" if r.get("no_verdict") else ", ".join(r.get("ties") or []))
 
 
 def seeds_text(src: dict[str, Any]) -> str:
-    """What each experiment of a source was run on, from its statistics: ``seeds 0–2 (exp1, exp2),
-    windows 0–15 (exp5)`` (the unit of :func:`kvqbench.report.stats.headline.unit_of`); ``?`` without any."""
+    """What each experiment of a source ran on, from its statistics: ``seeds 0–2 (exp1, exp2), windows 0–15
+    (exp5)`` (the unit of :func:`kvqbench.report.stats.headline.unit_of`); ``?`` without any."""
     groups: dict[tuple[str, tuple], list[str]] = {}
     for exp, by_method in sorted((src.get("stats") or {}).items()):
-        entries = [e for by in by_method.values() for ms in by.values() for e in ms.values()]
-        names = [n for by in by_method.values() for ms in by.values() for n in ms if n in CATALOG]
-        seeds = tuple(sorted({sd for e in entries for sd in e.get("seeds") or []}))
-        if seeds:
-            groups.setdefault((unit_of(names[0]) if names else "seed", seeds), []).append(exp)
-    return ", ".join(f"{unit}{'s' if len(seeds) > 1 else ''} {_span(list(seeds))} ({', '.join(exps)})"
-                     for (unit, seeds), exps in groups.items()) or "?"
+        es = {n: e for by in by_method.values() for ms in by.values() for n, e in ms.items()}
+        sd = sorted({x for by in by_method.values() for ms in by.values() for e in ms.values() for x in e.get("seeds") or []})
+        if sd:
+            span = f"{sd[0]}–{sd[-1]}" if len(sd) > 2 and sd == list(range(sd[0], sd[-1] + 1)) else ", ".join(map(str, sd))
+            unit = next((unit_of(n) for n in es if n in CATALOG), "seed") + ("s" if len(sd) > 1 else "")
+            groups.setdefault((unit, span), []).append(exp)
+    return ", ".join(f"{unit} {span} ({', '.join(exps)})" for (unit, span), exps in groups.items()) or "?"
 
 
 def ratio_text(c: dict[str, Any], best_setting: str | None = None) -> str:

@@ -140,24 +140,19 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
     """The best point at each bits budget ``≤ b`` by the paired rule (:func:`~kvqbench.report.stats.paired.budget_verdict`).
 
     Args:
-        points: ``{method, setting, bits, mean, ci95, units: {unit id: value}}``, one per setting (the
-            unit ids are what every setting was scored on: seeds, text windows, texts).
+        points: ``{method, setting, bits, mean, ci95, units: {unit id: value}}``, one per setting (units:
+            what every setting was scored on — seeds, text windows, texts).
         budgets: bits/element budgets.
-        better: the direction of the values: ``lower`` (damage) or ``zero`` (damage = ``|value|``);
-            ``higher`` has no ratio scale and gives no verdict.
+        better: ``lower`` (damage) or ``zero`` (damage = ``|value|``); ``higher`` gives no verdict.
 
-    Each method is represented by its point within the budget with the lowest mean log damage over its
-    units (then fewer bits, then setting); the best is the representative with the lowest mean log damage
-    and every other is compared with it unit by unit, one-sided, Holm over the row. Returns per budget
-    ``{"budget", "method", "setting", "bits", "value", "ci95", "n_units", "rank_interval", "p_best",
+    Each method is represented by its point within the budget with the lowest mean log damage (then fewer
+    bits, then setting); the best representative is compared with every other unit by unit. Returns per
+    budget ``{"budget", "method", "setting", "bits", "value", "ci95", "n_units", "rank_interval", "p_best",
     "comparisons": [{method, setting, bits, value, ci95, ratio, ratio_ci95, p, p_holm, tied, n_units,
-    rank_interval, p_best}] (ascending mean log damage), "ties" (the comparisons with ``tied``),
-    "runner_up" (the first comparison's method), "no_verdict"}``: ``value``/``ci95`` are the arithmetic
-    mean ± 95 % half-width over units; ``no_verdict`` is ``None``, or the reason the row has no paired
-    verdict (a value ≤ 0, no shared unit, a higher-is-better metric), in which case the best is the
-    lowest mean log damage (then the lowest mean) and ``comparisons``/``ties`` are empty; with one shared
-    unit the comparisons are listed (ratios, no test) but ``ties`` is empty and ``no_verdict`` says so. ``method``
-    ``None`` when no point fits.
+    rank_interval, p_best}] (ascending mean log damage), "ties" (those ``tied``), "runner_up", "no_verdict"}``
+    (``value``/``ci95``: mean ± 95 % half-width over units). ``no_verdict`` is ``None`` or why the row has
+    no paired verdict: a value ≤ 0, no shared unit, a higher-is-better metric (then no comparisons), or one
+    shared unit (comparisons with ratios, no ties). ``method`` ``None`` when no point fits.
     """
     def damage(p: dict[str, Any]) -> dict[Any, float]:
         return {u: abs(v) if better == "zero" else v for u, v in (p.get("units") or {}).items()}
