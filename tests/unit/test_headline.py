@@ -8,8 +8,8 @@ import copy
 import math
 import random
 
-import pytest
 import numpy as np
+import pytest
 from scipy import stats
 from scipy.stats import spearmanr
 
