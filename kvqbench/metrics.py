@@ -8,6 +8,11 @@ copy saved in every results file).
   * ``"lower"`` / ``"higher"`` — ranked ascending / descending;
   * ``"zero"`` — a signed quantity ranked by its distance from 0 (e.g. a bias).
 
+``ratio_scale`` — whether a metric is ratio-scale (strictly positive, where "× the best's" makes sense:
+KL, MSE, error norms, bits, latencies): paired comparisons then use per-unit log differences; a signed,
+count or share-of-trials metric (Δ loss, slopes, top-1 agreement, exact match) uses the raw paired
+difference (docs/METRICS.md, "Paired comparisons"). ``better="zero"`` metrics are never ratio-scale.
+
 ``varies`` — how a metric's value moves between two runs of the same seeds:
   * ``"deterministic"`` — a function of its seeds' data: it does not move;
   * ``"float_noise"`` — computed through a model's forward passes, whose float reductions move it
@@ -16,7 +21,7 @@ copy saved in every results file).
   * ``"memory"`` — peak memory: fixed on a CPU, moves with the allocator on CUDA.
 
 Every other module reads these facts from here: the experiment a metric belongs to
-(:func:`experiment_of`) and how it varies (:func:`varies`).
+(:func:`experiment_of`), how it varies (:func:`varies`) and its scale (:func:`is_ratio_scale`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterable, Literal
 
 __all__ = ["Metric", "CATALOG", "register_metric", "get_metric", "rank_key", "catalog_dict", "did_you_mean", "experiment_of",
-           "varies", "is_timing", "NONDETERMINISTIC_METRICS", "markdown_table"]
+           "varies", "is_ratio_scale", "is_timing", "NONDETERMINISTIC_METRICS", "markdown_table"]
 
 Better = Literal["lower", "higher", "zero"]
 Varies = Literal["deterministic", "float_noise", "timing", "memory"]
@@ -45,6 +50,7 @@ class Metric:
         scale_free: comparable across layers/models (ranked on the mean over layers for real data).
         headline: shown in the summary tables.
         varies: how the value moves between runs of the same seeds (see module doc).
+        ratio_scale: compared on the log scale (see module doc); default: ``better != "zero"``.
     """
 
     name: str
@@ -55,12 +61,17 @@ class Metric:
     scale_free: bool = True
     headline: bool = False
     varies: Varies = "deterministic"
+    ratio_scale: bool | None = None
 
     def __post_init__(self) -> None:
         if self.better not in ("lower", "higher", "zero"):
             raise ValueError(f"metric {self.name}: better must be lower/higher/zero, got {self.better!r}")
         if self.varies not in _VARIES:
             raise ValueError(f"metric {self.name}: varies must be one of {', '.join(_VARIES)}, got {self.varies!r}")
+        if self.ratio_scale is None:
+            object.__setattr__(self, "ratio_scale", self.better != "zero")
+        elif self.better == "zero" and self.ratio_scale:
+            raise ValueError(f"metric {self.name}: a signed metric (better='zero') is not ratio-scale")
 
 
 CATALOG: dict[str, Metric] = {}
@@ -108,6 +119,15 @@ def varies(name: str, spec: dict | None = None) -> str:
         return spec["varies"]
     m = CATALOG.get(name)
     return m.varies if m is not None else "deterministic"
+
+
+def is_ratio_scale(name: str, spec: dict | None = None) -> bool:
+    """Whether metric ``name`` is ratio-scale (module doc): as ``spec`` (its record in a saved catalog)
+    says, else as this catalog says; ``False`` for a name neither holds."""
+    if spec and isinstance(spec.get("ratio_scale"), bool):
+        return spec["ratio_scale"]
+    m = CATALOG.get(name)
+    return bool(m.ratio_scale) if m is not None else False
 
 
 def is_timing(name: str, spec: dict | None = None) -> bool:
@@ -171,7 +191,7 @@ for _kv, _KV in (("k", "K"), ("v", "V")):
     register_metric(Metric(
         f"{_kv}_codebook_gap", "1 (relative MSE)", "lower",
         f"{_KV} codebook-generalization gap: relative MSE on an independent shifted batch with state fitted "
-        "on another batch minus fitted on itself (exactly 0 for local per-group statistics)", "exp1"))
+        "on another batch minus fitted on itself (exactly 0 for local per-group statistics)", "exp1", ratio_scale=False))
     register_metric(Metric(f"gs_{_kv}_mse", "1 (squared units of the input)", "lower",
                            f"{_KV} MSE at this group size (group-size sensitivity sweep 32/64/128)", "exp1",
                            scale_free=False))
@@ -179,7 +199,8 @@ for _kv, _KV in (("k", "K"), ("v", "V")):
                            f"{_KV} relative MSE at this group size (group-size sensitivity sweep 32/64/128)",
                            "exp1"))
 register_metric(Metric("codebook_gap", "1 (relative MSE)", "lower",
-                       "mean of the K and V codebook-generalization gaps", "exp1"))
+                       "mean of the K and V codebook-generalization gaps", "exp1",
+                       ratio_scale=False))
 register_metric(Metric("gs_rel_mse", "1", "lower",
                        "mean of K and V relative MSE at this group size (group-size sensitivity)", "exp1"))
 register_metric(Metric("gs_bits_effective", "bits/element", "lower",
@@ -310,10 +331,11 @@ for _r, _R in (("prefill", "prefill"), ("decode", "decode")):
                            f"end-to-end, {_R}: 99th percentile over positions of the next-token KL(p‖p̂)", "exp5", varies="float_noise"))
     register_metric(Metric(f"e2e_{_r}_top1_agree", "1", "higher",
                            f"end-to-end, {_R}: share of positions whose top-1 next token agrees with the "
-                           "unquantized model's", "exp5", varies="float_noise"))
+                           "unquantized model's", "exp5", varies="float_noise", ratio_scale=False))
     register_metric(Metric(f"e2e_{_r}_dloss_nats", "nats/token", "lower",
                            f"end-to-end, {_R}: Δ loss — mean next-token cross-entropy of the true text minus the "
-                           "unquantized model's on the same positions", "exp5", varies="float_noise"))
+                           "unquantized model's on the same positions", "exp5", varies="float_noise",
+                           ratio_scale=False))
     register_metric(Metric(f"e2e_{_r}_bits_billed", "bits/element", "lower",
                            f"end-to-end, {_R}: K and V bits per element the cache holds at the end of the window "
                            "(stored segments + fp16 tokens at 16 bits), mean over layers", "exp5", varies="float_noise"))
@@ -331,13 +353,13 @@ register_metric(Metric("long_kl_last_quarter_nats", "nats", "lower",
                        "(every token attends to thousands of cached ones)", "exp6", varies="float_noise"))
 register_metric(Metric("long_top1_last_quarter", "1", "higher",
                        "long decode: share of the last quarter's positions whose top-1 next token agrees with "
-                       "the unquantized model's", "exp6", varies="float_noise"))
+                       "the unquantized model's", "exp6", varies="float_noise", ratio_scale=False))
 register_metric(Metric("long_kl_slope_per_1k", "nats/1k tokens", "lower",
                        "long decode: least-squares slope of the per-position KL against the position, per 1 000 "
-                       "positions (> 0: damage builds up)", "exp6", varies="float_noise"))
+                       "positions (> 0: damage builds up)", "exp6", varies="float_noise", ratio_scale=False))
 register_metric(Metric("long_dloss_nats", "nats/token", "lower",
                        "long decode: Δ loss — mean next-token cross-entropy of the text minus the unquantized "
-                       "model's", "exp6", varies="float_noise"))
+                       "model's", "exp6", varies="float_noise", ratio_scale=False))
 register_metric(Metric("long_bits_billed", "bits/element", "lower",
                        "long decode: K and V bits per element the cache holds at the end of the text (stored "
                        "segments + fp16 tokens at 16 bits), mean over layers", "exp6", varies="float_noise"))
@@ -349,20 +371,22 @@ register_metric(Metric("long_kl_last_quarter_noise_sd_nats", "nats", "lower",
                        "perturbed draws (float noise alone)", "exp6", varies="float_noise"))
 register_metric(Metric("free_first_divergence_tokens", "tokens", "higher",
                        "free-running: greedy tokens after the long text until the first that differs from the "
-                       "unquantized model's greedy continuation (all of them when none does)", "exp6", varies="float_noise"))
+                       "unquantized model's greedy continuation (all of them when none does)", "exp6", varies="float_noise",
+                       ratio_scale=False))
 register_metric(Metric("free_match_share", "1", "higher",
                        "free-running: share of the greedy continuation's positions whose token equals the "
-                       "unquantized model's", "exp6", varies="float_noise"))
+                       "unquantized model's", "exp6", varies="float_noise", ratio_scale=False))
 register_metric(Metric("passkey_logp_drop_nats", "nats", "lower",
                        "passkey: the unquantized model's log-probability of the key's tokens minus the "
-                       "method's, mean over the prompts the method scores (one per length, at the seed's depth)", "exp6", varies="float_noise"))
+                       "method's, mean over the prompts the method scores (one per length, at the seed's depth)", "exp6",
+                       varies="float_noise", ratio_scale=False))
 register_metric(Metric("passkey_rank_worst", "1", "lower",
                        "passkey: worst rank among the key's tokens (0 = each is the top-1 token), mean over "
-                       "the prompts the method scores", "exp6", varies="float_noise"))
+                       "the prompts the method scores", "exp6", varies="float_noise", ratio_scale=False))
 register_metric(Metric("passkey_match", "1", "higher",
                        "passkey: exact-match share (every key token top-1) over the scored prompts the "
                        "unquantized model retrieves, at lengths where it retrieves ≥ 90 % of the seed's depths",
-                       "exp6", varies="float_noise"))
+                       "exp6", varies="float_noise", ratio_scale=False))
 
 
 #: the wall-clock timing metrics (``varies="timing"``); determinism checks leave them out. Each exp4
@@ -377,6 +401,6 @@ def markdown_table() -> str:
     from tabulate import tabulate
 
     better = {"lower": "lower", "higher": "higher", "zero": "closest to 0"}
-    rows = [[m.experiment, f"`{m.name}`", m.unit, better[m.better], m.description]
+    rows = [[m.experiment, f"`{m.name}`", m.unit, better[m.better], "log" if m.ratio_scale else "raw", m.description]
             for m in sorted(CATALOG.values(), key=lambda m: (m.experiment, m.name))]
-    return tabulate(rows, headers=["exp", "metric", "unit", "better", "meaning"], tablefmt="github")
+    return tabulate(rows, headers=["exp", "metric", "unit", "better", "compared", "meaning"], tablefmt="github")

@@ -177,7 +177,7 @@ def test_pareto_metric_at_matched_decode_budget():
     from kvqbench.report.stats.ranking import pareto_metric
 
     def e(v):
-        return {"mean": v, "ci95": None}
+        return {"mean": v, "ci95": None, "n": 1, "seeds": [0], "values": [v]}
 
     stats = {"exp2": {
         "a": {"k2v2": {"decode_attn_kl_fwd_nats": e(0.5), "decode_bits_effective": e(2.2)}},
@@ -189,6 +189,10 @@ def test_pareto_metric_at_matched_decode_budget():
     assert [p["method"] for p in out["front"]] == ["a", "b"]
     assert [m["method"] for m in out["matched_budget"]] == ["a", "b", None]
     assert out["matched_budget"][1]["runner_up"] == "a"
+    # one seed: compared (ratios), no paired test, so no verdict rather than a tie
+    row = out["matched_budget"][1]
+    assert [(c["method"], c["p"]) for c in row["comparisons"]] == [("a", None), ("c", None)]
+    assert row["ties"] == [] and "one shared unit" in row["no_verdict"]
 
 
 @pytest.mark.parametrize("method", ["rtn_token", "kivi"])

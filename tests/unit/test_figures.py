@@ -10,7 +10,8 @@ import sys
 import pytest
 from test_report_samples import records, write_results
 
-from kvqbench.report.render.figures import figure_names, iter_curves, iter_histograms, write_figures
+from kvqbench.report.render.figures import FIGURES, write_figures
+from kvqbench.report.render.figures.series import histograms, iter_curves
 
 pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
 
@@ -85,22 +86,21 @@ def test_series_discovery():
     got = {"/".join(p): (x, y) for p, x, y in iter_curves(series)}
     assert got == {"static/attn_mse": ([1, 2, 3], [0.1, 0.2, 0.3]),
                    "pseudo_decode/attn_kl": ([1, 2, 3], [2.0, 3.0, 4.0]),  # mean over layers
-                   "other": ([1, 2], [5, 6])}
-    hists = list(iter_histograms({"k_norm_diff": {"edges": [0, 1, 2], "counts": [3, 1]}}))
-    assert len(hists) == 1
-    path, centers, dens = hists[0]
-    assert path == ("k_norm_diff",) and centers == [0.5, 1.5] and dens == [0.75, 0.25]
+                   "other/y": ([1, 2], [5, 6])}
+    hists = list(histograms({"k_norm_diff": {"edges": [0, 1, 2], "counts": [3, 1]}}))
+    assert hists == [(("k_norm_diff", "counts"), [0.0, 1.0, 2.0], [0.75, 0.25], (0.0, 0.0))]
 
 
 def test_figure_names_cover_every_kind():
-    assert figure_names("real") == [f"{n}_real.png" for n in (*ALL, "predictivity", "kl_vs_position")]  # exp5, exp6 only
+    assert [name for name, *_ in FIGURES] == [*ALL, "predictivity", "kl_vs_position"]  # exp5, exp6 only
 
 
 def test_flat_histogram_layout_with_under_and_overflow():
     series = {"norm_diff_edges": [0.0, 1.0, 2.0], "k_norm_diff_density": [0.1, 0.3, 0.4, 0.2],
               "norm_diff_bins": "[underflow, bins, overflow]"}
-    got = list(iter_histograms(series))
-    assert got == [(("k_norm_diff_density",), [0.5, 1.5], [0.3, 0.4])]  # tails not drawn, not renormalised
+    got = list(histograms(series))
+    # the tails are not drawn, their shares kept; the bins not renormalised
+    assert got == [(("k_norm_diff_density",), [0.0, 1.0, 2.0], [0.3, 0.4], (0.1, 0.2))]
 
 
 

@@ -10,6 +10,21 @@ import pytest
 pytest.importorskip("matplotlib", reason="figures need matplotlib (pip install 'kvqbench[plots]')")
 
 
+def meets(seg, box) -> bool:
+    """Whether one segment ``(x0, y0, x1, y1)`` passes through one box ``(x0, y0, x1, y1)``."""
+    from kvqbench.report.render.figures import placement
+
+    return bool(placement.seg_box_hits([seg], [box])[0, 0])
+
+
+def text_extent(a, renderer):
+    """The window extent (pixels) of the text of annotation ``a`` where the annotation puts it."""
+    from matplotlib.text import Text
+
+    a.update_positions(renderer)
+    return Text.get_window_extent(a, renderer)
+
+
 @pytest.mark.parametrize("dense", [False, True])
 def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch, dense):
     """A crowded front (12 points between 2 and 3 bits, each with a neighbour): every label's text box
@@ -47,7 +62,7 @@ def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch, de
     labels = [t for t in ax.texts if t.get_text() in wanted]
     assert len(labels) == len(front)
     assert any(t.get_text().isdigit() for t in labels) == dense
-    boxes = [placement.text_extent(t, renderer) for t in labels]
+    boxes = [text_extent(t, renderer) for t in labels]
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
             assert not a.overlaps(b), (a, b)
@@ -70,13 +85,13 @@ def test_pareto_labels_never_overlap_labels_or_markers(tmp_path, monkeypatch, de
             x, y = ax.transData.transform((p["bits_effective"], p["rel_mse"]))
             if abs(x - own[0]) < 0.5 and abs(y - own[1]) < 0.5:
                 continue
-            assert not placement.seg_meets_box(seg, (x - pad, y - pad, x + pad, y + pad)), (t.get_text(), p)
+            assert not meets(seg, (x - pad, y - pad, x + pad, y + pad)), (t.get_text(), p)
         for other, ob in zip(labels, boxes):
             if other is not t:
-                assert not placement.seg_meets_box(seg, (ob.x0, ob.y0, ob.x1, ob.y1)), (t.get_text(), other.get_text())
+                assert not meets(seg, (ob.x0, ob.y0, ob.x1, ob.y1)), (t.get_text(), other.get_text())
     for i, a in enumerate(leaders):
         for b in leaders[i + 1:]:
-            assert not placement.segs_cross(a, b), (a, b)
+            assert not placement.segs_cross(a, b)[0, 0], (a, b)
     # unambiguous: each label's box is nearer its own marker than any other point's (not in the dense
     # case, where the markers themselves overlap)
     if not dense:
@@ -104,11 +119,12 @@ def test_label_geometry_helpers():
     from kvqbench.report.render.figures import placement
 
     box = (0.0, 0.0, 1.0, 1.0)
-    assert placement.seg_meets_box((-1.0, 0.5, 2.0, 0.5), box)  # straight through
-    assert not placement.seg_meets_box((-1.0, 2.0, 2.0, 2.0), box)  # above
-    assert not placement.seg_meets_box((2.0, 2.0, 3.0, -1.0), box)  # beside it
-    assert placement.seg_meets_box((0.5, 0.5, 0.6, 0.6), box)  # inside
+    assert meets((-1.0, 0.5, 2.0, 0.5), box)  # straight through
+    assert not meets((-1.0, 2.0, 2.0, 2.0), box)  # above
+    assert not meets((2.0, 2.0, 3.0, -1.0), box)  # beside it
+    assert meets((0.5, 0.5, 0.6, 0.6), box)  # inside
     hits = placement.seg_box_hits([(-1.0, 0.5, 2.0, 0.5), (-1.0, 2.0, 2.0, 2.0)], [box, (5.0, 0.0, 6.0, 1.0)])
     assert hits.tolist() == [[True, False], [False, False]]
-    assert placement.segs_cross((0.0, 0.0, 1.0, 1.0), (0.0, 1.0, 1.0, 0.0))
-    assert not placement.segs_cross((0.0, 0.0, 1.0, 1.0), (2.0, 2.0, 3.0, 0.0))
+    crossing = placement.segs_cross([(0.0, 0.0, 1.0, 1.0)], [(0.0, 1.0, 1.0, 0.0), (2.0, 2.0, 3.0, 0.0),
+                                                             (1.0, 1.0, 2.0, 0.0)])
+    assert crossing.tolist() == [[True, False, False]]  # an X; apart; touching ends only

@@ -8,13 +8,16 @@ import copy
 import math
 import random
 
+import numpy as np
 import pytest
+from scipy import stats
 from scipy.stats import spearmanr
 
 from kvqbench.report.board import assemble
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.stats.headline import HEADLINE_DEFAULT, choose_headline, paired_rho_difference
-from kvqbench.report.stats.ranking import best_at_budgets
+from kvqbench.report.stats.intervals import mean_ci
+from kvqbench.report.stats.ranking import matched_budget
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 DEFAULT = HEADLINE_DEFAULT["metric"]
@@ -201,15 +204,23 @@ def test_a_row_without_a_ratio_scale_states_why():
     assert "no paired verdict: " in render_markdown(_board(recs)).split("# Details")[0]
 
 
-def test_best_at_budgets_ties_follow_the_overlap_rule():
-    pts = [{"method": "x", "setting": "s", "bits": 2.0, "mean": 1.0, "ci95": 0.1},
-           {"method": "y", "setting": "s", "bits": 2.0, "mean": 1.15, "ci95": 0.1},  # overlaps x
-           {"method": "z", "setting": "s", "bits": 2.0, "mean": 1.25, "ci95": 0.1},  # overlaps y, not x
-           {"method": "w", "setting": "s", "bits": 3.0, "mean": 0.1, "ci95": None}]
-    r2, r3 = best_at_budgets(pts, (2.0, 3.0))
-    assert r2["method"] == "x" and [t["method"] for t in r2["ties"]] == ["y"]
-    assert r3["method"] == "w" and r3["ties"] == []  # one seed: a point; nothing within it
-    assert [t["method"] for t in best_at_budgets(pts, (2.0,), floor=0.1)[0]["ties"]] == ["y", "z"]
+def test_detail_budget_tables_follow_the_paired_rule():
+    """exp1's matched budget (relative MSE alone) compares every method's best setting with the best over
+    the seeds they share: the one-sided paired t-test on log values (scipy), Holm over the row."""
+    x = [0.1, 0.2, 0.4]
+    vals = {"x": x, "y": [1.1 * v * w for v, w in zip(x, (1.0, 1.01, 0.99))],  # 1.1× on every seed
+            "z": [v * w for v, w in zip(x, (1.5, 0.7, 1.2))]}  # as good on average, noisy
+
+    def entry(v):
+        m, ci = mean_ci(v)
+        return {"mean": m, "ci95": ci, "n": 3, "seeds": [0, 1, 2], "values": v}
+
+    st = {"exp1": {m: {"k2v2": {"rel_mse": entry(v), "bits_effective": entry([2.0] * 3)}} for m, v in vals.items()}}
+    row = next(r for r in matched_budget(st, (2.25,)))
+    p = {m: stats.ttest_rel(np.log(vals[m]), np.log(x), alternative="greater").pvalue for m in ("y", "z")}
+    assert row["method"] == "x" and p["y"] * 2 <= 0.025 < p["z"]  # Holm over 2: y separated, z not
+    assert [t["method"] for t in row["ties"]] == ["z"]
+    assert {c["method"]: c["tied"] for c in row["comparisons"]} == {"y": False, "z": True}
 
 
 def test_a_width_run_for_a_few_methods_joins_the_budgets_not_the_pooled_predictivity():

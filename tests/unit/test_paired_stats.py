@@ -23,6 +23,7 @@ from kvqbench.report.stats.paired import (
     holm,
     log_differences,
     mcnemar_exact,
+    paired_ranking,
     paired_ratio,
     rank_intervals,
     shared_units,
@@ -325,6 +326,76 @@ def test_compare_gate_exact_zeros():
     gained = compare_gate({0: 1.0, 1: 2.0}, {0: 0.0, 1: 0.0})
     assert gained["worse"] is False and gained["ratio"] == 0.0
     assert compare_gate({0: 1.0}, {0: 3.0})["worse"] is None  # one unit: no interval, the threshold decides
+
+
+# ------------------------------------------------------------------ ranking tables
+
+
+def _sequential_holm_separated(p: dict, alpha: float) -> set:
+    """Holm's procedure as the textbook states it: sort ascending, reject while p_(i) ≤ α / (m − i + 1)."""
+    out, m = set(), len(p)
+    for i, (pair, v) in enumerate(sorted(p.items(), key=lambda kv: kv[1])):
+        if v > alpha / (m - i):
+            break
+        out.add(pair)
+    return out
+
+
+def test_paired_ranking_hand_example():
+    # a = [1, 2, 4]; b = 2a on every seed (log ratio 0.693, zero variance: separated, p = 0) although
+    # their marginal 95 % intervals overlap widely; c = a × [1.5, 0.7, 1.2] (mean log ratio 0.077: tied
+    # with a). Listed by mean log: a, c, b. c–b: log(2 / [1.5, 0.7, 1.2]) has t ≈ 2.7 on 2 df, one-sided
+    # p ≈ 0.06: not separated after Holm over the 3 pairs. Ranks: a 1, c 1, b 1 + 1 (only a is separated
+    # from it and better).
+    a = np.array([1.0, 2.0, 4.0])
+    vals = {"b": 2 * a, "a": a, "c": a * np.array([1.5, 0.7, 1.2])}
+    r = paired_ranking({k: dict(enumerate(v)) for k, v in vals.items()}, ratio_scale=True)
+    assert r["n_units"] == 3 and r["no_verdict"] is None
+    assert [(x["key"], x["rank"], sorted(x["ties"])) for x in r["rows"]] == [
+        ("a", 1, ["c"]), ("c", 1, ["a", "b"]), ("b", 2, ["c"])]
+    p_cb = stats.ttest_rel(np.log(vals["b"]), np.log(vals["c"]), alternative="greater").pvalue
+    assert 0.025 / 2 < p_cb < 0.1  # not separated even before Holm's smallest step, 0.025 / 3
+    ci = [stats.t.interval(0.95, 2, loc=np.mean(v), scale=stats.sem(v)) for v in (vals["a"], vals["b"])]
+    assert ci[1][0] < ci[0][1]  # the overlap rule would have called a and b tied
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(3, 12), st.integers(2, 6), st.sampled_from(["lower", "higher"]))
+def test_paired_ranking_is_scipys_paired_t_with_holm_over_every_pair(seed, n, k, better):
+    rng = np.random.default_rng(seed)
+    unit = rng.normal(0.0, 1.0, n)  # shared difficulty: cancels in the pairs
+    effects = rng.normal(0.0, 0.3, k)
+    logs = {f"m{i}": unit + effects[i] + rng.normal(0.0, 0.2, n) for i in range(k)}
+    r = paired_ranking({m: dict(enumerate(np.exp(v))) for m, v in logs.items()}, ratio_scale=True, better=better)
+    bad = {m: (-v if better == "higher" else v) for m, v in logs.items()}
+    order = sorted(bad, key=lambda m: (np.mean(bad[m]), m))
+    assert [x["key"] for x in r["rows"]] == order
+    p = {(a, b): stats.ttest_rel(bad[b], bad[a], alternative="greater").pvalue
+         for j, b in enumerate(order) for a in order[:j]}
+    sep = _sequential_holm_separated(p, ALPHA)
+    for j, x in enumerate(r["rows"]):
+        m = x["key"]
+        assert set(x["ties"]) == {o for o in order if o != m and (o, m) not in sep and (m, o) not in sep}
+        want = 1 + sum((o, m) in sep for o in order[:j])
+        assert x["rank"] == max([want] + [y["rank"] for y in r["rows"][:j]])
+
+
+def test_paired_ranking_raw_scale_exact_rows_and_no_verdict():
+    # raw scale (a signed metric, better "zero": |value|): d = |x_b| − |x_a| per unit, scipy's paired t
+    sgn = {"a": [0.1, -0.12, 0.11, -0.09], "b": [0.5, -0.7, 0.52, 0.61]}
+    r = paired_ranking({k: dict(enumerate(v)) for k, v in sgn.items()}, ratio_scale=False, better="zero")
+    p = stats.ttest_rel(np.abs(sgn["b"]), np.abs(sgn["a"]), alternative="greater").pvalue
+    assert p < 0.025 and [(x["key"], x["rank"], x["ties"]) for x in r["rows"]] == [("a", 1, []), ("b", 2, [])]
+    # exact rows (0 at every unit) on a ratio-scale damage metric: separated from the rest, tied together,
+    # never tested (a raw test of 0 against a noisy positive method would call them tied)
+    ex = {"fp16": [0.0, 0.0, 0.0], "z": [0.0, 0.0, 0.0], "w": [1.0, 50.0, 300.0]}
+    r = paired_ranking({k: dict(enumerate(v)) for k, v in ex.items()}, ratio_scale=True)
+    assert [(x["key"], x["rank"], x["ties"]) for x in r["rows"]] == [("fp16", 1, ["z"]), ("z", 1, ["fp16"]),
+                                                                     ("w", 3, [])]
+    # one shared unit: no verdict, no rank
+    r = paired_ranking({"a": {0: 1.0, 1: 2.0}, "b": {0: 3.0}}, ratio_scale=True)
+    assert r["n_units"] == 1 and "one shared unit" in r["no_verdict"]
+    assert [(x["key"], x["rank"], x["ties"]) for x in r["rows"]] == [("a", None, []), ("b", None, [])]
 
 
 def test_the_statistics_import_neither_torch_nor_the_rest_of_the_report():

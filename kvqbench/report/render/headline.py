@@ -10,7 +10,7 @@ from tabulate import tabulate
 
 from kvqbench.cells import is_plain_setting, source_kind
 from kvqbench.metrics import experiment_of
-from kvqbench.report.render.text import best_text, cells_text, compared_text, fmt, rho_text
+from kvqbench.report.render.text import best_text, cells_text, compared_text, fmt, rho_text, seeds_text
 from kvqbench.report.stats.paired import PAIRED_TEST
 from kvqbench.report.stats.predictivity import (
     PREDICTIVITY_BOOTSTRAP,
@@ -169,6 +169,6 @@ def headline_screen(board: dict[str, Any], src_name: str, src: dict[str, Any]) -
     out = [f"## {src_name}{what}: best method at a matched budget, by {by}", "", sentence, ""]
     if rows:
         out += [tabulate(rows, headers=headers, tablefmt="github"), ""]
-    out += [f"Cells: {cells_text(src.get('cells', {}))} · seeds {src.get('seeds')} · sizes "
+    out += [f"Cells: {cells_text(src.get('cells', {}))} · {seeds_text(src)} · sizes "
             f"{', '.join(src.get('sizes', []))}. 16-bit settings are exact and are not budget points.", ""]
     return out

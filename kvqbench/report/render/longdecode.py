@@ -8,15 +8,19 @@ from typing import Any
 from tabulate import tabulate
 
 from kvqbench.cells import is_plain_setting, setting_order
-from kvqbench.report.render.text import best_text, compared_text, fmt, plain_settings, rho_text, value_text
-from kvqbench.report.stats.intervals import is_short, ranked_with_floor
-from kvqbench.report.stats.longdecode import (
-    CI_SHARE_TARGET,
-    EXPERIMENT,
-    LONG_PREDICTIVITY_TARGETS,
-    long_decode_points,
-    noise_floor,
+from kvqbench.report.render.text import (
+    RANKING_RULE,
+    best_text,
+    compared_text,
+    fmt,
+    plain_settings,
+    rank_text,
+    rho_text,
+    ties_text,
+    value_text,
 )
+from kvqbench.report.stats.longdecode import EXPERIMENT, LONG_PREDICTIVITY_TARGETS, long_decode_points
+from kvqbench.report.stats.paired import ALPHA
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 from kvqbench.report.stats.ranking import paired_at_budgets
 
@@ -39,30 +43,22 @@ def _pct(x: float | None) -> str:
 def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     stats6 = src["stats"][EXPERIMENT]
     shares = summary.get("fp16_share_at_T") or {}
+    ranking = (src.get("rankings") or {}).get("long_kl_nats", {}).get("by_setting", {})
     out = []
-    for s in plain_settings(stats6):
-        have = {m: by[s] for m, by in stats6.items() if "long_kl_nats" in by.get(s, {})}
-        if not have:
-            continue
-        short = sorted(m for m, e in have.items() if is_short(e["long_kl_nats"]))  # fewer seeds than asked:
-        ranked = ranked_with_floor({m: (e["long_kl_nats"]["mean"], e["long_kl_nats"]["ci95"],  # not ranked
-                                        noise_floor(stats6, m, s, "long_kl_nats")) for m, e in have.items()
-                                    if m not in short})
-        ranked += [{"method": m, "rank": "—", "ties": []} for m in short]
+    for s in [s for s in plain_settings(stats6) if ranking.get(s)]:
         rows = []
-        for r in ranked:
-            e = have[r["method"]]
+        for r in ranking[s]:
+            e = stats6[r["method"]][s]
             noise = e.get("long_kl_noise_sd_nats")
-            rows.append([r["rank"], f"`{r['method']}`", _val(e.get("long_kl_nats")),
+            rows.append([rank_text(r), f"`{r['method']}`", _val(e.get("long_kl_nats")),
                          _val(e.get("long_kl_last_quarter_nats")), _val(e.get("long_top1_last_quarter")),
                          _val(e.get("long_kl_slope_per_1k")), _val(e.get("long_dloss_nats")),
                          _val(e.get("long_bits_billed")), _pct(shares.get(r["method"], {}).get(s)),
-                         fmt(noise["mean"]) if noise else "—", ", ".join(r["ties"])])
+                         fmt(noise["mean"]) if noise else "—", ties_text(r)])
         out += [f"#### {s}", "", tabulate(rows, headers=[
             "rank", "method", "KL nats", "KL last quarter", "top-1 last quarter", "KL slope /1k tokens",
             "Δ loss nats/token", "bits billed at T", "fp16 share at T", "noise floor (sd)",
-            "tied with (CI or noise floor)"], tablefmt="github"), ""]
-        out += _ci_line(have)
+            "tied with (paired)"], tablefmt="github"), ""]
     if not out:
         return []
     t, p = summary.get("text_tokens"), summary.get("prefill_tokens")
@@ -73,21 +69,7 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
             "same schedule; mean ± 95% CI over seeds (texts). Bits billed at T count a method's fp16 windows at "
             "16 bits; the fp16 share at T is how much of the cache they hold then. The noise floor is the "
             "standard deviation of the KL over the run and its draws with the cached K/V perturbed at relative "
-            "1e-7 (float noise alone); methods whose KL differs by less than it, or whose CIs overlap, are "
-            "ties and share a rank.", "", *out]
-
-
-def _ci_line(have: dict[str, dict[str, Any]]) -> list[str]:
-    """One line under a setting's long-decode table: which methods' KL has a 95 % half-width over
-    :data:`CI_SHARE_TARGET` of its mean (none without two seeds; exact zeros are left out)."""
-    shares = {m: e["long_kl_nats"]["ci95"] / e["long_kl_nats"]["mean"] for m, e in have.items()
-              if e["long_kl_nats"].get("ci95") is not None and e["long_kl_nats"]["mean"] > 0}
-    if not shares:
-        return []
-    wide = [f"`{m}` {100 * v:.0f} %" for m, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v > CI_SHARE_TARGET]
-    head = (f"95% half-width over seeds ≤ {100 * CI_SHARE_TARGET:.0f} % of the mean KL for "
-            f"{len(shares) - len(wide)} of {len(shares)} methods")
-    return [head + (f"; wider: {', '.join(wide)}." if wide else "."), ""]
+            f"1e-7 (float noise alone). {RANKING_RULE} (texts here).", "", *out]
 
 
 def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, Any]) -> list[str]:
@@ -145,6 +127,7 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
     floor = ref.get("floor")
     lengths = ref["lengths"]
     acc = summary.get("passkey_accuracy") or {}
+    mc = summary.get("passkey_mcnemar") or {}
     rows = []
     for m in _methods(stats6, board):
         for s in sorted(stats6[m], key=setting_order):
@@ -153,7 +136,8 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
                 continue
             per_len = (acc.get(m) or {}).get(s) or [None] * len(lengths)
             rows.append([f"`{m}`", s, _val(e.get("passkey_logp_drop_nats")), _val(e.get("passkey_rank_worst")),
-                         _val(e.get("passkey_match")), *[_pct(a) for a in per_len]])
+                         _val(e.get("passkey_match")), *[_pct(a) for a in per_len],
+                         _mcnemar_text((mc.get(s) or {}).get(m))])
     if not rows:
         return []
     own = ", ".join(f"{n} tokens {_pct(a)}" + ("" if floor is None or a >= floor else " (not counted)")
@@ -170,10 +154,26 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
             "the worst rank is the largest rank among the key's tokens (0: each is the top-1 token), mean over "
             f"prompts. Exact match counts only the prompts the unquantized model retrieves, at lengths where it "
             f"retrieves {floor_text} of them. The unquantized model's own exact-match accuracy "
-            f"({ref.get('n_seeds')} seed(s)): {own}; its worst rank: {ranks}.", "",
+            f"({ref.get('n_seeds')} seed(s)): {own}; its worst rank: {ranks}. {_mcnemar_caption(mc)}", "",
             tabulate(rows, headers=["method", "bits", "key log-prob drop (nats)", "worst key-token rank",
-                                    "exact match (counted prompts)", *[f"exact match {n} tokens" for n in lengths]],
-                     tablefmt="github"), ""]
+                                    "exact match (counted prompts)", *[f"exact match {n} tokens" for n in lengths],
+                                    "vs unquantized (McNemar)"], tablefmt="github"), ""]
+
+
+def _mcnemar_text(t: dict[str, Any] | None) -> str:
+    """``worse, 5 of 6 lost (Holm p 0.016)`` / ``tied, 1 of 4 lost (Holm p 1)``; ``—`` without counted trials."""
+    return (f"{'worse' if t['separated'] else 'tied'}, {t['lost']} of {t['n_trials']} lost (Holm p {t['p_holm']:.2g})"
+            if t and t["n_trials"] else "—")
+
+
+def _mcnemar_caption(mc: dict[str, Any]) -> str:
+    """The passkey comparison's rule and, from the trial counts, whether it can separate at all."""
+    n = max([t["n_trials"] for by in mc.values() for t in by.values()] or [0])
+    can = f"; with {n} trials the smallest attainable p is 0.5^{n} = {0.5 ** n:.2g}" + (
+        f" > {ALPHA}, so no method can be separated from it yet" if 0.5 ** n > ALPHA else "")
+    return (f"Each method's counted trials are compared with the unquantized model's on the same prompts (seed, "
+            f"length, depth; it passes all) by McNemar's exact one-sided test, Holm over the methods of a bit width "
+            f"at α = {ALPHA} (docs/METRICS.md){can}." if n else "")
 
 
 def _rho(row: dict[str, Any] | None) -> str:
@@ -232,8 +232,9 @@ def _budget_table(src: dict[str, Any]) -> list[str]:
 
 def markdown_lines(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     """The long-decode sections of one source in ``LEADERBOARD.md`` (none when it did not run): the best
-    method at each budget of bits billed at T (paired across texts), long-decode KL with the noise floor and ties, KL vs decoded position with slopes, free-running divergence, passkey
-    retrieval, and predictivity against the long-decode KL and the passkey drop."""
+    method at each budget of bits billed at T (paired across texts), long-decode KL ranked by the paired rule
+    with the noise floor beside it, KL vs decoded position with slopes, free-running divergence, passkey
+    retrieval compared with the unquantized model, and predictivity against the long-decode KL and the passkey drop."""
     if not (src.get("stats") or {}).get(EXPERIMENT):
         return []
     summary = src.get("long_decode") or {}

@@ -15,6 +15,7 @@ from kvqbench.report.render.headline import headline_screen
 from kvqbench.report.render.longdecode import markdown_lines as longdecode_lines
 from kvqbench.report.render.models import models_lines
 from kvqbench.report.render.text import (
+    RANKING_RULE,
     canonical,
     cells_text,
     completeness_banner,
@@ -22,8 +23,10 @@ from kvqbench.report.render.text import (
     listed,
     missing_text,
     plain_settings,
+    rank_text,
     rho_text,
-    tied,
+    seeds_text,
+    ties_text,
     value_text,
 )
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
@@ -33,13 +36,15 @@ __all__ = ["render_markdown"]
 _RECONSTRUCTION = experiment_of("rel_mse")
 
 
-
 def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, last_headers: list[str]) -> str:
-    """A detail table of best-at-budget rows (ties by overlapping 95 % CIs): budget, best, bits, the bits
-    and the value under ``bits_key`` / ``value_key``."""
-    return tabulate([[f"≤ {b['budget']}", tied(b), b["setting"] or "—", fmt(b[bits_key]), fmt(b[value_key])]
-                     for b in rows], headers=["budget", "best (= tied within 95% CI)", "bits", *last_headers],
+    """A detail table of best-at-budget rows (the first screen's paired rule over seeds): budget, best and
+    its ties, bits, the bits and the value under ``bits_key`` / ``value_key``."""
+    return tabulate([[f"≤ {b['budget']}", " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b["ties"])])
+                      + (" (no paired verdict)" if b.get("no_verdict") else "") if b.get("method") else "—",
+                      b["setting"] or "—", fmt(b[bits_key]), fmt(b[value_key])] for b in rows],
+                    headers=["budget", "best (= tied: not separated, paired over seeds)", "bits", *last_headers],
                     tablefmt="github")
+
 
 def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     order = list(board.get("methods", {}))
@@ -78,14 +83,13 @@ def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
         ranked = rk["rel_mse"]["by_setting"][s]
         rows = []
         for r in ranked:
-            row = [r["rank"] if r["rank"] is not None else "—", f"`{r['method']}`"]
+            row = [rank_text(r), f"`{r['method']}`"]
             for name, _ in cols:
                 e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
                 row.append(value_text(e) if e else "—")
-            row.append(f"not ranked: n={r['n']} of {r['n_asked']} seeds" if r.get("short")
-                       else ", ".join(r["ties"]) if r["ties"] else "")
+            row.append(ties_text(r))
             rows.append(row)
-        out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (95% CI)"],
+        out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (paired)"],
                                               tablefmt="github"))
     return out
 
@@ -97,13 +101,15 @@ def _all_metrics_table(src: dict[str, Any], setting: str) -> str:
         if not ranked:
             continue
         order = " > ".join(f"{x['method']}" + ("=" if x["ties"] else "") for x in ranked if not x.get("short"))
+        order = (f"no verdict ({ranked[0]['no_verdict']}): " if ranked[0].get("no_verdict") else "") + order
         short = [f"{x['method']} (n={x['n']}/{x['n_asked']})" for x in ranked if x.get("short")]
         if short:
             order += "; not ranked: " + ", ".join(short)
         rows.append([r["experiment"], f"`{name}`", r["unit"], r["better"], order])
     if not rows:
         return ""
-    return tabulate(rows, headers=["exp", "metric", "unit", "better", f"ranking at {setting} (best first; = tie)"],
+    return tabulate(rows, headers=["exp", "metric", "unit", "better",
+                                   f"ranking at {setting} (best first; = tied with another, paired rule)"],
                     tablefmt="github")
 
 
@@ -171,14 +177,15 @@ def render_markdown(board: dict[str, Any]) -> str:
     lines += models_lines(board)
     lines += ["# Details", "", "Lower is better unless a metric says otherwise; `± x` is the 95% Student-t half-width "
               "over seeds. Real and synthetic results are kept apart, and so are the real results of each model (one "
-              "section per data source: `real` is SmolLM2's, `real-<model>` another model's). A rank is 1 + the methods whose 95% CI is "
-              "wholly better (never lower than the rank above it).", ""]
+              "section per data source: `real` is SmolLM2's, `real-<model>` another model's). Every ranking table: "
+              f"{RANKING_RULE}. The units are what the compared settings share, named per experiment under each source. Every best-at-budget "
+              "table: the first screen's rule.", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
         lines += [f"## {src_name}", ""]
         desc = data.get("description") or ", ".join(f"{k}={v}" for k, v in sorted(data.items())
                                                    if isinstance(v, (int, float, str)) and k != "description")
-        lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · seeds: {src.get('seeds')} · cells: "
+        lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: "
                   + cells_text(src["cells"]), ""]
         lines += _endtoend_tables(src, board)
         lines += longdecode_lines(src, board)

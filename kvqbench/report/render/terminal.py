@@ -8,7 +8,7 @@ from tabulate import tabulate
 
 from kvqbench.cells import is_plain_setting, setting_order
 from kvqbench.report.render.headline import no_predictivity_reason
-from kvqbench.report.render.text import canonical, cells_text, fmt
+from kvqbench.report.render.text import canonical, cells_text, fmt, rank_text
 
 __all__ = ["render_terminal"]
 
@@ -17,7 +17,8 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     """A short table per source at the lowest bit-width that ran: methods ranked by the end-to-end KL where
     the end-to-end experiment measured it (as the first screen of ``LEADERBOARD.md``), else by the board's headline tensor metric
     (``board["headline"]``; relative MSE when that source did not record it), with the headline metric and
-    effective bits beside."""
+    effective bits beside; ranks by the paired rule (:func:`kvqbench.report.stats.paired.paired_ranking`: tied
+    methods share a rank)."""
     board = canonical(board)
     out = []
     comp = board.get("completeness") or {}
@@ -41,7 +42,7 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
                             for name in (bits, target, metric))
         # where the end-to-end KL was measured the table ranks on it, like the first screen of LEADERBOARD.md
         ranked = src["rankings"][target]["by_setting"][s] if e2e else rk["by_setting"][s]
-        rows = [[r["rank"] if r["rank"] is not None else f"n={r['n']}/{r['n_asked']}", r["method"],
+        rows = [[rank_text(r), r["method"],
                  *([fmt(r["mean"], r["ci95"])] if e2e else []),
                  fmt(tensor.get(r["method"], {}).get("mean"), tensor.get(r["method"], {}).get("ci95")),
                  fmt(eff.get(r["method"], {}).get("mean"))]

@@ -11,10 +11,14 @@ import json
 from typing import Any
 
 from kvqbench.cells import is_plain_setting, setting_order
+from kvqbench.metrics import CATALOG
 from kvqbench.report.io import to_jsonable
+from kvqbench.report.stats.headline import unit_of
+from kvqbench.report.stats.paired import ALPHA
 
-__all__ = ["canonical", "fmt", "value_text", "missing_text", "cells_text", "rho_text", "tied", "listed",
-           "plain_settings", "completeness_banner", "ratio_text", "best_text", "compared_text"]
+__all__ = ["canonical", "fmt", "value_text", "missing_text", "cells_text", "rho_text", "listed", "plain_settings",
+           "completeness_banner", "ratio_text", "best_text", "compared_text", "RANKING_RULE", "rank_text", "ties_text",
+           "seeds_text"]
 
 CELL_STATES = ("passed", "failed", "skipped")
 
@@ -75,11 +79,36 @@ def rho_text(rho: Any, ci: Any) -> str:
     return f"{rho:+.2f}" + (f" [{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "")
 
 
-def tied(b: dict[str, Any]) -> str:
-    """The best method and its ties as ``a = b`` (method ids in backticks); ``—`` when no point fits."""
-    if not b.get("method"):
-        return "—"
-    return " = ".join(f"`{m}`" for m in [b["method"], *(t["method"] for t in b.get("ties") or [])])
+#: the ranking tables' rule in words (:func:`kvqbench.report.stats.paired.paired_ranking`)
+RANKING_RULE = (f"Ranked by the paired rule (docs/METRICS.md, \"Paired comparisons\"): listed by mean log value "
+                f"(ratio-scale metrics; else mean value), every pair tested by a one-sided paired t-test on the units "
+                f"they share, Holm over the table's pairs at α = {ALPHA}; \"tied with\" = not separated by it; rank = "
+                f"1 + the methods listed above that are separated from it (never below the rank above)")
+
+
+def rank_text(r: dict[str, Any]) -> Any:
+    """A ranking row's rank; ``n=2/3`` for a short entry, ``—`` without a verdict."""
+    return f"n={r['n']}/{r['n_asked']}" if r.get("short") else "—" if r.get("rank") is None else r["rank"]
+
+
+def ties_text(r: dict[str, Any]) -> str:
+    """A ranking row's ties, or why it has none: ``not ranked: n=2 of 3 seeds``, ``no verdict (…)``."""
+    return (f"not ranked: n={r['n']} of {r['n_asked']} seeds" if r.get("short") else
+            f"no verdict ({r['no_verdict']})" if r.get("no_verdict") else ", ".join(r.get("ties") or []))
+
+
+def seeds_text(src: dict[str, Any]) -> str:
+    """What each experiment of a source ran on, from its statistics: ``seeds 0–2 (exp1, exp2), windows 0–15
+    (exp5)`` (the unit of :func:`kvqbench.report.stats.headline.unit_of`); ``?`` without any."""
+    groups: dict[tuple[str, tuple], list[str]] = {}
+    for exp, by_method in sorted((src.get("stats") or {}).items()):
+        es = {n: e for by in by_method.values() for ms in by.values() for n, e in ms.items()}
+        sd = sorted({x for by in by_method.values() for ms in by.values() for e in ms.values() for x in e.get("seeds") or []})
+        if sd:
+            span = f"{sd[0]}–{sd[-1]}" if len(sd) > 2 and sd == list(range(sd[0], sd[-1] + 1)) else ", ".join(map(str, sd))
+            unit = next((unit_of(n) for n in es if n in CATALOG), "seed") + ("s" if len(sd) > 1 else "")
+            groups.setdefault((unit, span), []).append(exp)
+    return ", ".join(f"{unit} {span} ({', '.join(exps)})" for (unit, span), exps in groups.items()) or "?"
 
 
 def ratio_text(c: dict[str, Any], best_setting: str | None = None) -> str:
@@ -94,12 +123,9 @@ def ratio_text(c: dict[str, Any], best_setting: str | None = None) -> str:
 
 
 def best_text(b: dict[str, Any]) -> str:
-    """The best of a budget row and its ties: ``kvquant (rank 1–2, P(best) 0.83) = kitty`` (method ids in backticks); the
-    ties of a row without a paired verdict (an older board: the overlap rule) as :func:`tied`."""
+    """The best of a budget row and its ties: ``kvquant (rank 1–2, P(best) 0.83) = kitty`` (method ids in backticks)."""
     if not b.get("method"):
         return "—"
-    if "comparisons" not in b:
-        return tied(b)
     iv, pb = b.get("rank_interval"), b.get("p_best")
     rank = (f"rank {iv[0]}" if iv[0] == iv[1] else f"rank {iv[0]}–{iv[1]}") if iv else None
     what = ", ".join(x for x in (rank, f"P(best) {pb:.2f}" if pb is not None else None) if x)

@@ -6,14 +6,9 @@ leaderboard (the KL curves per method and setting as means over seeds, the fp16 
 accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
 and the source's ``stats``.
 
-Comparisons: at a budget of bits billed at T, methods are compared on the long-decode KL across the texts
-they share (each seed decodes another text; :func:`long_decode_points` feeds
-:func:`kvqbench.report.stats.ranking.paired_at_budgets`); passkey exact match is reported per length
-(McNemar's test, :func:`kvqbench.report.stats.paired.mcnemar_exact`, is not applied yet: 4 counted trials
-per setting cannot reach p < 0.025). The per-setting tables rank with the noise floor
-(``long_kl_noise_sd_nats``: the standard deviation float noise alone causes, measured on the first seed of
-each seed group): two methods tie when their 95 % CIs over seeds overlap or their means differ by no more
-than the larger floor (:func:`kvqbench.report.stats.intervals.ranked_with_floor`).
+Comparisons pair settings on the texts they share (each seed decodes another text): the budget rows
+(:func:`long_decode_points` feeds :func:`kvqbench.report.stats.ranking.paired_at_budgets`), the per-setting
+rankings (:func:`kvqbench.report.stats.ranking.rankings`), passkey exact match (:func:`passkey_mcnemar`).
 """
 
 from __future__ import annotations
@@ -26,25 +21,16 @@ from kvqbench.cells import is_exact_setting, is_plain_setting
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.aggregate import setting_key
 from kvqbench.report.stats.intervals import is_short, mean_ci
+from kvqbench.report.stats.paired import ALPHA, holm, mcnemar_exact
 
-__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "noise_floor", "NOISE_OF", "LONG_PREDICTIVITY_TARGETS",
-           "CI_SHARE_TARGET"]
+__all__ = ["EXPERIMENT", "summarize", "long_decode_points", "passkey_mcnemar", "LONG_PREDICTIVITY_TARGETS"]
 
 #: the long-decode experiment
 EXPERIMENT = experiment_of("long_kl_nats")
 
-
-#: the metric whose noise-floor metric decides ties (``name → its noise standard deviation``)
-NOISE_OF = {"long_kl_nats": "long_kl_noise_sd_nats",
-            "long_kl_last_quarter_nats": "long_kl_last_quarter_noise_sd_nats"}
-
 #: the predictivity targets this module reports beside the short-window KL (see
 #: :data:`kvqbench.report.stats.predictivity.PREDICTIVITY_TARGETS`)
 LONG_PREDICTIVITY_TARGETS = ("long_kl_nats", "passkey_logp_drop_nats")
-
-#: the largest 95 % half-width over seeds, as a share of the mean, at which a long-decode KL is precise
-#: enough to compare methods
-CI_SHARE_TARGET = 0.25
 
 
 def _mean(xs: list[float]) -> float:
@@ -56,8 +42,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 
     Returns ``{"kl_curve": {method: {setting: {"start", "stop", "mean", "ci95", "n"}}}, "fp16_share_at_T":
     {method: {setting: share}}, "passkey_reference": {"lengths", "depths", "accuracy", "rank_worst", "n_seeds", "floor"},
-    "passkey_accuracy": {method: {setting: [share or None per length]}}, "text_tokens", "prefill_tokens",
-    "bin"}``: the KL curve's bins (decoded positions ``[start, stop)``) with the mean over seeds of each
+    "passkey_accuracy": {method: {setting: [share or None per length]}}, "passkey_mcnemar"
+    (:func:`passkey_mcnemar`), "text_tokens", "prefill_tokens", "bin"}``: the KL curve's bins (decoded positions ``[start, stop)``) with the mean over seeds of each
     bin's mean KL and its 95 % half-width (seeds whose bins differ from the first seed's are left out);
     the share of the cache held in fp16 at T (mean of K and V, mean over seeds); the unquantized model's
     exact-match share per passkey length and its worst key-token rank (means over seeds); a method's
@@ -71,6 +57,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     curves: dict[tuple[str, str], list[dict]] = defaultdict(list)
     shares: dict[tuple[str, str], list[float]] = defaultdict(list)
     acc: dict[tuple[str, str], list[list]] = defaultdict(list)
+    trials: dict[tuple[str, str], dict[tuple, bool]] = defaultdict(dict)
     ref_acc: dict[int, list[list[float]]] = defaultdict(list)
     ref_rank: dict[int, list[list[float]]] = defaultdict(list)
     lengths: list[int] | None = None
@@ -90,6 +77,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
             lengths, depths = lengths or list(pk["lengths"]), depths or list(pk.get("depths") or [])
             if list(pk["lengths"]) == lengths:
                 acc[key].append(list(pk.get("accuracy") or [None] * len(lengths)))
+                trials[key].update({(r["seed"], n): bool(a) for n, a in zip(lengths, pk.get("accuracy") or [])
+                                    if a is not None})
                 ref_acc[r["seed"]].append([float(a) for a in pk["ref_accuracy"]])
                 ref_rank[r["seed"]].append([_mean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
                 floor = (extra.get("passkey") or {}).get("reference_floor", floor)
@@ -112,17 +101,12 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
         out["passkey_reference"] = {"lengths": lengths, "accuracy": [_mean(list(c)) for c in zip(*per_seed)],
                                     "rank_worst": [_mean(list(c)) for c in zip(*per_seed_rank)],
                                     "n_seeds": len(seeds), "floor": floor, "depths": depths}
+        out["passkey_mcnemar"] = passkey_mcnemar(trials)
     first = recs[0].get("extra") or {}
     out["text_tokens"] = first.get("text_tokens")
     out["prefill_tokens"] = first.get("prefill_tokens")
     out["bin"] = ((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin")
     return out
-
-
-def noise_floor(stats6: dict[str, Any], method: str, setting: str, metric: str) -> float | None:
-    """The noise floor (standard deviation) of ``metric`` at a (method, setting), ``None`` without one."""
-    e = stats6.get(method, {}).get(setting, {}).get(NOISE_OF.get(metric, ""))
-    return e["mean"] if e else None
 
 
 def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
@@ -138,3 +122,23 @@ def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
             pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"], "ci95": kl["ci95"],
                         "units": dict(zip(kl.get("seeds") or [], kl.get("values") or []))})
     return pts
+
+
+def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]], *, alpha: float = ALPHA) -> dict[str, Any]:
+    """Passkey exact match against the unquantized model, trial by trial.
+
+    ``trials``: ``(method, setting)`` → ``{(seed, length): exact match}`` over its counted trials (prompts the
+    unquantized model retrieves: it passes all). Each method is compared with it on the same prompts by
+    McNemar's exact one-sided test (:func:`~kvqbench.report.stats.paired.mcnemar_exact`), Holm over the
+    methods of a setting at ``alpha``. Returns ``{setting: {method: {"n_trials", "lost" (trials only the
+    reference passed), "p", "p_holm", "separated", "min_p"}}}``; ``min_p`` = 0.5 ** n_trials, the smallest
+    p the trials allow: above ``alpha`` nothing can be separated.
+    """
+    out: dict[str, Any] = {}
+    for s in sorted({s for _, s in trials}):
+        ms = sorted(m for m, s2 in trials if s2 == s)
+        tests = [mcnemar_exact([True] * len(trials[(m, s)]), list(trials[(m, s)].values())) for m in ms]
+        out[s] = {m: {"n_trials": t["n_trials"], "lost": t["best_only"], "p": t["p"], "p_holm": ph,
+                      "separated": ph <= alpha, "min_p": 0.5 ** t["n_trials"]}
+                  for m, t, ph in zip(ms, tests, holm([t["p"] for t in tests]))}
+    return out

@@ -16,6 +16,7 @@ scale: a result reads as "× the best's".
   each setting's rank interval and probability of ranking first.
 - :func:`mcnemar_exact`: McNemar's exact test on paired binary trials (passkey exact match).
 - :func:`compare_gate`: ``compare BASE NEW`` for one cell scored per unit: worse only beyond the paired CI.
+- :func:`paired_ranking`: a ranking table's rule — every pair tested one-sided, Holm over the table's pairs.
 
 Values must be finite. The log scale needs positive values: a unit where both sides are exactly equal
 (both exactly 0 included) contributes a log difference of exactly 0; any other value ≤ 0 raises
@@ -25,6 +26,8 @@ itself). Pure functions of their arguments (numpy and scipy.stats only): the sam
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +35,7 @@ from scipy import stats
 
 __all__ = ["ALPHA", "CONFIDENCE", "BOOTSTRAP", "BOOTSTRAP_SEED", "PAIRED_TEST", "shared_units", "aligned",
            "log_differences", "paired_ratio", "holm", "mcnemar_exact", "rank_intervals", "budget_verdict",
-           "compare_gate"]
+           "compare_gate", "paired_ranking"]
 
 #: family-wise error rate of the one-sided tests of one budget row (Holm over the candidates compared with
 #: the best): 0.025, the one-sided half of the two-sided 5 % level, so that a comparison called separated
@@ -120,8 +123,10 @@ def paired_ratio(best: Sequence[float], other: Sequence[float], *, confidence: f
         return {"n_units": n, "ratio": ratio, "ratio_ci95": [ratio, ratio], "p": 0.0 if mean > 0 else 1.0}
     equal = np.asarray(best, dtype=np.float64) == np.asarray(other, dtype=np.float64)  # d = 0 there, 0s included
     lb, la = (np.log(np.where(equal, 1.0, np.asarray(v, dtype=np.float64))) for v in (best, other))
-    ci = stats.ttest_rel(la, lb).confidence_interval(confidence)
-    p = stats.ttest_rel(la, lb, alternative="greater").pvalue
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, as it should be
+        ci = stats.ttest_rel(la, lb).confidence_interval(confidence)
+        p = stats.ttest_rel(la, lb, alternative="greater").pvalue
     return {"n_units": n, "ratio": ratio, "ratio_ci95": [float(np.exp(ci.low)), float(np.exp(ci.high))],
             "p": float(p)}
 
@@ -272,3 +277,55 @@ def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float], 
     worse = None if r["ratio_ci95"] is None else r["ratio_ci95"][0] > 1.0
     return {"n_units": r["n_units"], "ratio": r["ratio"], "ratio_ci95": r["ratio_ci95"], "worse": worse,
             "exact_lost": []}
+
+
+def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, ratio_scale: bool,
+                   better: str = "lower", alpha: float = ALPHA) -> dict[str, Any]:
+    """A ranking table by the paired rule (docs/METRICS.md, "A ranking table"): every pair tested.
+
+    Args:
+        per_setting: setting key → (unit id → value); its order breaks exact ties.
+        ratio_scale: log scale (:func:`kvqbench.metrics.is_ratio_scale`); a pair with a value ≤ 0 goes raw.
+        better: ``lower``, ``higher`` (badness −value, −log) or ``zero`` (badness ``|value|``, raw).
+        alpha: family-wise level over the table's pairs.
+
+    Settings are listed by mean (log) badness over their own units, then mean raw badness. Each pair is
+    tested one-sided, "the later one is worse", on the shared units (``scipy.stats.ttest_1samp`` on the
+    badness differences = ``ttest_rel``; zero variance: p = 0 for a difference > 0, else 1), Holm over
+    the pairs (:func:`holm`); separated when the adjusted p ≤ ``alpha``. ``rank`` = 1 + the settings
+    above that are separated from it, never below the rank above; ``ties`` = those not separated. On a
+    ratio-scale lower-is-better metric a setting 0 at every shared unit (exact: the fp16 control) is not
+    tested: separated from the rest, tied with the other exact ones. Returns ``{"n_units", "no_verdict",
+    "rows": [{"key", "rank", "ties"}]}`` best first; with < 2 shared units ``no_verdict`` says why and
+    every ``rank`` is ``None``.
+    """
+    keys, sign, ratio_scale = list(per_setting), -1.0 if better == "higher" else 1.0, ratio_scale and better != "zero"
+
+    def badness(v: np.ndarray, log: bool) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.abs(v) if better == "zero" else sign * (np.log(np.where(v > 0, v, 0.0)) if log else v)
+
+    own = [np.array([float(v) for v in per_setting[k].values() if v is not None and np.isfinite(v)]) for k in keys]
+    order = sorted(range(len(keys)), key=lambda i: (float(np.mean(badness(own[i], ratio_scale))), float(np.mean(
+        badness(own[i], False))), i) if own[i].size else (math.inf, math.inf, i))
+    units = shared_units(per_setting)
+    if len(units) < 2:
+        return {"n_units": len(units), "no_verdict": f"{'one' if units else 'no'} shared unit: no paired test",
+                "rows": [{"key": keys[i], "rank": None, "ties": []} for i in order]}
+    x = aligned(per_setting, units)[order]
+    log = ratio_scale & np.all(x > 0, axis=1)
+    exact = np.all(x == 0, axis=1) & (ratio_scale and better == "lower")  # damage 0 by construction: not a sample
+    pairs = [(a, b) for b in range(len(order)) for a in range(b) if not (exact[a] or exact[b])]  # a listed above b
+    d = np.array([badness(x[b], log[a] & log[b]) - badness(x[a], log[a] & log[b]) for a, b in pairs]).reshape(-1, len(units))
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, p ≈ 0, as it should be
+        p = stats.ttest_1samp(d, 0.0, axis=1, alternative="greater").pvalue if pairs else np.zeros(0)
+    p = np.where(np.ptp(d, axis=1) == 0, np.where(d[:, 0] > 0, 0.0, 1.0), p)
+    separated = {pr for pr, ph in zip(pairs, holm([float(v) for v in p])) if ph <= alpha}
+    separated |= {(a, b) for b in range(len(order)) for a in range(b) if exact[a] != exact[b]}
+    rows: list[dict[str, Any]] = []
+    for b, i in enumerate(order):
+        rank = max([1 + sum((a, b) in separated for a in range(b))] + [r["rank"] for r in rows[-1:]])
+        rows.append({"key": keys[i], "rank": rank, "ties": [keys[order[o]] for o in range(len(order))
+                                                             if o != b and (min(o, b), max(o, b)) not in separated]})
+    return {"n_units": len(units), "no_verdict": None, "rows": rows}

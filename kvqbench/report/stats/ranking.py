@@ -1,10 +1,10 @@
 """Rankings, Pareto fronts and the best method at matched bits budgets (docs/DESIGN.md §5). Torch-free.
 
-Rankings order methods by mean in each metric's better-direction and mark methods whose 95 % CIs overlap
-as ties (:func:`kvqbench.report.stats.intervals.interval`); the detail tables of exp1 and exp2 budgets do
-too (:func:`best_at_budgets`). The first screen compares settings on the units they share instead
-(:func:`paired_at_budgets`, the rule of :mod:`kvqbench.report.stats.paired`). A budget point is a plain
-setting (no variant axes) with every seed it was asked for.
+Every comparison pairs the settings on the units they share (seeds, text windows, texts) by the rule of
+:mod:`kvqbench.report.stats.paired`: the rankings per metric and setting (:func:`rankings`,
+:func:`~kvqbench.report.stats.paired.paired_ranking`) and the best at each bits budget, on the first
+screen and in the detail tables (:func:`paired_at_budgets`). A budget point is a plain setting (no variant
+axes) with every seed it was asked for.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections import defaultdict
 from typing import Any
 
 from kvqbench.cells import BUDGETS, is_plain_setting, setting_order
-from kvqbench.metrics import experiment_of, rank_key
-from kvqbench.report.stats.intervals import interval, is_short
-from kvqbench.report.stats.paired import budget_verdict
+from kvqbench.metrics import experiment_of, is_ratio_scale, rank_key
+from kvqbench.report.stats.intervals import is_short
+from kvqbench.report.stats.paired import budget_verdict, paired_ranking
 
-__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "best_at_budgets", "paired_at_budgets",
+__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "paired_at_budgets",
            "PARETO_QUALITY", "PARETO_BITS"]
 
 #: quality metric and bits metric of the Pareto front and the matched-budget selector
@@ -26,17 +26,20 @@ PARETO_QUALITY = "rel_mse"
 PARETO_BITS = "bits_effective"
 
 
-def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
-    """Per metric, per setting: every method that ran, best first.
+def _units(e: dict[str, Any]) -> dict[Any, float]:
+    """A stats entry's values by unit (its seeds: seeds, text windows or texts)."""
+    return dict(zip(e.get("seeds") or [], e.get("values") or []))
 
-    Returns ``{metric: {"better", "unit", "by_setting": {setting: [{method, mean, ci95, n, rank,
-    ties}]}}}``. Methods are listed best mean first; ``rank`` = 1 + the number of methods that are
-    *significantly* better (their whole 95% CI lies on the better side of this method's CI; with one
-    seed, a strictly better value), raised where needed so it never decreases down the list (a method
-    with a very wide CI shares its better neighbour's rank instead of rank 1). Methods that cannot be
-    told apart share a rank and ties do not chain; ``ties`` lists every method whose CI overlaps this
-    one's. Metrics not in ``catalog`` are not ranked. A method whose entry is short (fewer seeds than
-    asked, :func:`is_short`) is listed last with ``rank: None``, ``short: true`` and ``n_asked``.
+
+def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
+    """Per metric in ``catalog``, per setting: every method that ran, best first, by the paired rule.
+
+    Returns ``{metric: {"better", "unit", "experiment", "by_setting": {setting: [{method, mean, ci95, n,
+    rank, ties}]}}}``: order, ``rank`` and ``ties`` of :func:`~kvqbench.report.stats.paired.paired_ranking`
+    on the units (seeds, windows, texts) the methods share, log scale where the metric is ratio-scale
+    (:func:`kvqbench.metrics.is_ratio_scale`); without a test (< 2 shared units) ``rank`` is ``None`` and
+    ``no_verdict`` says why. A short entry (fewer seeds than asked, :func:`is_short`) is listed last with
+    ``rank: None``, ``short: true`` and ``n_asked``.
     """
     table: dict[str, dict[str, list[tuple[str, dict]]]] = defaultdict(lambda: defaultdict(list))
     for by_method in stats_src.values():
@@ -47,42 +50,28 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
                         table[name][setting].append((meth, entry))
     out: dict[str, Any] = {}
     for name in sorted(table):
-        spec = catalog[name]
-        better = spec["better"]
-        by_setting = {}
+        spec, by_setting = catalog[name], {}
         for setting in sorted(table[name], key=setting_order):
-            rows = sorted(table[name][setting], key=lambda me: (rank_key(better, me[1]["mean"]), me[0]))
-            short = [(m, e) for m, e in rows if is_short(e)]
-            rows = [(m, e) for m, e in rows if not is_short(e)]
-            ivs = {m: interval(e, better) for m, e in rows}
-            ranked = []
-            for m, e in rows:
-                lo, hi = ivs[m]
-                ties = [m2 for m2, _ in rows if m2 != m and not (ivs[m2][1] < lo or ivs[m2][0] > hi)]
-                rank = 1 + sum(1 for m2, _ in rows if ivs[m2][1] < lo)
-                if ranked:  # listed by mean: a rank never goes down the list (a wide CI shares its
-                    rank = max(rank, ranked[-1]["rank"])  # neighbour's rank, not rank 1)
-                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
-                               "rank": rank, "ties": ties,
-                               **({"worst_layer": e["worst_layer"]} if "worst_layer" in e else {})})
-            for m, e in short:  # fewer seeds than asked: listed after the ranked methods, never ranked
-                ranked.append({"method": m, "mean": e["mean"], "ci95": e["ci95"], "n": e["n"],
-                               "n_asked": e["n_asked"], "rank": None, "ties": [], "short": True})
-            by_setting[setting] = ranked
-        out[name] = {"better": better, "unit": spec["unit"], "experiment": spec["experiment"],
+            entries = {m: e for m, e in sorted(table[name][setting]) if not is_short(e)}
+            v = paired_ranking({m: _units(e) for m, e in entries.items()}, ratio_scale=is_ratio_scale(name, spec),
+                               better=spec["better"])
+            by_setting[setting] = [
+                {"method": r["key"], **{k: entries[r["key"]][k] for k in ("mean", "ci95", "n")}, "rank": r["rank"],
+                 "ties": r["ties"], **({"no_verdict": v["no_verdict"]} if v["no_verdict"] else {}),
+                 **{k: entries[r["key"]][k] for k in ("worst_layer",) if k in entries[r["key"]]}} for r in v["rows"]] + [
+                {"method": m, **{k: e[k] for k in ("mean", "ci95", "n", "n_asked")}, "rank": None, "ties": [],
+                 "short": True} for m, e in sorted(table[name][setting], key=lambda me: (rank_key(spec["better"], me[1]["mean"]), me[0]))
+                if is_short(e)]  # fewer seeds than asked: listed after the ranked methods, never ranked
+        out[name] = {"better": spec["better"], "unit": spec["unit"], "experiment": spec["experiment"],
                      "by_setting": by_setting}
     return out
-
-
-def _quality_front(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> dict[str, Any]:
-    return pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)
 
 
 def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
     """Every exp1 (method, bits) point as (effective bits/element, relative MSE) and the non-dominated
     front (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly).
     The generic rule is :func:`pareto_metric`; this names the fields after the metrics."""
-    gen = _quality_front(stats_src)
+    gen = pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS)
     bits_nominal = {(m, s): e.get("bits_nominal", {}).get("mean")
                     for m, by in stats_src.get(experiment_of(PARETO_QUALITY), {}).items() for s, e in by.items()}
 
@@ -96,11 +85,12 @@ def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
 
 
 def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b``, with the
-    methods whose 95% CI overlaps it (``ties``, :func:`best_at_budgets`)."""
-    return [{"budget": m["budget"], "method": m["method"], "setting": m["setting"], "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"], "ties": m["ties"], "runner_up": m["runner_up"]}
-            for m in _quality_front(stats_src, budgets)["matched_budget"]]
+    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b`` and every
+    other method compared with it over the seeds (:func:`paired_at_budgets`): its rows with ``bits`` named
+    ``bits_effective`` and ``quality`` named after the metric."""
+    return [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
+             PARETO_QUALITY: m["quality"]}
+            for m in pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)["matched_budget"]]
 
 
 def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_fwd_nats",
@@ -121,7 +111,8 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
             if is_short(metrics[quality]) or is_short(metrics[bits]):
                 continue  # fewer seeds than asked: not a budget point (see aggregate)
             pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
-                        "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"]})
+                        "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"],
+                        "units": _units(metrics[quality])})
     pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
     front = []
     for p in pts:
@@ -130,54 +121,11 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
             and (q["bits"] < p["bits"] or q["quality"] < p["quality"]) for q in pts)
         if p["on_front"]:
             front.append({k: p[k] for k in ("method", "setting", "bits", "quality")})
-    matched = [{"budget": r["budget"], "method": r["method"], "setting": r["setting"], "bits": r["bits"],
-                "quality": r["value"], "ties": r["ties"], "runner_up": r["runner_up"]}
-               for r in best_at_budgets([{**p, "mean": p["quality"]} for p in pts], budgets)]
-    return {"experiment": experiment, "quality": quality, "bits": bits, "points": pts, "front": front,
+    matched = [{**{k: v for k, v in r.items() if k != "value"}, "quality": r["value"]}
+               for r in paired_at_budgets([{**p, "mean": p["quality"]} for p in pts], budgets)]
+    return {"experiment": experiment, "quality": quality, "bits": bits,
+            "points": [{k: v for k, v in p.items() if k != "units"} for p in pts], "front": front,
             "matched_budget": matched}
-
-
-def best_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] = BUDGETS, *, better: str = "lower",
-                    floor: float = 0.0) -> list[dict[str, Any]]:
-    """The best point at each bits budget ``≤ b`` and the methods tied with it.
-
-    Args:
-        points: ``{method, setting, bits, mean, ci95}`` (``ci95`` ``None`` for one seed).
-        budgets: bits/element budgets.
-        better: the direction of ``mean`` (``lower``, ``higher``, ``zero``).
-        floor: a noise floor in the units of ``mean``: intervals are widened by it (0: the 95% CIs alone).
-
-    Each method is represented by its best point within the budget (ties broken by fewer bits). The best
-    has the best mean (then fewer bits, then name); every other method whose interval ``mean ± (ci95 +
-    floor)`` overlaps the best's is a tie (the overlap rule of :func:`rankings`). Returns per budget
-    ``{"budget", "method", "setting", "bits", "value", "ci95", "ties": [{method, setting, bits, value,
-    ci95}] (best mean first), "runner_up"}`` (the second method, tied or not; ``method`` ``None`` when no
-    point fits).
-    """
-    out = []
-    for b in budgets:
-        own: dict[str, dict[str, Any]] = {}
-        for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
-                        key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"], p["setting"])):
-            own.setdefault(p["method"], p)
-        ranked = sorted(own.values(), key=lambda p: (rank_key(better, p["mean"]), p["bits"], p["method"]))
-        if not ranked:
-            out.append({"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
-                        "ties": [], "runner_up": None})
-            continue
-
-        def iv(p: dict[str, Any]) -> tuple[float, float]:
-            lo, hi = interval({"mean": p["mean"], "ci95": (p["ci95"] or 0.0) + floor}, better)
-            return lo, hi
-
-        top = ranked[0]
-        lo, hi = iv(top)
-        ties = [{"method": p["method"], "setting": p["setting"], "bits": p["bits"], "value": p["mean"], "ci95": p["ci95"]}
-                for p in ranked[1:] if not (iv(p)[0] > hi or iv(p)[1] < lo)]
-        out.append({"budget": b, "method": top["method"], "setting": top["setting"], "bits": top["bits"],
-                    "value": top["mean"], "ci95": top["ci95"], "ties": ties,
-                    "runner_up": ranked[1]["method"] if len(ranked) > 1 else None})
-    return out
 
 
 def _mean_log(units: dict[Any, float]) -> float:
@@ -192,23 +140,19 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
     """The best point at each bits budget ``≤ b`` by the paired rule (:func:`~kvqbench.report.stats.paired.budget_verdict`).
 
     Args:
-        points: ``{method, setting, bits, mean, ci95, units: {unit id: value}}``, one per setting (the
-            unit ids are what every setting was scored on: seeds, text windows, texts).
+        points: ``{method, setting, bits, mean, ci95, units: {unit id: value}}``, one per setting (units:
+            what every setting was scored on — seeds, text windows, texts).
         budgets: bits/element budgets.
-        better: the direction of the values: ``lower`` (damage) or ``zero`` (damage = ``|value|``);
-            ``higher`` has no ratio scale and gives no verdict.
+        better: ``lower`` (damage) or ``zero`` (damage = ``|value|``); ``higher`` gives no verdict.
 
-    Each method is represented by its point within the budget with the lowest mean log damage over its
-    units (then fewer bits, then setting); the best is the representative with the lowest mean log damage
-    and every other is compared with it unit by unit, one-sided, Holm over the row. Returns per budget
-    ``{"budget", "method", "setting", "bits", "value", "ci95", "n_units", "rank_interval", "p_best",
+    Each method is represented by its point within the budget with the lowest mean log damage (then fewer
+    bits, then setting); the best representative is compared with every other unit by unit. Returns per
+    budget ``{"budget", "method", "setting", "bits", "value", "ci95", "n_units", "rank_interval", "p_best",
     "comparisons": [{method, setting, bits, value, ci95, ratio, ratio_ci95, p, p_holm, tied, n_units,
-    rank_interval, p_best}] (ascending mean log damage), "ties" (the comparisons with ``tied``),
-    "runner_up" (the first comparison's method), "no_verdict"}``: ``value``/``ci95`` are the arithmetic
-    mean ± 95 % half-width over units; ``no_verdict`` is ``None``, or the reason the row has no paired
-    verdict (a value ≤ 0, no shared unit, a higher-is-better metric), in which case the best is the
-    lowest mean log damage (then the lowest mean) and ``comparisons``/``ties`` are empty. ``method``
-    ``None`` when no point fits.
+    rank_interval, p_best}] (ascending mean log damage), "ties" (those ``tied``), "runner_up", "no_verdict"}``
+    (``value``/``ci95``: mean ± 95 % half-width over units). ``no_verdict`` is ``None`` or why the row has
+    no paired verdict: a value ≤ 0, no shared unit, a higher-is-better metric (then no comparisons), or one
+    shared unit (comparisons with ratios, no ties). ``method`` ``None`` when no point fits.
     """
     def damage(p: dict[str, Any]) -> dict[Any, float]:
         return {u: abs(v) if better == "zero" else v for u, v in (p.get("units") or {}).items()}
@@ -245,6 +189,8 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
                                                                   "n_units", "rank_interval", "p_best")}}
                  for c in v["comparisons"]]
         out.append({**row, **entry(by_key[v["best"]]), "n_units": v["n_units"], "rank_interval": v["rank_interval"],
-                    "p_best": v["p_best"], "comparisons": comps, "ties": [c for c in comps if c["tied"]],
-                    "runner_up": comps[0]["method"] if comps else None})
+                    "p_best": v["p_best"], "comparisons": comps,
+                    "ties": [c for c in comps if c["tied"]] if v["n_units"] > 1 else [],
+                    "runner_up": comps[0]["method"] if comps else None,
+                    "no_verdict": None if v["n_units"] > 1 or not comps else "one shared unit: no paired test"})
     return out

@@ -9,40 +9,29 @@ from typing import Any
 
 from kvqbench.metrics import experiment_of, varies
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import span_decades
 from kvqbench.report.render.figures.data import Source, headline_setting
-from kvqbench.report.render.figures.labels import metric_label
-from kvqbench.report.render.figures.style import COLORS
+from kvqbench.report.render.figures.style import COLORS, span_decades
 
 __all__ = ["draw"]
 
 _COST = experiment_of("quant_latency_ms")
-_RECONSTRUCTION = experiment_of("bits_effective")
 
 
 def draw(plt: Any, src: Source, out: Path) -> Path | None:
     """Draw the figure from the exp4 stats of ``src`` at the headline setting (or the first setting
     that ran); ``None`` when exp4 did not run or holds neither latencies nor bits."""
-    catalog, style, stats = src.catalog, src.style, src.stats
-    exp4 = stats.get(_COST) or {}
-    if not exp4:
-        return None
+    catalog = src.catalog
+    exp4 = src.stats.get(_COST) or {}
     settings = {s for by in exp4.values() for s in by}
-    setting = headline_setting(settings) or (sorted(settings)[0] if settings else None)
-    if setting is None:
+    if not settings:
         return None
+    setting = headline_setting(settings) or sorted(settings)[0]
     names = sorted({n for by in exp4.values() for n in (by.get(setting) or {})})
     # the latencies: timing metrics in milliseconds (not throughputs, not multiples of a clone)
-    lat = sorted((n for n in names if varies(n, catalog.get(n)) == "timing"
-                  and catalog.get(n, {}).get("unit") == "ms"),
+    lat = sorted((n for n in names if varies(n, catalog.get(n)) == "timing" and _unit(n, catalog) == "ms"),
                  key=lambda n: ("dequant" in n, n))
     bit_names = sorted((n for n in names if "bits" in n and n not in lat), key=lambda n: ("effective" in n, n))
-    bit_src = exp4
-    if not bit_names:  # fall back to the reconstruction experiment's bits accounting
-        bit_src = stats.get(_RECONSTRUCTION) or {}
-        bit_names = [n for n in ("bits_nominal", "bits_effective") if any(n in (by.get(setting) or {})
-                                                                          for by in bit_src.values())]
-    methods = [m for m in style.idx if m in exp4] + sorted(m for m in exp4 if m not in style.idx)
+    methods = src.style.in_order(exp4)
     panels = [p for p in (("latency", lat), ("bits", bit_names)) if p[1]]
     if not panels:
         return None
@@ -50,29 +39,25 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     unreliable = any((c.get("extra") or {}).get("unreliable_timing") for c in src.cells(_COST))
     for ax, (kind, metric_names) in zip(axes[0], panels, strict=False):
         w = 0.8 / len(metric_names)
-        drawn_bits: list[tuple[Any, list[float], list[float]]] = []
-        vals_all = []
+        drawn: list[tuple[Any, list[float], list[float]]] = []
         for j, n in enumerate(metric_names):
             xs, ys, es = [], [], []
-            src_stats = exp4 if kind == "latency" else bit_src
             for i, m in enumerate(methods):
-                e = ((src_stats.get(m) or {}).get(setting) or {}).get(n)
-                if e is None:
-                    continue
-                xs.append(i + (j - (len(metric_names) - 1) / 2) * w)
-                ys.append(e["mean"])
-                es.append(e.get("ci95") or 0.0)
-            vals_all += ys
-            bars = ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=metric_label(n, catalog),
+                e = ((exp4.get(m) or {}).get(setting) or {}).get(n)
+                if e is not None:
+                    xs.append(i + (j - (len(metric_names) - 1) / 2) * w)
+                    ys.append(e["mean"])
+                    es.append(e.get("ci95") or 0.0)
+            unit = _unit(n, catalog)
+            bars = ax.bar(xs, ys, width=w, yerr=es, capsize=2, label=f"{n} [{unit}]" if unit else n,
                           color=COLORS[j % len(COLORS)], alpha=0.85)
-            if kind == "bits":
-                drawn_bits.append((bars, ys, es))
+            drawn.append((bars, ys, es))
         ax.set_xticks(range(len(methods)))
         ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
         if kind == "latency":
-            if span_decades(vals_all) >= 1.5:
+            if span_decades(y for _, ys, _ in drawn for y in ys) >= 1.5:
                 ax.set_yscale("log")
-            units = sorted({catalog.get(n, {}).get("unit", "") for n in metric_names} - {""})
+            units = sorted({_unit(n, catalog) for n in metric_names} - {""})
             ax.set_ylabel(f"latency [{', '.join(units) or 'time'}]" + (" (log scale)" if ax.get_yscale() == "log" else ""))
             ax.set_title("Quantize / dequantize latency (median of repeats)"
                          + ("\nCPU timing: indicative only (unreliable_timing)" if unreliable else ""), fontsize=10)
@@ -81,15 +66,18 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
             ax.set_title("Bits per element (nominal vs effective)", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, frameon=False)
-        if kind == "bits" and drawn_bits:  # after the legend, whose swatches stay plain
-            _clip_tall_bars(ax, drawn_bits, methods)
+        if kind == "bits":  # after the legend, whose swatches stay plain
+            _clip_tall_bars(ax, drawn, methods)
     fig.suptitle(f"Cost at {setting} ({src.name}; mean ± 95% CI over seeds)", fontsize=11)
     fig.tight_layout()
     return save.finish(fig, out / f"cost_{src.name}.png")
 
 
-def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]],
-                    methods: list[str] | None = None) -> None:
+def _unit(name: str, catalog: dict[str, Any]) -> str:
+    return catalog.get(name, {}).get("unit", "")
+
+
+def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]], methods: list[str]) -> None:
     """Bits bars on a linear scale fitted to the compressed methods: a bar taller than 2.5× the
     median (fp16's 16 bits beside ~2-bit methods) is cut at the top of the axis, hatched, and keeps
     its value as a label; every bar carries its value (8 points, upright along the bar), so 2.0 vs 2.7
@@ -109,8 +97,7 @@ def _clip_tall_bars(ax: Any, drawn: list[tuple[Any, list[float], list[float]]],
             if top is not None and y > 2.5 * med:
                 bar.set_height(top * 0.93)
                 bar.set_hatch("//")
-                i = int(round(x))
-                cut[methods[i] if methods and 0 <= i < len(methods) else f"{y:.3g}"] = y
+                cut[methods[int(round(x))]] = y
                 ax.annotate(f"{y:.3g} ↑", (x, top * 0.93), textcoords="offset points", xytext=(0, -3),
                             ha="center", va="top", fontsize=8, fontweight="bold", rotation=90,
                             bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": "none",

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from kvqbench.cells import Setting
-from kvqbench.report.render.figures.series import histograms_with_tails, iter_curves
+from kvqbench.report.render.figures.series import histograms, iter_curves
 from kvqbench.report.render.figures.style import Style, method_order
 from kvqbench.report.stats.aggregate import setting_key
 
-__all__ = ["Source", "load_sources", "setting_bits", "headline_setting", "passed_settings", "passed_at", "mean_curves",
-           "mean_histograms"]
+__all__ = ["Source", "load_sources", "setting_bits", "symmetric_settings", "headline_setting",
+           "passed_settings", "passed_at", "mean_curves", "mean_histograms"]
 
 #: ``(x, y)`` of one curve; a histogram's x are its bin edges (one more than its y)
 XY = tuple[list[float], list[float]]
@@ -68,10 +68,14 @@ def setting_bits(setting: str) -> tuple[int, int] | None:
     return p.bits if p is not None and p.plain else None
 
 
+def symmetric_settings(settings: Iterable[str]) -> list[str]:
+    """The plain symmetric settings below 16 bits among ``settings`` (``"k2v2"``, ``"k4v4"`` …), by bits."""
+    return sorted({s for s in settings if (b := setting_bits(s)) and b[0] == b[1] and b[0] < 16}, key=setting_bits)
+
+
 def headline_setting(settings: Iterable[str]) -> str | None:
     """The lowest symmetric bit-width below 16 among ``settings`` (``"k2v2"`` in the default sweep)."""
-    sym = sorted({s for s in settings if (b := setting_bits(s)) and b[0] == b[1] and b[0] < 16},
-                 key=lambda s: setting_bits(s))
+    sym = symmetric_settings(settings)
     return sym[0] if sym else None
 
 
@@ -119,8 +123,8 @@ def mean_histograms(cells: list[dict[str, Any]], setting: str, kind: Callable[[s
                     ) -> tuple[dict[tuple[str, Any], XY], dict[tuple[str, Any], tuple[float, float]]]:
     """Like :func:`mean_curves` for histograms: ``({(method, key): (edges, mean density)}, {(method,
     key): (under, over)})``, the second the mean shares of tokens below the first edge and above the
-    last (:func:`series.histograms_with_tails`)."""
-    acc = _first_per_cell(cells, setting, kind, histograms_with_tails)
+    last (:func:`series.histograms`)."""
+    acc = _first_per_cell(cells, setting, kind, histograms)
     curves = {k: _mean_y(v) for k, v in acc.items()}
     tails = {k: (math.fsum(t[0] for *_, t in v) / len(v), math.fsum(t[1] for *_, t in v) / len(v))
              for k, v in acc.items()}

@@ -14,14 +14,13 @@ import textwrap
 from typing import Any
 
 from kvqbench.report.render.figures.data import XY, mean_curves, passed_at
-from kvqbench.report.render.figures.labels import CONTEXT_AXIS
 from kvqbench.report.render.figures.series import regime
-from kvqbench.report.render.figures.style import Style
+from kvqbench.report.render.figures.style import CONTEXT_AXIS, Style
 
 __all__ = ["decode_fp16", "all_fp16_at", "draw_fp16_panel", "fp16_note"]
 
 
-def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, dict[str, Any]]:
+def decode_fp16(cells: list[dict[str, Any]], setting: str) -> dict[str, dict[str, Any]]:
     """What pseudo-decode holds in fp16, per method whose billed bits change with the length by more
     than 5 % (its fp16 share — attention sinks, a recent window, a partly filled last tile — changes
     with it): ``{method: {"x": lengths, "bits": billed bits/element, "share": share of the tokens in
@@ -29,8 +28,6 @@ def decode_fp16(cells: list[dict[str, Any]], setting: str | None) -> dict[str, d
     are the fp16 tokens that are not sink tokens: ``share · L − sink`` (sinks from the cells'
     ``extra.decode.policy``; None where a cell records no policy), all ``L`` where every token is fp16.
     Empty when no method qualifies."""
-    if setting is None:
-        return {}
 
     def kind(name: str) -> Any:
         last = name.split("/")[-1]
@@ -70,10 +67,11 @@ def all_fp16_at(info: dict[str, Any] | None, xs0: list[float]) -> bool:
 
 
 def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any]], style: Style,
-                    top_axes: Any, decode_curves: dict[str, XY], kind: str, src: str = "") -> None:
-    """Under the pseudo-decode panel: per method whose fp16 share changes with the length, the newest
-    tokens still in fp16 (solid, left axis) and the billed bits/element (dashed, right axis); beside it,
-    a note that says, from the data, why those curves jump between neighbouring lengths."""
+                    decode_curves: dict[str, XY], kind: str, src: str) -> None:
+    """In the second row of ``grid`` (one column per regime of ``regimes``), under the pseudo-decode
+    panel: per method whose fp16 share changes with the length, the newest tokens still in fp16 (solid,
+    left axis) and the billed bits/element (dashed, right axis); beside it, a note that says, from the
+    data, why those curves jump between neighbouring lengths."""
     from matplotlib.lines import Line2D
 
     ax = grid[1][regimes.index("pseudo-decode")]
@@ -110,27 +108,26 @@ def draw_fp16_panel(grid: Any, regimes: list[str], fp16: dict[str, dict[str, Any
         ax.set_title("billed bits in pseudo-decode (fp16 sink / residual / partial-tile tokens at 16 bits)",
                      fontsize=8)
         ax.legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    top_axes[0][regimes.index("pseudo-decode")].set_xlabel("")
+    grid[0][regimes.index("pseudo-decode")].set_xlabel("")
     note = fp16_note(fp16, methods, decode_curves, kind, src)
     for i, reg in enumerate(regimes):
         if reg != "pseudo-decode":
             a = grid[1][i]
             a.axis("off")
-            top_axes[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
-            top_axes[0][i].set_xlabel(CONTEXT_AXIS)
+            grid[0][i].tick_params(labelbottom=True)  # its lower neighbour is a note, not an axis
+            grid[0][i].set_xlabel(CONTEXT_AXIS)
             a.text(0.0, 0.95, "\n".join(line for para in note for line in (textwrap.wrap(para, 82) or [""])),
                    transform=a.transAxes, fontsize=8, va="top")
 
 
 def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
-               decode_curves: dict[str, XY], kind: str, src: str = "") -> list[str]:
+               decode_curves: dict[str, XY], kind: str, src: str) -> list[str]:
     """The note beside the fp16 panel, as paragraphs, every claim from the data: what changes with the
     length (which tokens stay fp16), then, for each method whose newest tokens are all fp16 at some
     lengths and all quantized at others, the lengths of each case with its error there and what the
     data say about it: lower wherever the newest tokens are fp16 (the fp16 share explains the jumps),
-    or ranges that overlap (it does not). ``src`` (``synthetic``/``real``) names the data."""
+    or ranges that overlap (it does not). ``src`` (``synthetic``, ``real`` …) names the data."""
     what = "KL" if kind in ("kl", "kl_rev") else "error"
-    data = f"this {src} data" if src else "this data"
     paras = [f"Pseudo-decode, {', '.join(methods)}: which tokens stay fp16 (attention sinks, a recent window, "
              "a partly filled last tile) changes with the length, and so do the bits billed. The panel to the "
              "right of this note (below the pseudo-decode curves) shows, at each length, the newest tokens "
@@ -147,13 +144,12 @@ def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
         if info["newest"] is None:
             continue
         ys = dict(zip(*decode_curves[m], strict=False)) if m in decode_curves else {}
-        every = [x for x in info["x"] if all_fp16_at(info, [x])]
-        some: dict[float, list[float]] = {}
-        none = []
+        every, none = [], []  # lengths where every token is fp16; where none of the newest is
+        some: dict[float, list[float]] = {}  # the newest n tokens fp16 → lengths
         for x, n in zip(info["x"], info["newest"], strict=False):
-            if x in every:
-                continue
-            if n > 0:
+            if all_fp16_at(info, [x]):
+                every.append(x)
+            elif n > 0:
                 some.setdefault(n, []).append(x)
             else:
                 none.append(x)
@@ -169,16 +165,16 @@ def fp16_note(fp16: dict[str, dict[str, Any]], methods: list[str],
                      f"({rng([ys[x] for x in none if x in ys])})")
         with_fp16 = [ys[x] for xs in some.values() for x in xs if x in ys]
         without = [ys[x] for x in none if x in ys]
-        if with_fp16 and without and max(with_fp16) < min(without):
-            verdict = (f"on {data} the {what} is {min(without) / max(with_fp16):.2g}–"
-                       f"{max(without) / min(with_fp16):.2g}× higher wherever none of the newest tokens are "
-                       f"fp16: the fp16 share explains the jumps")
-        elif with_fp16 and without and max(without) <= min(with_fp16):
-            verdict = (f"on {data} the {what} is no higher where none of the newest tokens are fp16: the fp16 "
-                       f"share does not explain the curve's shape")
-        elif with_fp16 and without:
-            verdict = (f"on {data} the two ranges overlap: the fp16 share does not explain the curve's shape")
-        else:
-            verdict = ""
+        verdict = ""
+        if with_fp16 and without:
+            verdict = f"on this {src} data the "
+            if max(with_fp16) < min(without):
+                verdict += (f"{what} is {min(without) / max(with_fp16):.2g}–{max(without) / min(with_fp16):.2g}× "
+                            "higher wherever none of the newest tokens are fp16: the fp16 share explains the jumps")
+            elif max(without) <= min(with_fp16):
+                verdict += (f"{what} is no higher where none of the newest tokens are fp16: the fp16 share does "
+                            "not explain the curve's shape")
+            else:
+                verdict += "two ranges overlap: the fp16 share does not explain the curve's shape"
         paras.append(f"{m}: " + "; ".join(parts) + (f". So {verdict}." if verdict else "."))
     return paras

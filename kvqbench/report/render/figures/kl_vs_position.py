@@ -12,43 +12,30 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import legend_outside
-from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.render.figures.data import Source, symmetric_settings
+from kvqbench.report.render.figures.style import legend_outside
 
-__all__ = ["draw", "panels"]
-
-
-def panels(src: Source) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
-    """``{setting: {method: (bin centres, mean KL)}}`` of the symmetric settings below 16 bits, settings
-    by bits, methods in the leaderboard's order; bins whose KL is not positive are left out, and a method
-    with none left is absent."""
-    curves = (src.summary.get("long_decode") or {}).get("kl_curve") or {}
-    settings = sorted({s for by in curves.values() for s in by
-                       if (b := setting_bits(s)) and b[0] == b[1] and b[0] < 16}, key=setting_bits)
-    out: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
-    for s in settings:
-        lines = {}
-        for m in src.style.in_order(curves):
-            c = curves[m].get(s)
-            if not c:
-                continue
-            pts = [((a + b - 1) / 2, y) for a, b, y in zip(c["start"], c["stop"], c["mean"]) if y > 0]
-            if pts:
-                lines[m] = ([p[0] for p in pts], [p[1] for p in pts])
-        out[s] = lines
-    return out
+__all__ = ["draw"]
 
 
 def draw(plt: Any, src: Source, out: Path) -> Path | None:
-    """Draw the figure; ``None`` when the source holds no long-decode KL curve."""
+    """Draw the figure; ``None`` when the source holds no long-decode KL curve with a positive bin."""
     curves = (src.summary.get("long_decode") or {}).get("kl_curve") or {}
-    by_setting = panels(src)
-    if not any(by_setting.values()):
+    settings = symmetric_settings(s for by in curves.values() for s in by)
+    # {setting: {method: (bin centres, mean KL)}}, bins whose KL is not positive left out
+    lines: dict[str, dict[str, tuple[list[float], list[float]]]] = {s: {} for s in settings}
+    for s in settings:
+        for m in src.style.in_order(curves):
+            c = curves[m].get(s) or {}
+            bins = zip(c.get("start", []), c.get("stop", []), c.get("mean", []))
+            pts = [((a + b - 1) / 2, y) for a, b, y in bins if y > 0]
+            if pts:
+                lines[s][m] = ([p[0] for p in pts], [p[1] for p in pts])
+    if not any(lines.values()):
         return None
-    settings = list(by_setting)
     fig, axes = plt.subplots(1, len(settings), figsize=(5.2 * len(settings), 3.8), squeeze=False, sharey=True)
     for ax, s in zip(axes[0], settings, strict=True):
-        for m, (x, y) in by_setting[s].items():
+        for m, (x, y) in lines[s].items():
             st = src.style(m)
             ax.plot(x, y, color=st["color"], marker=st["marker"], linestyle=st["linestyle"], markersize=4, label=m,
                     markerfacecolor=st["facecolor"])
@@ -56,7 +43,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
         ax.set_xlabel("decoded position (tokens; bin centre)")
         ax.set_title(f"{s}", fontsize=10)
         ax.grid(True, which="major", alpha=0.3)
-        zero = [m for m in src.style.in_order(curves) if s in curves[m] and m not in by_setting[s]]
+        zero = [m for m in src.style.in_order(curves) if s in curves[m] and m not in lines[s]]
         if zero:
             ax.text(0.0, -0.2, f"KL exactly 0 in every bin (not drawn on the log axis): {', '.join(zero)}",
                     transform=ax.transAxes, fontsize=8, va="top")

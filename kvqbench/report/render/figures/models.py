@@ -9,21 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import legend_outside
 from kvqbench.report.render.figures.data import setting_bits
-from kvqbench.report.render.figures.style import RC, Style, pyplot
+from kvqbench.report.render.figures.style import RC, Style, legend_outside, pyplot
 from kvqbench.report.stats.models import kl_points, rank_table
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 
 __all__ = ["draw_models", "FILE"]
 
 FILE = "kl_models.png"
-#: a point's marker tells its key bit-width (as in the predictivity figure); its colour, the method
+#: a point's marker tells its key bit-width; its colour, the method (the legend names every point)
 _SHAPES = {2: "o", 3: "s", 4: "^", 8: "D"}
 
 
-def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: list[str] | None = None,
-                target: str = PREDICTIVITY_TARGETS[0]) -> Path | None:
+def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: list[str] | None = None
+                ) -> Path | None:
     """Draw KL(model A) against KL(model B) into ``out/kl_models.png``.
 
     Args:
@@ -31,7 +30,6 @@ def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: lis
         out: the folder to write into.
         methods: the board's method order (:func:`~kvqbench.report.render.figures.style.method_order`), which
             fixes each method's colour as in every other figure (default: the methods found, sorted).
-        target: the end-to-end metric.
 
     Returns the path, or ``None`` when no (method, setting) has a non-exact KL on both models.
 
@@ -40,6 +38,7 @@ def draw_models(stats_by_model: dict[str, Any], out: str | Path, *, methods: lis
     """
     import matplotlib
 
+    target = PREDICTIVITY_TARGETS[0]
     table = rank_table(stats_by_model, target=target)
     a, b = table["models"]
     pa, pb = (kl_points(stats_by_model[n], target=target) for n in (a, b))

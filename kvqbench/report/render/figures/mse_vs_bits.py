@@ -9,8 +9,8 @@ from typing import Any
 
 from kvqbench.metrics import experiment_of
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import bits_axis, legend_outside
 from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.render.figures.style import bits_axis, legend_outside
 
 __all__ = ["draw", "coinciding", "COINCIDE_REL"]
 

@@ -41,7 +41,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
         ax = axes[i // ncol][i % ncol]
         st = style(m)
         drawn = {kv: curves[(m, kv)] for kv in kvs if (m, kv) in curves}
-        lo, hi = mass_range([d for d in drawn.values()])
+        lo, hi = mass_range(list(drawn.values()))
         outside = []
         merged = set()
         one_bin: dict[tuple[float, float], list[str]] = {}  # a density all in one bin: below the resolution
@@ -93,9 +93,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     for j in range(len(methods), nrow * ncol):
         axes[j // ncol][j % ncol].axis("off")
     for j in range(ncol):  # the x label on the lowest drawn panel of each column
-        col = [axes[r][j] for r in range(nrow) if r * ncol + j < len(methods)]
-        if col:
-            col[-1].set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
+        axes[(len(methods) - 1 - j) // ncol][j].set_xlabel("(‖x̂‖ − ‖x‖) / RMS token norm", fontsize=8)
     for row in axes:
         row[0].set_ylabel("density", fontsize=8)
     fig.suptitle(f"Per-token norm-difference density at {setting} ({src.name}; K solid, V dashed; 0 = norm preserved)\n"
@@ -106,11 +104,11 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
 
 
 def _k_or_v(name: str) -> str | None:
-    """``"K"`` or ``"V"`` for a norm-difference histogram's path (a ``v``/``v_…`` segment: V), else ``None``."""
+    """``"K"`` or ``"V"`` for a norm-difference histogram's path (a word ``v``, as in ``v_norm_diff``: V),
+    else ``None``."""
     if "norm" not in name and "diff" not in name:
         return None
-    segs = re.split(r"[^a-z0-9]+", name)
-    return "V" if ("v" in segs or any(s.startswith("v_") for s in name.split("/")) or name.startswith("v_")) else "K"
+    return "V" if "v" in re.split(r"[^a-z0-9]+", name) else "K"
 
 
 def _mass_within(edges: list[float], dens: list[float], lo: float, hi: float) -> float:

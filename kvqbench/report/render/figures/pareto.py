@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import bits_axis, legend_outside
 from kvqbench.report.render.figures.data import Source
 from kvqbench.report.render.figures.placement import CORE_RADIUS, place_labels
+from kvqbench.report.render.figures.style import bits_axis, legend_outside
 
 __all__ = ["draw"]
 
@@ -24,6 +24,8 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
 
     A point with relative MSE exactly 0 (lossless) is drawn on a dashed line a quarter below the
     smallest positive value, which a note names."""
+    from matplotlib.cbook import pts_to_poststep
+
     pf = src.summary.get("pareto") or {}
     style = src.style
     pts = [p for p in pf.get("points", []) if p.get("bits_effective") is not None and p.get("rel_mse") is not None]
@@ -45,7 +47,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
                    zorder=3)
     front = sorted(pf.get("front", []), key=lambda p: p["bits_effective"])
     texts: list[tuple[float, float, str]] = []
-    step: tuple[list[float], list[float]] | None = None
+    step = []
     if front:
         fx = [p["bits_effective"] for p in front]
         fy = [p["rel_mse"] if p["rel_mse"] > 0 else floor for p in front]
@@ -57,7 +59,7 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
             labels.setdefault((round(p["bits_effective"], 6), y), []).append(f"{p['method']} {p['setting']}")
         texts = [(x, y, names[0] if len(names) == 1 else f"exact ({len(names)} points)" if y == floor else
                   f"{names[0]} +{len(names) - 1}") for (x, y), names in sorted(labels.items())]
-        step = _step_polyline(fx, fy)
+        step = [pts_to_poststep(fx, fy)]  # the vertices of the step just drawn: no label covers it
     ax.set_yscale("log")
     if not all(p["rel_mse"] > 0 for p in pts):
         ax.axhline(floor, color="grey", linewidth=0.6, linestyle="--")
@@ -73,14 +75,5 @@ def draw(plt: Any, src: Source, out: Path) -> Path | None:
     # marker radii in points: a scatter marker of size s (points²) spans √s points
     markers = [(p["bits_effective"], p["rel_mse"] if p["rel_mse"] > 0 else floor, CORE_RADIUS) for p in pts]
     markers += [(x, y, _RING_RADIUS) for x, y, _ in texts]
-    place_labels(fig, ax, texts, markers, lines=[step] if step else None)
+    place_labels(fig, ax, texts, markers, lines=step)
     return save.finish(fig, out / f"pareto_{src.name}.png")
-
-
-def _step_polyline(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
-    """The vertices of ``ax.step(xs, ys, where="post")``: across to the next x, then down or up."""
-    px, py = [xs[0]], [ys[0]]
-    for x, y in zip(xs[1:], ys[1:], strict=False):
-        px += [x, x]
-        py += [py[-1], y]
-    return px, py

@@ -3,17 +3,15 @@ leader; where words fit nowhere near their point, a number explained in a key (t
 front points).
 
 Pure geometry in display pixels after one draw; the segment/box tests are exact (Liang–Barsky
-clipping, orientation signs).
+clipping, orientation signs) and vectorised: every candidate spot of a label is tested at once.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
 from typing import Any
 
-__all__ = ["CORE_RADIUS", "place_labels", "text_extent", "seg_box_hits", "seg_meets_box", "segs_cross"]
+__all__ = ["CORE_RADIUS", "place_labels", "seg_box_hits", "segs_cross"]
 
 #: where a label may go around its point: directions (degrees, tried in this order: right, then up/down
 #: right, left …) at growing distances (points from the point to the label's near corner); from
@@ -32,25 +30,13 @@ _LABEL_CLEAR = 5.0
 #: the farthest (points from the marker's edge) a label in words may sit from its point; a point
 #: whose words fit nowhere that near becomes a number explained in the key
 _WORD_REACH = 16.0
-
-
-def _log_debug(msg: str) -> None:
-    """``msg`` on stderr when ``KVQBENCH_PLOTS_DEBUG`` is set (a label that fits nowhere)."""
-    if os.environ.get("KVQBENCH_PLOTS_DEBUG"):
-        print(msg, file=sys.stderr)
-
-
-def text_extent(a: Any, renderer: Any) -> Any:
-    """The window extent (pixels) of the text of annotation ``a`` where the annotation puts it."""
-    from matplotlib.text import Text
-
-    a.update_positions(renderer)  # place the text where the annotation puts it
-    return Text.get_window_extent(a, renderer)
+#: font size (points) of the labels and the key
+_FONTSIZE = 7.0
 
 
 def seg_box_hits(segs: Any, boxes: Any) -> Any:
     """``(n, m)`` bools: does segment ``i`` (rows ``x0, y0, x1, y1``) pass through box ``j`` (rows
-    ``x0, y0, x1, y1``)? Liang–Barsky clipping, vectorised."""
+    ``x0, y0, x1, y1``)? Liang–Barsky clipping."""
     import numpy as np
 
     S = np.asarray(segs, dtype=float).reshape(-1, 1, 4)
@@ -71,34 +57,20 @@ def seg_box_hits(segs: Any, boxes: Any) -> Any:
     return ok & (t0 <= t1)
 
 
-def seg_meets_box(seg: tuple[float, float, float, float], b: tuple) -> bool:
-    """:func:`seg_box_hits` for one segment and one box (plain floats: cheaper for one pair)."""
-    x0, y0 = seg[0], seg[1]
-    dx, dy = seg[2] - x0, seg[3] - y0
-    t0, t1 = 0.0, 1.0
-    for p, q in ((-dx, x0 - b[0]), (dx, b[2] - x0), (-dy, y0 - b[1]), (dy, b[3] - y0)):
-        if p == 0:
-            if q < 0:
-                return False
-            continue
-        t = q / p
-        if p < 0:
-            t0 = max(t0, t)
-        else:
-            t1 = min(t1, t)
-        if t0 > t1:
-            return False
-    return True
+def segs_cross(a: Any, b: Any) -> Any:
+    """``(n, m)`` bools: does segment ``i`` of ``a`` cross segment ``j`` of ``b`` (rows ``x0, y0, x1,
+    y1``; touching ends do not count)?"""
+    import numpy as np
 
+    A = np.asarray(a, dtype=float).reshape(-1, 1, 4)
+    B = np.asarray(b, dtype=float).reshape(1, -1, 4)
 
-def segs_cross(a: tuple[float, float, float, float], b: tuple[float, float, float, float]) -> bool:
-    """Whether two segments ``(x0, y0, x1, y1)`` cross (touching ends do not count)."""
-    def orient(px: float, py: float, qx: float, qy: float, rx: float, ry: float) -> float:
-        return (qx - px) * (ry - py) - (qy - py) * (rx - px)
+    def orient(s: Any, x: Any, y: Any) -> Any:  # > 0: the point lies left of segment s
+        return (s[..., 2] - s[..., 0]) * (y - s[..., 1]) - (s[..., 3] - s[..., 1]) * (x - s[..., 0])
 
-    d1, d2 = orient(*b, a[0], a[1]), orient(*b, a[2], a[3])
-    d3, d4 = orient(*a, b[0], b[1]), orient(*a, b[2], b[3])
-    return (d1 > 0) != (d2 > 0) and (d3 > 0) != (d4 > 0)
+    d1, d2 = orient(B, A[..., 0], A[..., 1]), orient(B, A[..., 2], A[..., 3])
+    d3, d4 = orient(A, B[..., 0], B[..., 1]), orient(A, B[..., 2], B[..., 3])
+    return ((d1 > 0) != (d2 > 0)) & ((d3 > 0) != (d4 > 0))
 
 
 def _label_spots(cx: float, cy: float, w: float, h: float, radius: float, pt: float
@@ -122,14 +94,13 @@ def _label_spots(cx: float, cy: float, w: float, h: float, radius: float, pt: fl
 
 
 def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
-                 markers: list[tuple[float, float, float]], fontsize: float = 7.0,
-                 lines: list[tuple[list[float], list[float]]] | None = None, key_title: str = "Pareto front points"
-                 ) -> None:
+                 markers: list[tuple[float, float, float]],
+                 lines: list[Any] | None = None) -> None:
     """Label points so that no label overlaps another label, a marker, a line of ``lines`` or leaves
     the axes, and no leader line runs through a marker, a label or another leader line.
 
     ``texts``: ``(x, y, text)`` in data coordinates; ``markers``: ``(x, y, radius in points)`` of every
-    marker drawn (the labelled points among them); ``lines``: ``(xs, ys)`` polylines labels must not
+    marker drawn, the labelled points among them; ``lines``: ``(xs, ys)`` polylines labels must not
     cover (the Pareto step). Each label takes the nearest free spot (:func:`_label_spots`, measured in
     display space after one draw); several label orders are tried and the one that places the most
     labels as words is kept. A label that finds no free spot is replaced by a number, placed by the same
@@ -151,62 +122,55 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
         u, v = ax.transData.transform((x, y))
         return float(u), float(v)
 
+    def around(c: Any, r: Any, pad: float) -> Any:
+        """Boxes (rows x0, y0, x1, y1) reaching ``r + pad`` from the centres ``c`` on each side."""
+        return np.column_stack([c - r[:, None] - pad, c + r[:, None] + pad])
+
     centres = np.array([px(x, y) for x, y, _ in markers]).reshape(-1, 2)
     radii = np.array([r for *_, r in markers], dtype=float) * pt
-    core = np.minimum(radii, CORE_RADIUS * pt)
-    full_boxes = np.column_stack([centres - radii[:, None] - gap, centres + radii[:, None] + gap])
-    core_boxes = np.column_stack([centres - core[:, None] - gap, centres + core[:, None] + gap])
-    clear = radii + _LABEL_CLEAR * pt  # a word label's leader keeps this far from other markers
-    clear_boxes = np.column_stack([centres - clear[:, None], centres + clear[:, None]])
-    notes = []
-    for t in ax.texts:  # notes already on the axes
-        b = t.get_window_extent(renderer)
-        notes.append((b.x0 - gap, b.y0 - gap, b.x1 + gap, b.y1 + gap))
-    notes_a = np.array(notes, dtype=float).reshape(-1, 4)
+    full_boxes = around(centres, radii, gap)
+    core_boxes = around(centres, np.minimum(radii, CORE_RADIUS * pt), gap)
+    clear_boxes = around(centres, radii + _LABEL_CLEAR * pt, 0.0)  # a word label's leader keeps out of these
+    notes = np.array([(b.x0 - gap, b.y0 - gap, b.x1 + gap, b.y1 + gap)  # notes already on the axes
+                      for b in (t.get_window_extent(renderer) for t in ax.texts)]).reshape(-1, 4)
     line_segs = []
     for xs, ys in lines or []:
         pts = [px(x, y) for x, y in zip(xs, ys, strict=False)]
         line_segs += [(*a, *b) for a, b in zip(pts, pts[1:], strict=False)]
-    line_a = np.array(line_segs, dtype=float).reshape(-1, 4)
 
     def size(text: str) -> tuple[float, float]:
-        t = ax.text(0, 0, text, fontsize=fontsize, transform=None)
+        t = ax.text(0, 0, text, fontsize=_FONTSIZE, transform=None)
         b = t.get_window_extent(renderer)
         t.remove()
         return b.width, b.height
 
     def meets(boxes: Any, others: Any) -> Any:
         """``(n,)``: box ``i`` overlaps any of ``others``."""
-        if not len(others) or not len(boxes):
-            return np.zeros(len(boxes), dtype=bool)
         A, O = boxes[:, None, :], others[None, :, :]
         return ((A[..., 0] < O[..., 2]) & (A[..., 2] > O[..., 0]) & (A[..., 1] < O[..., 3])
                 & (A[..., 3] > O[..., 1])).any(1)
 
-    def crossed(segs: Any, boxes: Any) -> Any:
-        if not len(segs) or not len(boxes):
-            return np.zeros(len(segs), dtype=bool)
-        return seg_box_hits(segs, boxes).any(1)
-
-    # every label's (words, number) candidate spots that nothing fixed gets in the way of, nearest first:
-    # (box, leader segment or None, (dx, dy, ha, va, leader))
-    wide = "8" * len(str(len(texts)))  # a number is placed as the widest one (digits are equally wide)
-    free: list[list[list[tuple[Any, Any, tuple]]]] = []
+    # every label's candidate spots that nothing fixed gets in the way of, nearest first, as words, as a
+    # number, as a number whose leader may cross markers: (boxes, leader segments, has a leader, (dx, dy,
+    # ha, va, leader) per spot)
+    wide = size("8" * len(str(len(texts))))  # a number is placed as the widest one (digits are equally wide)
+    inset = {"left": gap, "bottom": gap, "right": -gap, "top": -gap, "center": 0.0}
+    own_of = []
+    free = []
     for x, y, text in texts:
         cx, cy = px(x, y)
         own = (np.abs(centres[:, 0] - cx) < 0.5) & (np.abs(centres[:, 1] - cy) < 0.5)
-        rad = float(radii[own].max()) if own.any() else CORE_RADIUS * pt
+        own_of.append(own)
+        rad = float(radii[own].max())
         per_alt = []
-        for k, alt in enumerate((text, wide, wide)):
-            w, h = size(alt)
+        for k, (w, h) in enumerate((size(text), wide, wide)):
             spots = _label_spots(cx, cy, w + 2 * gap, h + 2 * gap, rad, pt)
             boxes = np.array([sp[0] for sp in spots], dtype=float)
             ok = (boxes[:, 0] >= ab.x0) & (boxes[:, 2] <= ab.x1) & (boxes[:, 1] >= ab.y0) & (boxes[:, 3] <= ab.y1)
-            ok &= ~meets(boxes, full_boxes) & ~meets(boxes, notes_a)
-            if len(line_a):
-                ok &= ~seg_box_hits(line_a, boxes).any(0)
+            ok &= ~meets(boxes, full_boxes) & ~meets(boxes, notes) & ~seg_box_hits(line_segs, boxes).any(0)
             dxy = np.array([(sp[1], sp[2]) for sp in spots])
-            lead = np.hypot(dxy[:, 0], dxy[:, 1]) > _LEADER_FROM
+            reach = np.hypot(dxy[:, 0], dxy[:, 1])  # points from the point to the label's anchor
+            lead = reach > _LEADER_FROM
             mid = np.column_stack([(boxes[:, 0] + boxes[:, 2]) / 2, (boxes[:, 1] + boxes[:, 3]) / 2])
             d = np.maximum(np.hypot(mid[:, 0] - cx, mid[:, 1] - cy), 1e-9)
             start = np.column_stack([cx + (mid[:, 0] - cx) * rad / d, cy + (mid[:, 1] - cy) * rad / d])
@@ -215,48 +179,39 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
             # ring, not a method's marker — unless the markers themselves overlap so that no line gets
             # out of the cluster without crossing one (the third try)
             obstacles = clear_boxes[~own] if k == 0 else core_boxes[~own] if k == 1 else full_boxes[:0]
-            ok &= ~(lead & (crossed(segs, obstacles) | crossed(segs, notes_a)))
+            ok &= ~(lead & (seg_box_hits(segs, obstacles).any(1) | seg_box_hits(segs, notes).any(1)))
             if k < 2 and (~own).any():  # unambiguous: the label is nearer its own marker than any other
                 ddx = np.maximum(np.maximum(boxes[:, None, 0] - centres[None, :, 0], 0.0),
                                  centres[None, :, 0] - boxes[:, None, 2])
                 ddy = np.maximum(np.maximum(boxes[:, None, 1] - centres[None, :, 1], 0.0),
                                  centres[None, :, 1] - boxes[:, None, 3])
                 dist = np.hypot(ddx, ddy) - radii[None, :]
-                own_d = dist[:, own].min(1) if own.any() else np.hypot(mid[:, 0] - cx, mid[:, 1] - cy)
+                own_d = dist[:, own].min(1)
                 ok &= dist[:, ~own].min(1) >= np.maximum(own_d + _LABEL_CLEAR * pt, _LABEL_CLEAR * pt)
             if k == 0:  # words sit near their point: a long leader into a cluster reads as someone else's
-                ok &= np.hypot(dxy[:, 0], dxy[:, 1]) <= _WORD_REACH
-            sx = {"left": gap, "right": -gap, "center": 0.0}  # the anchor sits ``gap`` inside the box
-            sy = {"bottom": gap, "top": -gap, "center": 0.0}
-            per_alt.append([(tuple(boxes[j]), tuple(segs[j]) if lead[j] else None,
-                             (spots[j][1] + sx[spots[j][3]] / pt, spots[j][2] + sy[spots[j][4]] / pt,
-                              spots[j][3], spots[j][4], bool(lead[j]))) for j in np.flatnonzero(ok)])
+                ok &= reach <= _WORD_REACH
+            keep = np.flatnonzero(ok)
+            per_alt.append((boxes[keep], segs[keep], lead[keep],  # the anchor sits ``gap`` inside the box
+                            [(spots[j][1] + inset[spots[j][3]] / pt, spots[j][2] + inset[spots[j][4]] / pt,
+                              spots[j][3], spots[j][4], bool(lead[j])) for j in keep]))
         free.append(per_alt)
-
-    def overlap(a: tuple, b: tuple) -> bool:
-        return a[0] < b[2] and a[2] > b[0] and a[1] < b[3] and a[3] > b[1]
 
     def place(order: list[int]) -> dict[int, tuple[int, tuple]]:
         """Greedy, in the given order, each label as words if they fit anywhere, else as a number:
         ``{index: (0 words / 1 number / 2 number whose leader crosses markers, (dx, dy, ha, va,
         leader))}`` of the labels that fit."""
-        boxes: list[tuple] = []
-        leaders: list[tuple] = []
+        boxes, leaders = np.zeros((0, 4)), np.zeros((0, 4))
         got = {}
         for i in order:
-            for k in (0, 1, 2):
-                for box, seg, spot in free[i][k]:
-                    if any(overlap(box, o) for o in boxes) or any(seg_meets_box(o, box) for o in leaders):
-                        continue
-                    if seg is not None and (any(seg_meets_box(seg, o) for o in boxes)
-                                            or any(segs_cross(seg, o) for o in leaders)):
-                        continue
-                    boxes.append(box)
-                    if seg is not None:
-                        leaders.append(seg)
-                    got[i] = (k, spot)
-                    break
-                if i in got:
+            for k, (cand, segs, lead, spots) in enumerate(free[i]):
+                ok = ~meets(cand, boxes) & ~seg_box_hits(leaders, cand).any(0)
+                ok &= ~(lead & (seg_box_hits(segs, boxes).any(1) | segs_cross(segs, leaders).any(1)))
+                if ok.any():
+                    j = int(np.argmax(ok))
+                    boxes = np.vstack([boxes, cand[j]])
+                    if lead[j]:
+                        leaders = np.vstack([leaders, segs[j]])
+                    got[i] = (k, spots[j])
                     break
         return got
 
@@ -268,7 +223,7 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     n = len(texts)
     orders = [list(range(n)), list(range(n))[::-1], sorted(range(n), key=lambda i: ys[i]),
               sorted(range(n), key=lambda i: -ys[i]),
-              sorted(range(n), key=lambda i: len(free[i][0]))]  # the most constrained first
+              sorted(range(n), key=lambda i: len(free[i][0][3]))]  # the most constrained first
     best: dict[int, tuple[int, tuple]] = {}
     for order in orders:
         got = place(order)
@@ -279,17 +234,12 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     as_number = [i for i in range(n) if best.get(i, (1, None))[0] >= 1]
     numbered = {i: str(j + 1) for j, i in enumerate(as_number)}
     for i, (x, y, text) in enumerate(texts):
-        k, spot = best.get(i, (1, None))
-        if spot is None:  # not even a number fits anywhere: beside its point (the key still names it)
-            _log_debug(f"no free spot for label {text!r}")
-            spot = (4.0, 2.0, "left", "bottom", False)
-        dx, dy, ha, va, leader = spot
-        own = (np.abs(centres[:, 0] - px(x, y)[0]) < 0.5) & (np.abs(centres[:, 1] - px(x, y)[1]) < 0.5)
-        shrink = float(radii[own].max()) / pt if own.any() else CORE_RADIUS
+        # not even a number fits anywhere: beside its point (the key still names it)
+        k, (dx, dy, ha, va, leader) = best.get(i, (1, (4.0, 2.0, "left", "bottom", False)))
         ax.annotate(numbered[i] if k >= 1 else text, (x, y), textcoords="offset points", xytext=(dx, dy),
-                    fontsize=fontsize, ha=ha, va=va, zorder=5,
+                    fontsize=_FONTSIZE, ha=ha, va=va, zorder=5,
                     arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.6, "shrinkA": 0,
-                                "shrinkB": shrink} if leader else None)
+                                "shrinkB": float(radii[own_of[i]].max()) / pt} if leader else None)
     if not numbered:
         return
     key = "\n".join(f"{numbered[i]}  {texts[i][2]}" for i in as_number)
@@ -297,4 +247,5 @@ def place_labels(fig: Any, ax: Any, texts: list[tuple[float, float, str]],
     top = 1.0
     if legend is not None:  # the key goes below the legend
         top = ax.transAxes.inverted().transform((0, legend.get_window_extent(renderer).y0))[1] - 0.03
-    ax.text(1.01, top, f"{key_title}:\n" + key, transform=ax.transAxes, fontsize=fontsize, va="top", ha="left")
+    ax.text(1.01, top, "Pareto front points:\n" + key, transform=ax.transAxes, fontsize=_FONTSIZE, va="top",
+            ha="left")

@@ -9,25 +9,27 @@ from typing import Any
 
 from kvqbench.metrics import experiment_of
 from kvqbench.report.render.figures import save
-from kvqbench.report.render.figures.axes import legend_outside
 from kvqbench.report.render.figures.data import Source, setting_bits
+from kvqbench.report.render.figures.style import legend_outside
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
 
 __all__ = ["draw"]
 
 #: a point's marker tells its key bit-width (bits mod 5 pick one); its colour, the method
 _SHAPES = ["o", "s", "^", "D", "v"]
+#: how many of the best predictors get a panel
+_TOP = 4
 
 
-def draw(plt: Any, src: Source, out: Path, top: int = 4) -> Path | None:
-    """Draw the ``top`` best predictors of the leaderboard's ``predictivity`` of ``src`` (pooled over
+def draw(plt: Any, src: Source, out: Path) -> Path | None:
+    """Draw the :data:`_TOP` best predictors of the leaderboard's ``predictivity`` of ``src`` (pooled over
     groups where pooled exists); ``None`` when there is none or exp5 did not run."""
     style = src.style
     pr = src.summary.get("predictivity") or {}
     target = PREDICTIVITY_TARGETS[0]
     by_group = (pr.get("targets") or {}).get(target) or {}
     group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-    rows = [r for r in by_group.get(group, []) if r["rho"] is not None][:top] if group else []
+    rows = [r for r in by_group.get(group, []) if r["rho"] is not None][:_TOP] if group else []
     stats = src.stats
     e2e = stats.get(experiment_of(target)) or {}
     if not rows or not e2e:

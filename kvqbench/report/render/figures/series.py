@@ -4,16 +4,16 @@ need not register anything with the figures.
 ``series`` is walked recursively:
 
 * a *curve* is a list of numbers under a dict that also holds an x list named one of :data:`X_KEYS`
-  (``context_len``, ``context``, ``ctx`` …; inherited by nested dicts), or a dict ``{"x": [...],
-  "y": [...]}``. Per-layer curves (list of lists) are averaged over layers.
-* a *histogram* is a dict holding ``edges``/``bin_edges``/``bins`` and ``density``/``counts``/``hist``
-  with one value fewer than edges (or ``centers`` with as many values).
+  (inherited by nested dicts). Per-layer curves (list of
+  lists) are averaged over layers.
+* a *histogram* is a list of numbers named ``…density``, ``…counts`` or ``…hist`` beside a list of bin
+  edges named ``…edges``, with one value fewer than the edges, or two more (an underflow and an
+  overflow bin first and last).
 
 The joined path of names (``series`` keys, lower-cased) classifies a curve (:func:`error_kind`,
 :func:`regime`): ``kl`` → attention KL (``rev``/``reverse`` → reverse KL); otherwise the first of
 ``mse``, ``mae``, ``cos`` is the attention error; ``decode``/``pseudo``/``stream`` → pseudo-decode
-regime, else static. Scalar metrics named ``<name>_ctx<N>`` in an experiment's stats are read as curve
-points too (:func:`context_metric`).
+regime, else static.
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import math
 import re
 from typing import Any, Iterable
 
-__all__ = ["X_KEYS", "iter_curves", "iter_histograms", "histograms_with_tails", "regime",
-           "error_kind", "context_metric"]
+__all__ = ["X_KEYS", "iter_curves", "histograms", "regime", "error_kind"]
 
-X_KEYS: tuple[str, ...] = ("context_len", "context_lens", "context_length", "context_lengths", "context",
-                           "ctx_len", "ctx", "lengths", "tokens", "positions", "seq_lens", "x")
-EDGE_KEYS = ("edges", "bin_edges", "bins")
-VALUE_KEYS = ("density", "counts", "hist", "values")
+#: names of an x list: exp2 writes ``context_lengths``
+X_KEYS: tuple[str, ...] = ("context_lengths", "context_len", "x")
 
 
 def _is_num_list(v: Any) -> bool:
@@ -36,15 +33,11 @@ def _is_num_list(v: Any) -> bool:
                                                       for x in v)
 
 
-def _is_nested_num_list(v: Any) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(_is_num_list(x) for x in v) \
-        and len({len(x) for x in v}) == 1
-
-
 def _as_curve(v: Any) -> list[float] | None:
+    """A list of numbers as floats; equally long lists of numbers (one per layer): their mean over layers."""
     if _is_num_list(v):
         return [float(x) for x in v]
-    if _is_nested_num_list(v):  # per layer → mean over layers
+    if isinstance(v, list) and v and all(_is_num_list(x) for x in v) and len({len(x) for x in v}) == 1:
         return [math.fsum(col) / len(col) for col in zip(*v, strict=False)]
     return None
 
@@ -53,11 +46,6 @@ def iter_curves(series: Any, path: tuple[str, ...] = (), x: list[float] | None =
                 ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
     """Yield ``(path, x, y)`` for every curve in a record's ``series`` (see module doc)."""
     if not isinstance(series, dict):
-        return
-    if _is_num_list(series.get("x")) and _as_curve(series.get("y")) is not None:
-        y = _as_curve(series["y"])
-        if y is not None and len(y) == len(series["x"]):
-            yield path, [float(v) for v in series["x"]], y
         return
     here = next((series[k] for k in X_KEYS if k in series and _is_num_list(series[k])), None)
     xs = [float(v) for v in here] if here is not None else x
@@ -73,71 +61,33 @@ def iter_curves(series: Any, path: tuple[str, ...] = (), x: list[float] | None =
             yield path + (str(key),), xs, y
 
 
-def iter_histograms(series: Any, path: tuple[str, ...] = ()
-                    ) -> Iterable[tuple[tuple[str, ...], list[float], list[float]]]:
-    """Yield ``(path, centers, density)`` for every histogram in ``series`` (see module doc).
-
-    Counts are normalised to a density (count / total / bin width: integral 1, bins of unequal width
-    allowed) so seeds and methods are comparable; values named ``density`` are rescaled to integral 1;
-    shares that already sum to 1 are divided by the bin width. A flat layout is read too: an ``…edges``
-    list beside ``…density`` lists with one value fewer than the edges, or two more (an underflow and an
-    overflow bin, not drawn).
-    """
-    for p, edges, dens, _tails in histograms_with_tails(series, path):
-        yield p, [(a + b) / 2 for a, b in zip(edges, edges[1:], strict=False)], dens
-
-
-def histograms_with_tails(series: Any, path: tuple[str, ...] = ()
-                          ) -> Iterable[tuple[tuple[str, ...], list[float], list[float], tuple[float, float]]]:
-    """Yield ``(path, edges, density, (under, over))`` for every histogram in ``series``: like
-    :func:`iter_histograms` with the bin ``edges`` (one more than the densities, so bins of unequal width
-    keep their true extent) and the shares of tokens in a flat layout's underflow and overflow bins
-    (below the first edge, above the last; not drawn), ``(0, 0)`` when the layout has none."""
+def histograms(series: Any, path: tuple[str, ...] = ()
+               ) -> Iterable[tuple[tuple[str, ...], list[float], list[float], tuple[float, float]]]:
+    """Yield ``(path, edges, density, (under, over))`` for every histogram in ``series`` (see module
+    doc): the bin ``edges`` (one more than the densities, so bins of unequal width keep their true
+    extent), the density (value / total / bin width: integral 1 over the bins, comparable across seeds
+    and methods) and the shares of the values in an underflow and an overflow bin (below the first edge,
+    above the last; not drawn), ``(0, 0)`` when the list has none."""
     if not isinstance(series, dict):
         return
-    edges = next((series[k] for k in EDGE_KEYS if _is_num_list(series.get(k))), None)
-    vkey = next((k for k in VALUE_KEYS if k in series and _as_curve(series[k])), None)
-    vals = _as_curve(series[vkey]) if vkey is not None else None
-    centers = series.get("centers") if _is_num_list(series.get("centers")) else None
-    if vals is not None and (edges is not None or centers is not None):
-        if edges is not None and len(edges) == len(vals) + 1:
-            e = [float(v) for v in edges]
-        elif centers is not None and len(centers) == len(vals):
-            c = [float(v) for v in centers]
-            step = (c[-1] - c[0]) / max(len(c) - 1, 1) or 1.0
-            e = [x - step / 2 for x in c] + [c[-1] + step / 2]
-        else:
-            e = None
-        if e is not None:
-            widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-            if vkey == "density":  # already per unit x: rescale to integral 1
-                area = math.fsum(v * w for v, w in zip(vals, widths, strict=False))
-                yield path, e, [v / area if area > 0 else 0.0 for v in vals], (0.0, 0.0)
-            else:  # counts per bin: divide by the total and by each bin's own width
-                total = math.fsum(vals)
-                yield (path, e, [v / total / w if total > 0 else 0.0 for v, w in zip(vals, widths, strict=False)],
-                       (0.0, 0.0))
-            return
-    flat_edges = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
-    if flat_edges:
-        e = [float(v) for v in series[flat_edges[0]]]
+    found = False
+    edge_keys = [k for k in sorted(series) if str(k).endswith("edges") and _is_num_list(series[k])]
+    if edge_keys:
+        e = [float(v) for v in series[edge_keys[0]]]
         widths = [b - a for a, b in zip(e, e[1:], strict=False)]
-        found = False
         for key in sorted(series):
             vals = _as_curve(series[key]) if any(w in str(key) for w in ("density", "counts", "hist")) else None
-            if vals is None or len(vals) not in (len(e) - 1, len(e) + 1):
+            if vals is None or len(vals) not in (len(e) - 1, len(e) + 1) or not math.fsum(vals) > 0:
                 continue
             total = math.fsum(vals)
-            tails = (vals[0] / total, vals[-1] / total) if len(vals) == len(e) + 1 and total > 0 else (0.0, 0.0)
+            tails = (vals[0] / total, vals[-1] / total) if len(vals) == len(e) + 1 else (0.0, 0.0)
             inner = vals[1:-1] if len(vals) == len(e) + 1 else vals
-            if total > 0:
-                yield path + (str(key),), e, [v / total / w for v, w in zip(inner, widths, strict=True)], tails
-                found = True
-        if found:
-            return
-    for key in sorted(series):
-        if isinstance(series[key], dict):
-            yield from histograms_with_tails(series[key], path + (str(key),))
+            yield path + (str(key),), e, [v / total / w for v, w in zip(inner, widths, strict=True)], tails
+            found = True
+    if not found:
+        for key in sorted(series):
+            if isinstance(series[key], dict):
+                yield from histograms(series[key], path + (str(key),))
 
 
 def regime(name: str) -> str:
@@ -148,7 +98,7 @@ def regime(name: str) -> str:
 def error_kind(name: str) -> str | None:
     """What an exp2 series path measures: ``"kl"``, ``"kl_rev"``, ``"rel_mse"``, ``"mse"``, ``"mae"``,
     ``"cos"``, or ``None`` (a signed gap, a bias, a logit error … that no figure draws)."""
-    if "kl" in re.split(r"[^a-z0-9]+", name) or re.search(r"(^|[^a-z])kl([^a-z]|$)", name):
+    if re.search(r"(^|[^a-z])kl([^a-z]|$)", name):
         return "kl_rev" if re.search(r"rev", name) else "kl"
     if any(w in name for w in ("signed", "gap", "bias", "var", "slope", "weighted", "logit", "attn_k")):
         return None
@@ -158,13 +108,3 @@ def error_kind(name: str) -> str | None:
         if w in name:
             return w
     return None
-
-
-_CTX_METRIC = re.compile(r"^(?P<name>.+?)_(?:ctx|context|T)(?P<n>\d+)$")
-
-
-def context_metric(name: str) -> tuple[str, float] | None:
-    """``("attn_kl", 512.0)`` for a scalar metric named ``attn_kl_ctx512`` (also ``_context512``,
-    ``_T512``): one point of a curve against the context length; ``None`` for any other name."""
-    m = _CTX_METRIC.match(name)
-    return (m.group("name"), float(m.group("n"))) if m else None

@@ -1,13 +1,16 @@
-"""How every figure looks: resolution, colours and markers per method, and the matplotlib setup.
+"""How every figure looks: resolution, colours and markers per method, the matplotlib setup, and the
+axis helpers and words that several figures share.
 
 The PNGs are deterministic: the Agg backend, a fixed DPI, and no timestamp or version metadata.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Iterable
 
-__all__ = ["DPI", "COLORS", "MARKERS", "LINESTYLES", "RC", "Style", "method_order", "pyplot"]
+__all__ = ["DPI", "COLORS", "MARKERS", "LINESTYLES", "RC", "CONTEXT_AXIS", "Style", "method_order", "pyplot",
+           "legend_outside", "bits_axis", "span_decades"]
 
 #: dots per inch of every PNG
 DPI = 110
@@ -26,6 +29,9 @@ LINESTYLES = ["-", "-.", ":"]
 RC: dict[str, Any] = {"font.size": 9, "axes.titlesize": 10, "figure.dpi": DPI, "savefig.dpi": DPI,
                       "path.simplify": False, "svg.hashsalt": "kvqbench", "axes.spines.top": False,
                       "axes.spines.right": False}
+
+#: x axis of every figure drawn against the context length
+CONTEXT_AXIS = "context length (tokens)"
 
 
 def pyplot() -> Any:
@@ -80,3 +86,27 @@ class Style:
     def in_order(self, methods: Any) -> list[str]:
         """``methods`` in this order (unlisted ones last, in their given order)."""
         return sorted(methods, key=self.rank)
+
+
+def legend_outside(ax: Any, handles: list[Any] | None = None, labels: list[str] | None = None, **kw: Any) -> None:
+    """A legend to the right of ``ax``, top-aligned, no frame: of ``handles``/``labels``, or by default
+    of every labelled artist of ``ax`` (none drawn when there is none)."""
+    if handles is None:
+        handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False, **kw)
+
+
+def bits_axis(ax: Any, ticks: list[float]) -> None:
+    """A log₂ x axis for bits per element, ticked at ``ticks`` (plain numbers, no minor ticks)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{t:g}" for t in ticks])
+    ax.minorticks_off()
+
+
+def span_decades(vals: Iterable[float]) -> float:
+    """How many decades the positive finite values span (0 for fewer than two); a figure draws a log
+    axis from 1.5 decades on."""
+    pos = [v for v in vals if v > 0 and math.isfinite(v)]
+    return math.log10(max(pos) / min(pos)) if len(pos) >= 2 else 0.0
