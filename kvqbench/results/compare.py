@@ -229,9 +229,7 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
                                                   int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
                                                   varies(name, spec) != "deterministic",
                                                   paired_change(name, spec, bm[name], nm[name])))
-    new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
-    out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
-                                    for m in exp} - new_methods)
+    out.methods_only_base = sorted(_method_names(base) - _method_names(new))
     return out
 
 
@@ -341,11 +339,15 @@ def _metric_names(board: dict[str, Any]) -> set[str]:
             for meth in exp.values() for setting in meth.values() for name in setting}
 
 
+def _method_names(board: dict[str, Any]) -> set[str]:
+    """The methods a leaderboard document holds a value of (any source, experiment)."""
+    return {m for src in (board.get("sources") or {}).values() for exp in (src.get("stats") or {}).values() for m in exp}
+
+
 def unknown_method(methods: Iterable[str], *boards: dict[str, Any]) -> str | None:
     """One line naming the first of ``methods`` that no board holds a value of, with the closest id that
     one does (``None`` when every id is known)."""
-    known = sorted({m for b in boards for src in (b.get("sources") or {}).values()
-                    for exp in (src.get("stats") or {}).values() for m in exp})
+    known = sorted(set().union(*map(_method_names, boards)))
     for m in methods:
         if m not in known:
             return f"--methods: neither set holds a value of method '{m}'{did_you_mean(m, known)}"

@@ -72,8 +72,7 @@ def _identities() -> dict[str, str]:
     except Exception:
         pass
     names += [os.environ.get("USER", ""), os.environ.get("USERNAME", ""), os.environ.get("LOGNAME", "")]
-    home = Path.home().name if Path.home().name else ""
-    names.append(home)
+    names.append(Path.home().name)
     for n in names:
         if n and len(n) >= 3 and n.lower() not in GENERIC_ACCOUNTS:
             found[n] = "<user>"
