@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from kvqbench.report.rerender import render_dir
+    from kvqbench.results.rerender import render_dir
 
     try:
         written = render_dir(args.dir, figures=not args.no_figures, out_dir=args.out, rebuild=args.rebuild)
@@ -175,7 +175,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from kvqbench.report.merge import MergeError, merge_shards
+    from kvqbench.results.merge import MergeError, merge_shards
 
     try:
         res = merge_shards(args.dirs, args.out, figures=not args.no_figures,
@@ -198,7 +198,7 @@ def _method_list(text: str) -> list[str]:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from kvqbench.report.compare import main as compare_main
+    from kvqbench.results.compare import main as compare_main
 
     out = UntilReaderGone(sys.stdout)
     rc = compare_main(args.base, args.new, args.fail_on, show_percent=args.show, max_rows=args.max_rows,
@@ -208,7 +208,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from kvqbench.report.publish import publish
+    from kvqbench.results.publish import publish
 
     try:
         written = publish(args.results, args.dest, readme=None if args.no_readme else args.readme,

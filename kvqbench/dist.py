@@ -10,7 +10,7 @@ driver's output is not a terminal). Each task runs ``python -m pytest … --kvq-
 interpreter, its whole output kept in the shard's ``pytest.log`` (the last :data:`TAIL_LINES` lines of it
 are printed too when the shard fails), writes its results into a temporary folder on its node and returns
 the files; the driver stores them under ``OUT/shards/shard-I-of-N/`` and merges them into ``OUT`` with
-:func:`kvqbench.report.merge.merge_shards`.
+:func:`kvqbench.results.merge.merge_shards`.
 
 Shards on one node share a content-addressed capture cache (``--kvq-capture-cache``; default the
 user's own cache folder on that node, :func:`kvqbench.privdir.user_cache_dir` ``("capture")``), so the
@@ -53,9 +53,10 @@ from typing import Any, Callable
 __all__ = ["run_on_ray", "shard_task", "strip_option", "join_problem", "node_capture_cache", "SHIP_EXCLUDES",
            "PROBE_TIMEOUT_S"]
 
-#: never shipped to a remote cluster with the checkout
-SHIP_EXCLUDES = [".git", ".venv", "venv", "results", "leaderboard", "*.png", ".pytest_cache", "__pycache__",
-                 ".hypothesis", "*.egg-info"]
+#: never shipped to a remote cluster with the checkout (gitignore patterns: every ``results`` folder but
+#: the package ``kvqbench/results``)
+SHIP_EXCLUDES = [".git", ".venv", "venv", "results", "!kvqbench/results", "!kvqbench/results/**", "leaderboard",
+                 "*.png", ".pytest_cache", "__pycache__", ".hypothesis", "*.egg-info"]
 
 
 #: lines of a shard's output that the driver prints (the rest is in the shard's ``pytest.log``): kvqbench's own
@@ -314,7 +315,7 @@ def run_on_ray(pytest_args: list[str], *, address: str | None, shards: int | Non
     except ImportError:
         log("kvqbench run --ray needs Ray: pip install -e '.[dist]' (or pip install 'ray[client]>=2.9')")
         return 2
-    from kvqbench.report.merge import MergeError, merge_shards
+    from kvqbench.results.merge import MergeError, merge_shards
     from kvqbench.shard import shard_dir_name
 
     # ERROR: Ray's own start-up notes (token set-up, "started a local instance") are replaced by ours

@@ -80,8 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _check_json_path(path: Path | None) -> str | None:
     """Why ``--json`` ``path`` cannot be written (checked before anything is measured, nothing created), or
-    ``None`` (:func:`kvqbench.report.results.check_writable` on its folder)."""
-    from kvqbench.report.results import check_writable
+    ``None`` (:func:`kvqbench.results.write.check_writable` on its folder)."""
+    from kvqbench.results.write import check_writable
 
     if path is None:
         return None

@@ -77,7 +77,7 @@ def real_capture_first(items: list[Any], settings: Settings | None = None) -> li
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:
     """Remember the collected cells (controller) and, when there are any, check before the first one runs
     that the results folder can be written (a one-line usage error otherwise)."""
-    from kvqbench.report.results import run_folder_problem
+    from kvqbench.results.write import run_folder_problem
 
     state = config.stash.get(STATE_KEY, None)
     if state is None or state.expected is not None:

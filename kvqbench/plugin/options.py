@@ -77,7 +77,7 @@ def _dtype_type(text: str) -> str:
 
 
 def _keep_type(text: str) -> int:
-    from kvqbench.report.previous import parse_keep
+    from kvqbench.results.previous import parse_keep
 
     try:
         return parse_keep(text)
@@ -190,7 +190,7 @@ def pytest_configure(config: pytest.Config) -> None:
             _check_model(s.model)  # before any cell: an unloadable model is one line, not one traceback per cell
             _check_text()
     if s.out_dir is not None and not is_worker(config):  # an explicit folder: check it at once
-        from kvqbench.report.results import run_folder_problem
+        from kvqbench.results.write import run_folder_problem
 
         problem = run_folder_problem(s.out_dir if not str(s.out_dir).strip() else out_dir(config, s, None))
         if problem:
@@ -212,7 +212,7 @@ def _check_unused_model(model: str | None, real: bool) -> None:
 
 def _check_keep(keep: int | None) -> None:
     """A bad ``KVQBENCH_KEEP`` (when ``--kvq-keep`` is not given) stops the session before any cell."""
-    from kvqbench.report.previous import keep_count
+    from kvqbench.results.previous import keep_count
 
     try:
         keep_count(keep)

@@ -1,5 +1,5 @@
 """Writing at the end of a session (controller only): the records are assembled by
-:func:`kvqbench.report.results.write_result_set` — the one assembly ``kvqbench merge`` calls too — with
+:func:`kvqbench.results.write.write_result_set` — the one assembly ``kvqbench merge`` calls too — with
 the provenance header, the results folder (:func:`~kvqbench.plugin.state.out_dir`), pytest-benchmark's JSON and a shard's
 ``shard.json``; files are computed at ``pytest_sessionfinish`` and the summary shown at
 ``pytest_terminal_summary``."""
@@ -20,7 +20,7 @@ import pytest
 from kvqbench.plugin.progress import finish_progress, progress_of
 from kvqbench.plugin.resume import reused_count
 from kvqbench.plugin.state import SETTINGS_KEY, STATE_KEY, Settings, is_worker, out_dir
-from kvqbench.report.results import BENCHMARK_JSON
+from kvqbench.results.write import BENCHMARK_JSON
 
 #: where pytest-benchmark writes this session's JSON before it joins the result set (:func:`_point_benchmark_json`)
 BENCH_JSON_KEY = pytest.StashKey[Path]()
@@ -89,7 +89,7 @@ class _BenchmarkJson:
 def _point_benchmark_json(session: pytest.Session) -> None:
     """pytest-benchmark's JSON, when the user gave no ``--benchmark-json`` and it timed something, is
     written to a temporary folder (``BENCH_JSON_KEY`` in the stash) and joins the result set when it is
-    written (:func:`write_results`: ``files`` of :func:`~kvqbench.report.results.write_result_set`), so it
+    written (:func:`write_results`: ``files`` of :func:`~kvqbench.results.write.write_result_set`), so it
     goes wherever the set goes — the results folder, ``incomplete/``, a fallback folder — and a set kept
     in ``previous/`` keeps its own."""
     config = session.config
@@ -117,8 +117,8 @@ def _end_reason(session: pytest.Session | None, exitstatus: int) -> str | None:
 
 def write_results(config: pytest.Config, session: pytest.Session | None = None, exitstatus: int = 0):
     """Assemble the session's records and write the result set (controller only; see
-    :func:`kvqbench.report.results.write_result_set`). Returns its :class:`~kvqbench.report.results.ResultSet`."""
-    from kvqbench.report.results import write_result_set
+    :func:`kvqbench.results.write.write_result_set`). Returns its :class:`~kvqbench.results.write.ResultSet`."""
+    from kvqbench.results.write import write_result_set
 
     s = config.stash[SETTINGS_KEY]
     state = config.stash[STATE_KEY]
@@ -175,7 +175,7 @@ def write_results(config: pytest.Config, session: pytest.Session | None = None, 
 def _remove_stale_figures(folder: Path) -> None:
     """A run that draws no figures replaced the folder's result set: the figures of the previous set no
     longer describe it, so they go (``kvqbench report`` keeps figures when it only re-renders)."""
-    from kvqbench.report.results import OUTPUT_PATTERNS
+    from kvqbench.results.write import OUTPUT_PATTERNS
 
     for pattern in OUTPUT_PATTERNS:
         if pattern.endswith(".png"):

@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_report_samples import PROVENANCE, catalog, records  # noqa: E402
 
-from kvqbench.report.results import write_result_set  # noqa: E402
+from kvqbench.results.write import write_result_set  # noqa: E402
 
 EVIL = 'kivi</script><script>window.__pwned = 1; document.title = "pwned"</script><b id="injected">bold</b>'
 DELTA = 'G = 128 <img src="x" onerror="window.__pwned = 2"></script><script>window.__pwned = 3</script>'

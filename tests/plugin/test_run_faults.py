@@ -154,7 +154,7 @@ def test_a_bad_results_folder_stops_the_run_before_any_cell(pytester, run, case)
 def test_an_empty_or_published_results_folder_stops_the_run_before_any_cell(pytester, run, case):
     """``--kvq-out ''`` would write into the current folder, and a published leaderboard folder is written
     only by ``kvqbench publish``: both are one line before any cell, and a published folder is untouched."""
-    from kvqbench.report.publish import _FOLDER_README
+    from kvqbench.results.publish import _FOLDER_README
 
     if case == "empty":
         target, want = "", "an empty folder name (it would write into the current folder)"

@@ -405,7 +405,7 @@ def test_slurm_array_script_runs_the_shards_and_a_dependent_merge(tmp_path):
 
 
 def test_missing_cells_note_counts_per_test_and_lists_one_per_line():
-    from kvqbench.report.merge import missing_cells_note
+    from kvqbench.results.merge import missing_cells_note
 
     ids = [f"tests/bench/test_exp{e}.py::test_exp{e}[m-k2v2-seed{s}-synthetic-smoke]" for e in (1, 5) for s in range(7)]
     text = missing_cells_note(ids, 50)

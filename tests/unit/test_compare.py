@@ -15,7 +15,7 @@ import pytest
 from test_report_samples import _rec, board, records, write_results
 
 from kvqbench.metrics import is_timing
-from kvqbench.report.compare import Change, compare_boards, main, parse_fail_on
+from kvqbench.results.compare import Change, compare_boards, main, parse_fail_on
 
 
 def _run(base, new, *rules, **kw):
@@ -148,7 +148,7 @@ def test_any_rule_catches_other_metrics_and_skips_timing():
     stats["exp1"]["kivi"]["k4v4"]["k_rel_mse"]["mean"] *= 1.5
     stats["exp4"]["kivi"]["k2v2"]["quantize_ms"]["mean"] *= 10
     cmp = compare_boards(b, n)
-    from kvqbench.report.compare import violations
+    from kvqbench.results.compare import violations
 
     cat = b["metrics_catalog"]
     hits = violations(cmp, parse_fail_on(["any:10"]), cat)

@@ -1,7 +1,7 @@
 """The import graph of ``kvqbench``: no circles anywhere, the step registry on the lowest floor, numerics
-below the fast versions and the methods, ``report/`` free of torch, and its statistics free of its renderers
-(docs/INTERNALS.md). Every import counts, at module level or inside a function:
-both run, and both tie one module to another."""
+below the fast versions and the methods, ``report/`` and ``results/`` free of torch, ``report/`` free of
+``results/`` and its statistics free of its renderers (docs/INTERNALS.md). Every import counts, at module
+level or inside a function: both run, and both tie one module to another."""
 
 from __future__ import annotations
 
@@ -27,6 +27,9 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+#: the packages ``kvqbench report``, ``compare``, ``merge`` and ``publish`` run on, without torch
+TORCH_FREE = ("kvqbench.report", "kvqbench.results")
 
 
 def _imports(name: str, file: Path) -> set[str]:
@@ -128,7 +131,7 @@ def test_fast_versions_sit_between_numerics_and_the_methods():
 
 def test_report_imports_no_torch_by_its_source():
     bad = {m: sorted(i for i in _imports(m, f) if i == "torch" or i.startswith("torch."))
-           for m, f in MODULES.items() if m.startswith("kvqbench.report")}
+           for m, f in MODULES.items() if m.startswith(TORCH_FREE)}
     assert not {m: v for m, v in bad.items() if v}
 
 
@@ -150,12 +153,20 @@ def test_report_stats_import_no_renderer():
 
 def test_renderers_never_import_commands():
     """The renderers read the assembled board: they import statistics constants below them, never the
-    board's assembly or the command-level modules above them."""
-    above = ("kvqbench.report.board", "kvqbench.report.results", "kvqbench.report.merge", "kvqbench.report.compare",
-             "kvqbench.report.publish", "kvqbench.report.rerender", "kvqbench.report.previous")
+    board's assembly or the result-folder commands above them."""
+    above = ("kvqbench.report.board", "kvqbench.results")
     bad = {m: sorted(i for i in _imports(m, f) if i.startswith(above))
            for m, f in MODULES.items() if m.startswith("kvqbench.report.render")}
     assert not {m: v for m, v in bad.items() if v}
+
+
+def test_report_imports_nothing_of_results():
+    """``kvqbench.results`` (result folders: write, read back, merge, compare, publish) sits above
+    ``kvqbench.report``; no module of ``report/`` imports it."""
+    assert any(m.startswith("kvqbench.results.") for m in MODULES)
+    bad = {m: sorted(d for d in deps if d == "kvqbench.results" or d.startswith("kvqbench.results."))
+           for m, deps in _kvq_imports_of("kvqbench.report").items()}
+    assert not {m: d for m, d in bad.items() if d}
 
 
 BLOCK_TORCH = """
@@ -176,8 +187,8 @@ print("ok", len(sys.argv) - 1)
 
 
 def test_report_imports_without_torch():
-    """Every module of ``report/`` imports in a fresh interpreter where importing torch raises."""
-    names = sorted(m for m in MODULES if m.startswith("kvqbench.report"))
+    """Every module of ``report/`` and ``results/`` imports in a fresh interpreter where importing torch raises."""
+    names = sorted(m for m in MODULES if m.startswith(TORCH_FREE))
     res = subprocess.run([sys.executable, "-c", BLOCK_TORCH, *names], capture_output=True, text=True,
                          cwd=ROOT.parent, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

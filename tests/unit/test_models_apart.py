@@ -12,10 +12,10 @@ import pytest
 from test_report_samples import PROVENANCE, records
 
 from kvqbench.cells import real_source
-from kvqbench.report.compare import main as compare_main
-from kvqbench.report.merge import MergeError, merge_shards
-from kvqbench.report.reader import load_result_set
-from kvqbench.report.results import write_result_set
+from kvqbench.results.compare import main as compare_main
+from kvqbench.results.merge import MergeError, merge_shards
+from kvqbench.results.read import load_result_set
+from kvqbench.results.write import write_result_set
 
 GEMMA = "gemma3-270m"
 
@@ -75,7 +75,7 @@ def test_compare_matches_cells_within_one_model_only(tmp_path):
     text = buf.getvalue()
     assert rc == 1
     assert "only in BASE" in text and "only in NEW" in text and "source real-gemma3-270m" in text
-    from kvqbench.report.compare import compare_boards, load_board
+    from kvqbench.results.compare import compare_boards, load_board
 
     cmp = compare_boards(load_board(smol), load_board(gemma))
     assert cmp.changes and all(c.source == "synthetic" for c in cmp.changes)
@@ -105,8 +105,8 @@ def test_a_folder_holding_two_models_runs_rebuilds_with_both_provenances(tmp_pat
     the cells the folder holds; and publishing that rebuilt set keeps every model's files."""
     import shutil
 
-    from kvqbench.report.publish import publish
-    from kvqbench.report.rerender import render_dir
+    from kvqbench.results.publish import publish
+    from kvqbench.results.rerender import render_dir
 
     a, recs_a = _shard(tmp_path / "smol", "smollm2")
     b, recs_b = _shard(tmp_path / "gemma", GEMMA)

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from scipy.stats import spearmanr
 
 from kvqbench.report.board import assemble
-from kvqbench.report.publish import render_digest
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.stats.headline import choose_headline
 from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, predictivity, spearman_rows
+from kvqbench.results.publish import render_digest
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 METHODS = ("fp16", "a", "b", "c", "d", "e")

@@ -10,7 +10,7 @@ import pytest
 from test_report_samples import PROVENANCE, records, write_results
 
 from kvqbench.report.io import read_json
-from kvqbench.report.publish import (
+from kvqbench.results.publish import (
     DIGEST_END,
     DIGEST_START,
     find_leaks,
@@ -124,7 +124,7 @@ def test_publish_refuses_a_leak_it_cannot_scrub(tmp_path, monkeypatch):
     b = read_json(res / "leaderboard.json")
     b["provenance"]["operator"] = "bobsmith"
     (res / "leaderboard.json").write_text(json.dumps(b))
-    import kvqbench.report.publish as pub
+    import kvqbench.results.publish as pub
 
     monkeypatch.setattr(pub, "scrub", lambda obj, identities=None: obj)  # a scrubber that misses it
     with pytest.raises(ValueError, match="survived scrubbing"):
@@ -159,7 +159,7 @@ def test_readme_digest_matches_published_leaderboard():
 
 def test_digest_names_at_most_three_ties_and_counts_the_rest():
     """The README digest keeps a best cell short; LEADERBOARD.md names every tie."""
-    from kvqbench.report.publish import _short_ties
+    from kvqbench.results.publish import _short_ties
 
     names = ["`kivi` (rank 1, P(best) 1.00)"] + [f"`m{i}`" for i in range(6)]
     assert _short_ties(" = ".join(names)) == " = ".join(names[:4]) + " = +3 more"

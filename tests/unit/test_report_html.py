@@ -15,8 +15,8 @@ import pytest
 from test_report_samples import PROVENANCE, catalog, records
 
 from kvqbench.report.render.html import embed_json, render_html
-from kvqbench.report.rerender import render_dir
-from kvqbench.report.results import write_result_set
+from kvqbench.results.rerender import render_dir
+from kvqbench.results.write import write_result_set
 
 ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = ROOT / "leaderboard"

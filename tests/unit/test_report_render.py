@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_report_samples import write_results
 
-from kvqbench.report.rerender import render_dir
+from kvqbench.results.rerender import render_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 #: torch as if not installed: any import of it raises ImportError. (``sys.modules['torch'] = None`` would
@@ -246,7 +246,7 @@ def test_report_out_never_mixes_or_deletes_another_set(tmp_path, capsys):
     from test_report_samples import records
 
     from kvqbench.cli import main
-    from kvqbench.report.previous import kept_sets
+    from kvqbench.results.previous import kept_sets
 
     src = write_results(tmp_path / "a")
     other = write_results(tmp_path / "b", [r for r in records() if r["method"] != "kvarn"])

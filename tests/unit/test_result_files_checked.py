@@ -15,10 +15,10 @@ from test_report_samples import PROVENANCE, catalog, records, write_results
 from kvqbench.cli import main
 from kvqbench.metrics import did_you_mean
 from kvqbench.report.board import assemble
-from kvqbench.report.publish import publish, render_digest, seeds_text
 from kvqbench.report.render.terminal import render_terminal
-from kvqbench.report.rerender import render_dir
-from kvqbench.report.results import write_result_set
+from kvqbench.results.publish import publish, render_digest, seeds_text
+from kvqbench.results.rerender import render_dir
+from kvqbench.results.write import write_result_set
 
 
 def _break(f: Path, case: str) -> str:

@@ -19,10 +19,15 @@ import base64
 import io
 import json
 import math
+import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from markupsafe import Markup, escape
+
 from kvqbench.cells import Setting, is_plain_setting, setting_order, source_kind
+from kvqbench.metrics import experiment_of
 from kvqbench.report.io import write_text_atomic
 from kvqbench.report.render.figures.style import Style, method_order
 from kvqbench.report.render.headline import headline_lines
@@ -153,7 +158,7 @@ def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any
                                     "left is better. Settings with relative MSE 0 (16 bits) cannot show on the log axis.",
                          "svg": chart([series(m, by[m]) for m in style.in_order(by)], xlabel="effective bits per element",
                                       ylabel="relative MSE (K,V mean)", ylog=True, label=f"Pareto front, {src_name}")})
-        e2e = (src["stats"].get("exp5") or {})
+        e2e = src["stats"].get(experiment_of("e2e_prefill_kl_nats")) or {}
         if e2e:
             by = {}
             for m in style.in_order(e2e):
@@ -205,7 +210,7 @@ def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any
 
 
 def _png(path: Path) -> str:
-    """``path`` as a ``data:`` URI, re-encoded as a palette PNG when Pillow is installed (a third of the size)."""
+    """``path`` as a ``data:`` URI, re-encoded as a palette PNG when Pillow is installed and that is smaller."""
     data = path.read_bytes()
     try:
         from PIL import Image
@@ -295,10 +300,6 @@ def render_html(board: dict[str, Any], folder: str | Path | None = None) -> str:
 
 def _ticks(text: str) -> Any:
     """Escape ``text`` and show its ```code``` spans as ``<code>``."""
-    import re
-
-    from markupsafe import Markup, escape
-
     return Markup(re.sub(r"`([^`]*)`", r"<code>\1</code>", str(escape(text))))
 
 
@@ -311,7 +312,5 @@ def write_html(board: dict[str, Any], folder: str | Path, *, log: Log | None = N
     try:
         return write_text_atomic(Path(folder) / PAGE, render_html(board, folder))
     except Exception as e:  # the page never costs the results
-        import sys
-
         (log or (lambda msg: print(msg, file=sys.stderr)))(f"kvqbench: {PAGE} skipped: {type(e).__name__}: {e}")
         return None

@@ -1,4 +1,4 @@
-"""The compare gate's statistics (``kvqbench compare``, :mod:`kvqbench.report.compare`): a metric's BASE and
+"""The compare gate's statistics (``kvqbench compare``, :mod:`kvqbench.results.compare`): a metric's BASE and
 NEW values paired seed by seed. Torch-free."""
 
 from __future__ import annotations

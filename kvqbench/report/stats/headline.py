@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from kvqbench.cells import BUDGETS, is_exact_setting, is_plain_setting, setting_order, source_kind
 from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
@@ -35,6 +37,8 @@ from kvqbench.report.stats.predictivity import (
     PREDICTIVITY_MIN_METHODS,
     PREDICTIVITY_SEED,
     PREDICTIVITY_TARGETS,
+    percentile_ci95,
+    resampled_rho,
     spearman_rows,
 )
 from kvqbench.report.stats.ranking import paired_at_budgets
@@ -73,23 +77,12 @@ def paired_rho_difference(x_default: Any, x_other: Any, y: Any, *, n_boot: int =
     Returns ``(difference, [lo, hi])``; ``(None, None)`` when a ρ is undefined (a constant side), the CI
     ``None`` when fewer than half the resamples define both ρ.
     """
-    import numpy as np
-
     xd, xo, yy = (np.asarray(a, dtype=float) for a in (x_default, x_other, y))
-    n = xd.shape[0]
     full = spearman_rows(np.stack([xd.ravel(), xo.ravel()]), np.stack([yy.ravel(), yy.ravel()]))
     if not np.all(np.isfinite(full)):
         return None, None
-    rng = np.random.Generator(np.random.PCG64(seed))
-    idx = rng.integers(0, n, size=(n_boot, n))
-    rd = spearman_rows(xd[idx].reshape(n_boot, -1), yy[idx].reshape(n_boot, -1))
-    ro = spearman_rows(xo[idx].reshape(n_boot, -1), yy[idx].reshape(n_boot, -1))
-    d = (ro - rd)[np.isfinite(rd) & np.isfinite(ro)]
-    diff = float(full[1] - full[0])
-    if d.size < n_boot // 2:
-        return diff, None
-    lo, hi = np.percentile(d, [2.5, 97.5])
-    return diff, [float(lo), float(hi)]
+    rd, ro = resampled_rho([xd, xo], yy, n_boot, seed)
+    return float(full[1] - full[0]), percentile_ci95(ro - rd, n_boot)
 
 
 def _matrices(stats_src: dict[str, Any], catalog: dict[str, dict], a: tuple[str, str], b: tuple[str, str],

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from scipy.stats import rankdata
+
 from kvqbench.cells import source_kind
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.headline import headline_rule
 from kvqbench.report.stats.intervals import is_short
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, spearman
 
 __all__ = ["MODEL_SETTINGS", "model_sources", "kl_points", "rank_table", "predictivity_transfer"]
 
@@ -74,10 +76,6 @@ def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MO
     Raises:
         ValueError: not exactly two models.
     """
-    import warnings
-
-    from scipy.stats import rankdata, spearmanr
-
     names = _two(stats_by_model)
     pts = {n: kl_points(stats_by_model[n], target=target) for n in names}
     methods = sorted({m for n in names for m, _ in pts[n]})
@@ -90,13 +88,8 @@ def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MO
             for m, r in zip(ms, ranks, strict=True):
                 rows[m][n][s] = {"kl": pts[n][(m, s)]["mean"], "ci95": pts[n][(m, s)]["ci95"], "rank": float(r)}
         both = sorted(m for m in methods if all((m, s) in pts[n] for n in names))
-        value, p = None, None
-        if len(both) >= 3:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a constant side: ρ undefined, reported as None
-                res = spearmanr([pts[names[0]][(m, s)]["mean"] for m in both], [pts[names[1]][(m, s)]["mean"] for m in both])
-            if res.statistic == res.statistic:  # not NaN
-                value, p = float(res.statistic), float(res.pvalue)
+        value, p = (spearman([pts[names[0]][(m, s)]["mean"] for m in both],
+                             [pts[names[1]][(m, s)]["mean"] for m in both]) if len(both) >= 3 else (None, None))
         rho[s] = {"rho": value, "pvalue": p, "n_methods": len(both)}
 
     def order(m: str) -> tuple:
@@ -134,10 +127,6 @@ def predictivity_transfer(models: dict[str, dict[str, Any]], catalog: dict[str, 
     Raises:
         ValueError: not exactly two models.
     """
-    import warnings
-
-    from scipy.stats import spearmanr
-
     names = _two(models)
     target = PREDICTIVITY_TARGETS[0]
     chosen = {n: headline_rule(models[n]["stats"], models[n].get("predictivity"), catalog) for n in names}
@@ -165,11 +154,7 @@ def predictivity_transfer(models: dict[str, dict[str, Any]], catalog: dict[str, 
     metrics = [{"metric": m, "experiment": by[names[0]][m]["experiment"],
                 **{n: {"rho": by[n][m]["rho"], "ci95": by[n][m]["ci95"]} for n in names}}
                for m in sorted(common, key=lambda m: (-round(low(m), 12), m))]
-    order_rho = None
-    if len(common) >= 3:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            v = spearmanr([by[names[0]][m]["rho"] for m in common], [by[names[1]][m]["rho"] for m in common]).statistic
-        order_rho = float(v) if v == v else None
+    order_rho = (spearman([by[names[0]][m]["rho"] for m in common], [by[names[1]][m]["rho"] for m in common])[0]
+                 if len(common) >= 3 else None)
     return {"models": names, "target": target, "directions": directions, "metrics": metrics,
             "metric_order_rho": order_rho}

@@ -4,14 +4,18 @@ tensor metric and the measured damage, with a seeded bootstrap over methods. Tor
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
+
+import numpy as np
+from scipy.stats import rankdata, spearmanr
 
 from kvqbench.cells import is_plain_setting, setting_order
 from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
 
 __all__ = ["PREDICTIVITY_TARGETS", "PREDICTIVITY_EXPERIMENTS", "PREDICTIVITY_BOOTSTRAP", "PREDICTIVITY_SEED",
-           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman_rows"]
+           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman", "spearman_rows", "resampled_rho", "percentile_ci95"]
 
 
 #: the model-damage quantities tensor metrics are correlated with, each from the experiment the catalog
@@ -33,20 +37,12 @@ PREDICTIVITY_SEED = 0
 PREDICTIVITY_MIN_METHODS = 4
 
 
-def _rank_rows(a: Any) -> Any:
-    """Average ranks along the last axis (ties share their mean rank), like ``scipy.stats.rankdata``."""
-    from scipy.stats import rankdata
-
-    return rankdata(a, axis=-1)
-
-
 def spearman_rows(x: Any, y: Any) -> Any:
     """Spearman ρ of each row pair of ``x``/``y`` ``(rows, n)``: the Pearson correlation of their
-    average ranks (the definition ``scipy.stats.spearmanr`` uses). A row with a constant side → NaN."""
-    import numpy as np
-
-    rx = _rank_rows(np.asarray(x, dtype=float))
-    ry = _rank_rows(np.asarray(y, dtype=float))
+    average ranks (``scipy.stats.rankdata``; the definition ``scipy.stats.spearmanr`` uses). A row with a
+    constant side → NaN."""
+    rx = rankdata(np.asarray(x, dtype=float), axis=-1)
+    ry = rankdata(np.asarray(y, dtype=float), axis=-1)
     rx = rx - rx.mean(-1, keepdims=True)
     ry = ry - ry.mean(-1, keepdims=True)
     den = np.sqrt((rx * rx).sum(-1) * (ry * ry).sum(-1))
@@ -54,29 +50,45 @@ def spearman_rows(x: Any, y: Any) -> Any:
         return np.where(den > 0, (rx * ry).sum(-1) / np.where(den > 0, den, 1.0), np.nan)
 
 
-def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
-    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened) with ``scipy.stats.spearmanr``, and the
-    percentile bootstrap 95 % CI over methods (each resample draws methods with replacement and keeps all
-    their settings; degenerate resamples with a constant side are dropped)."""
-    import warnings
+def resampled_rho(xs: list[Any], y: Any, n_boot: int, seed: int) -> Any:
+    """ρ of each of ``xs`` with ``y`` (``(methods, settings)`` arrays of floats) on ``n_boot`` resamples
+    of the methods: each draws methods with replacement (PCG64 ``seed``) and keeps all their settings, the
+    same draw for every ``x``. Returns ``(len(xs), n_boot)``, NaN where a resample leaves a side constant."""
+    y = np.asarray(y, dtype=float)
+    n = y.shape[0]
+    idx = np.random.Generator(np.random.PCG64(seed)).integers(0, n, size=(n_boot, n))
+    yb = y[idx].reshape(n_boot, -1)
+    return np.stack([spearman_rows(np.asarray(x, dtype=float)[idx].reshape(n_boot, -1), yb) for x in xs])
 
-    import numpy as np
-    from scipy.stats import spearmanr
 
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+def percentile_ci95(samples: Any, n_boot: int) -> list[float] | None:
+    """The percentile 95 % CI ``[lo, hi]`` of the finite ``samples``; ``None`` when fewer than half of
+    the ``n_boot`` resamples are finite."""
+    finite = samples[np.isfinite(samples)]
+    if finite.size < n_boot // 2:
+        return None
+    lo, hi = np.percentile(finite, [2.5, 97.5])
+    return [float(lo), float(hi)]
+
+
+def spearman(x: Any, y: Any) -> tuple[float | None, float | None]:
+    """``scipy.stats.spearmanr`` of the 1-d ``x``, ``y`` as ``(rho, pvalue)``; ``(None, None)`` when ρ is
+    undefined (a constant side)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # constant input: ρ is undefined (NaN), reported as None
-        rho = float(spearmanr(x.ravel(), y.ravel()).statistic)
-    if not math.isfinite(rho):
+        warnings.simplefilter("ignore")  # constant input: ρ is NaN, reported as None
+        res = spearmanr(x, y)
+    rho = float(res.statistic)
+    return (rho, float(res.pvalue)) if math.isfinite(rho) else (None, None)
+
+
+def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
+    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened, :func:`spearman`), and its bootstrap 95 % CI
+    over methods (:func:`resampled_rho`, :func:`percentile_ci95`)."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    rho, _ = spearman(x.ravel(), y.ravel())
+    if rho is None:
         return None, None
-    rng = np.random.Generator(np.random.PCG64(seed))
-    idx = rng.integers(0, x.shape[0], size=(n_boot, x.shape[0]))
-    boot = spearman_rows(x[idx].reshape(n_boot, -1), y[idx].reshape(n_boot, -1))
-    boot = boot[np.isfinite(boot)]
-    if boot.size < n_boot // 2:
-        return rho, None
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    return rho, [float(lo), float(hi)]
+    return rho, percentile_ci95(resampled_rho([x], y, n_boot, seed)[0], n_boot)
 
 
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,

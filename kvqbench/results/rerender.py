@@ -13,16 +13,11 @@ import sys
 from pathlib import Path
 
 from kvqbench.report.io import read_json, write_text_atomic
-from kvqbench.report.reader import (
-    check_result_files,
-    leaderboard_path,
-    load_result_set,
-    read_experiment_files,
-    read_leaderboard,
-)
+from kvqbench.report.reader import read_experiment_files, read_leaderboard
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.render.terminal import render_terminal
-from kvqbench.report.results import write_result_set
+from kvqbench.results.read import check_result_files, leaderboard_path, load_result_set
+from kvqbench.results.write import write_figures_and_page, write_result_set
 
 __all__ = ["render_dir"]
 
@@ -35,7 +30,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     When ``leaderboard.json`` is missing or unreadable (a run killed while writing) or ``rebuild`` is
     true, the whole result set — ``leaderboard.json``, ``summary.json``, ``LEADERBOARD.md``, figures, page — is
     rebuilt from the per-experiment files ``exp*_*.json`` instead
-    (:func:`kvqbench.report.results.write_result_set`; changes made by a ``pytest_kvqbench_update_leaderboard``
+    (:func:`kvqbench.results.write.write_result_set`; changes made by a ``pytest_kvqbench_update_leaderboard``
     hook are not replayed).
 
     Args:
@@ -46,7 +41,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
         rebuild: rebuild from the per-experiment files even when ``leaderboard.json`` is fine.
 
     ``out_dir`` holding another result set: a rebuild keeps that set in ``out_dir/previous/`` (the rules of
-    :func:`kvqbench.report.results.write_result_set`); a re-render, which writes only the Markdown, the
+    :func:`kvqbench.results.write.write_result_set`); a re-render, which writes only the Markdown, the
     figures and the page, refuses (``ValueError``) rather than mix two sets.
 
     Every input file is checked before anything is written: each ``exp*_*.json``
@@ -81,17 +76,7 @@ def render_dir(path: str | Path, *, echo: bool = True, figures: bool = True, out
     written = [str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board)))]
     if echo:
         print(render_terminal(board))
-    if figures:
-        from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
-
-        def log(msg: str) -> None:
-            print(msg, file=sys.stderr)
-
-        written += [str(p) for p in write_figures(src.parent, out, log=log, jobs=0)]
-    from kvqbench.report.render.html import write_html
-
-    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
-    return written
+    return written + [str(p) for p in write_figures_and_page(board, out, figures=figures, data_dir=src.parent)]
 
 
 def _same_folder(a: Path, b: Path) -> bool:

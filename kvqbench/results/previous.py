@@ -85,7 +85,6 @@ def _describe(folder: Path) -> tuple[str, str]:
     doc = doc if isinstance(doc, dict) else {}
     comp = doc.get("completeness") if isinstance(doc.get("completeness"), dict) else {}
     prov = doc.get("provenance") if isinstance(doc.get("provenance"), dict) else {}
-    start = None
     try:
         start = _dt.datetime.fromisoformat(str(prov.get("start_time")))
         if start.tzinfo is None:

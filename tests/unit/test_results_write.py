@@ -1,4 +1,4 @@
-"""The result-set writer (``kvqbench.report.results``): completeness, never replacing a complete set with
+"""The result-set writer (``kvqbench.results.write``): completeness, never replacing a complete set with
 a partial one, the fallback folder, and ``kvqbench report DIR`` rebuilding from the per-experiment files.
 Torch-free, hand-built records (``test_report_samples``)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_report_samples import PROVENANCE, catalog, records
 
-from kvqbench.report.reader import load_result_set
-from kvqbench.report.results import (
+from kvqbench.results.read import load_result_set
+from kvqbench.results.write import (
     INCOMPLETE_DIR,
     check_writable,
     completeness,
@@ -194,8 +194,8 @@ def test_a_failed_seed_is_marked_not_ranked_and_off_the_front():
 def test_publish_refuses_and_compare_warns_on_an_incomplete_set(tmp_path):
     import io
 
-    from kvqbench.report.compare import main as compare_main
-    from kvqbench.report.publish import publish
+    from kvqbench.results.compare import main as compare_main
+    from kvqbench.results.publish import publish
 
     recs = records(experiments=("exp1",))
     _write(tmp_path / "part", recs[:10], expected=len(recs), reason="interrupted")
@@ -293,7 +293,7 @@ def test_no_sequence_of_runs_loses_a_complete_set(tmp_path):
 
 
 def test_retention_comes_from_keep_then_the_environment_then_five(tmp_path, monkeypatch):
-    from kvqbench.report.previous import DEFAULT_KEEP, keep_count, kept_sets
+    from kvqbench.results.previous import DEFAULT_KEEP, keep_count, kept_sets
 
     assert DEFAULT_KEEP == 5 and keep_count() == 5
     monkeypatch.setenv("KVQBENCH_KEEP", "1")
@@ -363,7 +363,7 @@ def test_a_second_shard_into_the_same_folder_keeps_the_first_shards_set(tmp_path
     """Shards 1/2 and 2/2 run into one folder (or a long tier's shards into its default folder): the first
     shard's finished set is kept, unchanged, in ``previous/`` with one line, not deleted; an interrupted run
     over a finished shard keeps it too."""
-    from kvqbench.report.previous import kept_sets
+    from kvqbench.results.previous import kept_sets
 
     out = tmp_path / "r"
     every = records(experiments=("exp1",))
@@ -388,7 +388,7 @@ def test_a_second_shard_into_the_same_folder_keeps_the_first_shards_set(tmp_path
 def test_a_shards_summary_says_it_ran_its_share():
     """A shard that ran its cells without failure is one step of a sharded run, not an alarming incomplete
     set (it still is not complete); an interrupted or failing shard keeps the incomplete summary."""
-    from kvqbench.report.results import completeness
+    from kvqbench.results.write import completeness
 
     recs = [{"nodeid": f"a{i}", "status": "passed"} for i in range(3)]
     ids = [f"a{i}" for i in range(6)]

@@ -49,6 +49,7 @@ from kvqbench.report.reader import experiment_files, read_experiment_file, read_
 from kvqbench.report.render.headline import headline_lines
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.render.text import fmt
+from kvqbench.results.write import write_figures_and_page
 
 __all__ = ["scrub", "find_leaks", "publish", "render_digest", "seeds_text", "update_readme", "readme_digest",
            "DIGEST_START", "DIGEST_END"]
@@ -71,8 +72,7 @@ def _identities() -> dict[str, str]:
     except Exception:
         pass
     names += [os.environ.get("USER", ""), os.environ.get("USERNAME", ""), os.environ.get("LOGNAME", "")]
-    home = Path.home().name if Path.home().name else ""
-    names.append(home)
+    names.append(Path.home().name)
     for n in names:
         if n and len(n) >= 3 and n.lower() not in GENERIC_ACCOUNTS:
             found[n] = "<user>"
@@ -237,7 +237,7 @@ Rebuild the Markdown and figures from these files alone with `kvqbench report le
 - `*_{source}.png` — figures, one set per source (Pareto, MSE vs bits, attention error and KL vs
   context, norm-difference densities, cost).
 
-The README's results digest is generated from `leaderboard.json` (see `kvqbench/report/publish.py`).
+The README's results digest is generated from `leaderboard.json` (see `kvqbench/results/publish.py`).
 """
 
 
@@ -283,7 +283,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
 
     Returns the written paths. Raises ``FileNotFoundError`` (no ``leaderboard.json``) or ``ValueError``
     (``leaderboard.json`` is not a kvqbench leaderboard, the result set is incomplete — see
-    :mod:`kvqbench.report.results` — or a local path or name survived scrubbing; nothing is written then).
+    :mod:`kvqbench.results.write` — or a local path or name survived scrubbing; nothing is written then).
     """
     src = Path(results_dir)
     out = Path(dest)
@@ -313,13 +313,7 @@ def publish(results_dir: str | Path, dest: str | Path = "leaderboard", *, readme
     board = docs["leaderboard.json"]
     written.append(str(write_text_atomic(out / "LEADERBOARD.md", render_markdown(board))))
     written.append(str(write_text_atomic(out / "README.md", _FOLDER_README)))
-    if figures:
-        from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
-
-        written += [str(p) for p in write_figures(out, jobs=0)]
-    from kvqbench.report.render.html import write_html
-
-    written += [str(p) for p in [write_html(board, out)] if p is not None]  # after the figures it embeds
+    written += [str(p) for p in write_figures_and_page(board, out, figures=figures)]
     if readme is not None:
         if update_readme(readme, render_digest(board)):
             written.append(str(readme))

@@ -12,8 +12,7 @@ same model's; another model's real source is one side's alone.
 ``--fail-on METRIC:PERCENT`` (repeatable; ``any:PERCENT`` matches every non-timing metric) makes
 :func:`main` return 1 when that metric, in any (source, method, setting), worsens by more than PERCENT %.
 A metric whose values move between runs of the same seeds (:func:`kvqbench.metrics.varies`: float noise
-moves the end-to-end and long-decode metrics by tens of percent; timings) must also be worse *beyond
-noise*, else it is listed as noise: a model-computed damage metric (``float_noise``, lower or 0 is best)
+moves the end-to-end and long-decode metrics; timings) must also be worse *beyond noise*, else it is listed as noise: a model-computed damage metric (``float_noise``, lower or 0 is best)
 is paired seed by seed — a seed is a text window or a text — and is worse when the paired 95 % CI of the
 geometric-mean ratio NEW/BASE lies wholly above 1 or a seed exact in BASE is not in NEW
 (:func:`kvqbench.report.stats.gate.paired_change`); a failure names the cell with that ratio and CI. Any
@@ -50,11 +49,13 @@ from typing import Any, Iterable
 from tabulate import tabulate
 
 from kvqbench.metrics import did_you_mean, is_timing, rank_key, varies
-from kvqbench.report.reader import check_result_files, read_leaderboard
+from kvqbench.report.reader import read_leaderboard
+from kvqbench.report.render.text import fmt
 from kvqbench.report.stats.gate import paired_change
+from kvqbench.results.read import check_result_files
 
 __all__ = ["Change", "Comparison", "FailRule", "load_board", "compare_boards", "restrict", "crossings", "violations",
-           "parse_fail_on", "unknown_metric", "unknown_method", "is_timing", "varies_between_runs", "main",
+           "parse_fail_on", "unknown_metric", "unknown_method", "main",
            "render_comparison"]
 
 #: changes smaller than this (relative) are "unchanged" — float noise, not a result
@@ -85,7 +86,7 @@ class Change:
     new_ci: float | None
     base_n: int
     new_n: int
-    #: whether the metric's values move between runs of the same seeds (:func:`varies_between_runs`)
+    #: whether the metric's values move between runs of the same seeds (:func:`kvqbench.metrics.varies`)
     noisy: bool = False
     paired: dict[str, Any] | None = None  # paired seed by seed (stats.gate.paired_change); None: not paired
 
@@ -148,12 +149,6 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     #: methods BASE holds a value of and NEW none (a subset of what ``only_base`` names)
     methods_only_base: list[str] = field(default_factory=list)
-
-
-def varies_between_runs(name: str, spec: dict[str, Any] | None = None) -> bool:
-    """Whether a metric's values move between runs of the same seeds (:func:`kvqbench.metrics.varies`
-    of its saved catalog record ``spec`` is not ``"deterministic"``)."""
-    return varies(name, spec) != "deterministic"
 
 
 def parse_fail_on(items: Iterable[str]) -> list[FailRule]:
@@ -232,11 +227,9 @@ def compare_boards(base: dict[str, Any], new: dict[str, Any]) -> Comparison:
                         out.changes.append(Change(src, exp, meth, setting, name, spec.get("better", "lower"), b, n,
                                                   bm[name].get("ci95"), nm[name].get("ci95"),
                                                   int(bm[name].get("n", 1)), int(nm[name].get("n", 1)),
-                                                  varies_between_runs(name, spec),
+                                                  varies(name, spec) != "deterministic",
                                                   paired_change(name, spec, bm[name], nm[name])))
-    new_methods = {m for src in ns.values() for exp in (src.get("stats") or {}).values() for m in exp}
-    out.methods_only_base = sorted({m for src in bs.values() for exp in (src.get("stats") or {}).values()
-                                    for m in exp} - new_methods)
+    out.methods_only_base = sorted(_method_names(base) - _method_names(new))
     return out
 
 
@@ -295,14 +288,6 @@ def violations(cmp: Comparison, rules: list[FailRule], catalog: dict[str, Any]) 
     return [(r, c) for r, c in crossings(cmp, rules, catalog) if not c.within_noise]
 
 
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "—"
-    if x == 0:
-        return "0"
-    return f"{x:.4g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.3e}"
-
-
 def _pct(w: float) -> str:
     return ("+inf %" if w > 0 else "-inf %") if math.isinf(w) else f"{w:+.2f} %"
 
@@ -330,7 +315,7 @@ def render_comparison(cmp: Comparison, catalog: dict[str, Any], *, rules: list[F
     headers = ["source", "method", "setting", "metric", "better", "base", "new", "change", "beyond noise"]
 
     def rows(cs: list[Change]) -> list[list[str]]:
-        return [[c.source, c.method, c.setting, c.metric, c.better, _fmt(c.base), _fmt(c.new),
+        return [[c.source, c.method, c.setting, c.metric, c.better, fmt(c.base), fmt(c.new),
                  _pct(c.worsening_pct).replace("+", "worse +", 1) if c.worsening_pct > 0 else
                  _pct(-c.worsening_pct).replace("+", "better +", 1),
                  {None: "n/a (1 seed)", True: "yes", False: "no"}[c.beyond_noise]] for c in cs[:max_rows]]
@@ -354,11 +339,15 @@ def _metric_names(board: dict[str, Any]) -> set[str]:
             for meth in exp.values() for setting in meth.values() for name in setting}
 
 
+def _method_names(board: dict[str, Any]) -> set[str]:
+    """The methods a leaderboard document holds a value of (any source, experiment)."""
+    return {m for src in (board.get("sources") or {}).values() for exp in (src.get("stats") or {}).values() for m in exp}
+
+
 def unknown_method(methods: Iterable[str], *boards: dict[str, Any]) -> str | None:
     """One line naming the first of ``methods`` that no board holds a value of, with the closest id that
     one does (``None`` when every id is known)."""
-    known = sorted({m for b in boards for src in (b.get("sources") or {}).values()
-                    for exp in (src.get("stats") or {}).values() for m in exp})
+    known = sorted(set().union(*map(_method_names, boards)))
     for m in methods:
         if m not in known:
             return f"--methods: neither set holds a value of method '{m}'{did_you_mean(m, known)}"
@@ -405,7 +394,7 @@ def _spread_text(c: Change) -> str:
                 f"{'wholly above' if p['worse'] else 'not wholly above'} 1")
     if c.outside_ci is None:
         return "no CI (1 seed)"
-    return f"|Δ| {_fmt(abs(c.delta))} {'>' if c.outside_ci else '≤'} CI spread {_fmt(c.spread)}"
+    return f"|Δ| {fmt(abs(c.delta))} {'>' if c.outside_ci else '≤'} CI spread {fmt(c.spread)}"
 
 
 def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show_percent: float = 1.0,
@@ -463,14 +452,14 @@ def main(base: str | Path, new: str | Path, fail_on: Iterable[str] = (), *, show
               "over the seeds both scored includes 1, or |Δ| ≤ BASE's plus NEW's 95 % CI half-widths) — "
               "noise, not a failure:", file=out)
         for _, c in noise[:max_rows]:
-            print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
+            print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {fmt(c.base)} → {fmt(c.new)} "
                   f"({_pct(c.worsening_pct)}; {_spread_text(c)})", file=out)
     if hits:
         print("", file=out)
         print(f"FAILED: {len(hits)} value(s) worsened past a --fail-on threshold (end-to-end and timing metrics: "
               "also beyond noise):", file=out)
         for rule, c in hits[:max_rows]:
-            print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {_fmt(c.base)} → {_fmt(c.new)} "
+            print(f"  {c.source}/{c.method}/{c.setting} {c.metric}: {fmt(c.base)} → {fmt(c.new)} "
                   f"({_pct(c.worsening_pct)} worse > {rule.percent:g} % allowed by {rule.metric}:{rule.percent:g}"
                   + (f"; {_spread_text(c)})" if c.noisy else ")"), file=out)
     if rules and lacking:

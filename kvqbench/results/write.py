@@ -5,7 +5,7 @@ One function does it for every caller:
 
 - the pytest plugin at session end (with the session's records and the cells it collected),
 - ``kvqbench report DIR`` (records read back from ``DIR/exp*_*.json``,
-  :func:`kvqbench.report.reader.load_result_set`),
+  :func:`kvqbench.results.read.load_result_set`),
 - a merge of several shards (their records concatenated, their expected cells summed).
 
 Nothing computed is lost and a complete result set is never replaced by a partial one:
@@ -21,7 +21,7 @@ Nothing computed is lost and a complete result set is never replaced by a partia
 - a complete set never deletes the complete set it replaces, and no set deletes a finished shard's set: that one moves to
   ``DEST/previous/<UTC start of its run>-<digest>/`` with one line saying where, and ``previous/`` keeps
   the newest 5 such sets (``keep``; ``--kvq-keep N``, ``KVQBENCH_KEEP=N``), naming each one it removes
-  (:mod:`kvqbench.report.previous`);
+  (:mod:`kvqbench.results.previous`);
 - when the destination cannot be written at all, everything goes to a fresh temporary folder whose path
   is logged.
 """
@@ -39,12 +39,12 @@ from typing import Any, Callable, Iterable
 from kvqbench.metrics import catalog_dict
 from kvqbench.report.board import assemble, summary_of
 from kvqbench.report.io import read_json, write_json_atomic, write_text_atomic
-from kvqbench.report.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 from kvqbench.report.render.markdown import render_markdown
+from kvqbench.results.previous import DEFAULT_KEEP, PREVIOUS_DIR, keep_count, keep_displaced_set
 
 __all__ = ["write_result_set", "completeness", "holds_complete_set", "check_writable", "run_folder_problem",
            "PUBLISHED_MARKER", "ResultSet", "OUTPUT_PATTERNS", "INCOMPLETE_DIR", "PREVIOUS_DIR", "BENCHMARK_JSON",
-           "record_sort_key"]
+           "record_sort_key", "write_figures_and_page"]
 
 #: the files a result set consists of; writing a new set removes these first, so a folder never mixes runs
 OUTPUT_PATTERNS = ("exp[0-9]*_*.json", "shard.json", "leaderboard.json", "summary.json", "LEADERBOARD.md", "index.html", "pareto_*.png",
@@ -137,25 +137,27 @@ def completeness(records: list[dict[str, Any]], expected: int | Iterable[str] | 
     return out
 
 
-def holds_finished_shard(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds the set of one shard that ran its share without failure
-    (:func:`completeness`'s ``shard_done``): not complete, but finished work that no other set may delete."""
+def _completeness_in(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The completeness record of ``folder/leaderboard.json`` (``{}`` when it holds none); ``None`` when
+    there is no readable leaderboard document."""
     try:
         doc = read_json(Path(folder) / "leaderboard.json")
     except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and bool((doc.get("completeness") or {}).get("shard_done"))
+        return None
+    return (doc.get("completeness") or {}) if isinstance(doc, dict) else None
+
+
+def holds_finished_shard(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds the set of one shard that ran its share without failure
+    (:func:`completeness`'s ``shard_done``): not complete, but finished work that no other set may delete."""
+    return bool((_completeness_in(folder) or {}).get("shard_done"))
 
 
 def holds_complete_set(folder: str | os.PathLike) -> bool:
     """Whether ``folder`` holds a complete result set: a readable ``leaderboard.json`` that does not say it
     is incomplete (one without a completeness record counts as complete)."""
-    lb = Path(folder) / "leaderboard.json"
-    try:
-        doc = read_json(lb)
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and (doc.get("completeness") or {}).get("complete", True) is not False
+    comp = _completeness_in(folder)
+    return comp is not None and comp.get("complete", True) is not False
 
 
 #: the line ``kvqbench publish`` writes into a published leaderboard folder's README.md
@@ -243,20 +245,31 @@ def _write_all(records: list[dict[str, Any]], provenance: dict[str, Any], comp: 
     written.append(write_json_atomic(folder / "summary.json", {**summary_of(board), "completeness": brief}))
     written.append(write_text_atomic(folder / "LEADERBOARD.md", render_markdown(board)))
     written.append(write_json_atomic(folder / "leaderboard.json", board))
-    if figures:
-        try:
-            from kvqbench.report.render.figures import write_figures  # matplotlib only when drawing
-
-            written += [Path(p) for p in write_figures(folder, log=log, jobs=0)]
-        except Exception as e:  # a figure never costs the results
-            log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
-    from kvqbench.report.render.html import write_html
-
-    written += [p for p in [write_html(board, folder, log=log)] if p is not None]  # after the figures it embeds
+    written += write_figures_and_page(board, folder, figures=figures, log=log)
     if write_extra is not None:
         for p in write_extra(board, folder) or []:
             written.append(Path(p))
     return written, board
+
+
+def write_figures_and_page(board: dict[str, Any], out: Path, *, figures: bool = True, log: Log | None = None,
+                           data_dir: Path | None = None) -> list[Path]:
+    """Draw the PNG figures from the result files in ``data_dir`` (default ``out``) into ``out`` when
+    ``figures`` (matplotlib imported only then), then write ``out/index.html`` for ``board``, which embeds
+    them; the written paths. A figure or page that fails is one line on ``log`` (default stderr): neither
+    ever costs the results."""
+    log = log or _stderr
+    written: list[Path] = []
+    if figures:
+        try:
+            from kvqbench.report.render.figures import write_figures
+
+            written += [Path(p) for p in write_figures(data_dir or out, out, log=log, jobs=0)]
+        except Exception as e:
+            log(f"kvqbench: figures skipped: {type(e).__name__}: {e}")
+    from kvqbench.report.render.html import write_html
+
+    return written + [p for p in [write_html(board, out, log=log)] if p is not None]
 
 
 def _move_in(staging: Path, dest: Path, written: list[Path], *, keep_figures: bool = False,
@@ -292,7 +305,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
     """Write the result set of ``records`` into ``out_dir`` (see the module docstring for the rules).
 
     Args:
-        records: cell records (the plugin's, or read back by :func:`kvqbench.report.reader.load_result_set`); records of
+        records: cell records (the plugin's, or read back by :func:`kvqbench.results.read.load_result_set`); records of
             experiment ``"adhoc"`` are ignored. Any order (they are sorted).
         provenance: the provenance header of every file.
         out_dir: the destination folder (created when missing).
@@ -315,7 +328,7 @@ def write_result_set(records: Iterable[dict[str, Any]], provenance: dict[str, An
             empty), the destination's files of those names from an earlier set are replaced or removed with
             it; ``None`` (a re-render, a merge) leaves them.
         keep: how many complete sets displaced by complete ones ``out_dir/previous/`` keeps (default
-            ``KVQBENCH_KEEP``, else 5; see :mod:`kvqbench.report.previous`).
+            ``KVQBENCH_KEEP``, else 5; see :mod:`kvqbench.results.previous`).
 
     Returns a :class:`ResultSet`; ``paths`` is empty when there are no records; ``note`` holds every line
     logged about where sets went (one per line). Exceptions raised by the
@@ -378,7 +391,7 @@ def _keep_displaced_set(dest: Path, comp: dict[str, Any], keep: int, log: Log) -
     """Before a complete set replaces the complete set in ``dest`` (a rerun, a narrower or broader
     selection, a merge), or any set replaces a finished shard's set (another shard run into the same
     folder): move the old one's files to ``dest/previous/<id>/`` and apply the retention
-    (:func:`kvqbench.report.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
+    (:func:`kvqbench.results.previous.keep_displaced_set`); the lines logged. Nothing for an incomplete new
     set over a complete one (it goes to ``incomplete/``) or a ``dest`` without either."""
     if not (comp.get("complete") and holds_complete_set(dest)) and not holds_finished_shard(dest):
         return []

@@ -6,7 +6,7 @@ the whole collected matrix, every cell of the matrix, the cells it selected, and
 :func:`merge_shards` checks that the folders belong to one run — the same commit, versions,
 configuration (seeds, bits, threads, device type, capture dtype, model, shard count, cell matrix) and
 data (the real capture's model, text and tokens) — reads their records back and writes them with the
-same :func:`~kvqbench.report.results.write_result_set` a session uses, so the merged files are those a
+same :func:`~kvqbench.results.write.write_result_set` a session uses, so the merged files are those a
 single session would have written (provenance and timings aside). Cells of the matrix that no folder
 holds are listed and the merged set is stamped incomplete, as a partial run is.
 
@@ -21,14 +21,15 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from kvqbench.cells import DEFAULT_MODEL, parse_nodeid, source_kind
 from kvqbench.report.io import read_json, write_json_atomic
-from kvqbench.report.reader import load_result_set
-from kvqbench.report.results import BENCHMARK_JSON, ResultSet, UpdateBoard, WriteExtra, write_result_set
+from kvqbench.results.read import load_result_set
+from kvqbench.results.write import BENCHMARK_JSON, ResultSet, UpdateBoard, WriteExtra, write_result_set
 
 __all__ = ["MergeError", "Shard", "read_shard", "by_model", "check_compatible", "merged_provenance", "merge_shards",
            "MergeResult", "CHECKED", "merge_benchmark_json", "missing_cells_note"]
@@ -180,7 +181,7 @@ def _check_one_run(shards: list[Shard]) -> None:
 def _strip_shard_args(command: str) -> str:
     try:
         toks = shlex.split(command)
-    except ValueError:  # not shell-quoted (an older provenance): words
+    except ValueError:  # not shell-quoted: split into words
         toks = command.split()
     out, skip = [], False
     for t in toks:
@@ -286,12 +287,12 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
 
     Args:
         folders: shard folders (each written by a ``--kvq-shard I/N`` session), any order.
-        out_dir: destination (the rules of :func:`~kvqbench.report.results.write_result_set` apply: an
+        out_dir: destination (the rules of :func:`~kvqbench.results.write.write_result_set` apply: an
             incomplete merge never replaces a complete result set there).
         figures: render the PNG figures too.
         log: one-line messages (default stderr).
         update_board, write_extra: callbacks passed on to
-            :func:`~kvqbench.report.results.write_result_set` (the pytest hooks are not called: see docs/HOOKS.md).
+            :func:`~kvqbench.results.write.write_result_set` (the pytest hooks are not called: see docs/HOOKS.md).
 
     Returns a :class:`MergeResult`.
 
@@ -348,10 +349,7 @@ def merge_shards(folders: list[str | os.PathLike], out_dir: str | os.PathLike, *
 def missing_cells_note(missing: list[str], total: int, show: int = 10) -> str:
     """The lines that name a merge's missing cells: how many, per test function, then the first ``show`` node
     ids one per line (the full list is the result's ``completeness.not_run_ids``)."""
-    per_test: dict[str, int] = {}
-    for n in missing:
-        fn = parse_nodeid(n).name
-        per_test[fn] = per_test.get(fn, 0) + 1
+    per_test = Counter(parse_nodeid(n).name for n in missing)
     lines = [f"kvqbench merge: {len(missing)} of {total} cells missing ("
              + ", ".join(f"{fn} ×{k}" for fn, k in per_test.items()) + "):"]
     lines += [f"  {n}" for n in missing[:show]]
