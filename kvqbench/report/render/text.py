@@ -155,7 +155,7 @@ def plain_settings(by_method: dict[str, Any]) -> list[str]:
 
 def completeness_banner(board: dict[str, Any]) -> str | None:
     """``**INCOMPLETE** — incomplete: 78 of 435 cells finished, interrupted …`` for a partial result set
-    (``board["completeness"]``, see :func:`kvqbench.report.results.completeness`), else ``None``."""
+    (``board["completeness"]``, see :func:`kvqbench.results.write.completeness`), else ``None``."""
     comp = board.get("completeness") or {}
     if not comp or comp.get("complete", True):
         return None
