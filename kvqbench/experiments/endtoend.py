@@ -238,8 +238,9 @@ _MAX_CACHE_BYTES = 2**30
 #: unquantized logits of its scored positions, their top-1 and cross-entropy), computed from its reference
 #: stack by the first cell on the window and reused by the other settings' cells on it
 _SIDES: dict[tuple, tuple[ReferenceSide, ...]] = {}
-#: windows whose sides :data:`_SIDES` keeps: a seed group's (three windows, ``2·(W − P) × vocab`` fp32
-#: each: 25 MB on SmolLM2, 132 MB on Gemma 3), enough for a worker that runs one group after another
+#: windows whose sides :data:`_SIDES` keeps: a seed group's (three windows; each holds its ``2·(W − P)``
+#: rows of logits, ``vocab`` fp32 each: 25 MB on SmolLM2, 134 MB on Gemma 3), enough for a worker that runs
+#: the settings of one window group after another
 _MAX_SIDES = 3
 #: per process, oldest first: the per-layer fits of data-dependent methods whose seed plays no part
 #: (:func:`layer_methods`), by source and method parameters
@@ -322,7 +323,7 @@ def _reference_sides(src: RealSource, stack: torch.Tensor, ids: list[int], cfg: 
     n = cfg.window - cfg.prompt
     logits = _logits(src.net, stack)
     t = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
-    return tuple(reference_side(logits[i * n:i * n + b - a].clone(), t) for i in range(len(cfg.regimes)))
+    return tuple(reference_side(logits[i * n:i * n + b - a], t) for i in range(len(cfg.regimes)))  # views of one block
 
 
 def _cached_sides(src: RealSource, stack: torch.Tensor, ids: list[int], cfg: EndToEndConfig) -> tuple[ReferenceSide, ...]:
