@@ -6,7 +6,9 @@ test call is not (much). As a pytest plugin it appends one line per test to ``$C
 (one file per xdist worker): the node id, the CPU seconds of the call and of the setup, the process's
 peak resident memory (``VmHWM``, kB) during the setup and during the call (the peak is reset before each
 through Linux's ``/proc/self/clear_refs``; empty elsewhere) and the wall clock (Unix seconds) at the
-setup's start and the call's end, tab-separated, so a run's per-worker schedule can be read from them::
+setup's start and the call's end, tab-separated, so a run's per-worker schedule can be read from them.
+The reset also resets what ``/usr/bin/time`` reports as the largest process's maximum resident set size
+(the kernel's high-water mark): take the largest per-cell figure instead::
 
     PYTHONPATH=scripts CELL_CPU_OUT=/tmp/cpu_new kvqbench run -p cell_cpu -k "real and not endtoend" ...
 
