@@ -2,8 +2,13 @@
 """Per-cell CPU seconds of a benchmark run, and a side-by-side table of two runs.
 
 Wall durations of cells are meaningless on a shared machine; the CPU time a cell's process spends in the
-test call is not (much). As a pytest plugin it appends ``<node id>\\t<CPU seconds of the call>`` for every
-test to ``$CELL_CPU_OUT/<pid>.tsv`` (one file per xdist worker)::
+test call is not (much). As a pytest plugin it appends one line per test to ``$CELL_CPU_OUT/<pid>.tsv``
+(one file per xdist worker): the node id, the CPU seconds of the call and of the setup, the process's
+peak resident memory (``VmHWM``, kB) during the setup and during the call (the peak is reset before each
+through Linux's ``/proc/self/clear_refs``; empty elsewhere) and the wall clock (Unix seconds) at the
+setup's start and the call's end, tab-separated, so a run's per-worker schedule can be read from them.
+The reset also resets what ``/usr/bin/time`` reports as the largest process's maximum resident set size
+(the kernel's high-water mark): take the largest per-cell figure instead::
 
     PYTHONPATH=scripts CELL_CPU_OUT=/tmp/cpu_new kvqbench run -p cell_cpu -k "real and not endtoend" ...
 
@@ -30,15 +35,41 @@ except ImportError:  # the comparison needs no pytest
 
 
 if pytest is not None:
+    _SETUP: dict[str, tuple[float, float, str]] = {}
+
+    def _reset_peak() -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+    def _peak_kb() -> str:
+        try:
+            with open("/proc/self/status") as f:
+                return next((line.split()[1] for line in f if line.startswith("VmHWM:")), "")
+        except OSError:
+            return ""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_setup(item):
+        _reset_peak()
+        w, t = time.time(), time.process_time()
+        yield
+        _SETUP[item.nodeid] = (w, time.process_time() - t, _peak_kb())
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item):
+        _reset_peak()
         t = time.process_time()
         yield
+        cpu = time.process_time() - t
         out = os.environ.get("CELL_CPU_OUT")
         if out:
+            w0, setup_cpu, setup_kb = _SETUP.pop(item.nodeid, (time.time(), 0.0, ""))
             os.makedirs(out, exist_ok=True)
             with open(os.path.join(out, f"{os.getpid()}.tsv"), "a") as f:
-                f.write(f"{item.nodeid}\t{time.process_time() - t:.4f}\n")
+                f.write(f"{item.nodeid}\t{cpu:.4f}\t{setup_cpu:.4f}\t{setup_kb}\t{_peak_kb()}\t{w0:.3f}\t{time.time():.3f}\n")
 
 
 def load(folder: str) -> dict[str, float]:
@@ -46,7 +77,7 @@ def load(folder: str) -> dict[str, float]:
     res: dict[str, float] = {}
     for path in Path(folder).glob("*.tsv"):
         for line in path.read_text().splitlines():
-            node, _, sec = line.rpartition("\t")
+            node, sec = line.split("\t")[:2]
             res[node] = float(sec)
     return res
 

@@ -42,8 +42,10 @@ decode's: one matrix product of ``2·(W − P)`` rows, which a CPU computes fast
 ``W − P``), the unquantized run's in the same stack, so the quantized and the unquantized run compute
 every logit with the same matrix shapes and the fp16 control stays bitwise exact. The unquantized run's
 stack of final hidden states, like the prompt's K/V, is computed once per window and process and shared
-by every setting on that window (a cell turns it into the unquantized side of its metrics,
-:class:`~kvqbench.experiments.nexttoken.ReferenceSide`, one window at a time), and a data-dependent
+by every setting on that window; the unquantized side of the metrics it gives
+(:class:`~kvqbench.experiments.nexttoken.ReferenceSide`: the scored positions' logits, their top-1 and
+cross-entropy) is computed by the first cell on the window and kept for the last three windows used (a
+seed group's: the other settings' cells on them reuse it instead of running the LM head again), and a data-dependent
 method's per-layer fit whose seed plays no part is computed once per process and shared by every window.
 
 Sliding-window layers (Gemma 3) need nothing of their own: the cache keeps every token, the model's mask
@@ -232,6 +234,14 @@ class _Keep(CacheWriter):
 _CACHE: dict[tuple, Any] = {}
 #: the most bytes :data:`_CACHE` keeps (at least one entry is always kept)
 _MAX_CACHE_BYTES = 2**30
+#: per process, least recently used first: each window's :class:`ReferenceSide` per regime (the
+#: unquantized logits of its scored positions, their top-1 and cross-entropy), computed from its reference
+#: stack by the first cell on the window and reused by the other settings' cells on it
+_SIDES: dict[tuple, tuple[ReferenceSide, ...]] = {}
+#: windows whose sides :data:`_SIDES` keeps: a seed group's (three windows; each holds its ``2·(W − P)``
+#: rows of logits, ``vocab`` fp32 each: 25 MB on SmolLM2, 134 MB on Gemma 3), enough for a worker that runs
+#: the settings of one window group after another
+_MAX_SIDES = 3
 #: per process, oldest first: the per-layer fits of data-dependent methods whose seed plays no part
 #: (:func:`layer_methods`), by source and method parameters
 _FITS: dict[tuple, list[Quantizer]] = {}
@@ -313,7 +323,20 @@ def _reference_sides(src: RealSource, stack: torch.Tensor, ids: list[int], cfg: 
     n = cfg.window - cfg.prompt
     logits = _logits(src.net, stack)
     t = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
-    return tuple(reference_side(logits[i * n:i * n + b - a].clone(), t) for i in range(len(cfg.regimes)))
+    return tuple(reference_side(logits[i * n:i * n + b - a], t) for i in range(len(cfg.regimes)))  # views of one block
+
+
+def _cached_sides(src: RealSource, stack: torch.Tensor, ids: list[int], cfg: EndToEndConfig) -> tuple[ReferenceSide, ...]:
+    """:func:`_reference_sides` of a window, kept in :data:`_SIDES` (the same values, computed once per
+    window while it stays among the :data:`_MAX_SIDES` most recently used)."""
+    key = _key(src, ids, "reference sides", tuple((r, tuple(cfg.chunks(r))) for r in cfg.regimes))
+    sides = _SIDES.pop(key, None)
+    if sides is None:
+        sides = _reference_sides(src, stack, ids, cfg)
+    _SIDES[key] = sides  # most recently used last
+    while len(_SIDES) > _MAX_SIDES:
+        _SIDES.pop(next(iter(_SIDES)))
+    return sides
 
 
 def _layer(data: KVData, i: int) -> KVData:
@@ -433,7 +456,7 @@ def run_endtoend_rows(methods: Sequence[Quantizer], src: RealSource, window_indi
     refs = _reference_stacks(src, rows, cfg)
     n = cfg.window - cfg.prompt
     for r, (res, h, ref, ids) in enumerate(zip(results, stack, refs, rows)):
-        sides = _reference_sides(src, ref, ids, cfg)  # one window's reference logits at a time
+        sides = _cached_sides(src, ref, ids, cfg)
         logits = _logits(src.net, h)
         targets = torch.tensor(ids[a + 1:b + 1], dtype=torch.long)
         for i, (regime, side) in enumerate(zip(cfg.regimes, sides)):

@@ -13,7 +13,7 @@ import pytest
 from kvqbench.cells import SIZES, Cell, source_kind
 from kvqbench.data.memory import release_freed
 from kvqbench.plugin.resume import is_reused
-from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings
+from kvqbench.plugin.state import SETTINGS_KEY, STEP_KEY, Settings, is_worker
 
 _DATA_CACHE: dict[tuple, Any] = {}
 
@@ -36,6 +36,8 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
            kvq_settings.model, kvq_settings.dtype)
     if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
         pytest.fail(_DATA_FAILED[key], pytrace=False)
+    if source_kind(cell.source) == "real" and is_worker(pytestconfig):
+        evict_synthetic()
     if key not in _DATA_CACHE:
         t = time.time()
         try:
@@ -50,6 +52,21 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
             request.node.user_properties.append(
                 (STEP_KEY, {"kind": f"capture|real-{cell.size}", "seconds": round(time.time() - t, 4)}))
     return _DATA_CACHE[key]
+
+
+def evict_synthetic() -> bool:
+    """Drop the synthetic data this process holds (every seed's, ≈ 0.25 GiB at full size) and hand its
+    memory back (:func:`~kvqbench.data.memory.release_freed`). An xdist worker calls it at each real
+    cell: its real cells come after its synthetic ones (:func:`kvqbench.plugin.collection.real_capture_first`;
+    a serial run keeps pytest's order, which alternates them, and keeps the data), and a synthetic cell
+    after them would draw its data again from its seed (the same values). Returns whether anything was
+    dropped."""
+    gone = [k for k in _DATA_CACHE if source_kind(k[0]) != "real"]
+    for k in gone:
+        del _DATA_CACHE[k]
+    if gone:
+        release_freed()
+    return bool(gone)
 
 
 #: data keys whose loading failed in this process → the one-line reason (later cells fail fast)
@@ -156,6 +173,8 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
     from kvqbench.experiments.endtoend import CONFIG_BY_SIZE, load_source, source_loaded
 
     _pin_threads(kvq_settings.threads)
+    if is_worker(pytestconfig):
+        evict_synthetic()
     cache_dir = capture_cache_dir(pytestconfig)
     size = CALIBRATION_SIZE.get(cell.size, cell.size)
     where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[size].window, "device": kvq_settings.device}

@@ -128,7 +128,9 @@ def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any, siblings
     from kvqbench.quantizers import create
 
     group = seed_group(cell.seed, s.seeds_for(cell.experiment, cell.size))
-    base = (fn.__module__, fn.__qualname__, cell.experiment, cell.method, cell.k_bits, cell.v_bits,
+    bits_free = bool(getattr(type(method), "bits_free", False))  # one computation for every bit-width
+    bits = ("any", "any") if bits_free else (cell.k_bits, cell.v_bits)
+    base = (fn.__module__, fn.__qualname__, cell.experiment, cell.method, *bits,
             tuple(sorted((k, repr(v)) for k, v in cell.variant_dict().items())), cell.source, cell.size,
             s.device, s.model, s.dtype)
     hit, res = memo.get(base + (cell.seed,))
@@ -153,7 +155,7 @@ def seed_rows(cell: Cell, method: Any, s: Settings, memo: Any, fn: Any, siblings
         raise
     for seed, r in zip(group, results):
         r.extra[SEEDS_TOGETHER] = list(group)
-        if seed != cell.seed:
+        if seed != cell.seed or bits_free:  # a bits-free group's cells at other bits read every seed
             memo.put(base + (seed,), r)
     memo.release(claim)
     if siblings is not None:
@@ -173,7 +175,8 @@ def kvq_seed_rows(cell: Cell, kvq_method: Any, kvq_settings: Settings, pytestcon
     cells run seed 0 first, see :func:`kvqbench.plugin.collection.real_capture_first`); one that starts
     while another worker computes its group waits for that result instead of computing the group again.
     ``fn`` may depend on nothing but the cell's method, bits, variant, source and size and the session
-    settings (its results are stored under those). Every result records ``extra["seeds_computed_together"]``.
+    settings (its results are stored under those; a method whose class says ``bits_free = True``, the fp16
+    control, computes a group once for every bit-width). Every result records ``extra["seeds_computed_together"]``.
     The other seeds' results go to the journal at once (:mod:`kvqbench.plugin.resume`), and a cell whose
     values an interrupted run computed gets those. Not for timings."""
     nodeid = request.node.nodeid

@@ -261,6 +261,9 @@ class Quantizer(ABC):
     grouped: ClassVar[bool] = False
     #: the seed can change its bits; ``False`` lets the harness compute a real-data cell once for every seed
     seeded: ClassVar[bool] = True
+    #: its output and billed bits are the same at every bit-width (the fp16 control); ``True`` lets the
+    #: harness compute a seed group of cells once for every bit-width
+    bits_free: ClassVar[bool] = False
 
     def seeded_for(self, shape: tuple[int, ...]) -> bool:
         """Whether this instance's fitted state and output, on K/V (and calibration) tensors of ``shape``

@@ -19,6 +19,7 @@ class FP16(Quantizer):
 
     id = "fp16"
     seeded = False  # no randomness
+    bits_free = True  # a passthrough at every bit-width
     name = "FP16 (control)"
     paper = "Lossless reference"
     k_granularity = "identity"

@@ -89,3 +89,22 @@ def test_a_method_unseeded_for_a_shape_gives_the_same_bits_at_every_seed(x, meth
     for name in qa.fields:
         assert torch.equal(qa.fields[name].tensor, qb.fields[name].tensor), name
     assert torch.equal(a.dequantize(qa), b.dequantize(qb))
+
+
+BITS_FREE = [m for m in ALL if get(m).bits_free]
+
+
+@given(x=kv_tensors(), method_id=st.sampled_from(BITS_FREE), kind=st.sampled_from(["k", "v"]),
+       bits=st.tuples(st.sampled_from([2, 3, 4, 8, 16]), st.sampled_from([2, 3, 4, 8, 16])))
+def test_a_method_that_says_it_is_bits_free_stores_and_bills_the_same_at_every_bit_width(x, method_id, kind, bits):
+    # the harness computes such a method's end-to-end seed groups once for every bit-width (kvq_seed_rows)
+    a = _fit(create(method_id, bits[0], bits[0]), x)
+    b = _fit(create(method_id, bits[1], bits[1]), x)
+    qa, qb = a.quantize(x, kind), b.quantize(x, kind)
+    assert qa.fields.keys() == qb.fields.keys()
+    for name in qa.fields:
+        assert torch.equal(qa.fields[name].tensor, qb.fields[name].tensor), name
+        assert qa.fields[name].bits == qb.fields[name].bits, name
+    assert torch.equal(a.dequantize(qa), b.dequantize(qb))
+    shape = tuple(x.shape)
+    assert a.nominal_bits_for(kind, bits[0], shape) == b.nominal_bits_for(kind, bits[1], shape)

@@ -160,3 +160,18 @@ def test_the_plugin_finds_a_capture_cache_folder_without_pytests_cache(tmp_path,
     for no_pytest_cache in (config(), config(Cache(False))):
         got = capture_cache_dir(no_pytest_cache)
         assert got == str(tmp_path / "user" / "capture") and (tmp_path / "user" / "capture").is_dir()
+
+
+def test_a_worker_moving_to_real_cells_drops_the_synthetic_data_only(monkeypatch) -> None:
+    """``evict_synthetic`` removes every synthetic entry of the per-process data cache and keeps the real
+    captures; with nothing synthetic left it drops nothing."""
+    from kvqbench.plugin import fixtures
+
+    cache = {("synthetic", "full", 0, "cpu", "smollm2", "float32"): object(),
+             ("synthetic", "full", 1, "cpu", "smollm2", "float32"): object(),
+             ("real", "full", None, "cpu", "smollm2", "float32"): object(),
+             ("real-gemma3-270m", "full", None, "cpu", "gemma3-270m", "float32"): object()}
+    monkeypatch.setattr(fixtures, "_DATA_CACHE", dict(cache))
+    assert fixtures.evict_synthetic() is True
+    assert sorted(fixtures._DATA_CACHE, key=str) == sorted((k for k in cache if k[0] != "synthetic"), key=str)
+    assert fixtures.evict_synthetic() is False

@@ -287,12 +287,16 @@ def test_windows_tile_the_text_and_share_one_exact_prompt(model) -> None:
 @real
 def test_reference_is_kept_as_hidden_states_and_gives_the_uncached_values(model) -> None:
     """A window's cached reference is the unquantized stack of final hidden states, ``(2·(W − P),
-    hidden_size)`` fp32 — not ``vocab`` logits per position — and a cell that reuses it gets the values of
-    a cell that computes it afresh, bitwise."""
+    hidden_size)`` fp32 — not ``vocab`` logits per position — and a cell that reuses it, and the
+    unquantized side of the metrics kept from it, gets the values of a cell that computes both afresh,
+    bitwise."""
     cfg = E.CONFIG_BY_SIZE["smoke"]
     src = E.load_source(model="smollm2", window=cfg.window)
     E._CACHE.clear()
+    E._SIDES.clear()
     cold = E.run_endtoend(create("rtn_token", 2, 2), src, 1, cfg)
+    (sides,) = E._SIDES.values()
+    assert [tuple(s.logits.shape) for s in sides] == [(cfg.window - 1 - cfg.prompt, src.net.config.vocab_size)] * 2
     stacks = [v for k, v in E._CACHE.items() if "reference stack" in k]
     hidden = int(src.net.config.hidden_size)
     assert [tuple(s.shape) for s in stacks] == [(len(cfg.regimes) * (cfg.window - cfg.prompt), hidden)]

@@ -315,3 +315,24 @@ def test_a_writable_or_foreign_result_file_is_refused_once_and_recomputed(tmp_pa
         assert memo.compute(("a",), lambda: "A") == "A" and memo.compute(("b",), lambda: "B") == "B"
     assert len([w for w in record if "result memo" in str(w.message)]) == 1  # said once
     assert memo.misses == 2 and not list(tmp_path.glob("loaded-*"))
+
+
+def test_seed_rows_compute_a_bits_free_methods_group_once_for_every_bit_width(tmp_path):
+    from kvqbench.plugin.sharing import seed_rows
+
+    calls = []
+
+    def rows(methods, seeds):
+        calls.append((methods[0].k_bits, list(seeds)))
+        return [_Res(s, m.seed) for m, s in zip(methods, seeds)]
+
+    s, memo = Settings(), ResultMemo(tmp_path)
+    at2 = seed_rows(_cell("fp16", 0), create("fp16", 2, 2, seed=0), s, memo, rows)
+    at4 = {seed: seed_rows(_cell("fp16", seed, bits=4), create("fp16", 4, 4, seed=seed), s, ResultMemo(tmp_path), rows)
+           for seed in (0, 1, 2)}
+    assert calls == [(2, [0, 1, 2])]  # the fp16 control: one computation for both bit-widths
+    assert at4[0].metrics == at2.metrics == {"seed": 0.0, "method_seed": 0.0}
+    assert [at4[seed].metrics["seed"] for seed in (1, 2)] == [1.0, 2.0]
+    seed_rows(_cell("rtn_token", 0), create("rtn_token", 2, 2, seed=0), s, memo, rows)
+    seed_rows(_cell("rtn_token", 0, bits=4), create("rtn_token", 4, 4, seed=0), s, memo, rows)
+    assert calls[1:] == [(2, [0, 1, 2]), (4, [0, 1, 2])]  # any other method: a group per bit-width
