@@ -124,21 +124,21 @@ def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
     return pts
 
 
-def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]], *, alpha: float = ALPHA) -> dict[str, Any]:
+def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]]) -> dict[str, Any]:
     """Passkey exact match against the unquantized model, trial by trial.
 
     ``trials``: ``(method, setting)`` → ``{(seed, length): exact match}`` over its counted trials (prompts the
     unquantized model retrieves: it passes all). Each method is compared with it on the same prompts by
     McNemar's exact one-sided test (:func:`~kvqbench.report.stats.paired.mcnemar_exact`), Holm over the
-    methods of a setting at ``alpha``. Returns ``{setting: {method: {"n_trials", "lost" (trials only the
-    reference passed), "p", "p_holm", "separated", "min_p"}}}``; ``min_p`` = 0.5 ** n_trials, the smallest
-    p the trials allow: above ``alpha`` nothing can be separated.
+    methods of a setting at :data:`~kvqbench.report.stats.paired.ALPHA`. Returns ``{setting: {method:
+    {"n_trials", "lost" (trials only the reference passed), "p", "p_holm", "separated", "min_p"}}}``;
+    ``min_p`` = 0.5 ** n_trials, the smallest p the trials allow: above α nothing can be separated.
     """
     out: dict[str, Any] = {}
     for s in sorted({s for _, s in trials}):
         ms = sorted(m for m, s2 in trials if s2 == s)
         tests = [mcnemar_exact([True] * len(trials[(m, s)]), list(trials[(m, s)].values())) for m in ms]
         out[s] = {m: {"n_trials": t["n_trials"], "lost": t["best_only"], "p": t["p"], "p_holm": ph,
-                      "separated": ph <= alpha, "min_p": 0.5 ** t["n_trials"]}
+                      "separated": ph <= ALPHA, "min_p": 0.5 ** t["n_trials"]}
                   for m, t, ph in zip(ms, tests, holm([t["p"] for t in tests]))}
     return out
