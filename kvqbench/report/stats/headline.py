@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kvqbench.cells import BUDGETS, is_exact_setting, is_plain_setting, setting_order, source_kind
+from kvqbench.cells import BUDGETS, is_plain_setting, setting_order, source_kind
 from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
 from kvqbench.report.stats.longdecode import EXPERIMENT as LONG_EXPERIMENT
@@ -41,7 +41,7 @@ from kvqbench.report.stats.predictivity import (
     resampled_rho,
     spearman_rows,
 )
-from kvqbench.report.stats.ranking import paired_at_budgets
+from kvqbench.report.stats.ranking import budget_point, paired_at_budgets
 
 __all__ = ["HEADLINE_DEFAULT", "FALLBACK_METRIC", "headline_rule", "choose_headline", "headline_budget",
            "paired_rho_difference", "E2E_BITS", "unit_of"]
@@ -218,16 +218,9 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     if crit == "long_kl_nats":
         pts = long_decode_points(long)
     else:
-        pts = []
-        for m, by in (stats_src.get(exp if crit == metric else experiment_of(crit)) or {}).items():
-            for s, metrics in by.items():
-                e = metrics.get(crit)
-                if e is None or is_short(e) or not is_plain_setting(s) or is_exact_setting(s):
-                    continue
-                b = _bits_of(stats_src, m, s, crit)
-                if b is not None:
-                    pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": e["ci95"],
-                                "units": dict(zip(e.get("seeds") or [], e.get("values") or []))})
+        by_exp = stats_src.get(exp if crit == metric else experiment_of(crit)) or {}
+        pts = [p for m, by in by_exp.items() for s, ms in by.items()
+               if (p := budget_point(m, s, ms.get(crit), _bits_of(stats_src, m, s, crit))) is not None]
     rows = paired_at_budgets(pts, budgets, better=better)
     for r in rows:
         q = (stats_src.get(exp) or {}).get(r["method"], {}).get(r["setting"], {}).get(metric) if r["method"] else None

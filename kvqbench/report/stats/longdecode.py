@@ -17,11 +17,11 @@ import math
 from collections import defaultdict
 from typing import Any, Iterable
 
-from kvqbench.cells import is_exact_setting, is_plain_setting
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.aggregate import setting_key
-from kvqbench.report.stats.intervals import is_short, mean_ci
+from kvqbench.report.stats.intervals import mean_ci
 from kvqbench.report.stats.paired import ALPHA, holm, mcnemar_exact
+from kvqbench.report.stats.ranking import budget_point
 
 __all__ = ["EXPERIMENT", "summarize", "long_decode_points", "passkey_mcnemar", "LONG_PREDICTIVITY_TARGETS"]
 
@@ -113,15 +113,8 @@ def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
     """The budget points of the long decode (``stats[source][EXPERIMENT]``): per plain, quantizing setting its
     long-decode KL (mean, 95 % half-width, and per text: ``units`` = seed → KL) and the bits billed at T,
     for :func:`~kvqbench.report.stats.ranking.paired_at_budgets`."""
-    pts = []
-    for m, by in stats6.items():
-        for s, e in by.items():
-            kl, bits = e.get("long_kl_nats"), e.get("long_bits_billed")
-            if kl is None or bits is None or is_short(kl) or not is_plain_setting(s) or is_exact_setting(s):
-                continue
-            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"], "ci95": kl["ci95"],
-                        "units": dict(zip(kl.get("seeds") or [], kl.get("values") or []))})
-    return pts
+    return [p for m, by in stats6.items() for s, e in by.items()
+            if (p := budget_point(m, s, e.get("long_kl_nats"), (e.get("long_bits_billed") or {}).get("mean")))]
 
 
 def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]]) -> dict[str, Any]:

@@ -13,12 +13,12 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from kvqbench.cells import BUDGETS, is_plain_setting, setting_order
+from kvqbench.cells import BUDGETS, is_exact_setting, is_plain_setting, setting_order
 from kvqbench.metrics import experiment_of, is_ratio_scale, rank_key
-from kvqbench.report.stats.intervals import is_short
+from kvqbench.report.stats.intervals import is_short, units_of
 from kvqbench.report.stats.paired import budget_verdict, paired_ranking
 
-__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "paired_at_budgets",
+__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "paired_at_budgets", "budget_point", "damage",
            "PARETO_QUALITY", "PARETO_BITS"]
 
 #: quality metric and bits metric of the Pareto front and the matched-budget selector
@@ -26,9 +26,17 @@ PARETO_QUALITY = "rel_mse"
 PARETO_BITS = "bits_effective"
 
 
-def _units(e: dict[str, Any]) -> dict[Any, float]:
-    """A stats entry's values by unit (its seeds: seeds, text windows or texts)."""
-    return dict(zip(e.get("seeds") or [], e.get("values") or []))
+def budget_point(method: str, setting: str, e: dict[str, Any] | None, bits: float | None) -> dict[str, Any] | None:
+    """A point of :func:`paired_at_budgets` from stats entry ``e`` billed ``bits`` per element; ``None``
+    where there is none: no entry or bits, a short entry, a variant or an exact (16-bit) setting."""
+    if e is None or bits is None or is_short(e) or not is_plain_setting(setting) or is_exact_setting(setting):
+        return None
+    return {"method": method, "setting": setting, "bits": bits, "mean": e["mean"], "ci95": e["ci95"], "units": units_of(e)}
+
+
+def damage(units: dict[Any, float], better: str) -> dict[Any, float]:
+    """Values by unit as damage (lower is better): ``|value|`` where ``better`` is ``zero``."""
+    return {u: abs(v) if better == "zero" else v for u, v in units.items()}
 
 
 def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
@@ -53,7 +61,7 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         spec, by_setting = catalog[name], {}
         for setting in sorted(table[name], key=setting_order):
             entries = {m: e for m, e in sorted(table[name][setting]) if not is_short(e)}
-            v = paired_ranking({m: _units(e) for m, e in entries.items()}, ratio_scale=is_ratio_scale(name, spec),
+            v = paired_ranking({m: units_of(e) for m, e in entries.items()}, ratio_scale=is_ratio_scale(name, spec),
                                better=spec["better"])
             by_setting[setting] = [
                 {"method": r["key"], **{k: entries[r["key"]][k] for k in ("mean", "ci95", "n")}, "rank": r["rank"],
@@ -112,7 +120,7 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
                 continue  # fewer seeds than asked: not a budget point (see aggregate)
             pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
                         "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"],
-                        "units": _units(metrics[quality])})
+                        "units": units_of(metrics[quality])})
     pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
     front = []
     for p in pts:
@@ -154,18 +162,15 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
     no paired verdict: a value ≤ 0, no shared unit, a higher-is-better metric (then no comparisons), or one
     shared unit (comparisons with ratios, no ties). ``method`` ``None`` when no point fits.
     """
-    def damage(p: dict[str, Any]) -> dict[Any, float]:
-        return {u: abs(v) if better == "zero" else v for u, v in (p.get("units") or {}).items()}
-
     out = []
     for b in budgets:
         own: dict[str, dict[str, Any]] = {}
         for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
-                        key=lambda p: (_mean_log(damage(p)), rank_key(better, p["mean"]), p["bits"], p["method"],
+                        key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]), p["bits"], p["method"],
                                        setting_order(p["setting"]))):
             own.setdefault(p["method"], p)
-        ranked = sorted(own.values(), key=lambda p: (_mean_log(damage(p)), rank_key(better, p["mean"]), p["bits"],
-                                                     p["method"]))
+        ranked = sorted(own.values(), key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]),
+                                                     p["bits"], p["method"]))
         row: dict[str, Any] = {"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
                                "n_units": None, "rank_interval": None, "p_best": None, "comparisons": [], "ties": [],
                                "runner_up": None, "no_verdict": None}
@@ -180,7 +185,7 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
         try:
             if better == "higher":
                 raise ValueError("a higher-is-better metric has no damage ratio")
-            v = budget_verdict({(p["method"], p["setting"]): damage(p) for p in ranked})
+            v = budget_verdict({(p["method"], p["setting"]): damage(p["units"], better) for p in ranked})
         except ValueError as e:
             out.append({**row, **entry(ranked[0]), "no_verdict": str(e)})
             continue
