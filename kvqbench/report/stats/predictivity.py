@@ -81,16 +81,6 @@ def spearman(x: Any, y: Any) -> tuple[float | None, float | None]:
     return (rho, float(res.pvalue)) if math.isfinite(rho) else (None, None)
 
 
-def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
-    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened, :func:`spearman`), and its bootstrap 95 % CI
-    over methods (:func:`resampled_rho`, :func:`percentile_ci95`)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    rho, _ = spearman(x.ravel(), y.ravel())
-    if rho is None:
-        return None, None
-    return rho, percentile_ci95(resampled_rho([x], y, n_boot, seed)[0], n_boot)
-
-
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
                  seed: int = PREDICTIVITY_SEED) -> dict[str, Any] | None:
     """Spearman ρ between every scalar tensor metric of exp1–exp3 and each model-damage target
@@ -144,7 +134,8 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                     continue
                 xs = [[rank_key(better, stats_src[exp][m][s][name]["mean"]) for s in gset] for m in methods]
                 ys = [[pts[(m, s)] for s in gset] for m in methods]
-                rho, ci = _spearman_ci(xs, ys, n_boot, seed)
+                rho, _ = spearman(np.ravel(xs), np.ravel(ys))  # CI: bootstrap over methods
+                ci = None if rho is None else percentile_ci95(resampled_rho([xs], ys, n_boot, seed)[0], n_boot)
                 rows.append({"metric": name, "experiment": exp, "rho": rho, "ci95": ci,
                              "n_methods": len(methods), "n_points": len(methods) * len(gset)})
             # best first; ρ compared to 12 decimals so float noise (0.9999999999999999) does not order ties
