@@ -32,7 +32,7 @@ from kvqbench.report.io import write_text_atomic
 from kvqbench.report.render.figures.style import Style, method_order
 from kvqbench.report.render.headline import headline_lines
 from kvqbench.report.render.svg import Series, chart
-from kvqbench.report.render.text import canonical, completeness_banner, fmt, value_text
+from kvqbench.report.render.text import canonical, completeness_banner, fmt, standing_text, value_text
 
 __all__ = ["render_html", "write_html", "page_data", "embed_json", "PAGE", "METRIC_COLUMNS"]
 
@@ -111,9 +111,6 @@ def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
         data = src.get("data") or {}
         paired = []
         for b in src.get("headline") or []:
-            ri, pb = b.get("rank_interval"), b.get("p_best")
-            best = (f"rank {ri[0]}–{ri[1]}" if ri and ri[0] != ri[1] else f"rank {ri[0]}" if ri else "") + \
-                   (f", P(best) {pb:.2f}" if pb is not None else "")
             comps = [{"method": c.get("method"), "setting": c.get("setting"), "bits": fmt(c.get("bits")),
                       "value": fmt(c.get("value"), c.get("ci95")), "tied": bool(c.get("tied")),
                       "ratio": (f"{c['ratio']:.3g}×" + (f" [{c['ratio_ci95'][0]:.3g}, {c['ratio_ci95'][1]:.3g}]"
@@ -121,18 +118,13 @@ def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
                       "p_holm": fmt(c.get("p_holm")),
                       "rank": (f"{c['rank_interval'][0]}–{c['rank_interval'][1]}" if c.get("rank_interval") else "—")}
                      for c in b.get("comparisons") or []]
-            paired.append({"budget": b.get("budget"), "best": best, "unit": b.get("unit"), "n_units": b.get("n_units"),
+            paired.append({"budget": b.get("budget"), "best": standing_text(b), "unit": b.get("unit"), "n_units": b.get("n_units"),
                            "comparisons": comps})
         out.append({"name": src_name, "model": data.get("model") if source_kind(src_name) == "real" else None,
                     "sentence": sentence, "headers": headers, "rows": rows,
                     "paired": paired if any(p["best"] or p["comparisons"] for p in paired) else [],
                     "cells": src.get("cells") or {}, "seeds": src.get("seeds"), "sizes": src.get("sizes") or []})
     return out
-
-
-def _bits(setting: str) -> int:
-    p = Setting.parse(setting)
-    return p.k_bits if p else 0
 
 
 def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any]]]:
@@ -175,7 +167,7 @@ def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any
                              "svg": chart([series(m, by[m]) for m in by], xlabel="bits billed per element",
                                           ylabel="end-to-end KL, nats", ylog=True, label=f"KL against bits, {src_name}")})
         curves = (src.get("long_decode") or {}).get("kl_curve") or {}
-        settings = sorted({s for c in curves.values() for s in c if is_plain_setting(s) and _bits(s) < 16},
+        settings = sorted({s for c in curves.values() for s in c if is_plain_setting(s) and Setting.parse(s).k_bits < 16},
                           key=setting_order)
         for s in settings:
             lines = []

@@ -21,6 +21,7 @@ from kvqbench.report.render.text import (
     completeness_banner,
     fmt,
     listed,
+    methods_in,
     missing_text,
     plain_settings,
     rank_text,
@@ -46,23 +47,12 @@ def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, las
                     tablefmt="github")
 
 
-def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
-    order = list(board.get("methods", {}))
-    for by in src["stats"].values():
-        for m in by:
-            if m not in order:
-                order.append(m)
-    return order
-
-
 def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) -> str:
     exp1 = src["stats"].get(_RECONSTRUCTION, {})
     asked = (src.get("setting_cells") or {}).get(_RECONSTRUCTION, {})
     settings = sorted(set(plain_settings(exp1)) | set(plain_settings(asked)), key=setting_order)
     rows = []
-    for m in _method_order(src, board) + [m for m in asked if m not in _method_order(src, board)]:
-        if m not in exp1 and m not in asked:
-            continue
+    for m in methods_in(board, set(exp1) | set(asked)):
         fid = board["methods"].get(m, {}).get("fidelity", "")
         row = [f"`{m}`", fid]
         for s in settings:
@@ -86,7 +76,7 @@ def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
             row = [rank_text(r), f"`{r['method']}`"]
             for name, _ in cols:
                 e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
-                row.append(value_text(e) if e else "—")
+                row.append(value_text(e))
             row.append(ties_text(r))
             rows.append(row)
         out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (paired)"],
@@ -122,9 +112,7 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     settings = plain_settings(e2e)
     cols = [(s, r) for r in ("prefill", "decode") for s in settings]
     rows = []
-    for m in _method_order(src, board):
-        if m not in e2e:
-            continue
+    for m in methods_in(board, e2e):
         row = [f"`{m}`"]
         for s, r in cols:
             e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
