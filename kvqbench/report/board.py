@@ -54,14 +54,9 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             "rankings": rankings(st, catalog),
             "pareto": pareto(st),
             "matched_budget": matched_budget(st),
-            # the same selection for what attention sees while decoding: pseudo-decode KL against
-            # the bits a cache really holds (fp16 sink/window tokens billed at 16)
-            "pareto_decode_kl": pareto_metric(st),
+            "pareto_decode_kl": pareto_metric(st),  # pseudo-decode KL against the bits a cache really holds
             "data_quality": data_quality(recs),
-            # which tensor metrics predict model damage (end-to-end and long-decode damage against the
-            # tensor experiments), None without either
             "predictivity": predictivity(st, catalog),
-            # the long decode's curves, fp16 shares and passkey accuracies per length (None without it)
             "long_decode": summarize_long(recs),
         }
     headline = choose_headline(sources, catalog)

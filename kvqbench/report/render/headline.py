@@ -107,13 +107,9 @@ def _rule_lines(board: dict[str, Any]) -> str:
 
 
 def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
-    """The headline of one source: the sentences naming the ranking criterion, the paired rule
-    (:func:`paired_rule`) and the headline metric with its rule, the matched-budget rows and their headers.
-    Shared by ``LEADERBOARD.md`` and the README digest. A source with an end-to-end run ranks on its KL
-    (bits billed by the same cells), the headline tensor metric of the same setting beside it; one without
-    ranks on the headline tensor metric. The best is written with its rank interval, P(best) and ties
-    (``a (rank 1–2, P(best) 0.83) = b``, ids in backticks); every compared method as ``b k2v2 1.12× [0.95, 1.31]``
-    in the tied or the separated column."""
+    """The headline of one source, shared by ``LEADERBOARD.md``, the web page and the README digest:
+    ``(sentence, rows, headers)``, the sentences naming the ranking criterion, the paired rule
+    (:func:`paired_rule`) and the headline metric with its rule, then the matched-budget table."""
     h = board.get("headline") or {}
     metric = h.get("metric", "rel_mse")
     target = h.get("target", PREDICTIVITY_TARGETS[0])

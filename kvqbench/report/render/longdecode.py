@@ -223,10 +223,7 @@ def _budget_table(src: dict[str, Any]) -> list[str]:
 
 
 def markdown_lines(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
-    """The long-decode sections of one source in ``LEADERBOARD.md`` (none when it did not run): the best
-    method at each budget of bits billed at T (paired across texts), long-decode KL ranked by the paired rule
-    with the noise floor beside it, KL vs decoded position with slopes, free-running divergence, passkey
-    retrieval compared with the unquantized model, and predictivity against the long-decode KL and the passkey drop."""
+    """The long-decode sections of one source in ``LEADERBOARD.md``; none when it did not run."""
     if not (src.get("stats") or {}).get(EXPERIMENT):
         return []
     summary = src.get("long_decode") or {}

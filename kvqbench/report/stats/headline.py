@@ -9,15 +9,9 @@ Two rules, both functions of one source's (one model's) statistics:
   (PCG64, :data:`~kvqbench.report.stats.predictivity.PREDICTIVITY_SEED`) and ρ is computed on ranks, whose sums
   are exact in float64, so the choice is the same on every machine; a metric that ties the default to
   float noise never takes over.
-- **The best method at each matched budget** (:func:`headline_budget`) is ranked on the measured
-  end-to-end KL where the end-to-end experiment ran (bits: what the same cells billed), and on the
-  headline tensor metric where it did not (synthetic or third-party data); the tensor metric of the same
-  setting is shown beside the KL. Settings are compared on the units they share (:func:`unit_of`: text
-  windows, texts or seeds): the best has the lowest mean log damage, and every other method's best
-  setting within the budget is tied with it unless a one-sided paired t-test on log damage, Holm over
-  the row at α = 0.025, separates them (:func:`~kvqbench.report.stats.ranking.paired_at_budgets`); each
-  comparison carries its ratio to the best with a paired 95 % CI, and each setting its bootstrap rank
-  interval and probability of ranking first.
+- **The best method at each matched budget** (:func:`headline_budget`) is ranked on measured damage
+  where there is some, else on the headline tensor metric, by the paired rule of
+  :func:`~kvqbench.report.stats.ranking.paired_at_budgets` on the units the settings share (:func:`unit_of`).
 """
 
 from __future__ import annotations

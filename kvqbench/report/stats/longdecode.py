@@ -1,15 +1,7 @@
 """Experiment 6 analysed (docs/DESIGN.md §4.6, §5): long decode, KL against the decoded position,
 free-running divergence, passkey retrieval and the noise floor. Torch-free.
 
-:func:`summarize` condenses a source's long-decode records into the ``long_decode`` entry of the
-leaderboard (the KL curves per method and setting as means over seeds, the fp16 share at T, the passkey
-accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
-and the source's ``stats``.
-
-Comparisons pair settings on the texts they share (each seed decodes another text): the budget rows
-(:func:`long_decode_points` feeds :func:`kvqbench.report.stats.ranking.paired_at_budgets`), the per-setting
-rankings (:func:`kvqbench.report.stats.ranking.rankings`), passkey exact match (:func:`passkey_mcnemar`).
-"""
+Comparisons pair settings on the texts they share (each seed decodes another text)."""
 
 from __future__ import annotations
 

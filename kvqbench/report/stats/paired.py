@@ -41,13 +41,8 @@ PAIRED_TEST: dict[str, Any] = {"test": "one-sided paired t-test on log values", 
 
 
 def shared_units(per_setting: Mapping[Hashable, Mapping[Hashable, float]]) -> list:
-    """The units every setting has a finite value for, sorted.
-
-    Args:
-        per_setting: setting key → (unit id → value); unit ids of one kind (all ints or all strings).
-
-    Returns the sorted list of shared unit ids (empty when there is none or no setting).
-    """
+    """The sorted unit ids every setting of ``per_setting`` (setting key → (unit id → value), unit ids of
+    one kind) has a finite value for; ``[]`` when none is shared or there is no setting."""
     common: set | None = None
     for by_unit in per_setting.values():
         have = {u for u, v in by_unit.items() if v is not None and np.isfinite(v)}

@@ -1,11 +1,7 @@
 """Rankings, Pareto fronts and the best method at matched bits budgets (docs/DESIGN.md §5). Torch-free.
 
 Every comparison pairs the settings on the units they share (seeds, text windows, texts) by the rule of
-:mod:`kvqbench.report.stats.paired`: the rankings per metric and setting (:func:`rankings`,
-:func:`~kvqbench.report.stats.paired.paired_ranking`) and the best at each bits budget, on the first
-screen and in the detail tables (:func:`paired_at_budgets`). A budget point is a plain setting (no variant
-axes) with every seed it was asked for.
-"""
+:mod:`kvqbench.report.stats.paired`."""
 
 from __future__ import annotations
 
