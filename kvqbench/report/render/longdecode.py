@@ -22,7 +22,7 @@ from kvqbench.report.render.text import (
 )
 from kvqbench.report.stats.longdecode import EXPERIMENT, LONG_PREDICTIVITY_TARGETS, long_decode_points
 from kvqbench.report.stats.paired import ALPHA
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, target_rows
 from kvqbench.report.stats.ranking import paired_at_budgets
 
 __all__ = ["markdown_lines"]
@@ -176,16 +176,10 @@ def _predictivity_lines(src: dict[str, Any], board: dict[str, Any], top: int = 6
     """Whether the tensor metrics that predict the short-window KL also predict the long-decode KL and
     the passkey log-probability drop (pooled ρ where pooled exists)."""
     targets = (src.get("predictivity") or {}).get("targets") or {}
-
-    def group_rows(t: str) -> dict[str, dict]:
-        by = targets.get(t) or {}
-        g = "pooled" if "pooled" in by else next(iter(by), None)
-        return {r["metric"]: r for r in by.get(g, [])} if g else {}
-
     short, cols = PREDICTIVITY_TARGETS[0], [t for t in LONG_PREDICTIVITY_TARGETS if targets.get(t)]
     if not cols:
         return []
-    by = {t: group_rows(t) for t in (short, *cols)}
+    by = {t: {r["metric"]: r for r in target_rows(src.get("predictivity"), t)[1]} for t in (short, *cols)}
     lead = short if by[short] else cols[0]
     order = [m for m in by[lead]][:top]
     rows = [[f"`{m}`", by[lead][m]["experiment"], *[_rho(by[t].get(m)) for t in (short, *cols)]] for m in order]

@@ -30,7 +30,7 @@ from kvqbench.report.render.text import (
     ties_text,
     value_text,
 )
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, target_rows
 
 __all__ = ["render_markdown"]
 
@@ -139,8 +139,7 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
             row = [f"`{r['metric']}`", r["experiment"]]
             row += [rho_text(by[g].get(r["metric"], {}).get("rho"), by[g].get(r["metric"], {}).get("ci95")) for g in groups]
             for t in others:
-                tg = "pooled" if "pooled" in tables[t] else next(iter(tables[t]))
-                o = next((x for x in tables[t][tg] if x["metric"] == r["metric"]), {})
+                o = next((x for x in target_rows(pr, t)[1] if x["metric"] == r["metric"]), {})
                 row.append(rho_text(o.get("rho"), None))
             rows.append(row)
         heads = ["metric", "exp", *[f"ρ {g}" for g in groups], *[f"ρ vs `{t}`" for t in others]]

@@ -5,8 +5,8 @@ Comparisons pair settings on the texts they share (each seed decodes another tex
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
+from statistics import fmean
 from typing import Any, Iterable
 
 from kvqbench.metrics import experiment_of
@@ -23,10 +23,6 @@ EXPERIMENT = experiment_of("long_kl_nats")
 #: the predictivity targets this module reports beside the short-window KL (see
 #: :data:`kvqbench.report.stats.predictivity.PREDICTIVITY_TARGETS`)
 LONG_PREDICTIVITY_TARGETS = ("long_kl_nats", "passkey_logp_drop_nats")
-
-
-def _mean(xs: list[float]) -> float:
-    return math.fsum(xs) / len(xs)
 
 
 def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
@@ -63,7 +59,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
             curves[key].append(c)
         fs = extra.get("fp16_share_at_T")
         if isinstance(fs, dict) and fs:
-            shares[key].append(_mean([float(v) for v in fs.values()]))
+            shares[key].append(fmean([float(v) for v in fs.values()]))
         pk = series.get("passkey")
         if pk and pk.get("lengths"):
             lengths, depths = lengths or list(pk["lengths"]), depths or list(pk.get("depths") or [])
@@ -72,7 +68,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
                 trials[key].update({(r["seed"], n): bool(a) for n, a in zip(lengths, pk.get("accuracy") or [])
                                     if a is not None})
                 ref_acc[r["seed"]].append([float(a) for a in pk["ref_accuracy"]])
-                ref_rank[r["seed"]].append([_mean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
+                ref_rank[r["seed"]].append([fmean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
                 floor = (extra.get("passkey") or {}).get("reference_floor", floor)
     out: dict[str, Any] = {"kl_curve": {}, "fp16_share_at_T": {}, "passkey_accuracy": {}}
     for (m, s), cs in curves.items():
@@ -82,16 +78,16 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
                                                 "mean": [c[0] for c in cols], "ci95": [c[1] for c in cols],
                                                 "n": len(same)}
     for (m, s), v in shares.items():
-        out["fp16_share_at_T"].setdefault(m, {})[s] = _mean(v)
+        out["fp16_share_at_T"].setdefault(m, {})[s] = fmean(v)
     for (m, s), rows in acc.items():
         per_len = [[row[i] for row in rows if row[i] is not None] for i in range(len(lengths or []))]
-        out["passkey_accuracy"].setdefault(m, {})[s] = [_mean(v) if v else None for v in per_len]
+        out["passkey_accuracy"].setdefault(m, {})[s] = [fmean(v) if v else None for v in per_len]
     if lengths:
         seeds = sorted(ref_acc)
-        per_seed = [[_mean(col) for col in zip(*ref_acc[sd])] for sd in seeds]  # every record of a seed
-        per_seed_rank = [[_mean(col) for col in zip(*ref_rank[sd])] for sd in seeds]  # scores the same prompts
-        out["passkey_reference"] = {"lengths": lengths, "accuracy": [_mean(list(c)) for c in zip(*per_seed)],
-                                    "rank_worst": [_mean(list(c)) for c in zip(*per_seed_rank)],
+        per_seed = [[fmean(col) for col in zip(*ref_acc[sd])] for sd in seeds]  # every record of a seed
+        per_seed_rank = [[fmean(col) for col in zip(*ref_rank[sd])] for sd in seeds]  # scores the same prompts
+        out["passkey_reference"] = {"lengths": lengths, "accuracy": [fmean(c) for c in zip(*per_seed)],
+                                    "rank_worst": [fmean(c) for c in zip(*per_seed_rank)],
                                     "n_seeds": len(seeds), "floor": floor, "depths": depths}
         out["passkey_mcnemar"] = passkey_mcnemar(trials)
     first = recs[0].get("extra") or {}

@@ -17,7 +17,7 @@ from kvqbench.cells import source_kind
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.headline import headline_rule
 from kvqbench.report.stats.intervals import is_short
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, spearman
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, spearman, target_rows
 
 __all__ = ["MODEL_SETTINGS", "model_sources", "kl_points", "rank_table", "predictivity_transfer"]
 
@@ -101,12 +101,6 @@ def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MO
             "rows": [rows[m] for m in sorted(methods, key=order)], "rho": rho}
 
 
-def _rows_of(predictivity_src: dict[str, Any] | None, target: str) -> tuple[str | None, dict[str, dict]]:
-    by_group = ((predictivity_src or {}).get("targets") or {}).get(target) or {}
-    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-    return group, ({r["metric"]: r for r in by_group.get(group, [])} if group else {})
-
-
 def predictivity_transfer(models: dict[str, dict[str, Any]], catalog: dict[str, dict]) -> dict[str, Any]:
     """Predictivity out of sample: the headline metric chosen on one model, its ρ (with CI) on the other,
     both ways, and how stably every metric predicts damage across the two.
@@ -130,21 +124,20 @@ def predictivity_transfer(models: dict[str, dict[str, Any]], catalog: dict[str, 
     names = _two(models)
     target = PREDICTIVITY_TARGETS[0]
     chosen = {n: headline_rule(models[n]["stats"], models[n].get("predictivity"), catalog) for n in names}
+    by = {n: {r["metric"]: r for r in target_rows(models[n].get("predictivity"), target)[1]} for n in names}
     directions = []
     for a, b in (names, names[::-1]):
         h = chosen[a]
         if h is None:
             directions.append({"from": a, "to": b, "metric": None})
             continue
-        _, rows_b = _rows_of(models[b].get("predictivity"), target)
-        on_b = rows_b.get(h["metric"]) or {}
+        on_b = by[b].get(h["metric"]) or {}
         kept = headline_rule(models[b]["stats"], models[b].get("predictivity"), catalog,
                              default={"metric": h["metric"], "experiment": h["experiment"]})
         directions.append({"from": a, "to": b, "metric": h["metric"], "experiment": h["experiment"],
                            "rho_from": h["rho"], "ci_from": h["ci95"], "rho_to": on_b.get("rho"), "ci_to": on_b.get("ci95"),
                            "transfers": bool(kept and kept["default_measured"] and not kept["replaced_default"]),
                            "best_on_to": kept["metric"] if kept else None})
-    by = {n: _rows_of(models[n].get("predictivity"), target)[1] for n in names}
     common = sorted(m for m in by[names[0]] if m in by[names[1]] and all(by[n][m]["rho"] is not None for n in names)
                     and (catalog.get(m) or {}).get("scale_free", True))
 

@@ -15,7 +15,8 @@ from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
 
 __all__ = ["PREDICTIVITY_TARGETS", "PREDICTIVITY_EXPERIMENTS", "PREDICTIVITY_BOOTSTRAP", "PREDICTIVITY_SEED",
-           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman", "spearman_rows", "resampled_rho", "percentile_ci95"]
+           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman", "spearman_rows", "resampled_rho", "percentile_ci95",
+           "target_rows"]
 
 
 #: the model-damage quantities tensor metrics are correlated with, each from the experiment the catalog
@@ -79,6 +80,14 @@ def spearman(x: Any, y: Any) -> tuple[float | None, float | None]:
         res = spearmanr(x, y)
     rho = float(res.statistic)
     return (rho, float(res.pvalue)) if math.isfinite(rho) else (None, None)
+
+
+def target_rows(predictivity_src: dict[str, Any] | None, target: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(group, rows)`` of one target's table that the report reads: its ``pooled`` group where it has
+    one, else its first; ``(None, [])`` without a table."""
+    by_group = ((predictivity_src or {}).get("targets") or {}).get(target) or {}
+    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
+    return group, by_group[group] if group else []
 
 
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
