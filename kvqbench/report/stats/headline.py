@@ -34,6 +34,7 @@ from kvqbench.report.stats.predictivity import (
     percentile_ci95,
     resampled_rho,
     spearman_rows,
+    target_rows,
 )
 from kvqbench.report.stats.ranking import budget_point, paired_at_budgets
 
@@ -115,25 +116,22 @@ def headline_rule(stats_src: dict[str, Any], predictivity_src: dict[str, Any] | 
     the candidate with the highest ρ is the headline (``default_measured: False``).
     """
     target = PREDICTIVITY_TARGETS[0]
-    by_group = ((predictivity_src or {}).get("targets") or {}).get(target) or {}
-    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-    if group is None:
-        return None
-    rows = [r for r in by_group[group] if r["rho"] is not None and (catalog.get(r["metric"]) or {}).get("scale_free", True)]
+    pred = predictivity_src or {}
+    group, rows = target_rows(pred, target)
+    rows = [r for r in rows if r["rho"] is not None and (catalog.get(r["metric"]) or {}).get("scale_free", True)]
     if not rows:
         return None
-    base = {"group": group, "target": target, "default": default["metric"], "n_boot": (predictivity_src or {}).get("n_boot"),
-            "seed": (predictivity_src or {}).get("seed")}
+    base = {"group": group, "target": target, "default": default["metric"], "n_boot": pred.get("n_boot"),
+            "seed": pred.get("seed")}
     dflt = next((r for r in rows if r["metric"] == default["metric"]), None)
     if dflt is None:
         top = rows[0]  # predictivity lists rows best first (ρ to 12 decimals, then name)
         return {**base, "metric": top["metric"], "experiment": top["experiment"], "rho": top["rho"], "ci95": top["ci95"],
                 "default_measured": False, "replaced_default": True, "challenger": None}
-    settings = (list((predictivity_src or {}).get("pooled_settings") or [s for s in by_group if s != "pooled"])
-                if group == "pooled" else [group])
-    settings = sorted(settings, key=setting_order)
-    n_boot = (predictivity_src or {}).get("n_boot") or PREDICTIVITY_BOOTSTRAP
-    seed = (predictivity_src or {}).get("seed", PREDICTIVITY_SEED)
+    by_group = pred["targets"][target]
+    settings = sorted((pred.get("pooled_settings") or [s for s in by_group if s != "pooled"])
+                      if group == "pooled" else [group], key=setting_order)
+    n_boot, seed = pred.get("n_boot") or PREDICTIVITY_BOOTSTRAP, pred.get("seed", PREDICTIVITY_SEED)
     challengers = []
     for r in rows:
         if r is dflt:
@@ -184,9 +182,8 @@ def _bits_of(stats_src: dict[str, Any], m: str, s: str, metric: str) -> float | 
     return b["mean"] if b is not None else None
 
 
-def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
-                    budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best method at each matched bits/element budget of one source, and every other method's best
+def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict]) -> list[dict[str, Any]]:
+    """The best method at each matched bits/element budget (:data:`kvqbench.cells.BUDGETS`) of one source, and every other method's best
     setting compared with it on the units they share.
 
     Ranked on the end-to-end target (``headline["target"]``, e.g. ``e2e_prefill_kl_nats``) where this
@@ -215,7 +212,7 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
         by_exp = stats_src.get(exp if crit == metric else experiment_of(crit)) or {}
         pts = [p for m, by in by_exp.items() for s, ms in by.items()
                if (p := budget_point(m, s, ms.get(crit), _bits_of(stats_src, m, s, crit))) is not None]
-    rows = paired_at_budgets(pts, budgets, better=better)
+    rows = paired_at_budgets(pts, BUDGETS, better=better)
     for r in rows:
         q = (stats_src.get(exp) or {}).get(r["method"], {}).get(r["setting"], {}).get(metric) if r["method"] else None
         k = e2e.get(r["method"], {}).get(r["setting"], {}).get(target) if r["method"] else None

@@ -56,14 +56,12 @@ def kl_points(stats_src: dict[str, Any], *, target: str = PREDICTIVITY_TARGETS[0
     return out
 
 
-def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MODEL_SETTINGS,
-               target: str = PREDICTIVITY_TARGETS[0]) -> dict[str, Any]:
-    """Each method's end-to-end KL rank on each of two models at each setting, and the rank correlation
-    between the models.
+def rank_table(stats_by_model: dict[str, Any], *, target: str = PREDICTIVITY_TARGETS[0]) -> dict[str, Any]:
+    """Each method's end-to-end KL rank on each of two models at each setting of :data:`MODEL_SETTINGS`, and
+    the rank correlation between the models.
 
     Args:
         stats_by_model: ``{model name: stats of its real source}``, exactly two.
-        settings: the settings compared (default k2v2 and k4v4).
         target: the end-to-end metric (lower is better).
 
     Ranks are among the methods that have a non-exact value on that model at that setting (1 = lowest
@@ -81,6 +79,7 @@ def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MO
     methods = sorted({m for n in names for m, _ in pts[n]})
     rows: dict[str, dict[str, Any]] = {m: {"method": m, **{n: {} for n in names}} for m in methods}
     rho: dict[str, Any] = {}
+    settings = MODEL_SETTINGS
     for s in settings:
         for n in names:
             ms = sorted(m for m in methods if (m, s) in pts[n])
