@@ -256,14 +256,12 @@ def page_data(board: dict[str, Any], folder: str | Path | None = None) -> dict[s
     order = method_order(board, extra)
     style = Style(order)
     meta = board.get("methods") or {}
-    table = _metric_table(board, order)
-    table["methods"] = order
-    table["fidelity"] = [meta.get(m, {}).get("fidelity") or "—" for m in order]
-    table["colors"] = [style(m)["color"] for m in order]
     catalog = board.get("metrics_catalog") or {}
-    table["catalog"] = {m: {k: catalog[m].get(k) for k in ("unit", "better", "description")}
-                        for m in table["metrics"] if m in catalog}
-    table["columns"] = list(METRIC_COLUMNS)
+    table = _metric_table(board, order)
+    table.update(methods=order, fidelity=[meta.get(m, {}).get("fidelity") or "—" for m in order],
+                 colors=[style(m)["color"] for m in order],
+                 catalog={m: {k: catalog[m].get(k) for k in ("unit", "better", "description")}
+                          for m in table["metrics"] if m in catalog}, columns=list(METRIC_COLUMNS))
     methods = []
     for m in order:
         i = meta.get(m, {})

@@ -9,7 +9,7 @@ shows a point's ``data-tip`` as text on hover and on keyboard focus.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from markupsafe import Markup, escape
 
@@ -105,11 +105,8 @@ def chart(series: list[Series], *, xlabel: str, ylabel: str, label: str, xlog: b
     Points with a non-finite coordinate, or a non-positive one on a log axis, are left out (the caption
     says which values cannot show). Returns an empty string when no point remains.
     """
-    def keep(x: float, y: float) -> bool:
-        return (math.isfinite(x) and math.isfinite(y) and (x > 0 or not xlog) and (y > 0 or not ylog))
-
-    shown = [Series(s.name, s.color, s.marker, [p for p in s.points if keep(p[0], p[1])], s.line, s.linestyle,
-                    s.hollow) for s in series]
+    shown = [replace(s, points=[(x, y, t) for x, y, t in s.points if math.isfinite(x) and math.isfinite(y)
+                                and (x > 0 or not xlog) and (y > 0 or not ylog)]) for s in series]
     shown = [s for s in shown if s.points]
     if not shown:
         return Markup("")

@@ -1,11 +1,6 @@
 """Two models side by side (docs/DESIGN.md §5): does a method's end-to-end rank, and the choice of headline
-tensor metric, carry over from one model to another? Torch-free.
-
-Every function takes each model's statistics as one source's ``stats`` (experiment → method → setting →
-metric → ``{mean, ci95, n, …}``, :func:`kvqbench.report.stats.aggregate.aggregate`), keyed by model name,
-and its predictivity table where needed (:func:`kvqbench.report.stats.predictivity.predictivity`);
-nothing here knows where the two result sets came from.
-"""
+tensor metric, carry over from one model to another? Torch-free. Each model's statistics are one
+source's ``stats`` (:func:`kvqbench.report.stats.aggregate.aggregate`), keyed by model name."""
 
 from __future__ import annotations
 
