@@ -192,8 +192,7 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     settings and short entries are not budget points; the fp16 control bills 16 bits and fits no budget.
 
     Returns one row per budget, the fields of :func:`~kvqbench.report.stats.ranking.paired_at_budgets`
-    (``method``, ``setting``, ``bits``, ``value``, ``ci95``, ``n_units``, ``rank_interval``, ``p_best``,
-    ``comparisons``, ``ties``, ``runner_up``, ``no_verdict``) plus ``"criterion"``, ``"unit"``
+    plus ``"criterion"``, ``"unit"``
     (:func:`unit_of`), ``"quality"``, ``"quality_ci95"`` (the headline tensor metric of the best's
     setting, ``None`` where not measured), ``"e2e_kl"``, ``"e2e_kl_ci95"`` and, where the source ran the
     long decode, ``"long_kl"``, ``"long_kl_ci95"``, ``"long_bits_billed"`` (bits billed at T).
