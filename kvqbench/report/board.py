@@ -41,11 +41,9 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
     for src in sorted({r["source"] for r in records}):
         recs = [r for r in records if r["source"] == src]
         st = stats.get(src, {})
-        sizes = sorted({r.get("size") for r in recs if r.get("size")})
-        data_meta = next((r.get("data") for r in recs if r.get("data")), None)
         sources[src] = {
-            "sizes": sizes,
-            "data": data_meta,
+            "sizes": sorted({r.get("size") for r in recs if r.get("size")}),
+            "data": next((r.get("data") for r in recs if r.get("data")), None),
             "seeds": sorted({r["seed"] for r in recs}),
             "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in ("passed", "failed", "skipped")},
             "setting_cells": setting_cells(recs),

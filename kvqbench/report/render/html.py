@@ -108,7 +108,6 @@ def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for src_name, src in board["sources"].items():
         sentence, rows, headers = headline_lines(board, src_name, src)
-        data = src.get("data") or {}
         paired = []
         for b in src.get("headline") or []:
             comps = [{"method": c.get("method"), "setting": c.get("setting"), "bits": fmt(c.get("bits")),
@@ -118,10 +117,10 @@ def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
                       "p_holm": fmt(c.get("p_holm")),
                       "rank": (f"{c['rank_interval'][0]}–{c['rank_interval'][1]}" if c.get("rank_interval") else "—")}
                      for c in b.get("comparisons") or []]
-            paired.append({"budget": b.get("budget"), "best": standing_text(b), "unit": b.get("unit"), "n_units": b.get("n_units"),
-                           "comparisons": comps})
-        out.append({"name": src_name, "model": data.get("model") if source_kind(src_name) == "real" else None,
-                    "sentence": sentence, "headers": headers, "rows": rows,
+            paired.append({"budget": b.get("budget"), "best": standing_text(b), "unit": b.get("unit"),
+                           "n_units": b.get("n_units"), "comparisons": comps})
+        model = (src.get("data") or {}).get("model") if source_kind(src_name) == "real" else None
+        out.append({"name": src_name, "model": model, "sentence": sentence, "headers": headers, "rows": rows,
                     "paired": paired if any(p["best"] or p["comparisons"] for p in paired) else [],
                     "cells": src.get("cells") or {}, "seeds": src.get("seeds"), "sizes": src.get("sizes") or []})
     return out

@@ -169,10 +169,9 @@ def render_markdown(board: dict[str, Any]) -> str:
               "table: the first screen's rule.", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
-        lines += [f"## {src_name}", ""]
         desc = data.get("description") or ", ".join(f"{k}={v}" for k, v in sorted(data.items())
                                                    if isinstance(v, (int, float, str)) and k != "description")
-        lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: "
+        lines += [f"## {src_name}", "", f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: "
                   + cells_text(src["cells"]), ""]
         lines += _endtoend_tables(src, board)
         lines += longdecode_lines(src, board)
@@ -204,11 +203,9 @@ def render_markdown(board: dict[str, Any]) -> str:
                 lines += ["### Best method at a matched budget by pseudo-decode attention KL alone (exp2 decoding; "
                           "bits billed, fp16 windows at 16)", ""]
                 lines += [_budget_table(dk, "bits", "quality", ["bits billed", "KL(p‖p̂) nats"]), ""]
-            low = settings[0] if settings else None
-            if low:
-                t = _all_metrics_table(src, low)
-                if t:
-                    lines += [f"### Every ranked metric at {low}", "", t, ""]
+            t = _all_metrics_table(src, settings[0]) if settings else ""
+            if t:
+                lines += [f"### Every ranked metric at {settings[0]}", "", t, ""]
         dq = src.get("data_quality") or []
         if dq:
             lines += ["### Data-quality flags (sanity checks on the measurement, not verdicts on methods)", ""]

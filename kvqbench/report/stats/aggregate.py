@@ -61,8 +61,7 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 "seeds": [r["seed"] for r in recs if name in r.get("metrics", {})],
                 "values": vals,
             }
-            layers = [r.get("per_layer", {}).get(name) for r in recs]
-            layers = [lst for lst in layers if lst]
+            layers = [lst for r in recs if (lst := r.get("per_layer", {}).get(name))]
             if layers and len(layers[0]) > 1 and all(len(x) == len(layers[0]) for x in layers):
                 per = [math.fsum(col) / len(col) for col in zip(*layers)]
                 entry["per_layer_mean"] = per

@@ -91,9 +91,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
                                     "n_seeds": len(seeds), "floor": floor, "depths": depths}
         out["passkey_mcnemar"] = passkey_mcnemar(trials)
     first = recs[0].get("extra") or {}
-    out["text_tokens"] = first.get("text_tokens")
-    out["prefill_tokens"] = first.get("prefill_tokens")
-    out["bin"] = ((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin")
+    out.update(text_tokens=first.get("text_tokens"), prefill_tokens=first.get("prefill_tokens"),
+               bin=((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin"))
     return out
 
 
