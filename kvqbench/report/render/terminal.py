@@ -29,11 +29,9 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         rk = src["rankings"].get(metric)
         if not rk:
             continue
-        settings = [s for s in sorted(rk["by_setting"], key=setting_order) if is_plain_setting(s)]
-        if not settings:
+        s = next((s for s in sorted(rk["by_setting"], key=setting_order) if is_plain_setting(s)), None)
+        if s is None:
             continue
-        s = settings[0]
-
         target = head.get("target") or "e2e_prefill_kl_nats"
         bits = "bits_effective" if "bits_effective" in src["rankings"] else "long_bits_billed"
         eff, e2e, tensor = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
