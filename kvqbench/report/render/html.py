@@ -166,8 +166,8 @@ def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any
                              "svg": chart([series(m, by[m]) for m in by], xlabel="bits billed per element",
                                           ylabel="end-to-end KL, nats", ylog=True, label=f"KL against bits, {src_name}")})
         curves = (src.get("long_decode") or {}).get("kl_curve") or {}
-        settings = sorted({s for c in curves.values() for s in c if is_plain_setting(s) and Setting.parse(s).k_bits < 16},
-                          key=setting_order)
+        settings = sorted({s for c in curves.values() for s in c
+                           if is_plain_setting(s) and Setting.parse(s).k_bits < 16}, key=setting_order)
         for s in settings:
             lines = []
             for m in style.in_order(curves):

@@ -171,8 +171,8 @@ def render_markdown(board: dict[str, Any]) -> str:
         data = src.get("data") or {}
         desc = data.get("description") or ", ".join(f"{k}={v}" for k, v in sorted(data.items())
                                                    if isinstance(v, (int, float, str)) and k != "description")
-        lines += [f"## {src_name}", "", f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: "
-                  + cells_text(src["cells"]), ""]
+        lines += [f"## {src_name}", "", f"Data: {desc}", "",
+                  f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: {cells_text(src['cells'])}", ""]
         lines += _endtoend_tables(src, board)
         lines += longdecode_lines(src, board)
         exp1 = src["stats"].get(_RECONSTRUCTION, {})
@@ -214,9 +214,8 @@ def render_markdown(board: dict[str, Any]) -> str:
                                  + (f"noted, not flagged: {listed(d['noted'])}" if d.get("noted") else "")]
                                 for d in dq], headers=["flag", "status", "check", "offenders"], tablefmt="github"), ""]
         if src.get("failures"):
-            lines += ["### Failed cells", ""]
-            lines += [f"- `{f['nodeid']}`: {f['error'].splitlines()[0] if f['error'] else ''}" for f in src["failures"]]
-            lines += [""]
+            lines += ["### Failed cells", "", *(f"- `{f['nodeid']}`: {f['error'].splitlines()[0] if f['error'] else ''}"
+                                                for f in src["failures"]), ""]
     if board.get("methods"):
         lines += ["## Methods", ""]
         rows = [[f"`{m}`", i.get("name", ""), i.get("arxiv") or "—", i.get("fidelity", ""),

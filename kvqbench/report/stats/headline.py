@@ -182,9 +182,10 @@ def _bits_of(stats_src: dict[str, Any], m: str, s: str, metric: str) -> float | 
     return b["mean"] if b is not None else None
 
 
-def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict]) -> list[dict[str, Any]]:
-    """The best method at each matched bits/element budget (:data:`kvqbench.cells.BUDGETS`) of one source, and every other method's best
-    setting compared with it on the units they share.
+def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any],
+                    catalog: dict[str, dict]) -> list[dict[str, Any]]:
+    """The best method at each matched bits/element budget (:data:`kvqbench.cells.BUDGETS`) of one source,
+    and every other method's best setting compared with it on the units they share.
 
     Ranked on the end-to-end target (``headline["target"]``, e.g. ``e2e_prefill_kl_nats``) where this
     source has it, else on the headline tensor metric (its better-direction), else — a long tier's results

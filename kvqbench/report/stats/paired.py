@@ -87,10 +87,10 @@ def paired_ratio(best: Sequence[float], other: Sequence[float]) -> dict[str, Any
 
     Returns ``{"n_units", "ratio", "ratio_ci95", "p"}``: ``ratio = exp(mean d)`` with ``d`` the per-unit
     log differences (:func:`log_differences`); ``ratio_ci95`` the exponentiated 95 % Student-t interval
-    on ``mean d``; ``p`` the one-sided paired t-test of ``mean d > 0`` (``scipy.stats.ttest_1samp`` on ``d``). With one unit there is no test: ``ratio_ci95`` and ``p``
-    are ``None``. When every unit has the same ``d`` (zero variance) the interval is the point and ``p``
-    is 0 for ``d > 0``, 1 otherwise (the t statistic's limit). Raises ``ValueError`` as
-    :func:`log_differences` does, or on no unit.
+    on ``mean d``; ``p`` the one-sided paired t-test of ``mean d > 0`` (``scipy.stats.ttest_1samp`` on
+    ``d``). With one unit there is no test: ``ratio_ci95`` and ``p`` are ``None``. When every unit has the
+    same ``d`` (zero variance) the interval is the point and ``p`` is 0 for ``d > 0``, 1 otherwise (the t
+    statistic's limit). Raises ``ValueError`` as :func:`log_differences` does, or on no unit.
     """
     d = log_differences(best, other)
     n = d.size
@@ -150,7 +150,8 @@ def mcnemar_exact(best: Sequence[bool], other: Sequence[bool], *, alternative: s
     return {"n_trials": int(a.size), "best_only": b, "other_only": c, "p": p}
 
 
-def rank_intervals(logs: Any, *, n_boot: int = BOOTSTRAP, seed: int = BOOTSTRAP_SEED) -> tuple[list[list[int]], list[float]]:
+def rank_intervals(logs: Any, *, n_boot: int = BOOTSTRAP,
+                   seed: int = BOOTSTRAP_SEED) -> tuple[list[list[int]], list[float]]:
     """Rank intervals and probability of ranking first by a paired cluster bootstrap.
 
     Args:

@@ -27,7 +27,8 @@ def budget_point(method: str, setting: str, e: dict[str, Any] | None, bits: floa
     where there is none: no entry or bits, a short entry, a variant or an exact (16-bit) setting."""
     if e is None or bits is None or is_short(e) or not is_plain_setting(setting) or is_exact_setting(setting):
         return None
-    return {"method": method, "setting": setting, "bits": bits, "mean": e["mean"], "ci95": e["ci95"], "units": units_of(e)}
+    return {"method": method, "setting": setting, "bits": bits, "mean": e["mean"], "ci95": e["ci95"],
+            "units": units_of(e)}
 
 
 def damage(units: dict[Any, float], better: str) -> dict[Any, float]:
@@ -162,8 +163,8 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
     for b in budgets:
         own: dict[str, dict[str, Any]] = {}
         for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
-                        key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]), p["bits"], p["method"],
-                                       setting_order(p["setting"]))):
+                        key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]), p["bits"],
+                                       p["method"], setting_order(p["setting"]))):
             own.setdefault(p["method"], p)
         ranked = sorted(own.values(), key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]),
                                                      p["bits"], p["method"]))
