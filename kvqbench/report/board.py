@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvqbench.report.stats.aggregate import aggregate, setting_cells
+from kvqbench.report.stats.aggregate import CELL_STATES, aggregate, setting_cells
 from kvqbench.report.stats.headline import choose_headline, headline_budget
 from kvqbench.report.stats.longdecode import summarize as summarize_long
 from kvqbench.report.stats.models import model_sources, predictivity_transfer, rank_table
@@ -45,7 +45,7 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             "sizes": sorted({r.get("size") for r in recs if r.get("size")}),
             "data": next((r.get("data") for r in recs if r.get("data")), None),
             "seeds": sorted({r["seed"] for r in recs}),
-            "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in ("passed", "failed", "skipped")},
+            "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in CELL_STATES},
             "setting_cells": setting_cells(recs),
             "failures": [{"nodeid": r["nodeid"], "error": r.get("error", "")} for r in recs if r.get("status") == "failed"],
             "stats": st,

@@ -43,13 +43,12 @@ def _polygon(n: int, r: float, rot: float, sx: float = 1.0) -> list[tuple[float,
 def marker_points(marker: str, r: float = 4.5) -> list[tuple[float, float]] | None:
     """The outline of a matplotlib marker as polygon vertices around (0, 0), y down; ``None`` for a
     circle (``"o"`` and any marker not known here)."""
-    quarter = math.pi / 2
     if marker in ("s",):
         return _polygon(4, r * 1.2, math.pi / 4)
     if marker in ("D", "d"):
         return _polygon(4, r * 1.2, 0.0, 0.65 if marker == "d" else 1.0)
     if marker in ("^", ">", "v", "<"):
-        return _polygon(3, r * 1.25, quarter * "^>v<".index(marker))
+        return _polygon(3, r * 1.25, math.pi / 2 * "^>v<".index(marker))
     if marker in ("h", "p", "8"):
         return _polygon({"h": 6, "p": 5, "8": 8}[marker], r * 1.1, 0.0)
     if marker == "*":

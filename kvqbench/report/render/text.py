@@ -13,14 +13,13 @@ from typing import Any
 from kvqbench.cells import is_plain_setting, setting_order
 from kvqbench.metrics import CATALOG
 from kvqbench.report.io import to_jsonable
+from kvqbench.report.stats.aggregate import CELL_STATES
 from kvqbench.report.stats.headline import unit_of
 from kvqbench.report.stats.paired import ALPHA
 
 __all__ = ["canonical", "fmt", "value_text", "missing_text", "cells_text", "rho_text", "listed", "plain_settings",
            "completeness_banner", "ratio_text", "best_text", "compared_text", "RANKING_RULE", "rank_text", "ties_text",
            "seeds_text", "methods_in", "standing_text"]
-
-CELL_STATES = ("passed", "failed", "skipped")
 
 
 def canonical(board: dict[str, Any]) -> dict[str, Any]:
