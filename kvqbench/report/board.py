@@ -16,7 +16,7 @@ from kvqbench.report.stats.models import model_sources, predictivity_transfer, r
 from kvqbench.report.stats.paired import PAIRED_TEST
 from kvqbench.report.stats.predictivity import predictivity
 from kvqbench.report.stats.quality import data_quality
-from kvqbench.report.stats.ranking import matched_budget, pareto, pareto_metric, rankings
+from kvqbench.report.stats.ranking import pareto, pareto_metric, rankings
 
 __all__ = ["assemble", "compare_models", "summary_of"]
 
@@ -41,6 +41,7 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
     for src in sorted({r["source"] for r in records}):
         recs = [r for r in records if r["source"] == src]
         st = stats.get(src, {})
+        front, matched = pareto(st)
         sources[src] = {
             "sizes": sorted({r.get("size") for r in recs if r.get("size")}),
             "data": next((r.get("data") for r in recs if r.get("data")), None),
@@ -50,8 +51,8 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
             "failures": [{"nodeid": r["nodeid"], "error": r.get("error", "")} for r in recs if r.get("status") == "failed"],
             "stats": st,
             "rankings": rankings(st, catalog),
-            "pareto": pareto(st),
-            "matched_budget": matched_budget(st),
+            "pareto": front,
+            "matched_budget": matched,
             "pareto_decode_kl": pareto_metric(st),  # pseudo-decode KL against the bits a cache really holds
             "data_quality": data_quality(recs),
             "predictivity": predictivity(st, catalog),

@@ -14,7 +14,7 @@ from kvqbench.metrics import experiment_of, is_ratio_scale, rank_key
 from kvqbench.report.stats.intervals import is_short, units_of
 from kvqbench.report.stats.paired import budget_verdict, paired_ranking
 
-__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "paired_at_budgets", "budget_point", "damage",
+__all__ = ["rankings", "pareto", "pareto_metric", "paired_at_budgets", "budget_point", "damage",
            "PARETO_QUALITY", "PARETO_BITS"]
 
 #: quality metric and bits metric of the Pareto front and the matched-budget selector
@@ -72,11 +72,13 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     return out
 
 
-def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
-    """Every exp1 (method, bits) point as (effective bits/element, relative MSE) and the non-dominated
-    front (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly).
-    The generic rule is :func:`pareto_metric`; this names the fields after the metrics."""
-    gen = pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS)
+def pareto(stats_src: dict[str, Any],
+           budgets: tuple[float, ...] = BUDGETS) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """:func:`pareto_metric` of exp1's relative MSE against its effective bits, the fields named after the
+    metrics: ``(pareto, matched_budget)``, every (method, bits) point as (effective bits/element, relative
+    MSE) with the non-dominated front, and the best (lowest relative MSE) point at each effective-bits
+    budget ``≤ b`` with every other method compared with it over the seeds (:func:`paired_at_budgets`)."""
+    gen = pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)
     bits_nominal = {(m, s): e.get("bits_nominal", {}).get("mean")
                     for m, by in stats_src.get(experiment_of(PARETO_QUALITY), {}).items() for s, e in by.items()}
 
@@ -86,16 +88,10 @@ def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
 
     pts = [{**named(p), "bits_nominal": bits_nominal.get((p["method"], p["setting"])), "ci95": p["ci95"],
             "on_front": p["on_front"]} for p in gen["points"]]
-    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts, "front": [named(p) for p in gen["front"]]}
-
-
-def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b`` and every
-    other method compared with it over the seeds (:func:`paired_at_budgets`): its rows with ``bits`` named
-    ``bits_effective`` and ``quality`` named after the metric."""
-    return [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"]}
-            for m in pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)["matched_budget"]]
+    matched = [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
+                PARETO_QUALITY: m["quality"]} for m in gen["matched_budget"]]
+    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts,
+            "front": [named(p) for p in gen["front"]]}, matched
 
 
 def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_fwd_nats",
@@ -104,7 +100,7 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
     quality metric's, :func:`kvqbench.metrics.experiment_of`), e.g. the
     pseudo-decode attention KL against the bits a cache really holds (fp16 windows billed at 16 bits).
 
-    Same rules as :func:`pareto` / :func:`matched_budget` (lower quality is better; variant settings are
+    Same rules as :func:`pareto` (lower quality is better; variant settings are
     not budget points, nor are settings with fewer seeds than asked). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
     """
     experiment = experiment_of(quality)
