@@ -77,13 +77,10 @@ def _short(x: float | None) -> float | None:
 def _metric_table(board: dict[str, Any], methods: list[str]) -> dict[str, Any]:
     """Every per-setting statistic of every source as compact rows ``[source, experiment, method, setting,
     metric, mean, text, n, rank]`` (the first five as indices into the lists returned beside them)."""
-    names: dict[str, list[str]] = {"sources": [], "experiments": [], "settings": [], "metrics": []}
+    names: dict[str, dict[str, int]] = {"sources": {}, "experiments": {}, "settings": {}, "metrics": {}}
 
     def index(kind: str, name: str) -> int:
-        lst = names[kind]
-        if name not in lst:
-            lst.append(name)
-        return lst.index(name)
+        return names[kind].setdefault(name, len(names[kind]))
 
     rows = []
     for src_name, src in board["sources"].items():
@@ -98,8 +95,9 @@ def _metric_table(board: dict[str, Any], methods: list[str]) -> dict[str, Any]:
                         rows.append([index("sources", src_name), index("experiments", exp), methods.index(m),
                                      index("settings", s), index("metrics", metric), _short(e.get("mean")),
                                      value_text(e) if "mean" in e else "—", e.get("n"), ranks.get((metric, s, m))])
-    order = sorted(range(len(names["settings"])), key=lambda i: setting_order(names["settings"][i]))
-    return {**names, "setting_order": order, "rows": rows}
+    lists = {k: list(v) for k, v in names.items()}
+    order = sorted(range(len(lists["settings"])), key=lambda i: setting_order(lists["settings"][i]))
+    return {**lists, "setting_order": order, "rows": rows}
 
 
 def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:

@@ -119,7 +119,6 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                          for metrics in by.values() for name in metrics
                          if name in catalog and catalog[name].get("experiment") == exp
                          and catalog[name].get("unit") != "bits/element"})
-    groups_seen: set[str] = set()
     for target in PREDICTIVITY_TARGETS:
         e2e = stats_src.get(target_exp(target)) or {}
         pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
@@ -151,8 +150,8 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
             rows.sort(key=lambda r: (r["rho"] is None, -round(r["rho"] or 0.0, 12), r["metric"]))
             if rows:
                 by_group[gname] = rows
-                groups_seen.add(gname)
         out["targets"][target] = by_group
         out.setdefault("pooled_settings", pooled if len(pooled) > 1 else [])
+    groups_seen = {g for by_group in out["targets"].values() for g in by_group}
     out["groups"] = sorted(groups_seen - {"pooled"}, key=setting_order) + (["pooled"] if "pooled" in groups_seen else [])
     return out
