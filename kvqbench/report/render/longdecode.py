@@ -92,15 +92,9 @@ def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str,
 def _free_table(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     stats6 = src["stats"][EXPERIMENT]
     settings = plain_settings(stats6)
-    rows = []
-    for m in methods_in(board, stats6):
-        if not any("free_match_share" in stats6[m].get(s, {}) for s in settings):
-            continue
-        row = [f"`{m}`"]
-        for s in settings:
-            e = stats6[m].get(s, {})
-            row += [value_text(e.get("free_first_divergence_tokens")), value_text(e.get("free_match_share"))]
-        rows.append(row)
+    rows = [[f"`{m}`", *(value_text(stats6[m].get(s, {}).get(k)) for s in settings
+                          for k in ("free_first_divergence_tokens", "free_match_share"))]
+            for m in methods_in(board, stats6) if any("free_match_share" in stats6[m].get(s, {}) for s in settings)]
     if not rows:
         return []
     heads = [h for s in settings for h in (f"first divergence {s}", f"matching share {s}")]

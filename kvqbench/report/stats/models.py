@@ -42,13 +42,9 @@ def _two(stats_by_model: dict[str, Any]) -> list[str]:
 def kl_points(stats_src: dict[str, Any], *, target: str = PREDICTIVITY_TARGETS[0]) -> dict[tuple[str, str], dict]:
     """One model's end-to-end KL per (method, setting): ``{(method, setting): {mean, ci95}}``, leaving out
     exact points (KL exactly 0: the fp16 control, 16-bit settings) and short entries (fewer seeds than asked)."""
-    out = {}
-    for m, by in (stats_src.get(experiment_of(target)) or {}).items():
-        for s, metrics in by.items():
-            e = metrics.get(target)
-            if e is not None and e["mean"] != 0 and not is_short(e):
-                out[(m, s)] = {"mean": e["mean"], "ci95": e["ci95"]}
-    return out
+    by_method = stats_src.get(experiment_of(target)) or {}
+    return {(m, s): {"mean": e["mean"], "ci95": e["ci95"]} for m, by in by_method.items() for s, ms in by.items()
+            if (e := ms.get(target)) is not None and e["mean"] != 0 and not is_short(e)}
 
 
 def rank_table(stats_by_model: dict[str, Any], *, target: str = PREDICTIVITY_TARGETS[0]) -> dict[str, Any]:

@@ -6,10 +6,9 @@ cancels in a paired difference, so settings are compared unit by unit, never by 
 intervals overlap. Damage metrics are ratio-scale (KL, MSE, error norms) and are compared on the log
 scale: a result reads as "× the best's".
 
-Values must be finite. The log scale needs positive values: a unit where both sides are exactly equal
-(both exactly 0 included) contributes a log difference of exactly 0; any other value ≤ 0 raises
-``ValueError`` (exact settings, damage 0, are not budget points; :func:`compare_gate` treats exact zeros
-itself). Pure functions of their arguments (numpy and scipy.stats only): the same numbers on every run.
+Values must be finite and, on the log scale, positive (:func:`log_differences`; exact settings, damage 0,
+are not budget points). Pure functions of their arguments (numpy and scipy.stats): the same numbers on
+every run.
 """
 
 from __future__ import annotations
