@@ -70,15 +70,9 @@ def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
     for s in settings:
         if "rel_mse" not in rk or s not in rk["rel_mse"]["by_setting"]:
             continue
-        ranked = rk["rel_mse"]["by_setting"][s]
-        rows = []
-        for r in ranked:
-            row = [rank_text(r), f"`{r['method']}`"]
-            for name, _ in cols:
-                e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
-                row.append(value_text(e))
-            row.append(ties_text(r))
-            rows.append(row)
+        by = {name: {x["method"]: x for x in rk.get(name, {}).get("by_setting", {}).get(s, [])} for name, _ in cols}
+        rows = [[rank_text(r), f"`{r['method']}`", *(value_text(by[name].get(r["method"])) for name, _ in cols),
+                 ties_text(r)] for r in rk["rel_mse"]["by_setting"][s]]
         out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (paired)"],
                                               tablefmt="github"))
     return out
@@ -111,14 +105,11 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
         return []
     settings = plain_settings(e2e)
     cols = [(s, r) for r in ("prefill", "decode") for s in settings]
-    rows = []
-    for m in methods_in(board, e2e):
-        row = [f"`{m}`"]
-        for s, r in cols:
-            e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
-            b = e2e[m].get(s, {}).get(f"e2e_{r}_bits_billed") if r == "decode" else None
-            row.append((fmt(e["mean"], e["ci95"]) if e else "—") + (f" @ {b['mean']:.3g} b" if e and b else ""))
-        rows.append(row)
+    def cell(by: dict[str, Any], r: str) -> str:  # the KL, and the bits billed where they can differ
+        e, b = by.get(f"e2e_{r}_kl_nats"), by.get(f"e2e_{r}_bits_billed") if r == "decode" else None
+        return (fmt(e["mean"], e["ci95"]) if e else "—") + (f" @ {b['mean']:.3g} b" if e and b else "")
+
+    rows = [[f"`{m}`", *(cell(e2e[m].get(s, {}), r) for s, r in cols)] for m in methods_in(board, e2e)]
     out = ["### End-to-end damage: next-token KL(p‖p̂) in nats against the unquantized model", "",
            "Each method's quantize → dequantize inside the model's KV cache; prefill = the text in one pass, "
            "decode = a prefill then blocks under the method's streaming rules. Decode cells give the bits billed "
