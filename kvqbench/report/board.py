@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvqbench.report.stats.aggregate import aggregate, setting_cells
+from kvqbench.report.stats.aggregate import CELL_STATES, aggregate, setting_cells
 from kvqbench.report.stats.headline import choose_headline, headline_budget
 from kvqbench.report.stats.longdecode import summarize as summarize_long
 from kvqbench.report.stats.models import model_sources, predictivity_transfer, rank_table
 from kvqbench.report.stats.paired import PAIRED_TEST
 from kvqbench.report.stats.predictivity import predictivity
 from kvqbench.report.stats.quality import data_quality
-from kvqbench.report.stats.ranking import matched_budget, pareto, pareto_metric, rankings
+from kvqbench.report.stats.ranking import pareto, pareto_metric, rankings
 
 __all__ = ["assemble", "compare_models", "summary_of"]
 
@@ -41,27 +41,21 @@ def assemble(records: list[dict[str, Any]], catalog: dict[str, dict], provenance
     for src in sorted({r["source"] for r in records}):
         recs = [r for r in records if r["source"] == src]
         st = stats.get(src, {})
-        sizes = sorted({r.get("size") for r in recs if r.get("size")})
-        data_meta = next((r.get("data") for r in recs if r.get("data")), None)
+        front, matched = pareto(st)
         sources[src] = {
-            "sizes": sizes,
-            "data": data_meta,
+            "sizes": sorted({r.get("size") for r in recs if r.get("size")}),
+            "data": next((r.get("data") for r in recs if r.get("data")), None),
             "seeds": sorted({r["seed"] for r in recs}),
-            "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in ("passed", "failed", "skipped")},
+            "cells": {s: sum(1 for r in recs if r.get("status") == s) for s in CELL_STATES},
             "setting_cells": setting_cells(recs),
             "failures": [{"nodeid": r["nodeid"], "error": r.get("error", "")} for r in recs if r.get("status") == "failed"],
             "stats": st,
             "rankings": rankings(st, catalog),
-            "pareto": pareto(st),
-            "matched_budget": matched_budget(st),
-            # the same selection for what attention sees while decoding: pseudo-decode KL against
-            # the bits a cache really holds (fp16 sink/window tokens billed at 16)
-            "pareto_decode_kl": pareto_metric(st),
+            "pareto": front,
+            "matched_budget": matched,
+            "pareto_decode_kl": pareto_metric(st),  # pseudo-decode KL against the bits a cache really holds
             "data_quality": data_quality(recs),
-            # which tensor metrics predict model damage (end-to-end and long-decode damage against the
-            # tensor experiments), None without either
             "predictivity": predictivity(st, catalog),
-            # the long decode's curves, fp16 shares and passkey accuracies per length (None without it)
             "long_decode": summarize_long(recs),
         }
     headline = choose_headline(sources, catalog)

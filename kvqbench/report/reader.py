@@ -27,12 +27,9 @@ def leaderboard_problem(doc: Any) -> str | None:
     when present, are dicts."""
     if not isinstance(doc, dict):
         return f"top level is a JSON {type(doc).__name__}, not an object"
-    for key in ("provenance", "sources"):
-        if key not in doc:
+    for key in ("provenance", "sources", "methods", "metrics_catalog"):  # the first two are required
+        if key not in doc and key in ("provenance", "sources"):
             return f"no '{key}'"
-        if not isinstance(doc[key], dict):
-            return f"'{key}' is a {type(doc[key]).__name__}, not an object"
-    for key in ("methods", "metrics_catalog"):
         if key in doc and not isinstance(doc[key], dict):
             return f"'{key}' is a {type(doc[key]).__name__}, not an object"
     for name, src in doc["sources"].items():

@@ -17,7 +17,7 @@ from kvqbench.report.board import assemble
 from kvqbench.report.render.markdown import render_markdown
 from kvqbench.report.stats.headline import HEADLINE_DEFAULT, choose_headline, paired_rho_difference
 from kvqbench.report.stats.intervals import mean_ci
-from kvqbench.report.stats.ranking import matched_budget
+from kvqbench.report.stats.ranking import pareto
 from tests.unit.test_report_samples import PROVENANCE, _rec, catalog
 
 DEFAULT = HEADLINE_DEFAULT["metric"]
@@ -216,7 +216,7 @@ def test_detail_budget_tables_follow_the_paired_rule():
         return {"mean": m, "ci95": ci, "n": 3, "seeds": [0, 1, 2], "values": v}
 
     st = {"exp1": {m: {"k2v2": {"rel_mse": entry(v), "bits_effective": entry([2.0] * 3)}} for m, v in vals.items()}}
-    row = next(r for r in matched_budget(st, (2.25,)))
+    row = next(r for r in pareto(st, (2.25,))[1])
     p = {m: stats.ttest_rel(np.log(vals[m]), np.log(x), alternative="greater").pvalue for m in ("y", "z")}
     assert row["method"] == "x" and p["y"] * 2 <= 0.025 < p["z"]  # Holm over 2: y separated, z not
     assert [t["method"] for t in row["ties"]] == ["z"]

@@ -46,10 +46,9 @@ def paired_rule(board: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     unit = next((r["unit"] for r in rows if r.get("unit")), "seed")
     counts = sorted({r["n_units"] for r in rows if r.get("n_units")})
     n = (f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}" if counts else "none") + " here"
-    test = str(t["test"]).replace("one-sided ", "")
-    return PAIRED_RULE_TEXT.format(unit=unit, n=n, test=f"one-sided {test}", correction=t["correction"],
-                                   alpha=t["alpha"], level=200 * t["alpha"], conf=100 * t["confidence"],
-                                   n_boot=t["bootstrap"], seed=t["bootstrap_seed"])
+    return PAIRED_RULE_TEXT.format(unit=unit, n=n, test="one-sided " + str(t["test"]).replace("one-sided ", ""),
+                                   correction=t["correction"], alpha=t["alpha"], level=200 * t["alpha"],
+                                   conf=100 * t["confidence"], n_boot=t["bootstrap"], seed=t["bootstrap_seed"])
 
 
 def no_predictivity_reason(board: dict[str, Any]) -> str:
@@ -93,7 +92,7 @@ def _rule_lines(board: dict[str, Any]) -> str:
     if default is None:
         return text
     rule = RULE_TEXT.format(default=default, n_boot=h.get("n_boot") or PREDICTIVITY_BOOTSTRAP,
-                            seed=h.get("seed", PREDICTIVITY_SEED) if h.get("seed") is not None else PREDICTIVITY_SEED)
+                            seed=h["seed"] if h.get("seed") is not None else PREDICTIVITY_SEED)
     c = h.get("challenger")
     if not h.get("default_measured", True):
         outcome = "the default was not measured on this data, so the scale-free metric with the highest ρ stands in"
@@ -107,13 +106,9 @@ def _rule_lines(board: dict[str, Any]) -> str:
 
 
 def headline_lines(board: dict[str, Any], src_name: str, src: dict[str, Any]) -> tuple[str, list[list[str]], list[str]]:
-    """The headline of one source: the sentences naming the ranking criterion, the paired rule
-    (:func:`paired_rule`) and the headline metric with its rule, the matched-budget rows and their headers.
-    Shared by ``LEADERBOARD.md`` and the README digest. A source with an end-to-end run ranks on its KL
-    (bits billed by the same cells), the headline tensor metric of the same setting beside it; one without
-    ranks on the headline tensor metric. The best is written with its rank interval, P(best) and ties
-    (``a (rank 1–2, P(best) 0.83) = b``, ids in backticks); every compared method as ``b k2v2 1.12× [0.95, 1.31]``
-    in the tied or the separated column."""
+    """The headline of one source, shared by ``LEADERBOARD.md``, the web page and the README digest:
+    ``(sentence, rows, headers)``, the sentences naming the ranking criterion, the paired rule
+    (:func:`paired_rule`) and the headline metric with its rule, then the matched-budget table."""
     h = board.get("headline") or {}
     metric = h.get("metric", "rel_mse")
     target = h.get("target", PREDICTIVITY_TARGETS[0])

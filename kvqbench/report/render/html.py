@@ -32,7 +32,7 @@ from kvqbench.report.io import write_text_atomic
 from kvqbench.report.render.figures.style import Style, method_order
 from kvqbench.report.render.headline import headline_lines
 from kvqbench.report.render.svg import Series, chart
-from kvqbench.report.render.text import canonical, completeness_banner, fmt, value_text
+from kvqbench.report.render.text import canonical, completeness_banner, fmt, standing_text, value_text
 
 __all__ = ["render_html", "write_html", "page_data", "embed_json", "PAGE", "METRIC_COLUMNS"]
 
@@ -77,13 +77,10 @@ def _short(x: float | None) -> float | None:
 def _metric_table(board: dict[str, Any], methods: list[str]) -> dict[str, Any]:
     """Every per-setting statistic of every source as compact rows ``[source, experiment, method, setting,
     metric, mean, text, n, rank]`` (the first five as indices into the lists returned beside them)."""
-    names: dict[str, list[str]] = {"sources": [], "experiments": [], "settings": [], "metrics": []}
+    names: dict[str, dict[str, int]] = {"sources": {}, "experiments": {}, "settings": {}, "metrics": {}}
 
     def index(kind: str, name: str) -> int:
-        lst = names[kind]
-        if name not in lst:
-            lst.append(name)
-        return lst.index(name)
+        return names[kind].setdefault(name, len(names[kind]))
 
     rows = []
     for src_name, src in board["sources"].items():
@@ -98,8 +95,9 @@ def _metric_table(board: dict[str, Any], methods: list[str]) -> dict[str, Any]:
                         rows.append([index("sources", src_name), index("experiments", exp), methods.index(m),
                                      index("settings", s), index("metrics", metric), _short(e.get("mean")),
                                      value_text(e) if "mean" in e else "—", e.get("n"), ranks.get((metric, s, m))])
-    order = sorted(range(len(names["settings"])), key=lambda i: setting_order(names["settings"][i]))
-    return {**names, "setting_order": order, "rows": rows}
+    lists = {k: list(v) for k, v in names.items()}
+    order = sorted(range(len(lists["settings"])), key=lambda i: setting_order(lists["settings"][i]))
+    return {**lists, "setting_order": order, "rows": rows}
 
 
 def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,12 +106,8 @@ def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for src_name, src in board["sources"].items():
         sentence, rows, headers = headline_lines(board, src_name, src)
-        data = src.get("data") or {}
         paired = []
         for b in src.get("headline") or []:
-            ri, pb = b.get("rank_interval"), b.get("p_best")
-            best = (f"rank {ri[0]}–{ri[1]}" if ri and ri[0] != ri[1] else f"rank {ri[0]}" if ri else "") + \
-                   (f", P(best) {pb:.2f}" if pb is not None else "")
             comps = [{"method": c.get("method"), "setting": c.get("setting"), "bits": fmt(c.get("bits")),
                       "value": fmt(c.get("value"), c.get("ci95")), "tied": bool(c.get("tied")),
                       "ratio": (f"{c['ratio']:.3g}×" + (f" [{c['ratio_ci95'][0]:.3g}, {c['ratio_ci95'][1]:.3g}]"
@@ -121,18 +115,13 @@ def _headlines(board: dict[str, Any]) -> list[dict[str, Any]]:
                       "p_holm": fmt(c.get("p_holm")),
                       "rank": (f"{c['rank_interval'][0]}–{c['rank_interval'][1]}" if c.get("rank_interval") else "—")}
                      for c in b.get("comparisons") or []]
-            paired.append({"budget": b.get("budget"), "best": best, "unit": b.get("unit"), "n_units": b.get("n_units"),
-                           "comparisons": comps})
-        out.append({"name": src_name, "model": data.get("model") if source_kind(src_name) == "real" else None,
-                    "sentence": sentence, "headers": headers, "rows": rows,
+            paired.append({"budget": b.get("budget"), "best": standing_text(b), "unit": b.get("unit"),
+                           "n_units": b.get("n_units"), "comparisons": comps})
+        model = (src.get("data") or {}).get("model") if source_kind(src_name) == "real" else None
+        out.append({"name": src_name, "model": model, "sentence": sentence, "headers": headers, "rows": rows,
                     "paired": paired if any(p["best"] or p["comparisons"] for p in paired) else [],
                     "cells": src.get("cells") or {}, "seeds": src.get("seeds"), "sizes": src.get("sizes") or []})
     return out
-
-
-def _bits(setting: str) -> int:
-    p = Setting.parse(setting)
-    return p.k_bits if p else 0
 
 
 def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any]]]:
@@ -175,8 +164,8 @@ def _charts(board: dict[str, Any], style: Style) -> dict[str, list[dict[str, Any
                              "svg": chart([series(m, by[m]) for m in by], xlabel="bits billed per element",
                                           ylabel="end-to-end KL, nats", ylog=True, label=f"KL against bits, {src_name}")})
         curves = (src.get("long_decode") or {}).get("kl_curve") or {}
-        settings = sorted({s for c in curves.values() for s in c if is_plain_setting(s) and _bits(s) < 16},
-                          key=setting_order)
+        settings = sorted({s for c in curves.values() for s in c
+                           if is_plain_setting(s) and Setting.parse(s).k_bits < 16}, key=setting_order)
         for s in settings:
             lines = []
             for m in style.in_order(curves):
@@ -264,14 +253,12 @@ def page_data(board: dict[str, Any], folder: str | Path | None = None) -> dict[s
     order = method_order(board, extra)
     style = Style(order)
     meta = board.get("methods") or {}
-    table = _metric_table(board, order)
-    table["methods"] = order
-    table["fidelity"] = [meta.get(m, {}).get("fidelity") or "—" for m in order]
-    table["colors"] = [style(m)["color"] for m in order]
     catalog = board.get("metrics_catalog") or {}
-    table["catalog"] = {m: {k: catalog[m].get(k) for k in ("unit", "better", "description")}
-                        for m in table["metrics"] if m in catalog}
-    table["columns"] = list(METRIC_COLUMNS)
+    table = _metric_table(board, order)
+    table.update(methods=order, fidelity=[meta.get(m, {}).get("fidelity") or "—" for m in order],
+                 colors=[style(m)["color"] for m in order],
+                 catalog={m: {k: catalog[m].get(k) for k in ("unit", "better", "description")}
+                          for m in table["metrics"] if m in catalog}, columns=list(METRIC_COLUMNS))
     methods = []
     for m in order:
         i = meta.get(m, {})

@@ -13,6 +13,7 @@ from kvqbench.report.render.text import (
     best_text,
     compared_text,
     fmt,
+    methods_in,
     plain_settings,
     rank_text,
     rho_text,
@@ -21,19 +22,10 @@ from kvqbench.report.render.text import (
 )
 from kvqbench.report.stats.longdecode import EXPERIMENT, LONG_PREDICTIVITY_TARGETS, long_decode_points
 from kvqbench.report.stats.paired import ALPHA
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, target_rows
 from kvqbench.report.stats.ranking import paired_at_budgets
 
 __all__ = ["markdown_lines"]
-
-
-def _val(e: dict[str, Any] | None) -> str:
-    return value_text(e) if e else "—"
-
-
-def _methods(stats6: dict[str, Any], board: dict[str, Any]) -> list[str]:
-    order = [m for m in board.get("methods", {}) if m in stats6]
-    return order + sorted(m for m in stats6 if m not in order)
 
 
 def _pct(x: float | None) -> str:
@@ -50,10 +42,10 @@ def _kl_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str, An
         for r in ranking[s]:
             e = stats6[r["method"]][s]
             noise = e.get("long_kl_noise_sd_nats")
-            rows.append([rank_text(r), f"`{r['method']}`", _val(e.get("long_kl_nats")),
-                         _val(e.get("long_kl_last_quarter_nats")), _val(e.get("long_top1_last_quarter")),
-                         _val(e.get("long_kl_slope_per_1k")), _val(e.get("long_dloss_nats")),
-                         _val(e.get("long_bits_billed")), _pct(shares.get(r["method"], {}).get(s)),
+            rows.append([rank_text(r), f"`{r['method']}`", value_text(e.get("long_kl_nats")),
+                         value_text(e.get("long_kl_last_quarter_nats")), value_text(e.get("long_top1_last_quarter")),
+                         value_text(e.get("long_kl_slope_per_1k")), value_text(e.get("long_dloss_nats")),
+                         value_text(e.get("long_bits_billed")), _pct(shares.get(r["method"], {}).get(s)),
                          fmt(noise["mean"]) if noise else "—", ties_text(r)])
         out += [f"#### {s}", "", tabulate(rows, headers=[
             "rank", "method", "KL nats", "KL last quarter", "top-1 last quarter", "KL slope /1k tokens",
@@ -78,7 +70,7 @@ def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str,
     settings = sorted({s for by in curves.values() for s in by if is_plain_setting(s)}, key=setting_order)
     out = []
     for s in settings:
-        ms = [m for m in _methods({m: by for m, by in curves.items()}, board) if s in curves[m]]
+        ms = [m for m in methods_in(board, curves) if s in curves[m]]
         bins = curves[ms[0]][s]
         rows = []
         for m in ms:
@@ -86,7 +78,7 @@ def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str,
             if c["start"] != bins["start"]:
                 continue
             slope = stats6.get(m, {}).get(s, {}).get("long_kl_slope_per_1k")
-            rows.append([f"`{m}`", *[fmt(v) for v in c["mean"]], _val(slope)])
+            rows.append([f"`{m}`", *[fmt(v) for v in c["mean"]], value_text(slope)])
         heads = [f"{a}–{b}" for a, b in zip(bins["start"], bins["stop"])]
         out += [f"#### {s}", "", tabulate(rows, headers=["method", *heads, "slope /1k tokens"], tablefmt="github"), ""]
     if not out:
@@ -100,15 +92,9 @@ def _curve_tables(src: dict[str, Any], board: dict[str, Any], summary: dict[str,
 def _free_table(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
     stats6 = src["stats"][EXPERIMENT]
     settings = plain_settings(stats6)
-    rows = []
-    for m in _methods(stats6, board):
-        if not any("free_match_share" in stats6[m].get(s, {}) for s in settings):
-            continue
-        row = [f"`{m}`"]
-        for s in settings:
-            e = stats6[m].get(s, {})
-            row += [_val(e.get("free_first_divergence_tokens")), _val(e.get("free_match_share"))]
-        rows.append(row)
+    rows = [[f"`{m}`", *(value_text(stats6[m].get(s, {}).get(k)) for s in settings
+                          for k in ("free_first_divergence_tokens", "free_match_share"))]
+            for m in methods_in(board, stats6) if any("free_match_share" in stats6[m].get(s, {}) for s in settings)]
     if not rows:
         return []
     heads = [h for s in settings for h in (f"first divergence {s}", f"matching share {s}")]
@@ -129,14 +115,14 @@ def _passkey_table(src: dict[str, Any], board: dict[str, Any], summary: dict[str
     acc = summary.get("passkey_accuracy") or {}
     mc = summary.get("passkey_mcnemar") or {}
     rows = []
-    for m in _methods(stats6, board):
+    for m in methods_in(board, stats6):
         for s in sorted(stats6[m], key=setting_order):
             e = stats6[m][s]
             if "passkey_logp_drop_nats" not in e or not is_plain_setting(s):
                 continue
             per_len = (acc.get(m) or {}).get(s) or [None] * len(lengths)
-            rows.append([f"`{m}`", s, _val(e.get("passkey_logp_drop_nats")), _val(e.get("passkey_rank_worst")),
-                         _val(e.get("passkey_match")), *[_pct(a) for a in per_len],
+            rows.append([f"`{m}`", s, value_text(e.get("passkey_logp_drop_nats")), value_text(e.get("passkey_rank_worst")),
+                         value_text(e.get("passkey_match")), *[_pct(a) for a in per_len],
                          _mcnemar_text((mc.get(s) or {}).get(m))])
     if not rows:
         return []
@@ -184,16 +170,10 @@ def _predictivity_lines(src: dict[str, Any], board: dict[str, Any], top: int = 6
     """Whether the tensor metrics that predict the short-window KL also predict the long-decode KL and
     the passkey log-probability drop (pooled ρ where pooled exists)."""
     targets = (src.get("predictivity") or {}).get("targets") or {}
-
-    def group_rows(t: str) -> dict[str, dict]:
-        by = targets.get(t) or {}
-        g = "pooled" if "pooled" in by else next(iter(by), None)
-        return {r["metric"]: r for r in by.get(g, [])} if g else {}
-
     short, cols = PREDICTIVITY_TARGETS[0], [t for t in LONG_PREDICTIVITY_TARGETS if targets.get(t)]
     if not cols:
         return []
-    by = {t: group_rows(t) for t in (short, *cols)}
+    by = {t: {r["metric"]: r for r in target_rows(src.get("predictivity"), t)[1]} for t in (short, *cols)}
     lead = short if by[short] else cols[0]
     order = [m for m in by[lead]][:top]
     rows = [[f"`{m}`", by[lead][m]["experiment"], *[_rho(by[t].get(m)) for t in (short, *cols)]] for m in order]
@@ -218,7 +198,7 @@ def _budget_table(src: dict[str, Any]) -> list[str]:
     if not any(b["method"] for b in budgets):
         return []
     rows = [[f"≤ {b['budget']}", best_text(b), b["setting"] or "—", fmt(b["bits"]),
-             _val(stats6[b["method"]][b["setting"]]["long_kl_nats"]) if b["method"] else "—",
+             value_text(stats6[b["method"]][b["setting"]]["long_kl_nats"] if b["method"] else None),
              compared_text(b, True), compared_text(b, False)] for b in budgets]
     n = sorted({b["n_units"] for b in budgets if b.get("n_units")})
     return ["### Best method at a matched budget over a long decode (long-decode KL vs bits billed at T)", "",
@@ -231,10 +211,7 @@ def _budget_table(src: dict[str, Any]) -> list[str]:
 
 
 def markdown_lines(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
-    """The long-decode sections of one source in ``LEADERBOARD.md`` (none when it did not run): the best
-    method at each budget of bits billed at T (paired across texts), long-decode KL ranked by the paired rule
-    with the noise floor beside it, KL vs decoded position with slopes, free-running divergence, passkey
-    retrieval compared with the unquantized model, and predictivity against the long-decode KL and the passkey drop."""
+    """The long-decode sections of one source in ``LEADERBOARD.md``; none when it did not run."""
     if not (src.get("stats") or {}).get(EXPERIMENT):
         return []
     summary = src.get("long_decode") or {}

@@ -21,6 +21,7 @@ from kvqbench.report.render.text import (
     completeness_banner,
     fmt,
     listed,
+    methods_in,
     missing_text,
     plain_settings,
     rank_text,
@@ -29,7 +30,7 @@ from kvqbench.report.render.text import (
     ties_text,
     value_text,
 )
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, target_rows
 
 __all__ = ["render_markdown"]
 
@@ -46,23 +47,12 @@ def _budget_table(rows: list[dict[str, Any]], bits_key: str, value_key: str, las
                     tablefmt="github")
 
 
-def _method_order(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
-    order = list(board.get("methods", {}))
-    for by in src["stats"].values():
-        for m in by:
-            if m not in order:
-                order.append(m)
-    return order
-
-
 def _headline_matrix(src: dict[str, Any], board: dict[str, Any], metric: str) -> str:
     exp1 = src["stats"].get(_RECONSTRUCTION, {})
     asked = (src.get("setting_cells") or {}).get(_RECONSTRUCTION, {})
     settings = sorted(set(plain_settings(exp1)) | set(plain_settings(asked)), key=setting_order)
     rows = []
-    for m in _method_order(src, board) + [m for m in asked if m not in _method_order(src, board)]:
-        if m not in exp1 and m not in asked:
-            continue
+    for m in methods_in(board, set(exp1) | set(asked)):
         fid = board["methods"].get(m, {}).get("fidelity", "")
         row = [f"`{m}`", fid]
         for s in settings:
@@ -80,15 +70,9 @@ def _ranking_tables(src: dict[str, Any], settings: list[str]) -> list[str]:
     for s in settings:
         if "rel_mse" not in rk or s not in rk["rel_mse"]["by_setting"]:
             continue
-        ranked = rk["rel_mse"]["by_setting"][s]
-        rows = []
-        for r in ranked:
-            row = [rank_text(r), f"`{r['method']}`"]
-            for name, _ in cols:
-                e = next((x for x in rk.get(name, {}).get("by_setting", {}).get(s, []) if x["method"] == r["method"]), None)
-                row.append(value_text(e) if e else "—")
-            row.append(ties_text(r))
-            rows.append(row)
+        by = {name: {x["method"]: x for x in rk.get(name, {}).get("by_setting", {}).get(s, [])} for name, _ in cols}
+        rows = [[rank_text(r), f"`{r['method']}`", *(value_text(by[name].get(r["method"])) for name, _ in cols),
+                 ties_text(r)] for r in rk["rel_mse"]["by_setting"][s]]
         out.append(f"#### {s}\n\n" + tabulate(rows, headers=["rank", "method", *[c for _, c in cols], "tied with (paired)"],
                                               tablefmt="github"))
     return out
@@ -121,16 +105,11 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
         return []
     settings = plain_settings(e2e)
     cols = [(s, r) for r in ("prefill", "decode") for s in settings]
-    rows = []
-    for m in _method_order(src, board):
-        if m not in e2e:
-            continue
-        row = [f"`{m}`"]
-        for s, r in cols:
-            e = e2e[m].get(s, {}).get(f"e2e_{r}_kl_nats")
-            b = e2e[m].get(s, {}).get(f"e2e_{r}_bits_billed") if r == "decode" else None
-            row.append((fmt(e["mean"], e["ci95"]) if e else "—") + (f" @ {b['mean']:.3g} b" if e and b else ""))
-        rows.append(row)
+    def cell(by: dict[str, Any], r: str) -> str:  # the KL, and the bits billed where they can differ
+        e, b = by.get(f"e2e_{r}_kl_nats"), by.get(f"e2e_{r}_bits_billed") if r == "decode" else None
+        return (fmt(e["mean"], e["ci95"]) if e else "—") + (f" @ {b['mean']:.3g} b" if e and b else "")
+
+    rows = [[f"`{m}`", *(cell(e2e[m].get(s, {}), r) for s, r in cols)] for m in methods_in(board, e2e)]
     out = ["### End-to-end damage: next-token KL(p‖p̂) in nats against the unquantized model", "",
            "Each method's quantize → dequantize inside the model's KV cache; prefill = the text in one pass, "
            "decode = a prefill then blocks under the method's streaming rules. Decode cells give the bits billed "
@@ -151,8 +130,7 @@ def _endtoend_tables(src: dict[str, Any], board: dict[str, Any]) -> list[str]:
             row = [f"`{r['metric']}`", r["experiment"]]
             row += [rho_text(by[g].get(r["metric"], {}).get("rho"), by[g].get(r["metric"], {}).get("ci95")) for g in groups]
             for t in others:
-                tg = "pooled" if "pooled" in tables[t] else next(iter(tables[t]))
-                o = next((x for x in tables[t][tg] if x["metric"] == r["metric"]), {})
+                o = next((x for x in target_rows(pr, t)[1] if x["metric"] == r["metric"]), {})
                 row.append(rho_text(o.get("rho"), None))
             rows.append(row)
         heads = ["metric", "exp", *[f"ρ {g}" for g in groups], *[f"ρ vs `{t}`" for t in others]]
@@ -182,11 +160,10 @@ def render_markdown(board: dict[str, Any]) -> str:
               "table: the first screen's rule.", ""]
     for src_name, src in board.get("sources", {}).items():
         data = src.get("data") or {}
-        lines += [f"## {src_name}", ""]
         desc = data.get("description") or ", ".join(f"{k}={v}" for k, v in sorted(data.items())
                                                    if isinstance(v, (int, float, str)) and k != "description")
-        lines += [f"Data: {desc}", "", f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: "
-                  + cells_text(src["cells"]), ""]
+        lines += [f"## {src_name}", "", f"Data: {desc}", "",
+                  f"Sizes: {', '.join(src.get('sizes', []))} · {seeds_text(src)} · cells: {cells_text(src['cells'])}", ""]
         lines += _endtoend_tables(src, board)
         lines += longdecode_lines(src, board)
         exp1 = src["stats"].get(_RECONSTRUCTION, {})
@@ -217,11 +194,9 @@ def render_markdown(board: dict[str, Any]) -> str:
                 lines += ["### Best method at a matched budget by pseudo-decode attention KL alone (exp2 decoding; "
                           "bits billed, fp16 windows at 16)", ""]
                 lines += [_budget_table(dk, "bits", "quality", ["bits billed", "KL(p‖p̂) nats"]), ""]
-            low = settings[0] if settings else None
-            if low:
-                t = _all_metrics_table(src, low)
-                if t:
-                    lines += [f"### Every ranked metric at {low}", "", t, ""]
+            t = _all_metrics_table(src, settings[0]) if settings else ""
+            if t:
+                lines += [f"### Every ranked metric at {settings[0]}", "", t, ""]
         dq = src.get("data_quality") or []
         if dq:
             lines += ["### Data-quality flags (sanity checks on the measurement, not verdicts on methods)", ""]
@@ -230,9 +205,8 @@ def render_markdown(board: dict[str, Any]) -> str:
                                  + (f"noted, not flagged: {listed(d['noted'])}" if d.get("noted") else "")]
                                 for d in dq], headers=["flag", "status", "check", "offenders"], tablefmt="github"), ""]
         if src.get("failures"):
-            lines += ["### Failed cells", ""]
-            lines += [f"- `{f['nodeid']}`: {f['error'].splitlines()[0] if f['error'] else ''}" for f in src["failures"]]
-            lines += [""]
+            lines += ["### Failed cells", "", *(f"- `{f['nodeid']}`: {f['error'].splitlines()[0] if f['error'] else ''}"
+                                                for f in src["failures"]), ""]
     if board.get("methods"):
         lines += ["## Methods", ""]
         rows = [[f"`{m}`", i.get("name", ""), i.get("arxiv") or "—", i.get("fidelity", ""),

@@ -9,7 +9,7 @@ shows a point's ``data-tip`` as text on hover and on keyboard focus.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from markupsafe import Markup, escape
 
@@ -43,13 +43,12 @@ def _polygon(n: int, r: float, rot: float, sx: float = 1.0) -> list[tuple[float,
 def marker_points(marker: str, r: float = 4.5) -> list[tuple[float, float]] | None:
     """The outline of a matplotlib marker as polygon vertices around (0, 0), y down; ``None`` for a
     circle (``"o"`` and any marker not known here)."""
-    quarter = math.pi / 2
     if marker in ("s",):
         return _polygon(4, r * 1.2, math.pi / 4)
     if marker in ("D", "d"):
         return _polygon(4, r * 1.2, 0.0, 0.65 if marker == "d" else 1.0)
     if marker in ("^", ">", "v", "<"):
-        return _polygon(3, r * 1.25, quarter * "^>v<".index(marker))
+        return _polygon(3, r * 1.25, math.pi / 2 * "^>v<".index(marker))
     if marker in ("h", "p", "8"):
         return _polygon({"h": 6, "p": 5, "8": 8}[marker], r * 1.1, 0.0)
     if marker == "*":
@@ -105,11 +104,8 @@ def chart(series: list[Series], *, xlabel: str, ylabel: str, label: str, xlog: b
     Points with a non-finite coordinate, or a non-positive one on a log axis, are left out (the caption
     says which values cannot show). Returns an empty string when no point remains.
     """
-    def keep(x: float, y: float) -> bool:
-        return (math.isfinite(x) and math.isfinite(y) and (x > 0 or not xlog) and (y > 0 or not ylog))
-
-    shown = [Series(s.name, s.color, s.marker, [p for p in s.points if keep(p[0], p[1])], s.line, s.linestyle,
-                    s.hollow) for s in series]
+    shown = [replace(s, points=[(x, y, t) for x, y, t in s.points if math.isfinite(x) and math.isfinite(y)
+                                and (x > 0 or not xlog) and (y > 0 or not ylog)]) for s in series]
     shown = [s for s in shown if s.points]
     if not shown:
         return Markup("")

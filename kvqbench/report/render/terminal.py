@@ -15,10 +15,8 @@ __all__ = ["render_terminal"]
 
 def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
     """A short table per source at the lowest bit-width that ran: methods ranked by the end-to-end KL where
-    the end-to-end experiment measured it (as the first screen of ``LEADERBOARD.md``), else by the board's headline tensor metric
-    (``board["headline"]``; relative MSE when that source did not record it), with the headline metric and
-    effective bits beside; ranks by the paired rule (:func:`kvqbench.report.stats.paired.paired_ranking`: tied
-    methods share a rank)."""
+    it was measured (as on the first screen of ``LEADERBOARD.md``), else by the board's headline tensor
+    metric, with the headline metric and effective bits beside; ranks by the paired rule."""
     board = canonical(board)
     out = []
     comp = board.get("completeness") or {}
@@ -31,16 +29,13 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         rk = src["rankings"].get(metric)
         if not rk:
             continue
-        settings = [s for s in sorted(rk["by_setting"], key=setting_order) if is_plain_setting(s)]
-        if not settings:
+        s = next((s for s in sorted(rk["by_setting"], key=setting_order) if is_plain_setting(s)), None)
+        if s is None:
             continue
-        s = settings[0]
-
         target = head.get("target") or "e2e_prefill_kl_nats"
         bits = "bits_effective" if "bits_effective" in src["rankings"] else "long_bits_billed"
         eff, e2e, tensor = ({x["method"]: x for x in src["rankings"].get(name, {}).get("by_setting", {}).get(s, [])}
                             for name in (bits, target, metric))
-        # where the end-to-end KL was measured the table ranks on it, like the first screen of LEADERBOARD.md
         ranked = src["rankings"][target]["by_setting"][s] if e2e else rk["by_setting"][s]
         rows = [[rank_text(r), r["method"],
                  *([fmt(r["mean"], r["ci95"])] if e2e else []),
@@ -56,8 +51,7 @@ def render_terminal(board: dict[str, Any], max_rows: int = 12) -> str:
         by = f"ranked by end-to-end KL ({target}), {label} ({why}) beside it" if e2e else f"{label} ({why})"
         out.append(f"kvqbench [{src_name}] {by} at {s} (cells: {cells_text(src['cells'])})"
                    + (f"  FLAGS: {', '.join(flagged)}" if flagged else ""))
-        if not head.get("from_predictivity") and metric == "rel_mse":  # docs/DESIGN.md §4: the headline follows predictivity, which needs
-            # the end-to-end experiment
+        if not head.get("from_predictivity") and metric == "rel_mse":  # docs/DESIGN.md §4
             out.append(f"  (relative MSE: {no_predictivity_reason(board)}, so it cannot pick the tensor metric that "
                        "predicts model damage; the main job, `kvqbench run`, ranks on that metric)")
         out.append(tabulate(rows, headers=["rank", "method", *(["e2e KL (nats)"] if e2e else []), metric, "bits eff." if bits == "bits_effective" else "bits billed"],

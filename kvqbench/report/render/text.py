@@ -13,14 +13,13 @@ from typing import Any
 from kvqbench.cells import is_plain_setting, setting_order
 from kvqbench.metrics import CATALOG
 from kvqbench.report.io import to_jsonable
+from kvqbench.report.stats.aggregate import CELL_STATES
 from kvqbench.report.stats.headline import unit_of
 from kvqbench.report.stats.paired import ALPHA
 
 __all__ = ["canonical", "fmt", "value_text", "missing_text", "cells_text", "rho_text", "listed", "plain_settings",
            "completeness_banner", "ratio_text", "best_text", "compared_text", "RANKING_RULE", "rank_text", "ties_text",
-           "seeds_text"]
-
-CELL_STATES = ("passed", "failed", "skipped")
+           "seeds_text", "methods_in", "standing_text"]
 
 
 def canonical(board: dict[str, Any]) -> dict[str, Any]:
@@ -45,8 +44,10 @@ def fmt(x: Any, ci: Any = None, digits: int = 4) -> str:
     return s
 
 
-def value_text(e: dict[str, Any]) -> str:
-    """``mean ± ci``, with ``(n=2/3)`` when the entry has fewer seeds than asked."""
+def value_text(e: dict[str, Any] | None) -> str:
+    """``mean ± ci``, with ``(n=2/3)`` when the entry has fewer seeds than asked; ``—`` without an entry."""
+    if not e:
+        return "—"
     text = fmt(e["mean"], e["ci95"])
     if e.get("n", 0) < e.get("n_asked", 0):
         text += f" (n={e['n']}/{e['n_asked']})"
@@ -122,13 +123,18 @@ def ratio_text(c: dict[str, Any], best_setting: str | None = None) -> str:
     return f"{name} {r:.3g}×" + (f" [{ci[0]:.3g}, {ci[1]:.3g}]" if ci else " (1 unit)")
 
 
+def standing_text(b: dict[str, Any]) -> str:
+    """A budget row's rank interval and probability of ranking first: ``rank 1–2, P(best) 0.83``."""
+    iv, pb = b.get("rank_interval"), b.get("p_best")
+    rank = (f"rank {iv[0]}" if iv[0] == iv[1] else f"rank {iv[0]}–{iv[1]}") if iv else None
+    return ", ".join(x for x in (rank, f"P(best) {pb:.2f}" if pb is not None else None) if x)
+
+
 def best_text(b: dict[str, Any]) -> str:
     """The best of a budget row and its ties: ``kvquant (rank 1–2, P(best) 0.83) = kitty`` (method ids in backticks)."""
     if not b.get("method"):
         return "—"
-    iv, pb = b.get("rank_interval"), b.get("p_best")
-    rank = (f"rank {iv[0]}" if iv[0] == iv[1] else f"rank {iv[0]}–{iv[1]}") if iv else None
-    what = ", ".join(x for x in (rank, f"P(best) {pb:.2f}" if pb is not None else None) if x)
+    what = standing_text(b)
     return f"`{b['method']}`" + (f" ({what})" if what else "") + "".join(f" = `{t['method']}`" for t in b.get("ties") or [])
 
 
@@ -142,6 +148,12 @@ def compared_text(b: dict[str, Any], tied_ones: bool, most: int = 4) -> str:
     shown = cs if tied_ones else cs[:most]
     more = f"; … +{len(cs) - len(shown)} more" if len(cs) > len(shown) else ""
     return "; ".join(ratio_text(c, b.get("setting")) for c in shown) + more if cs else "—"
+
+
+def methods_in(board: dict[str, Any], present: Any) -> list[str]:
+    """The methods of ``present`` in the board's method order, then those the board does not list, sorted."""
+    order = [m for m in board.get("methods", {}) if m in present]
+    return order + sorted(m for m in present if m not in order)
 
 
 def listed(items: list, n: int = 5) -> str:

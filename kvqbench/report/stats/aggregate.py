@@ -17,7 +17,10 @@ from typing import Any, Iterable
 from kvqbench.cells import parse_nodeid, setting_tag
 from kvqbench.report.stats.intervals import mean_ci
 
-__all__ = ["setting_key", "aggregate", "seeds_asked", "setting_cells"]
+__all__ = ["setting_key", "aggregate", "seeds_asked", "setting_cells", "CELL_STATES"]
+
+#: the states a cell is counted in
+CELL_STATES = ("passed", "failed", "skipped")
 
 
 def setting_key(rec: dict[str, Any]) -> str:
@@ -61,8 +64,7 @@ def aggregate(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
                 "seeds": [r["seed"] for r in recs if name in r.get("metrics", {})],
                 "values": vals,
             }
-            layers = [r.get("per_layer", {}).get(name) for r in recs]
-            layers = [lst for lst in layers if lst]
+            layers = [lst for r in recs if (lst := r.get("per_layer", {}).get(name))]
             if layers and len(layers[0]) > 1 and all(len(x) == len(layers[0]) for x in layers):
                 per = [math.fsum(col) / len(col) for col in zip(*layers)]
                 entry["per_layer_mean"] = per
@@ -94,9 +96,9 @@ def setting_cells(records: Iterable[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for r in records:
         st = r.get("status")
-        if st not in ("passed", "failed", "skipped"):
+        if st not in CELL_STATES:
             continue
         c = out.setdefault(r["experiment"], {}).setdefault(r["method"], {}).setdefault(
-            setting_key(r), {"passed": 0, "failed": 0, "skipped": 0})
+            setting_key(r), dict.fromkeys(CELL_STATES, 0))
         c[st] += 1
     return out

@@ -7,7 +7,9 @@ from typing import Any
 
 from kvqbench.metrics import varies
 from kvqbench.report.stats.headline import unit_of
+from kvqbench.report.stats.intervals import units_of
 from kvqbench.report.stats.paired import compare_gate
+from kvqbench.report.stats.ranking import damage
 
 __all__ = ["paired_change"]
 
@@ -20,11 +22,7 @@ def paired_change(name: str, spec: dict[str, Any], base: dict[str, Any], new: di
     better = spec.get("better", "lower")
     if varies(name, spec) != "float_noise" or better not in ("lower", "zero"):
         return None
-
-    def damage(e: dict[str, Any]) -> dict[Any, float]:
-        return {u: abs(v) if better == "zero" else v for u, v in zip(e.get("seeds") or [], e.get("values") or [])}
-
     try:
-        return {**compare_gate(damage(base), damage(new)), "unit": unit_of(name)}
+        return {**compare_gate(damage(units_of(base), better), damage(units_of(new), better)), "unit": unit_of(name)}
     except ValueError:
         return None

@@ -9,15 +9,9 @@ Two rules, both functions of one source's (one model's) statistics:
   (PCG64, :data:`~kvqbench.report.stats.predictivity.PREDICTIVITY_SEED`) and ρ is computed on ranks, whose sums
   are exact in float64, so the choice is the same on every machine; a metric that ties the default to
   float noise never takes over.
-- **The best method at each matched budget** (:func:`headline_budget`) is ranked on the measured
-  end-to-end KL where the end-to-end experiment ran (bits: what the same cells billed), and on the
-  headline tensor metric where it did not (synthetic or third-party data); the tensor metric of the same
-  setting is shown beside the KL. Settings are compared on the units they share (:func:`unit_of`: text
-  windows, texts or seeds): the best has the lowest mean log damage, and every other method's best
-  setting within the budget is tied with it unless a one-sided paired t-test on log damage, Holm over
-  the row at α = 0.025, separates them (:func:`~kvqbench.report.stats.ranking.paired_at_budgets`); each
-  comparison carries its ratio to the best with a paired 95 % CI, and each setting its bootstrap rank
-  interval and probability of ranking first.
+- **The best method at each matched budget** (:func:`headline_budget`) is ranked on measured damage
+  where there is some, else on the headline tensor metric, by the paired rule of
+  :func:`~kvqbench.report.stats.ranking.paired_at_budgets` on the units the settings share (:func:`unit_of`).
 """
 
 from __future__ import annotations
@@ -27,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvqbench.cells import BUDGETS, is_exact_setting, is_plain_setting, setting_order, source_kind
+from kvqbench.cells import BUDGETS, is_plain_setting, setting_order, source_kind
 from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
 from kvqbench.report.stats.longdecode import EXPERIMENT as LONG_EXPERIMENT
@@ -40,8 +34,9 @@ from kvqbench.report.stats.predictivity import (
     percentile_ci95,
     resampled_rho,
     spearman_rows,
+    target_rows,
 )
-from kvqbench.report.stats.ranking import paired_at_budgets
+from kvqbench.report.stats.ranking import budget_point, paired_at_budgets
 
 __all__ = ["HEADLINE_DEFAULT", "FALLBACK_METRIC", "headline_rule", "choose_headline", "headline_budget",
            "paired_rho_difference", "E2E_BITS", "unit_of"]
@@ -121,25 +116,22 @@ def headline_rule(stats_src: dict[str, Any], predictivity_src: dict[str, Any] | 
     the candidate with the highest ρ is the headline (``default_measured: False``).
     """
     target = PREDICTIVITY_TARGETS[0]
-    by_group = ((predictivity_src or {}).get("targets") or {}).get(target) or {}
-    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-    if group is None:
-        return None
-    rows = [r for r in by_group[group] if r["rho"] is not None and (catalog.get(r["metric"]) or {}).get("scale_free", True)]
+    pred = predictivity_src or {}
+    group, rows = target_rows(pred, target)
+    rows = [r for r in rows if r["rho"] is not None and (catalog.get(r["metric"]) or {}).get("scale_free", True)]
     if not rows:
         return None
-    base = {"group": group, "target": target, "default": default["metric"], "n_boot": (predictivity_src or {}).get("n_boot"),
-            "seed": (predictivity_src or {}).get("seed")}
+    base = {"group": group, "target": target, "default": default["metric"], "n_boot": pred.get("n_boot"),
+            "seed": pred.get("seed")}
     dflt = next((r for r in rows if r["metric"] == default["metric"]), None)
     if dflt is None:
         top = rows[0]  # predictivity lists rows best first (ρ to 12 decimals, then name)
         return {**base, "metric": top["metric"], "experiment": top["experiment"], "rho": top["rho"], "ci95": top["ci95"],
                 "default_measured": False, "replaced_default": True, "challenger": None}
-    settings = (list((predictivity_src or {}).get("pooled_settings") or [s for s in by_group if s != "pooled"])
-                if group == "pooled" else [group])
-    settings = sorted(settings, key=setting_order)
-    n_boot = (predictivity_src or {}).get("n_boot") or PREDICTIVITY_BOOTSTRAP
-    seed = (predictivity_src or {}).get("seed", PREDICTIVITY_SEED)
+    by_group = pred["targets"][target]
+    settings = sorted((pred.get("pooled_settings") or [s for s in by_group if s != "pooled"])
+                      if group == "pooled" else [group], key=setting_order)
+    n_boot, seed = pred.get("n_boot") or PREDICTIVITY_BOOTSTRAP, pred.get("seed", PREDICTIVITY_SEED)
     challengers = []
     for r in rows:
         if r is dflt:
@@ -190,10 +182,10 @@ def _bits_of(stats_src: dict[str, Any], m: str, s: str, metric: str) -> float | 
     return b["mean"] if b is not None else None
 
 
-def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog: dict[str, dict],
-                    budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best method at each matched bits/element budget of one source, and every other method's best
-    setting compared with it on the units they share.
+def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any],
+                    catalog: dict[str, dict]) -> list[dict[str, Any]]:
+    """The best method at each matched bits/element budget (:data:`kvqbench.cells.BUDGETS`) of one source,
+    and every other method's best setting compared with it on the units they share.
 
     Ranked on the end-to-end target (``headline["target"]``, e.g. ``e2e_prefill_kl_nats``) where this
     source has it, else on the headline tensor metric (its better-direction), else — a long tier's results
@@ -201,8 +193,7 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     settings and short entries are not budget points; the fp16 control bills 16 bits and fits no budget.
 
     Returns one row per budget, the fields of :func:`~kvqbench.report.stats.ranking.paired_at_budgets`
-    (``method``, ``setting``, ``bits``, ``value``, ``ci95``, ``n_units``, ``rank_interval``, ``p_best``,
-    ``comparisons``, ``ties``, ``runner_up``, ``no_verdict``) plus ``"criterion"``, ``"unit"``
+    plus ``"criterion"``, ``"unit"``
     (:func:`unit_of`), ``"quality"``, ``"quality_ci95"`` (the headline tensor metric of the best's
     setting, ``None`` where not measured), ``"e2e_kl"``, ``"e2e_kl_ci95"`` and, where the source ran the
     long decode, ``"long_kl"``, ``"long_kl_ci95"``, ``"long_bits_billed"`` (bits billed at T).
@@ -218,17 +209,10 @@ def headline_budget(stats_src: dict[str, Any], headline: dict[str, Any], catalog
     if crit == "long_kl_nats":
         pts = long_decode_points(long)
     else:
-        pts = []
-        for m, by in (stats_src.get(exp if crit == metric else experiment_of(crit)) or {}).items():
-            for s, metrics in by.items():
-                e = metrics.get(crit)
-                if e is None or is_short(e) or not is_plain_setting(s) or is_exact_setting(s):
-                    continue
-                b = _bits_of(stats_src, m, s, crit)
-                if b is not None:
-                    pts.append({"method": m, "setting": s, "bits": b, "mean": e["mean"], "ci95": e["ci95"],
-                                "units": dict(zip(e.get("seeds") or [], e.get("values") or []))})
-    rows = paired_at_budgets(pts, budgets, better=better)
+        by_exp = stats_src.get(exp if crit == metric else experiment_of(crit)) or {}
+        pts = [p for m, by in by_exp.items() for s, ms in by.items()
+               if (p := budget_point(m, s, ms.get(crit), _bits_of(stats_src, m, s, crit))) is not None]
+    rows = paired_at_budgets(pts, BUDGETS, better=better)
     for r in rows:
         q = (stats_src.get(exp) or {}).get(r["method"], {}).get(r["setting"], {}).get(metric) if r["method"] else None
         k = e2e.get(r["method"], {}).get(r["setting"], {}).get(target) if r["method"] else None

@@ -10,7 +10,7 @@ import functools
 import math
 from typing import Any
 
-__all__ = ["mean_ci", "is_short"]
+__all__ = ["mean_ci", "is_short", "units_of"]
 
 
 def mean_ci(values: list[float], confidence: float = 0.95) -> tuple[float, float | None]:
@@ -37,3 +37,8 @@ def _student_t_ppf(p: float, df: int) -> float:
 def is_short(entry: dict[str, Any]) -> bool:
     """Whether a stats entry has fewer seeds than asked (see :func:`kvqbench.report.stats.aggregate.aggregate`)."""
     return entry.get("n", 0) < entry.get("n_asked", 0)
+
+
+def units_of(entry: dict[str, Any]) -> dict[Any, float]:
+    """A stats entry's values by unit (its ``seeds``: seeds, text windows or texts)."""
+    return dict(zip(entry.get("seeds") or [], entry.get("values") or []))

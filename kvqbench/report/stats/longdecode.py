@@ -1,27 +1,19 @@
 """Experiment 6 analysed (docs/DESIGN.md §4.6, §5): long decode, KL against the decoded position,
 free-running divergence, passkey retrieval and the noise floor. Torch-free.
 
-:func:`summarize` condenses a source's long-decode records into the ``long_decode`` entry of the
-leaderboard (the KL curves per method and setting as means over seeds, the fp16 share at T, the passkey
-accuracies per length); :mod:`kvqbench.report.render.longdecode` renders its tables from that entry
-and the source's ``stats``.
-
-Comparisons pair settings on the texts they share (each seed decodes another text): the budget rows
-(:func:`long_decode_points` feeds :func:`kvqbench.report.stats.ranking.paired_at_budgets`), the per-setting
-rankings (:func:`kvqbench.report.stats.ranking.rankings`), passkey exact match (:func:`passkey_mcnemar`).
-"""
+Comparisons pair settings on the texts they share (each seed decodes another text)."""
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
+from statistics import fmean
 from typing import Any, Iterable
 
-from kvqbench.cells import is_exact_setting, is_plain_setting
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.aggregate import setting_key
-from kvqbench.report.stats.intervals import is_short, mean_ci
+from kvqbench.report.stats.intervals import mean_ci
 from kvqbench.report.stats.paired import ALPHA, holm, mcnemar_exact
+from kvqbench.report.stats.ranking import budget_point
 
 __all__ = ["EXPERIMENT", "summarize", "long_decode_points", "passkey_mcnemar", "LONG_PREDICTIVITY_TARGETS"]
 
@@ -31,10 +23,6 @@ EXPERIMENT = experiment_of("long_kl_nats")
 #: the predictivity targets this module reports beside the short-window KL (see
 #: :data:`kvqbench.report.stats.predictivity.PREDICTIVITY_TARGETS`)
 LONG_PREDICTIVITY_TARGETS = ("long_kl_nats", "passkey_logp_drop_nats")
-
-
-def _mean(xs: list[float]) -> float:
-    return math.fsum(xs) / len(xs)
 
 
 def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
@@ -71,7 +59,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
             curves[key].append(c)
         fs = extra.get("fp16_share_at_T")
         if isinstance(fs, dict) and fs:
-            shares[key].append(_mean([float(v) for v in fs.values()]))
+            shares[key].append(fmean([float(v) for v in fs.values()]))
         pk = series.get("passkey")
         if pk and pk.get("lengths"):
             lengths, depths = lengths or list(pk["lengths"]), depths or list(pk.get("depths") or [])
@@ -80,7 +68,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
                 trials[key].update({(r["seed"], n): bool(a) for n, a in zip(lengths, pk.get("accuracy") or [])
                                     if a is not None})
                 ref_acc[r["seed"]].append([float(a) for a in pk["ref_accuracy"]])
-                ref_rank[r["seed"]].append([_mean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
+                ref_rank[r["seed"]].append([fmean([float(x) for x in row]) for row in pk["rank_worst_ref"]])
                 floor = (extra.get("passkey") or {}).get("reference_floor", floor)
     out: dict[str, Any] = {"kl_curve": {}, "fp16_share_at_T": {}, "passkey_accuracy": {}}
     for (m, s), cs in curves.items():
@@ -90,22 +78,21 @@ def summarize(records: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
                                                 "mean": [c[0] for c in cols], "ci95": [c[1] for c in cols],
                                                 "n": len(same)}
     for (m, s), v in shares.items():
-        out["fp16_share_at_T"].setdefault(m, {})[s] = _mean(v)
+        out["fp16_share_at_T"].setdefault(m, {})[s] = fmean(v)
     for (m, s), rows in acc.items():
         per_len = [[row[i] for row in rows if row[i] is not None] for i in range(len(lengths or []))]
-        out["passkey_accuracy"].setdefault(m, {})[s] = [_mean(v) if v else None for v in per_len]
+        out["passkey_accuracy"].setdefault(m, {})[s] = [fmean(v) if v else None for v in per_len]
     if lengths:
         seeds = sorted(ref_acc)
-        per_seed = [[_mean(col) for col in zip(*ref_acc[sd])] for sd in seeds]  # every record of a seed
-        per_seed_rank = [[_mean(col) for col in zip(*ref_rank[sd])] for sd in seeds]  # scores the same prompts
-        out["passkey_reference"] = {"lengths": lengths, "accuracy": [_mean(list(c)) for c in zip(*per_seed)],
-                                    "rank_worst": [_mean(list(c)) for c in zip(*per_seed_rank)],
+        per_seed = [[fmean(col) for col in zip(*ref_acc[sd])] for sd in seeds]  # every record of a seed
+        per_seed_rank = [[fmean(col) for col in zip(*ref_rank[sd])] for sd in seeds]  # scores the same prompts
+        out["passkey_reference"] = {"lengths": lengths, "accuracy": [fmean(c) for c in zip(*per_seed)],
+                                    "rank_worst": [fmean(c) for c in zip(*per_seed_rank)],
                                     "n_seeds": len(seeds), "floor": floor, "depths": depths}
         out["passkey_mcnemar"] = passkey_mcnemar(trials)
     first = recs[0].get("extra") or {}
-    out["text_tokens"] = first.get("text_tokens")
-    out["prefill_tokens"] = first.get("prefill_tokens")
-    out["bin"] = ((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin")
+    out.update(text_tokens=first.get("text_tokens"), prefill_tokens=first.get("prefill_tokens"),
+               bin=((recs[0].get("series") or {}).get("kl_curve") or {}).get("bin"))
     return out
 
 
@@ -113,32 +100,25 @@ def long_decode_points(stats6: dict[str, Any]) -> list[dict[str, Any]]:
     """The budget points of the long decode (``stats[source][EXPERIMENT]``): per plain, quantizing setting its
     long-decode KL (mean, 95 % half-width, and per text: ``units`` = seed → KL) and the bits billed at T,
     for :func:`~kvqbench.report.stats.ranking.paired_at_budgets`."""
-    pts = []
-    for m, by in stats6.items():
-        for s, e in by.items():
-            kl, bits = e.get("long_kl_nats"), e.get("long_bits_billed")
-            if kl is None or bits is None or is_short(kl) or not is_plain_setting(s) or is_exact_setting(s):
-                continue
-            pts.append({"method": m, "setting": s, "bits": bits["mean"], "mean": kl["mean"], "ci95": kl["ci95"],
-                        "units": dict(zip(kl.get("seeds") or [], kl.get("values") or []))})
-    return pts
+    return [p for m, by in stats6.items() for s, e in by.items()
+            if (p := budget_point(m, s, e.get("long_kl_nats"), (e.get("long_bits_billed") or {}).get("mean")))]
 
 
-def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]], *, alpha: float = ALPHA) -> dict[str, Any]:
+def passkey_mcnemar(trials: dict[tuple[str, str], dict[tuple, bool]]) -> dict[str, Any]:
     """Passkey exact match against the unquantized model, trial by trial.
 
     ``trials``: ``(method, setting)`` → ``{(seed, length): exact match}`` over its counted trials (prompts the
     unquantized model retrieves: it passes all). Each method is compared with it on the same prompts by
     McNemar's exact one-sided test (:func:`~kvqbench.report.stats.paired.mcnemar_exact`), Holm over the
-    methods of a setting at ``alpha``. Returns ``{setting: {method: {"n_trials", "lost" (trials only the
-    reference passed), "p", "p_holm", "separated", "min_p"}}}``; ``min_p`` = 0.5 ** n_trials, the smallest
-    p the trials allow: above ``alpha`` nothing can be separated.
+    methods of a setting at :data:`~kvqbench.report.stats.paired.ALPHA`. Returns ``{setting: {method:
+    {"n_trials", "lost" (trials only the reference passed), "p", "p_holm", "separated", "min_p"}}}``;
+    ``min_p`` = 0.5 ** n_trials, the smallest p the trials allow: above α nothing can be separated.
     """
     out: dict[str, Any] = {}
     for s in sorted({s for _, s in trials}):
         ms = sorted(m for m, s2 in trials if s2 == s)
         tests = [mcnemar_exact([True] * len(trials[(m, s)]), list(trials[(m, s)].values())) for m in ms]
         out[s] = {m: {"n_trials": t["n_trials"], "lost": t["best_only"], "p": t["p"], "p_holm": ph,
-                      "separated": ph <= alpha, "min_p": 0.5 ** t["n_trials"]}
+                      "separated": ph <= ALPHA, "min_p": 0.5 ** t["n_trials"]}
                   for m, t, ph in zip(ms, tests, holm([t["p"] for t in tests]))}
     return out

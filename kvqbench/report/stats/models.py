@@ -1,11 +1,6 @@
 """Two models side by side (docs/DESIGN.md §5): does a method's end-to-end rank, and the choice of headline
-tensor metric, carry over from one model to another? Torch-free.
-
-Every function takes each model's statistics as one source's ``stats`` (experiment → method → setting →
-metric → ``{mean, ci95, n, …}``, :func:`kvqbench.report.stats.aggregate.aggregate`), keyed by model name,
-and its predictivity table where needed (:func:`kvqbench.report.stats.predictivity.predictivity`);
-nothing here knows where the two result sets came from.
-"""
+tensor metric, carry over from one model to another? Torch-free. Each model's statistics are one
+source's ``stats`` (:func:`kvqbench.report.stats.aggregate.aggregate`), keyed by model name."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ from kvqbench.cells import source_kind
 from kvqbench.metrics import experiment_of
 from kvqbench.report.stats.headline import headline_rule
 from kvqbench.report.stats.intervals import is_short
-from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, spearman
+from kvqbench.report.stats.predictivity import PREDICTIVITY_TARGETS, spearman, target_rows
 
 __all__ = ["MODEL_SETTINGS", "model_sources", "kl_points", "rank_table", "predictivity_transfer"]
 
@@ -47,23 +42,17 @@ def _two(stats_by_model: dict[str, Any]) -> list[str]:
 def kl_points(stats_src: dict[str, Any], *, target: str = PREDICTIVITY_TARGETS[0]) -> dict[tuple[str, str], dict]:
     """One model's end-to-end KL per (method, setting): ``{(method, setting): {mean, ci95}}``, leaving out
     exact points (KL exactly 0: the fp16 control, 16-bit settings) and short entries (fewer seeds than asked)."""
-    out = {}
-    for m, by in (stats_src.get(experiment_of(target)) or {}).items():
-        for s, metrics in by.items():
-            e = metrics.get(target)
-            if e is not None and e["mean"] != 0 and not is_short(e):
-                out[(m, s)] = {"mean": e["mean"], "ci95": e["ci95"]}
-    return out
+    by_method = stats_src.get(experiment_of(target)) or {}
+    return {(m, s): {"mean": e["mean"], "ci95": e["ci95"]} for m, by in by_method.items() for s, ms in by.items()
+            if (e := ms.get(target)) is not None and e["mean"] != 0 and not is_short(e)}
 
 
-def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MODEL_SETTINGS,
-               target: str = PREDICTIVITY_TARGETS[0]) -> dict[str, Any]:
-    """Each method's end-to-end KL rank on each of two models at each setting, and the rank correlation
-    between the models.
+def rank_table(stats_by_model: dict[str, Any], *, target: str = PREDICTIVITY_TARGETS[0]) -> dict[str, Any]:
+    """Each method's end-to-end KL rank on each of two models at each setting of :data:`MODEL_SETTINGS`, and
+    the rank correlation between the models.
 
     Args:
         stats_by_model: ``{model name: stats of its real source}``, exactly two.
-        settings: the settings compared (default k2v2 and k4v4).
         target: the end-to-end metric (lower is better).
 
     Ranks are among the methods that have a non-exact value on that model at that setting (1 = lowest
@@ -81,6 +70,7 @@ def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MO
     methods = sorted({m for n in names for m, _ in pts[n]})
     rows: dict[str, dict[str, Any]] = {m: {"method": m, **{n: {} for n in names}} for m in methods}
     rho: dict[str, Any] = {}
+    settings = MODEL_SETTINGS
     for s in settings:
         for n in names:
             ms = sorted(m for m in methods if (m, s) in pts[n])
@@ -99,12 +89,6 @@ def rank_table(stats_by_model: dict[str, Any], *, settings: tuple[str, ...] = MO
 
     return {"models": names, "settings": list(settings), "target": target,
             "rows": [rows[m] for m in sorted(methods, key=order)], "rho": rho}
-
-
-def _rows_of(predictivity_src: dict[str, Any] | None, target: str) -> tuple[str | None, dict[str, dict]]:
-    by_group = ((predictivity_src or {}).get("targets") or {}).get(target) or {}
-    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
-    return group, ({r["metric"]: r for r in by_group.get(group, [])} if group else {})
 
 
 def predictivity_transfer(models: dict[str, dict[str, Any]], catalog: dict[str, dict]) -> dict[str, Any]:
@@ -130,21 +114,20 @@ def predictivity_transfer(models: dict[str, dict[str, Any]], catalog: dict[str, 
     names = _two(models)
     target = PREDICTIVITY_TARGETS[0]
     chosen = {n: headline_rule(models[n]["stats"], models[n].get("predictivity"), catalog) for n in names}
+    by = {n: {r["metric"]: r for r in target_rows(models[n].get("predictivity"), target)[1]} for n in names}
     directions = []
     for a, b in (names, names[::-1]):
         h = chosen[a]
         if h is None:
             directions.append({"from": a, "to": b, "metric": None})
             continue
-        _, rows_b = _rows_of(models[b].get("predictivity"), target)
-        on_b = rows_b.get(h["metric"]) or {}
+        on_b = by[b].get(h["metric"]) or {}
         kept = headline_rule(models[b]["stats"], models[b].get("predictivity"), catalog,
                              default={"metric": h["metric"], "experiment": h["experiment"]})
         directions.append({"from": a, "to": b, "metric": h["metric"], "experiment": h["experiment"],
                            "rho_from": h["rho"], "ci_from": h["ci95"], "rho_to": on_b.get("rho"), "ci_to": on_b.get("ci95"),
                            "transfers": bool(kept and kept["default_measured"] and not kept["replaced_default"]),
                            "best_on_to": kept["metric"] if kept else None})
-    by = {n: _rows_of(models[n].get("predictivity"), target)[1] for n in names}
     common = sorted(m for m in by[names[0]] if m in by[names[1]] and all(by[n][m]["rho"] is not None for n in names)
                     and (catalog.get(m) or {}).get("scale_free", True))
 

@@ -6,22 +6,9 @@ cancels in a paired difference, so settings are compared unit by unit, never by 
 intervals overlap. Damage metrics are ratio-scale (KL, MSE, error norms) and are compared on the log
 scale: a result reads as "× the best's".
 
-- :func:`paired_ratio`: the geometric-mean ratio other/best, its paired t interval and the one-sided
-  paired t-test (``scipy.stats.ttest_rel``) of "other is worse".
-- :func:`holm`: Holm's step-down adjusted p-values.
-- :func:`budget_verdict`: the first screen's rule at one budget — the best has the lowest mean log
-  damage; every other candidate is tested one-sided against it, Holm over the candidates, α = 0.025
-  (:data:`ALPHA`); *tied* means not separated by that test.
-- :func:`rank_intervals`: a paired cluster bootstrap (the same resampled units for every setting) giving
-  each setting's rank interval and probability of ranking first.
-- :func:`mcnemar_exact`: McNemar's exact test on paired binary trials (passkey exact match).
-- :func:`compare_gate`: ``compare BASE NEW`` for one cell scored per unit: worse only beyond the paired CI.
-- :func:`paired_ranking`: a ranking table's rule — every pair tested one-sided, Holm over the table's pairs.
-
-Values must be finite. The log scale needs positive values: a unit where both sides are exactly equal
-(both exactly 0 included) contributes a log difference of exactly 0; any other value ≤ 0 raises
-``ValueError`` (exact settings, damage 0, are not budget points; :func:`compare_gate` treats exact zeros
-itself). Pure functions of their arguments (numpy and scipy.stats only): the same numbers on every run.
+Values must be finite and, on the log scale, positive (:func:`log_differences`; exact settings, damage 0,
+are not budget points). Pure functions of their arguments (numpy and scipy.stats): the same numbers on
+every run.
 """
 
 from __future__ import annotations
@@ -53,13 +40,8 @@ PAIRED_TEST: dict[str, Any] = {"test": "one-sided paired t-test on log values", 
 
 
 def shared_units(per_setting: Mapping[Hashable, Mapping[Hashable, float]]) -> list:
-    """The units every setting has a finite value for, sorted.
-
-    Args:
-        per_setting: setting key → (unit id → value); unit ids of one kind (all ints or all strings).
-
-    Returns the sorted list of shared unit ids (empty when there is none or no setting).
-    """
+    """The sorted unit ids every setting of ``per_setting`` (setting key → (unit id → value), unit ids of
+    one kind) has a finite value for; ``[]`` when none is shared or there is no setting."""
     common: set | None = None
     for by_unit in per_setting.values():
         have = {u for u, v in by_unit.items() if v is not None and np.isfinite(v)}
@@ -96,20 +78,18 @@ def log_differences(best: Sequence[float], other: Sequence[float]) -> np.ndarray
     return out
 
 
-def paired_ratio(best: Sequence[float], other: Sequence[float], *, confidence: float = CONFIDENCE) -> dict[str, Any]:
+def paired_ratio(best: Sequence[float], other: Sequence[float]) -> dict[str, Any]:
     """Geometric-mean ratio other/best over paired units, its paired CI and the one-sided p.
 
     Args:
         best, other: the two settings' values at the same units, in the same order (``(n,)``, ``n ≥ 1``).
-        confidence: of the two-sided interval.
 
     Returns ``{"n_units", "ratio", "ratio_ci95", "p"}``: ``ratio = exp(mean d)`` with ``d`` the per-unit
-    log differences (:func:`log_differences`); ``ratio_ci95`` the exponentiated Student-t interval on
-    ``mean d`` (``ttest_rel(...).confidence_interval``); ``p`` the one-sided paired t-test of ``mean d > 0``
-    (``ttest_rel(..., alternative="greater")``). With one unit there is no test: ``ratio_ci95`` and ``p``
-    are ``None``. When every unit has the same ``d`` (zero variance) the interval is the point and ``p``
-    is 0 for ``d > 0``, 1 otherwise (the t statistic's limit). Raises ``ValueError`` as
-    :func:`log_differences` does, or on no unit.
+    log differences (:func:`log_differences`); ``ratio_ci95`` the exponentiated 95 % Student-t interval
+    on ``mean d``; ``p`` the one-sided paired t-test of ``mean d > 0`` (``scipy.stats.ttest_1samp`` on
+    ``d``). With one unit there is no test: ``ratio_ci95`` and ``p`` are ``None``. When every unit has the
+    same ``d`` (zero variance) the interval is the point and ``p`` is 0 for ``d > 0``, 1 otherwise (the t
+    statistic's limit). Raises ``ValueError`` as :func:`log_differences` does, or on no unit.
     """
     d = log_differences(best, other)
     n = d.size
@@ -121,12 +101,10 @@ def paired_ratio(best: Sequence[float], other: Sequence[float], *, confidence: f
         return {"n_units": 1, "ratio": ratio, "ratio_ci95": None, "p": None}
     if np.ptp(d) == 0:
         return {"n_units": n, "ratio": ratio, "ratio_ci95": [ratio, ratio], "p": 0.0 if mean > 0 else 1.0}
-    equal = np.asarray(best, dtype=np.float64) == np.asarray(other, dtype=np.float64)  # d = 0 there, 0s included
-    lb, la = (np.log(np.where(equal, 1.0, np.asarray(v, dtype=np.float64))) for v in (best, other))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, as it should be
-        ci = stats.ttest_rel(la, lb).confidence_interval(confidence)
-        p = stats.ttest_rel(la, lb, alternative="greater").pvalue
+        ci = stats.ttest_1samp(d, 0.0).confidence_interval(CONFIDENCE)  # ttest_rel on the logs: the same test
+        p = stats.ttest_1samp(d, 0.0, alternative="greater").pvalue
     return {"n_units": n, "ratio": ratio, "ratio_ci95": [float(np.exp(ci.low)), float(np.exp(ci.high))],
             "p": float(p)}
 
@@ -171,19 +149,18 @@ def mcnemar_exact(best: Sequence[bool], other: Sequence[bool], *, alternative: s
     return {"n_trials": int(a.size), "best_only": b, "other_only": c, "p": p}
 
 
-def rank_intervals(logs: Any, *, n_boot: int = BOOTSTRAP, seed: int = BOOTSTRAP_SEED,
-                   confidence: float = CONFIDENCE) -> tuple[list[list[int]], list[float]]:
+def rank_intervals(logs: Any, *, n_boot: int = BOOTSTRAP,
+                   seed: int = BOOTSTRAP_SEED) -> tuple[list[list[int]], list[float]]:
     """Rank intervals and probability of ranking first by a paired cluster bootstrap.
 
     Args:
         logs: ``(settings, units)`` float array of log damage (lower is better).
         n_boot: resamples; each draws ``units`` unit indices with replacement (PCG64 seeded by ``seed``)
             and applies the same draw to every setting, so what the units share cancels.
-        confidence: of the rank interval.
 
     In each resample a setting's rank is 1 + the number of settings with a strictly lower mean (equal
     means share the better rank). Returns ``(intervals, p_best)`` in the row order: ``[lo, hi]`` the
-    ``(1 − confidence)/2`` and ``(1 + confidence)/2`` quantiles of its ranks (observed ranks,
+    2.5 % and 97.5 % quantiles of its ranks (observed ranks,
     ``inverted_cdf``), and the fraction of resamples where it ranks first.
     """
     x = np.asarray(logs, dtype=np.float64)
@@ -194,27 +171,25 @@ def rank_intervals(logs: Any, *, n_boot: int = BOOTSTRAP, seed: int = BOOTSTRAP_
     idx = rng.integers(0, n, size=(n_boot, n))
     means = x[:, idx].mean(axis=2)  # (settings, n_boot)
     ranks = 1 + (means[None, :, :] < means[:, None, :]).sum(axis=1)  # (settings, n_boot)
-    tail = (1.0 - confidence) / 2
+    tail = (1.0 - CONFIDENCE) / 2
     lo = np.quantile(ranks, tail, axis=1, method="inverted_cdf")
     hi = np.quantile(ranks, 1.0 - tail, axis=1, method="inverted_cdf")
     return [[int(a), int(b)] for a, b in zip(lo, hi)], [float(v) for v in np.mean(ranks == 1, axis=1)]
 
 
-def budget_verdict(candidates: Mapping[Hashable, Mapping[Hashable, float]], *, alpha: float = ALPHA,
-                   confidence: float = CONFIDENCE, n_boot: int = BOOTSTRAP,
+def budget_verdict(candidates: Mapping[Hashable, Mapping[Hashable, float]], *, n_boot: int = BOOTSTRAP,
                    seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
     """The first screen's answer at one budget: the best candidate and who it is separated from.
 
     Args:
         candidates: setting key (e.g. ``(method, setting)``) → (unit id → damage > 0); one entry per
             method, its best setting within the budget. The mapping's order breaks exact ties.
-        alpha: family-wise level of the row's tests; confidence: of the ratio and rank intervals;
         n_boot, seed: of :func:`rank_intervals`.
 
     On the units every candidate shares (:func:`shared_units`) the best has the lowest mean log damage.
     Every other candidate is compared with it by :func:`paired_ratio` (ratio other/best, one-sided p),
     the p-values Holm-adjusted over the row (:func:`holm`); a candidate is *tied* with the best when its
-    adjusted p is above ``alpha`` or undefined (one unit), and only then.
+    adjusted p is above :data:`ALPHA` or undefined (one unit), and only then.
 
     Returns ``{"best", "n_units", "units", "rank_interval", "p_best", "comparisons": [{"key", "n_units",
     "ratio", "ratio_ci95", "p", "p_holm", "tied", "rank_interval", "p_best"}]}`` with the comparisons
@@ -234,23 +209,21 @@ def budget_verdict(candidates: Mapping[Hashable, Mapping[Hashable, float]], *, a
     logs = np.log(x)
     order = sorted(range(len(keys)), key=lambda i: float(np.mean(logs[i])))  # stable: input order breaks ties
     best = order[0]
-    comps = [paired_ratio(x[best], x[i], confidence=confidence) for i in order[1:]]
+    comps = [paired_ratio(x[best], x[i]) for i in order[1:]]
     adjusted = holm([c["p"] for c in comps])
-    intervals, p_best = rank_intervals(logs, n_boot=n_boot, seed=seed, confidence=confidence)
+    intervals, p_best = rank_intervals(logs, n_boot=n_boot, seed=seed)
     return {"best": keys[best], "n_units": len(units), "units": units, "rank_interval": intervals[best],
             "p_best": p_best[best],
-            "comparisons": [{"key": keys[i], **c, "p_holm": ph, "tied": ph is None or ph > alpha,
+            "comparisons": [{"key": keys[i], **c, "p_holm": ph, "tied": ph is None or ph > ALPHA,
                              "rank_interval": intervals[i], "p_best": p_best[i]}
                             for i, c, ph in zip(order[1:], comps, adjusted)]}
 
 
-def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float], *,
-                 confidence: float = CONFIDENCE) -> dict[str, Any]:
+def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float]) -> dict[str, Any]:
     """Is NEW worse than BASE beyond the paired CI? One cell's damage scored per unit on both sides.
 
     Args:
         base, new: unit id → damage ≥ 0 (lower is better); compared on the units both have (finite).
-        confidence: of the ratio interval.
 
     Returns ``{"n_units", "ratio", "ratio_ci95", "worse", "exact_lost"}``: ``ratio`` = geometric-mean
     NEW/BASE with its paired interval (:func:`paired_ratio`); ``worse`` is ``True`` when the interval lies
@@ -273,26 +246,25 @@ def compare_gate(base: Mapping[Hashable, float], new: Mapping[Hashable, float], 
     keep = ~((w == 0) & (b > 0))
     if not np.any(keep):
         return {"n_units": 0, "ratio": 0.0, "ratio_ci95": None, "worse": False, "exact_lost": []}
-    r = paired_ratio(b[keep], w[keep], confidence=confidence)
+    r = paired_ratio(b[keep], w[keep])
     worse = None if r["ratio_ci95"] is None else r["ratio_ci95"][0] > 1.0
     return {"n_units": r["n_units"], "ratio": r["ratio"], "ratio_ci95": r["ratio_ci95"], "worse": worse,
             "exact_lost": []}
 
 
 def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, ratio_scale: bool,
-                   better: str = "lower", alpha: float = ALPHA) -> dict[str, Any]:
+                   better: str = "lower") -> dict[str, Any]:
     """A ranking table by the paired rule (docs/METRICS.md, "A ranking table"): every pair tested.
 
     Args:
         per_setting: setting key → (unit id → value); its order breaks exact ties.
         ratio_scale: log scale (:func:`kvqbench.metrics.is_ratio_scale`); a pair with a value ≤ 0 goes raw.
         better: ``lower``, ``higher`` (badness −value, −log) or ``zero`` (badness ``|value|``, raw).
-        alpha: family-wise level over the table's pairs.
 
     Settings are listed by mean (log) badness over their own units, then mean raw badness. Each pair is
     tested one-sided, "the later one is worse", on the shared units (``scipy.stats.ttest_1samp`` on the
     badness differences = ``ttest_rel``; zero variance: p = 0 for a difference > 0, else 1), Holm over
-    the pairs (:func:`holm`); separated when the adjusted p ≤ ``alpha``. ``rank`` = 1 + the settings
+    the pairs (:func:`holm`); separated when the adjusted p ≤ :data:`ALPHA`. ``rank`` = 1 + the settings
     above that are separated from it, never below the rank above; ``ties`` = those not separated. On a
     ratio-scale lower-is-better metric a setting 0 at every shared unit (exact: the fp16 control) is not
     tested: separated from the rest, tied with the other exact ones. Returns ``{"n_units", "no_verdict",
@@ -321,7 +293,7 @@ def paired_ranking(per_setting: Mapping[Hashable, Mapping[Hashable, float]], *, 
         warnings.simplefilter("ignore", RuntimeWarning)  # near-constant differences: a huge t, p ≈ 0, as it should be
         p = stats.ttest_1samp(d, 0.0, axis=1, alternative="greater").pvalue if pairs else np.zeros(0)
     p = np.where(np.ptp(d, axis=1) == 0, np.where(d[:, 0] > 0, 0.0, 1.0), p)
-    separated = {pr for pr, ph in zip(pairs, holm([float(v) for v in p])) if ph <= alpha}
+    separated = {pr for pr, ph in zip(pairs, holm([float(v) for v in p])) if ph <= ALPHA}
     separated |= {(a, b) for b in range(len(order)) for a in range(b) if exact[a] != exact[b]}
     rows: list[dict[str, Any]] = []
     for b, i in enumerate(order):

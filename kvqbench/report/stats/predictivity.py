@@ -15,7 +15,8 @@ from kvqbench.metrics import experiment_of, rank_key
 from kvqbench.report.stats.intervals import is_short
 
 __all__ = ["PREDICTIVITY_TARGETS", "PREDICTIVITY_EXPERIMENTS", "PREDICTIVITY_BOOTSTRAP", "PREDICTIVITY_SEED",
-           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman", "spearman_rows", "resampled_rho", "percentile_ci95"]
+           "PREDICTIVITY_MIN_METHODS", "predictivity", "spearman", "spearman_rows", "resampled_rho", "percentile_ci95",
+           "target_rows"]
 
 
 #: the model-damage quantities tensor metrics are correlated with, each from the experiment the catalog
@@ -81,14 +82,12 @@ def spearman(x: Any, y: Any) -> tuple[float | None, float | None]:
     return (rho, float(res.pvalue)) if math.isfinite(rho) else (None, None)
 
 
-def _spearman_ci(x: Any, y: Any, n_boot: int, seed: int) -> tuple[float | None, list[float] | None]:
-    """ρ of ``x``/``y`` ``(methods, settings)`` (flattened, :func:`spearman`), and its bootstrap 95 % CI
-    over methods (:func:`resampled_rho`, :func:`percentile_ci95`)."""
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    rho, _ = spearman(x.ravel(), y.ravel())
-    if rho is None:
-        return None, None
-    return rho, percentile_ci95(resampled_rho([x], y, n_boot, seed)[0], n_boot)
+def target_rows(predictivity_src: dict[str, Any] | None, target: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """``(group, rows)`` of one target's table that the report reads: its ``pooled`` group where it has
+    one, else its first; ``(None, [])`` without a table."""
+    by_group = ((predictivity_src or {}).get("targets") or {}).get(target) or {}
+    group = "pooled" if "pooled" in by_group else next(iter(by_group), None)
+    return group, by_group[group] if group else []
 
 
 def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot: int = PREDICTIVITY_BOOTSTRAP,
@@ -120,7 +119,6 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                          for metrics in by.values() for name in metrics
                          if name in catalog and catalog[name].get("experiment") == exp
                          and catalog[name].get("unit") != "bits/element"})
-    groups_seen: set[str] = set()
     for target in PREDICTIVITY_TARGETS:
         e2e = stats_src.get(target_exp(target)) or {}
         pts = {(m, s): e[target]["mean"] for m, by in e2e.items() for s, e in by.items()
@@ -144,15 +142,16 @@ def predictivity(stats_src: dict[str, Any], catalog: dict[str, dict], *, n_boot:
                     continue
                 xs = [[rank_key(better, stats_src[exp][m][s][name]["mean"]) for s in gset] for m in methods]
                 ys = [[pts[(m, s)] for s in gset] for m in methods]
-                rho, ci = _spearman_ci(xs, ys, n_boot, seed)
+                rho, _ = spearman(np.ravel(xs), np.ravel(ys))  # CI: bootstrap over methods
+                ci = None if rho is None else percentile_ci95(resampled_rho([xs], ys, n_boot, seed)[0], n_boot)
                 rows.append({"metric": name, "experiment": exp, "rho": rho, "ci95": ci,
                              "n_methods": len(methods), "n_points": len(methods) * len(gset)})
             # best first; ρ compared to 12 decimals so float noise (0.9999999999999999) does not order ties
             rows.sort(key=lambda r: (r["rho"] is None, -round(r["rho"] or 0.0, 12), r["metric"]))
             if rows:
                 by_group[gname] = rows
-                groups_seen.add(gname)
         out["targets"][target] = by_group
         out.setdefault("pooled_settings", pooled if len(pooled) > 1 else [])
+    groups_seen = {g for by_group in out["targets"].values() for g in by_group}
     out["groups"] = sorted(groups_seen - {"pooled"}, key=setting_order) + (["pooled"] if "pooled" in groups_seen else [])
     return out

@@ -1,11 +1,7 @@
 """Rankings, Pareto fronts and the best method at matched bits budgets (docs/DESIGN.md §5). Torch-free.
 
 Every comparison pairs the settings on the units they share (seeds, text windows, texts) by the rule of
-:mod:`kvqbench.report.stats.paired`: the rankings per metric and setting (:func:`rankings`,
-:func:`~kvqbench.report.stats.paired.paired_ranking`) and the best at each bits budget, on the first
-screen and in the detail tables (:func:`paired_at_budgets`). A budget point is a plain setting (no variant
-axes) with every seed it was asked for.
-"""
+:mod:`kvqbench.report.stats.paired`."""
 
 from __future__ import annotations
 
@@ -13,12 +9,12 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from kvqbench.cells import BUDGETS, is_plain_setting, setting_order
+from kvqbench.cells import BUDGETS, is_exact_setting, is_plain_setting, setting_order
 from kvqbench.metrics import experiment_of, is_ratio_scale, rank_key
-from kvqbench.report.stats.intervals import is_short
+from kvqbench.report.stats.intervals import is_short, units_of
 from kvqbench.report.stats.paired import budget_verdict, paired_ranking
 
-__all__ = ["rankings", "pareto", "matched_budget", "pareto_metric", "paired_at_budgets",
+__all__ = ["rankings", "pareto", "pareto_metric", "paired_at_budgets", "budget_point", "damage",
            "PARETO_QUALITY", "PARETO_BITS"]
 
 #: quality metric and bits metric of the Pareto front and the matched-budget selector
@@ -26,9 +22,18 @@ PARETO_QUALITY = "rel_mse"
 PARETO_BITS = "bits_effective"
 
 
-def _units(e: dict[str, Any]) -> dict[Any, float]:
-    """A stats entry's values by unit (its seeds: seeds, text windows or texts)."""
-    return dict(zip(e.get("seeds") or [], e.get("values") or []))
+def budget_point(method: str, setting: str, e: dict[str, Any] | None, bits: float | None) -> dict[str, Any] | None:
+    """A point of :func:`paired_at_budgets` from stats entry ``e`` billed ``bits`` per element; ``None``
+    where there is none: no entry or bits, a short entry, a variant or an exact (16-bit) setting."""
+    if e is None or bits is None or is_short(e) or not is_plain_setting(setting) or is_exact_setting(setting):
+        return None
+    return {"method": method, "setting": setting, "bits": bits, "mean": e["mean"], "ci95": e["ci95"],
+            "units": units_of(e)}
+
+
+def damage(units: dict[Any, float], better: str) -> dict[Any, float]:
+    """Values by unit as damage (lower is better): ``|value|`` where ``better`` is ``zero``."""
+    return {u: abs(v) if better == "zero" else v for u, v in units.items()}
 
 
 def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, Any]:
@@ -53,7 +58,7 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
         spec, by_setting = catalog[name], {}
         for setting in sorted(table[name], key=setting_order):
             entries = {m: e for m, e in sorted(table[name][setting]) if not is_short(e)}
-            v = paired_ranking({m: _units(e) for m, e in entries.items()}, ratio_scale=is_ratio_scale(name, spec),
+            v = paired_ranking({m: units_of(e) for m, e in entries.items()}, ratio_scale=is_ratio_scale(name, spec),
                                better=spec["better"])
             by_setting[setting] = [
                 {"method": r["key"], **{k: entries[r["key"]][k] for k in ("mean", "ci95", "n")}, "rank": r["rank"],
@@ -67,11 +72,13 @@ def rankings(stats_src: dict[str, Any], catalog: dict[str, dict]) -> dict[str, A
     return out
 
 
-def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
-    """Every exp1 (method, bits) point as (effective bits/element, relative MSE) and the non-dominated
-    front (no other point has both fewer-or-equal bits and lower-or-equal error, one strictly).
-    The generic rule is :func:`pareto_metric`; this names the fields after the metrics."""
-    gen = pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS)
+def pareto(stats_src: dict[str, Any],
+           budgets: tuple[float, ...] = BUDGETS) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """:func:`pareto_metric` of exp1's relative MSE against its effective bits, the fields named after the
+    metrics: ``(pareto, matched_budget)``, every (method, bits) point as (effective bits/element, relative
+    MSE) with the non-dominated front, and the best (lowest relative MSE) point at each effective-bits
+    budget ``≤ b`` with every other method compared with it over the seeds (:func:`paired_at_budgets`)."""
+    gen = pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)
     bits_nominal = {(m, s): e.get("bits_nominal", {}).get("mean")
                     for m, by in stats_src.get(experiment_of(PARETO_QUALITY), {}).items() for s, e in by.items()}
 
@@ -81,16 +88,10 @@ def pareto(stats_src: dict[str, Any]) -> dict[str, Any]:
 
     pts = [{**named(p), "bits_nominal": bits_nominal.get((p["method"], p["setting"])), "ci95": p["ci95"],
             "on_front": p["on_front"]} for p in gen["points"]]
-    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts, "front": [named(p) for p in gen["front"]]}
-
-
-def matched_budget(stats_src: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
-    """The best (lowest relative MSE) exp1 (method, bits) at each effective-bits budget ``≤ b`` and every
-    other method compared with it over the seeds (:func:`paired_at_budgets`): its rows with ``bits`` named
-    ``bits_effective`` and ``quality`` named after the metric."""
-    return [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
-             PARETO_QUALITY: m["quality"]}
-            for m in pareto_metric(stats_src, quality=PARETO_QUALITY, bits=PARETO_BITS, budgets=budgets)["matched_budget"]]
+    matched = [{**{k: v for k, v in m.items() if k not in ("bits", "quality")}, "bits_effective": m["bits"],
+                PARETO_QUALITY: m["quality"]} for m in gen["matched_budget"]]
+    return {"quality": PARETO_QUALITY, "bits": PARETO_BITS, "points": pts,
+            "front": [named(p) for p in gen["front"]]}, matched
 
 
 def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_fwd_nats",
@@ -99,7 +100,7 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
     quality metric's, :func:`kvqbench.metrics.experiment_of`), e.g. the
     pseudo-decode attention KL against the bits a cache really holds (fp16 windows billed at 16 bits).
 
-    Same rules as :func:`pareto` / :func:`matched_budget` (lower quality is better; variant settings are
+    Same rules as :func:`pareto` (lower quality is better; variant settings are
     not budget points, nor are settings with fewer seeds than asked). Returns ``{"experiment", "quality", "bits", "points", "front", "matched_budget"}``.
     """
     experiment = experiment_of(quality)
@@ -112,7 +113,7 @@ def pareto_metric(stats_src: dict[str, Any], *, quality: str = "decode_attn_kl_f
                 continue  # fewer seeds than asked: not a budget point (see aggregate)
             pts.append({"method": meth, "setting": setting, "bits": metrics[bits]["mean"],
                         "quality": metrics[quality]["mean"], "ci95": metrics[quality]["ci95"],
-                        "units": _units(metrics[quality])})
+                        "units": units_of(metrics[quality])})
     pts.sort(key=lambda p: (p["bits"], p["quality"], p["method"]))
     front = []
     for p in pts:
@@ -154,18 +155,15 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
     no paired verdict: a value ≤ 0, no shared unit, a higher-is-better metric (then no comparisons), or one
     shared unit (comparisons with ratios, no ties). ``method`` ``None`` when no point fits.
     """
-    def damage(p: dict[str, Any]) -> dict[Any, float]:
-        return {u: abs(v) if better == "zero" else v for u, v in (p.get("units") or {}).items()}
-
     out = []
     for b in budgets:
         own: dict[str, dict[str, Any]] = {}
         for p in sorted((p for p in points if p["bits"] <= b + 1e-9),
-                        key=lambda p: (_mean_log(damage(p)), rank_key(better, p["mean"]), p["bits"], p["method"],
-                                       setting_order(p["setting"]))):
+                        key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]), p["bits"],
+                                       p["method"], setting_order(p["setting"]))):
             own.setdefault(p["method"], p)
-        ranked = sorted(own.values(), key=lambda p: (_mean_log(damage(p)), rank_key(better, p["mean"]), p["bits"],
-                                                     p["method"]))
+        ranked = sorted(own.values(), key=lambda p: (_mean_log(damage(p["units"], better)), rank_key(better, p["mean"]),
+                                                     p["bits"], p["method"]))
         row: dict[str, Any] = {"budget": b, "method": None, "setting": None, "bits": None, "value": None, "ci95": None,
                                "n_units": None, "rank_interval": None, "p_best": None, "comparisons": [], "ties": [],
                                "runner_up": None, "no_verdict": None}
@@ -180,7 +178,7 @@ def paired_at_budgets(points: list[dict[str, Any]], budgets: tuple[float, ...] =
         try:
             if better == "higher":
                 raise ValueError("a higher-is-better metric has no damage ratio")
-            v = budget_verdict({(p["method"], p["setting"]): damage(p) for p in ranked})
+            v = budget_verdict({(p["method"], p["setting"]): damage(p["units"], better) for p in ranked})
         except ValueError as e:
             out.append({**row, **entry(ranked[0]), "no_verdict": str(e)})
             continue
