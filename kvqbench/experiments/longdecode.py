@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvqbench.data.memory import release_after, release_if_grown
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import tally_nonfinite
 from kvqbench.experiments.endtoend import (
@@ -248,6 +249,7 @@ def _reference(src: RealSource, ids: list[int], cfg: LongDecodeConfig) -> _Refer
         while len(_REFS) >= _MAX_REFS:
             _REFS.pop(next(iter(_REFS)))
         _REFS[key] = ref
+        release_if_grown()  # the decode's temporaries (kvqbench.data.memory)
     return _REFS[key]
 
 
@@ -288,6 +290,7 @@ def _curve_metrics(kl: list[float], agree: list[float], dloss: list[float], cfg:
             "long_dloss_nats": math.fsum(dloss) / len(kl)}
 
 
+@release_after  # the group's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Sequence[int],
                         config: LongDecodeConfig | None = None, *, noise_rows: Sequence[int] = (0,),
@@ -355,8 +358,10 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
                                          "reference": refs[r].free.tolist()}
         results.append(res)
     del hooks, hook, scorer  # the caches of the rows (the noise draws and the passkey prompts build their own)
+    release_if_grown()
     if cfg.noise_draws:
         _noise_floor(src, cfg, rows, seeds, refs, [r for r in noise_rows if r < len(rows)], hooks_of, results)
+        release_if_grown()
     if passkey:
         from kvqbench.experiments.passkey import run_passkey_rows
 
