@@ -322,6 +322,7 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
     check_context(src.model_name, cfg.context, getattr(src.net.config, "max_position_embeddings", None))
     rows = [long_text(src, s, cfg) for s in seeds]
     per_row = [layer_methods(m, src.calibration) for m in methods]
+    release_if_grown()  # a data-dependent fit's temporaries
     pre_rope = any(m.k_pre_rope for ms in per_row for m in ms)
     cos, sin = src.rope(cfg.context) if pre_rope else (None, None)
 
