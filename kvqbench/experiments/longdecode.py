@@ -229,9 +229,6 @@ class _Reference:
             return val
         return lm_logits(self.net, val).float()[0, lo - a:hi - a]
 
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for _, v in self.parts.values())
-
 
 _REFS: dict[tuple, _Reference] = {}
 #: the most texts whose reference a process keeps (each ≈ 5 MB for SmolLM2 at T = 2048)
