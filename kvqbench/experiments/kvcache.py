@@ -63,19 +63,21 @@ class KVCacheHook(CacheWriter):
         cos, sin: the model's RoPE tables for every position the cache will see, ``(positions,
             head_dim)`` for every layer or ``(layers, positions, head_dim)`` per layer; needed when a
             method quantizes pre-RoPE keys.
+        capacity: tokens each stream reserves room for at once (the whole sequence when it is known; the
+            streams' buffers grow by doubling beyond it, see :class:`Stream`).
     Raises:
         ValueError: a pre-RoPE method without RoPE tables.
     """
 
     def __init__(self, methods: Sequence[Quantizer], *, streaming: bool,
-                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:
+                 cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, capacity: int = 0) -> None:
         self.methods = list(methods)
         self.cos, self.sin = cos, sin
         if any(m.k_pre_rope for m in self.methods) and (cos is None or sin is None):
             raise ValueError("a method quantizes pre-RoPE keys: pass the model's RoPE tables (cos, sin)")
         rules = None if streaming else StreamPolicy()  # None: the method's own stream policy
-        self.k = [Stream(m, "k", rules) for m in self.methods]
-        self.v = [Stream(m, "v", rules) for m in self.methods]
+        self.k = [Stream(m, "k", rules, capacity=capacity) for m in self.methods]
+        self.v = [Stream(m, "v", rules, capacity=capacity) for m in self.methods]
 
     def fork(self, *, streaming: bool) -> "KVCacheHook":
         """A hook of the same methods and RoPE tables under the rules ``streaming`` selects, holding what it

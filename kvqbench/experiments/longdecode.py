@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvqbench.data.memory import release_after, release_if_grown
 from kvqbench.experiments.accumulation import SeriesCellResult
 from kvqbench.experiments.common import tally_nonfinite
 from kvqbench.experiments.endtoend import (
@@ -66,7 +67,8 @@ EXPERIMENT = "exp6"
 # the forward schedule
 @torch.no_grad()
 def decode(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, int]], hook: Any, *,
-           score: Callable[[int, torch.Tensor], None], free_tokens: int = 0) -> torch.Tensor:
+           score: Callable[[int, torch.Tensor], None], free_tokens: int = 0,
+           hidden: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Run ``net`` teacher-forced over ``rows`` (token sequences of one length, one batch row each) in
     forward calls of the spans ``chunks`` with a cache whose ``update`` applies ``hook``
     (:class:`~kvqbench.experiments.endtoend.KVCacheHook`, :class:`RowsHook`, ``None`` for the plain cache),
@@ -76,6 +78,9 @@ def decode(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, 
         score: called after each teacher-forced call with ``(a, logits)``: the call's first position and
             its logits ``(len(rows), b − a, vocab)`` fp32 (position ``t`` predicts token ``t+1``); the
             logits are not kept.
+        hidden: called before ``score`` with ``(a, h)``: the call's final hidden states ``(len(rows), b − a,
+            hidden_size)`` in the model's dtype; ``lm_logits(net, h)`` (:func:`kvqbench.data.capture.lm_logits`)
+            gives the call's logits again, bitwise (the same product of the same shape).
     Returns:
         The greedy tokens ``(len(rows), free_tokens)`` int64: the argmax after the last teacher-forced
         position, then after each greedy token in turn.
@@ -87,19 +92,26 @@ def decode(net: Any, rows: Sequence[Sequence[int]], chunks: Sequence[tuple[int, 
                          f"{[len(r) for r in rows]}")
     if [a for a, _ in chunks] != [0] + [b for _, b in chunks[:-1]] or chunks[-1][1] != len(rows[0]):
         raise ValueError(f"chunks {list(chunks)} must tile [0, {len(rows[0])})")
+    from kvqbench.data.capture import _decoder, lm_logits
+
     dev = next(net.parameters()).device
     x = torch.tensor([list(r) for r in rows], dtype=torch.long, device=dev)
     n = int(x.shape[0])
-    cache, kw = quantized_cache(hook), _cache_kwarg(net.forward)
+    decoder = _decoder(net)
+    cache, kw = quantized_cache(hook), _cache_kwarg(decoder.forward)
 
-    def call(tokens: torch.Tensor, a: int) -> torch.Tensor:
+    def call(tokens: torch.Tensor, a: int) -> torch.Tensor:  # the model's forward: decoder, then LM head
         pos = torch.arange(a, a + int(tokens.shape[1]), device=dev)[None].expand(n, -1)
-        return net(input_ids=tokens, position_ids=pos, use_cache=True, **{kw: cache}).logits.float()
+        h = decoder(input_ids=tokens, position_ids=pos, use_cache=True, **{kw: cache}).last_hidden_state
+        if hidden is not None:
+            hidden(a, h)
+        return lm_logits(net, h).float()
 
-    last = None
+    last = torch.empty(0)
     for a, b in chunks:
         last = call(x[:, a:b], a)
         score(a, last)
+        last = last[:, -1:].clone()  # all the greedy continuation needs; the call's logits are freed
     out = torch.empty(n, free_tokens, dtype=torch.long)
     t = int(x.shape[1])
     for g in range(free_tokens):
@@ -183,28 +195,58 @@ LongDecodeResult = SeriesCellResult
 
 # --------------------------------------------------------------------------------------------------
 # the reference side, once per text and process
-_REFS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-#: the most texts whose unquantized logits a process keeps (each ``(T − P) × vocab`` fp32)
-_MAX_REFS = 4
+class _Reference:
+    """The unquantized model's side of one text under the decode schedule: per teacher-forced call that holds
+    scored positions the smaller of its scored logits and its final hidden states (a call of 64 positions:
+    64 × hidden_size values instead of 64 × vocab; :meth:`logits` runs the LM head on them again, the same
+    product of the same shape, so bitwise the logits the call gave), and the greedy continuation ``free``
+    ``(G,)`` int64."""
+
+    def __init__(self, net: Any, scored: tuple[int, int]) -> None:
+        self.net, (self.a0, self.b0) = net, scored
+        self.parts: dict[int, tuple[str, torch.Tensor]] = {}  # call start → ("logits" | "hidden", values)
+        self.free = torch.empty(0, dtype=torch.long)
+        self._h: torch.Tensor | None = None
+
+    def keep_hidden(self, a: int, h: torch.Tensor) -> None:
+        self._h = h
+
+    def keep(self, a: int, lg: torch.Tensor) -> None:
+        lo, hi = max(a, self.a0), min(a + int(lg.shape[1]), self.b0)
+        if hi > lo:
+            assert self._h is not None
+            h = self._h[0:1]
+            self.parts[a] = (("logits", lg[0, lo - a:hi - a].clone()) if (hi - lo) * lg.shape[-1] <= h.numel()
+                             else ("hidden", h.clone()))
+        self._h = None
+
+    def logits(self, a: int, lo: int, hi: int) -> torch.Tensor:
+        """The logits ``(hi − lo, vocab)`` fp32 of the scored positions ``[lo, hi)`` of the call at ``a``."""
+        from kvqbench.data.capture import lm_logits
+
+        what, val = self.parts[a]
+        if what == "logits":
+            return val
+        return lm_logits(self.net, val).float()[0, lo - a:hi - a]
 
 
-def _reference(src: RealSource, ids: list[int], cfg: LongDecodeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unquantized model's logits of the scored positions ``(T − P, vocab)`` fp32 under the decode
-    schedule, and its greedy continuation ``(G,)`` (cached per process)."""
+_REFS: dict[tuple, _Reference] = {}
+#: the most texts whose reference a process keeps (each ≈ 5 MB for SmolLM2 at T = 2048)
+_MAX_REFS = 8
+
+
+def _reference(src: RealSource, ids: list[int], cfg: LongDecodeConfig) -> _Reference:
+    """The unquantized model's :class:`_Reference` of ``ids`` under the decode schedule (cached per
+    process)."""
     key = (src.model_name, src.device, ids_sha(ids), tuple(cfg.chunks()), cfg.free_tokens)
     if key not in _REFS:
-        a0, b0 = cfg.scored()
-        parts: list[torch.Tensor] = []
-
-        def keep(a: int, lg: torch.Tensor) -> None:
-            lo, hi = max(a, a0), min(a + int(lg.shape[1]), b0)
-            if hi > lo:
-                parts.append(lg[0, lo - a:hi - a].clone())
-
-        free = decode(src.net, [ids], cfg.chunks(), None, score=keep, free_tokens=cfg.free_tokens)[0]
+        ref = _Reference(src.net, cfg.scored())
+        ref.free = decode(src.net, [ids], cfg.chunks(), None, score=ref.keep, free_tokens=cfg.free_tokens,
+                          hidden=ref.keep_hidden)[0]
         while len(_REFS) >= _MAX_REFS:
             _REFS.pop(next(iter(_REFS)))
-        _REFS[key] = (torch.cat(parts, 0), free)
+        _REFS[key] = ref
+        release_if_grown()  # the decode's temporaries (kvqbench.data.memory)
     return _REFS[key]
 
 
@@ -212,7 +254,7 @@ class _Scorer:
     """Per-position next-token KL and top-1 agreement of each row against its reference logits, and the
     Δ loss, accumulated call by call."""
 
-    def __init__(self, refs: Sequence[torch.Tensor], rows: Sequence[list[int]], scored: tuple[int, int],
+    def __init__(self, refs: Sequence[_Reference], rows: Sequence[list[int]], scored: tuple[int, int],
                  hooks: Sequence[KVCacheHook] = ()) -> None:
         self.refs, self.rows, (self.a0, self.b0), self.hooks = refs, rows, scored, list(hooks)
         self.at_end: list[tuple[float, dict]] = []  # per hook: bits billed and its state at the text's end
@@ -228,7 +270,7 @@ class _Scorer:
             return
         for r, (ref, ids) in enumerate(zip(self.refs, self.rows)):
             lg = logits[r, lo - a:hi - a]
-            rf = ref[lo - self.a0:hi - self.a0]
+            rf = ref.logits(a, lo, hi)
             m = next_token_metrics(rf, lg, torch.tensor(ids[lo + 1:hi + 1], dtype=torch.long))
             self.kl[r] += m["kl_per_position"]
             self.agree[r] += (rf.argmax(-1) == lg.argmax(-1)).double().tolist()
@@ -245,6 +287,7 @@ def _curve_metrics(kl: list[float], agree: list[float], dloss: list[float], cfg:
             "long_dloss_nats": math.fsum(dloss) / len(kl)}
 
 
+@release_after  # the group's temporaries: kvqbench.data.memory
 @torch.no_grad()
 def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Sequence[int],
                         config: LongDecodeConfig | None = None, *, noise_rows: Sequence[int] = (0,),
@@ -276,15 +319,17 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
     check_context(src.model_name, cfg.context, getattr(src.net.config, "max_position_embeddings", None))
     rows = [long_text(src, s, cfg) for s in seeds]
     per_row = [layer_methods(m, src.calibration) for m in methods]
+    release_if_grown()  # a data-dependent fit's temporaries
     pre_rope = any(m.k_pre_rope for ms in per_row for m in ms)
     cos, sin = src.rope(cfg.context) if pre_rope else (None, None)
 
     def hooks_of(rows_idx: Sequence[int]) -> list[KVCacheHook]:
-        return [KVCacheHook(per_row[r], streaming=True, cos=cos, sin=sin) for r in rows_idx]
+        return [KVCacheHook(per_row[r], streaming=True, cos=cos, sin=sin, capacity=cfg.length + cfg.free_tokens)
+                for r in rows_idx]
 
     refs = [_reference(src, ids, cfg) for ids in rows]
     hooks = hooks_of(range(len(rows)))
-    scorer = _Scorer([r[0] for r in refs], rows, cfg.scored(), hooks)
+    scorer = _Scorer(refs, rows, cfg.scored(), hooks)
     free = decode(src.net, rows, cfg.chunks(), hooks[0] if len(hooks) == 1 else RowsHook(hooks), score=scorer,
                   free_tokens=cfg.free_tokens)
     results = []
@@ -304,14 +349,17 @@ def run_longdecode_rows(methods: Sequence[Quantizer], src: RealSource, seeds: Se
         for sk, sv in zip(hook.k, hook.v):
             tally_nonfinite(res.extra, k=sk.result(0).x_hat, v=sv.result(0).x_hat)
         if cfg.free_tokens:
-            first, share = _divergence(free[r], refs[r][1])
+            first, share = _divergence(free[r], refs[r].free)
             res.metrics["free_first_divergence_tokens"] = float(first)
             res.metrics["free_match_share"] = share
             res.extra["free_running"] = {"tokens": cfg.free_tokens, "method": free[r].tolist(),
-                                         "reference": refs[r][1].tolist()}
+                                         "reference": refs[r].free.tolist()}
         results.append(res)
+    del hooks, hook, scorer  # the caches of the rows (the noise draws and the passkey prompts build their own)
+    release_if_grown()
     if cfg.noise_draws:
         _noise_floor(src, cfg, rows, seeds, refs, [r for r in noise_rows if r < len(rows)], hooks_of, results)
+        release_if_grown()
     if passkey:
         from kvqbench.experiments.passkey import run_passkey_rows
 
@@ -335,7 +383,7 @@ def _noise_floor(src: RealSource, cfg: LongDecodeConfig, rows: list[list[int]], 
         hooks = hooks_of(noise_rows)
         pert = [PerturbedHook(h, cfg.noise_rel, seed=1_000_003 * (d + 1) + seeds[r]) for h, r in zip(hooks, noise_rows)]
         sub = [rows[r] for r in noise_rows]
-        scorer = _Scorer([refs[r][0] for r in noise_rows], sub, cfg.scored())
+        scorer = _Scorer([refs[r] for r in noise_rows], sub, cfg.scored())
         decode(src.net, sub, cfg.chunks(), pert[0] if len(pert) == 1 else RowsHook(pert), score=scorer)
         for i, r in enumerate(noise_rows):
             draws[r].append(_curve_metrics(scorer.kl[i], scorer.agree[i], scorer.dloss[i], cfg))

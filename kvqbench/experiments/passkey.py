@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvqbench.data.memory import release_if_grown
 from kvqbench.experiments.endtoend import KVCacheHook, RealSource, RowsHook, run_model_rows
 from kvqbench.quantizers.base import Quantizer
 
@@ -154,6 +155,7 @@ def _reference(src: RealSource, prompts: Sequence[Prompt]) -> list[dict[str, Any
     if key not in _REFS:
         _REFS[key] = [answer_scores(lg, p.ids[-p.answer_tokens:])
                       for p, lg in zip(prompts, _answer_logits(src, prompts, None))]
+        release_if_grown()  # the batch's cache and activations (kvqbench.data.memory)
     return _REFS[key]
 
 
@@ -195,6 +197,8 @@ def run_passkey_rows(per_row: Sequence[Sequence[Quantizer]], src: RealSource, se
         batch = [(r, ps[li * nd + scored[r][li]]) for r, ps in enumerate(prompts)]
         hooks = [KVCacheHook(per_row[r], streaming=True, cos=cos, sin=sin) for r, _ in batch]
         logits = _answer_logits(src, [p for _, p in batch], hooks[0] if len(hooks) == 1 else RowsHook(hooks))
+        del hooks  # the rows' caches, before the reference's batch builds its own
+        release_if_grown()
         for (r, p), lg, b in zip(batch, logits, _reference(src, [p for _, p in batch])):
             got[r].append(answer_scores(lg, p.ids[-p.answer_tokens:]))
             base[r].append(b)

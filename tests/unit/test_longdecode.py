@@ -272,3 +272,29 @@ def test_a_short_context_stops_before_any_text_is_generated(src, monkeypatch) ->
     monkeypatch.setattr(LD, "long_text", lambda *a, **k: pytest.fail("a text was generated"))
     with pytest.raises(LT.ContextTooShortError, match="context of 64 tokens, shorter than the 68 tokens"):
         LD.run_longdecode_rows([create("fp16", 16, 16)], src, [0], SMALL)
+
+
+@real
+def test_the_reference_keeps_hidden_states_and_gives_the_models_own_logits_bitwise(src) -> None:
+    # the reference keeps a 32-position call's final hidden states (32 × 576 values, not 32 × 49 152
+    # logits) and the 96-token prefill's one scored position as logits (49 152 values, not 96 × 576); the
+    # LM head run on them again must give
+    # what the model's own forward gives under the same schedule, bit for bit
+    from transformers import DynamicCache
+
+    cfg = LT.LongDecodeConfig(length=160, prompt=16, prefill=96, block=32, bin=32, free_tokens=2, noise_draws=0,
+                              passkey_lengths=(64,))
+    ids = (src.window_ids(0) + src.window_ids(1) + src.window_ids(2))[:cfg.length]
+    LD._REFS.clear()
+    ref = LD._reference(src, ids, cfg)
+    assert {a: kind for a, (kind, _) in ref.parts.items()} == {0: "logits", 96: "hidden", 128: "hidden"}
+    cache, kw = DynamicCache(), LD._cache_kwarg(src.net.forward)
+    x = torch.tensor([ids])
+    a0, b0 = cfg.scored()
+    for a, b in cfg.chunks():
+        with torch.no_grad():
+            lg = src.net(input_ids=x[:, a:b], position_ids=torch.arange(a, b)[None], use_cache=True,
+                         **{kw: cache}).logits.float()
+        lo, hi = max(a, a0), min(b, b0)
+        assert torch.equal(ref.logits(a, lo, hi), lg[0, lo - a:hi - a])
+    assert int(ref.free[0]) == int(lg[0, -1].argmax())
