@@ -56,6 +56,12 @@ def _same(a: Any, b: Any, rel: float) -> str:
     return "diff"
 
 
+def _valued(cell: dict) -> dict:
+    """The cell's fields that hold values; a field absent, ``None`` or empty holds none (a published,
+    slimmed record drops an empty ``per_layer`` that a run's record keeps as ``{}``)."""
+    return {k: cell[k] for k in ("status", "metrics", "per_layer", "series") if cell.get(k) not in (None, {}, [])}
+
+
 def compare(base: Path, new: Path, rel: float = 0.0) -> tuple[int, list[str], list[str]]:
     """(values compared, differing paths, paths within ``rel`` only)."""
     n, diff, near = 0, [], []
@@ -70,8 +76,7 @@ def compare(base: Path, new: Path, rel: float = 0.0) -> tuple[int, list[str], li
             if nid not in cb or nid not in cn:
                 diff.append(f"{name} {nid}: only in {'NEW' if nid not in cb else 'BASE'}")
                 continue
-            a = dict(_leaves({k: cb[nid].get(k) for k in ("status", "metrics", "per_layer", "series")}))
-            b = dict(_leaves({k: cn[nid].get(k) for k in ("status", "metrics", "per_layer", "series")}))
+            a, b = dict(_leaves(_valued(cb[nid]))), dict(_leaves(_valued(cn[nid])))
             for key in sorted(set(a) | set(b)):
                 n += 1
                 s = _same(a.get(key, "<missing>"), b.get(key, "<missing>"), rel)
