@@ -234,6 +234,10 @@ class _Keep(CacheWriter):
 _CACHE: dict[tuple, Any] = {}
 #: the most bytes :data:`_CACHE` keeps (at least one entry is always kept)
 _MAX_CACHE_BYTES = 2**30
+#: the most entries :data:`_CACHE` keeps: a prompt and a reference stack for each window of the last two
+#: window groups (the cells run the window groups in order, so an older window is not read again; on
+#: Gemma 3 each window's prompt K/V is 8 MiB, 16 windows' would be kept for nothing)
+_MAX_CACHE_ENTRIES = 12
 #: per process, least recently used first: each window's :class:`ReferenceSide` per regime (the
 #: unquantized logits of its scored positions, their top-1 and cross-entropy), computed from its reference
 #: stack by the first cell on the window and reused by the other settings' cells on it
@@ -258,14 +262,15 @@ def _nbytes(v: Any) -> int:
 def _cached(keys: Sequence[tuple], rows: Sequence[list[int]], compute: Any) -> list[Any]:
     """The values of ``keys`` from :data:`_CACHE`; the missing ones computed together by ``compute(rows
     of the missing keys)`` (one value per row) and kept, least recently used evicted beyond
-    :data:`_MAX_CACHE_BYTES`."""
+    :data:`_MAX_CACHE_ENTRIES` or :data:`_MAX_CACHE_BYTES`."""
     got = {k: _CACHE.pop(k) for k in keys if k in _CACHE}
     todo = {k: ids for k, ids in zip(keys, rows) if k not in got}
     if todo:
         got.update(zip(todo, compute(list(todo.values()))))
     for k in keys:
         _CACHE[k] = got[k]  # most recently used last
-    while len(_CACHE) > 1 and sum(_nbytes(v) for v in _CACHE.values()) > _MAX_CACHE_BYTES:
+    while len(_CACHE) > 1 and (len(_CACHE) > _MAX_CACHE_ENTRIES
+                               or sum(_nbytes(v) for v in _CACHE.values()) > _MAX_CACHE_BYTES):
         _CACHE.pop(next(iter(_CACHE)))
     return [got[k] for k in keys]
 
