@@ -25,7 +25,7 @@ from typing import Any, Callable, TypeVar
 __all__ = ["GROWTH_STEP", "release_freed", "release_if_grown", "release_after"]
 
 #: resident growth (bytes) since the last release past which :func:`release_if_grown` releases
-GROWTH_STEP = 64 << 20
+GROWTH_STEP = 256 << 20
 
 _TRIM: list = []
 #: the resident bytes measured right after the last release

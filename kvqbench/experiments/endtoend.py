@@ -243,7 +243,7 @@ _MAX_CACHE_ENTRIES = 12
 #: stack by the first cell on the window and reused by the other settings' cells on it
 _SIDES: dict[tuple, tuple[ReferenceSide, ...]] = {}
 #: windows whose sides :data:`_SIDES` keeps: a seed group's (three windows; each holds its ``2·(W − P)``
-#: rows of logits, ``vocab`` fp32 each: 25 MB on SmolLM2, 134 MB on Gemma 3), enough for a worker that runs
+#: rows of logits, ``vocab`` fp32 each: 12.6 MB on SmolLM2, 67 MB on Gemma 3), enough for a worker that runs
 #: the settings of one window group after another
 _MAX_SIDES = 3
 #: per process, oldest first: the per-layer fits of data-dependent methods whose seed plays no part

@@ -33,19 +33,15 @@ def _source(item: Any) -> str | None:
 
 def real_capture_first(items: list[Any], settings: Settings | None = None) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
-    (``kvq_data``), then every item that needs no real data, then the other real cells that need the
-    captured data, then the real model's cells. Both parts run by seed (seed 0 of every cell before seed
-    1, so the cells that share one computation across seeds, see
-    :func:`kvqbench.plugin.sharing.seed_free_key`, find it done). A seed group's other seeds, which only
-    read what the group's first cell (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, the first seed of
-    :func:`~kvqbench.plugin.sharing.seed_group` of the cell's seeds in ``settings``) stored, come after the
-    model cells of the next seed, when the group is done.
-
-    A worker's cells are in this order too (xdist deals consecutive cells in chunks), so once a worker
-    has run a model cell no cell needing the capture follows: :func:`kvqbench.plugin.fixtures.kvq_model`
-    drops the captured data there, and a worker never holds the capture and the model's state together.
-    A group's other seed drawn while the other worker still computes that group waits for it; one drawn
-    before any worker has started its group computes the group (the memo keeps the first result).
+    (``kvq_data``), then every item that needs no real data, then the other real cells: the real cells of
+    the other experiments by seed (seed 0 of every real cell before seed 1, so the cells that share one
+    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done), with the
+    cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5: the cell of
+    the group's first seed, :func:`~kvqbench.plugin.sharing.seed_group` of the cell's seeds in ``settings``) spread evenly among
+    them from the start, and last the other seeds of each group, which only read what their group's first
+    cell stored. xdist deals consecutive cells to a worker in chunks: spread out, the heavy group cells
+    fall into every chunk alike, and a worker never draws a group's other seed while the other worker
+    still computes that group (it would wait for it, idle).
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
@@ -65,31 +61,17 @@ def real_capture_first(items: list[Any], settings: Settings | None = None) -> li
     def real(it: Any) -> bool:
         return source_kind(_source(it) or "") == "real"
 
-    def needs_data(it: Any) -> bool:
-        return "kvq_data" in getattr(it, "fixturenames", ())
-
-    def group(it: Any) -> int:  # the first seed of the cell's seed group
-        cell = cell_of(it)
-        seeds = settings.seeds_for(cell.experiment, cell.size) if settings is not None else [cell.seed]
-        return seed_group(cell.seed, list(seeds))[0]
-
-    first = next((i for i, it in enumerate(items) if real(it) and needs_data(it)), None)
+    first = next((i for i, it in enumerate(items) if real(it) and "kvq_data" in getattr(it, "fixturenames", ())),
+                 None)
     head, rest = ([], items) if first is None else ([items[first]], items[:first] + items[first + 1:])
-    data: list[Any] = []
-    model: dict[int, list[Any]] = {}  # by seed
-    reads: dict[int, list[Any]] = {}  # by the first seed of their group
+    by_role: dict[int, list[Any]] = {0: [], 1: [], 2: []}
     for it in sorted((it for it in rest if real(it)), key=lambda it: cell_of(it).seed):  # stable
-        if role(it) == 2:
-            reads.setdefault(group(it), []).append(it)
-        elif needs_data(it):
-            data.append(it)
-        else:
-            model.setdefault(cell_of(it).seed, []).append(it)
-    out, lagging = head + [it for it in rest if not real(it)] + data, []
-    for seed, cells in model.items():  # a group's other seeds after the next seed's model cells
-        out += cells + lagging
-        lagging = reads.pop(seed, [])
-    return out + lagging + [it for r in reads.values() for it in r]
+        by_role[role(it)].append(it)
+    groups, plain = by_role[0], by_role[1]
+    spread: list[Any] = []
+    for i, it in enumerate(groups):  # group cell i before the plain cells of its share
+        spread += [it] + plain[i * len(plain) // len(groups):(i + 1) * len(plain) // len(groups)]
+    return head + [it for it in rest if not real(it)] + (spread or plain) + by_role[2]
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:

@@ -54,15 +54,14 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
     return _DATA_CACHE[key]
 
 
-def evict_synthetic(*, real: bool = False) -> bool:
-    """Drop the synthetic data this process holds (every seed's, ≈ 0.25 GiB at full size) — with ``real``
-    the real captures too — and hand its memory back (:func:`~kvqbench.data.memory.release_freed`). An
-    xdist worker calls it at each real cell, and with ``real`` at each model cell: its real cells come
-    after its synthetic ones and its model cells after those that read the capture
-    (:func:`kvqbench.plugin.collection.real_capture_first`; a serial run keeps pytest's order, which
-    alternates them, and keeps the data). A cell that comes later anyway reads its data again (from its
-    seed, or the capture cache: the same values). Returns whether anything was dropped."""
-    gone = [k for k in _DATA_CACHE if real or source_kind(k[0]) != "real"]
+def evict_synthetic() -> bool:
+    """Drop the synthetic data this process holds (every seed's, ≈ 0.25 GiB at full size) and hand its
+    memory back (:func:`~kvqbench.data.memory.release_freed`). An xdist worker calls it at each real
+    cell: its real cells come after its synthetic ones (:func:`kvqbench.plugin.collection.real_capture_first`;
+    a serial run keeps pytest's order, which alternates them, and keeps the data), and a synthetic cell
+    after them would draw its data again from its seed (the same values). Returns whether anything was
+    dropped."""
+    gone = [k for k in _DATA_CACHE if source_kind(k[0]) != "real"]
     for k in gone:
         del _DATA_CACHE[k]
     if gone:
@@ -175,7 +174,7 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
 
     _pin_threads(kvq_settings.threads)
     if is_worker(pytestconfig):
-        evict_synthetic(real=True)  # no cell reading the capture follows a model cell on a worker
+        evict_synthetic()
     cache_dir = capture_cache_dir(pytestconfig)
     size = CALIBRATION_SIZE.get(cell.size, cell.size)
     where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[size].window, "device": kvq_settings.device}

@@ -226,8 +226,7 @@ def test_a_selection_matching_no_cell_names_methods_and_experiments(pytester, pl
 
 def test_xdist_order_puts_one_real_capture_cell_first_then_synthetic_then_real():
     # the order is the collection order within each group: first real cell that needs the capture, then
-    # everything without real data, then the other real cells that need the capture, then the model cells
-    # (exp5's need no kvq_data)
+    # everything without real data, then the other real cells (exp5's model cells need no kvq_data)
     from types import SimpleNamespace
 
     from kvqbench.cells import Cell
@@ -239,7 +238,7 @@ def test_xdist_order_puts_one_real_capture_cell_first_then_synthetic_then_real()
 
     items = [item("unit"), item("s1", "synthetic"), item("e2e", "real", ("kvq_model",)), item("r1", "real"),
              item("s2", "synthetic"), item("r2", "real")]
-    assert [it.name for it in real_capture_first(items)] == ["r1", "unit", "s1", "s2", "r2", "e2e"]
+    assert [it.name for it in real_capture_first(items)] == ["r1", "unit", "s1", "s2", "e2e", "r2"]
     no_real = items[:2] + items[4:5]
     assert real_capture_first(no_real) == no_real
 
@@ -261,10 +260,10 @@ def test_xdist_order_runs_real_cells_by_seed_without_a_capture_cell():
     assert [it.name for it in real_capture_first(items)] == ["s0", "a0", "b0", "a1", "b1", "a2", "b2"]
 
 
-def test_xdist_order_puts_model_cells_after_the_capture_cells_and_other_seeds_last():
-    # the main job: the real cells reading the capture (kvq_data), then exp5's group cells (kvq_seed_rows)
-    # at each group's first seed, then the groups' other seeds, each part by seed; no cell reading the
-    # capture comes after a model cell, so a worker drops the capture at its first model cell
+def test_xdist_order_spreads_seed_group_cells_and_puts_their_other_seeds_last():
+    # the main job: exp5's group cells (kvq_seed_rows) at each group's first seed spread evenly over the other
+    # real cells, the group's other seeds last, so that every xdist chunk holds its share of heavy cells and
+    # no worker waits for a group the other still computes
     from types import SimpleNamespace
 
     from kvqbench.cells import Cell
@@ -280,13 +279,10 @@ def test_xdist_order_puts_model_cells_after_the_capture_cells_and_other_seeds_la
     groups = ("kvq_model", "kvq_seed_rows")
     items = [item("exp1", s, cells) for s in (0, 1, 2)] + [item("exp5", s, groups) for s in (0, 1, 2)]
     order = [it.name for it in real_capture_first(items, Settings(windows=[0, 1, 2]))]
-    assert order == ["exp1-0", "exp1-1", "exp1-2", "exp5-0", "exp5-1", "exp5-2"]  # exp1-0: the capture cell
-    # groups of three seeds (0-2, 3-4): seeds 0 and 3 compute after every capture cell; 1, 2, 4 read
+    assert order == ["exp1-0", "exp5-0", "exp1-1", "exp1-2", "exp5-1", "exp5-2"]  # exp1-0: the capture cell
+    # groups of three seeds (0-2, 3-4): seeds 0 and 3 compute, each before half the plain cells; 1, 2, 4 read
     items = ([item("exp5", s, groups) for s in range(5)] + [item("exp1", s, cells) for s in range(5)]
              + [item("exp3", s, cells) for s in range(5)])
-    got = real_capture_first(items, Settings(seeds=list(range(5)), windows=list(range(5))))
-    assert [it.name for it in got] == ["exp1-0", "exp3-0", "exp1-1", "exp3-1", "exp1-2", "exp3-2", "exp1-3",
-                                       "exp3-3", "exp1-4", "exp3-4", "exp5-0", "exp5-3", "exp5-1", "exp5-2",
-                                       "exp5-4"]
-    first_model = next(i for i, it in enumerate(got) if "kvq_model" in it.fixturenames)
-    assert not any("kvq_data" in it.fixturenames for it in got[first_model:])
+    order = [it.name for it in real_capture_first(items, Settings(seeds=list(range(5)), windows=list(range(5))))]
+    assert order == ["exp1-0", "exp5-0", "exp3-0", "exp1-1", "exp3-1", "exp1-2", "exp5-3", "exp3-2", "exp1-3",
+                     "exp3-3", "exp1-4", "exp3-4", "exp5-1", "exp5-2", "exp5-4"]

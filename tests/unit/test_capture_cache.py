@@ -175,15 +175,3 @@ def test_a_worker_moving_to_real_cells_drops_the_synthetic_data_only(monkeypatch
     assert fixtures.evict_synthetic() is True
     assert sorted(fixtures._DATA_CACHE, key=str) == sorted((k for k in cache if k[0] != "synthetic"), key=str)
     assert fixtures.evict_synthetic() is False
-
-
-def test_a_worker_moving_to_model_cells_drops_the_real_captures_too(monkeypatch) -> None:
-    """``evict_synthetic(real=True)`` (a worker's first model cell) empties the per-process data cache."""
-    from kvqbench.plugin import fixtures
-
-    cache = {("synthetic", "full", 0, "cpu", "smollm2", "float32"): object(),
-             ("real", "full", None, "cpu", "smollm2", "float32"): object()}
-    monkeypatch.setattr(fixtures, "_DATA_CACHE", dict(cache))
-    assert fixtures.evict_synthetic(real=True) is True
-    assert fixtures._DATA_CACHE == {}
-    assert fixtures.evict_synthetic(real=True) is False
