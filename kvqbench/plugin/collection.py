@@ -31,17 +31,63 @@ def _source(item: Any) -> str | None:
     return None if cell is None else cell.source
 
 
+#: the most bytes a model's weights may take for a worker to hold them beside the captured data (see
+#: :func:`model_cells_last`)
+SHARED_WEIGHTS_LIMIT = 768 << 20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def model_cells_last(settings: Settings) -> bool:
+    """Whether a worker runs the real model's cells only after every cell that reads the captured data and
+    drops that data at its first model cell (:func:`kvqbench.plugin.fixtures.kvq_model`), so that it never
+    holds the two together: for a model whose weights, at the run's dtype, take more than
+    :data:`SHARED_WEIGHTS_LIMIT` (Gemma 3 270M: 268 M weights, 1.0 GiB in float32; with the 2,048-token
+    capture beside them and a cell's working memory a worker peaked at 3.3 GB, docs/PERFORMANCE.md), and for
+    a model whose size is not registered (a ``.gguf`` file or folder of the user's). A smaller registered
+    model (SmolLM2-135M: 0.5 GiB) keeps the spread order, which is faster: its model cells fill in between
+    the other real cells, and a cell reading a result another seed computes finds it done."""
+    from kvqbench.data.capture.registry import registered
+
+    known = registered(settings.model)
+    return known is None or known.params * _DTYPE_BYTES.get(settings.dtype, 4) > SHARED_WEIGHTS_LIMIT
+
+
+#: how many cells xdist hands a worker at a time (``--maxschedchunk``) in the model-cells-last order
+LEAN_CHUNK = 4
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist controller: in the model-cells-last order (:func:`model_cells_last`), unless the user set
+    ``--maxschedchunk``, deal the cells :data:`LEAN_CHUNK` at a time. xdist otherwise deals consecutive
+    cells by the hundred: a worker on cheap cells then runs far ahead of one on costly cells and draws a
+    seed whose shared result the other is still computing (:func:`kvqbench.plugin.sharing.seed_free_key`,
+    a seed group's other seed), and waits for it (docs/PERFORMANCE.md)."""
+    s = config.stash.get(SETTINGS_KEY, None)
+    if (s is None or is_worker(config) or not s.real or getattr(config.option, "maxschedchunk", 0) is not None
+            or not model_cells_last(s)):
+        return
+    config.option.maxschedchunk = LEAN_CHUNK
+
+
 def real_capture_first(items: list[Any], settings: Settings | None = None) -> list[Any]:
     """The order xdist workers run the cells in: the first real cell that needs the captured data
-    (``kvq_data``), then every item that needs no real data, then the other real cells: the real cells of
-    the other experiments by seed (seed 0 of every real cell before seed 1, so the cells that share one
-    computation across seeds, see :func:`kvqbench.plugin.sharing.seed_free_key`, find it done), with the
-    cells that compute a whole seed group (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5: the cell of
-    the group's first seed, :func:`~kvqbench.plugin.sharing.seed_group` of the cell's seeds in ``settings``) spread evenly among
-    them from the start, and last the other seeds of each group, which only read what their group's first
-    cell stored. xdist deals consecutive cells to a worker in chunks: spread out, the heavy group cells
-    fall into every chunk alike, and a worker never draws a group's other seed while the other worker
-    still computes that group (it would wait for it, idle).
+    (``kvq_data``), then every item that needs no real data, then the other real cells by seed (seed 0 of
+    every real cell before seed 1, so the cells that share one computation across seeds, see
+    :func:`kvqbench.plugin.sharing.seed_free_key`, find it done), and last the seeds of each seed group
+    other than its first (:func:`~kvqbench.plugin.sharing.seed_group` of the cell's seeds in ``settings``),
+    which only read what the group's first cell (:func:`~kvqbench.plugin.sharing.kvq_seed_rows`, exp5)
+    stored.
+
+    The other real cells come in one of two orders. *Spread* (the default): the cells that compute a whole
+    seed group spread evenly among the rest from the start. xdist deals consecutive cells to a worker in
+    chunks: spread out, the heavy group cells fall into every chunk alike, and a worker never draws a
+    group's other seed while the other worker still computes that group (it would wait for it, idle).
+    *Model cells last* (when :func:`model_cells_last` says so for ``settings``): every cell that reads the
+    captured data, then every cell of the real model (``kvq_model`` without ``kvq_data``). A worker's
+    cells are in this order too, so once it has run a model cell no cell reading the capture follows, and
+    it drops the capture there (:func:`kvqbench.plugin.fixtures.evict_data`); xdist then deals the cells a
+    few at a time (:func:`pytest_configure`), so that the workers stay close together in the order.
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
     while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
@@ -61,17 +107,23 @@ def real_capture_first(items: list[Any], settings: Settings | None = None) -> li
     def real(it: Any) -> bool:
         return source_kind(_source(it) or "") == "real"
 
-    first = next((i for i, it in enumerate(items) if real(it) and "kvq_data" in getattr(it, "fixturenames", ())),
-                 None)
+    def needs_data(it: Any) -> bool:
+        return "kvq_data" in getattr(it, "fixturenames", ())
+
+    first = next((i for i, it in enumerate(items) if real(it) and needs_data(it)), None)
     head, rest = ([], items) if first is None else ([items[first]], items[:first] + items[first + 1:])
     by_role: dict[int, list[Any]] = {0: [], 1: [], 2: []}
     for it in sorted((it for it in rest if real(it)), key=lambda it: cell_of(it).seed):  # stable
         by_role[role(it)].append(it)
     groups, plain = by_role[0], by_role[1]
-    spread: list[Any] = []
-    for i, it in enumerate(groups):  # group cell i before the plain cells of its share
-        spread += [it] + plain[i * len(plain) // len(groups):(i + 1) * len(plain) // len(groups)]
-    return head + [it for it in rest if not real(it)] + (spread or plain) + by_role[2]
+    if settings is not None and model_cells_last(settings):
+        model = sorted(groups + [it for it in plain if not needs_data(it)], key=lambda it: cell_of(it).seed)
+        middle = [it for it in plain if needs_data(it)] + model
+    else:
+        middle = []
+        for i, it in enumerate(groups):  # group cell i before the plain cells of its share
+            middle += [it] + plain[i * len(plain) // len(groups):(i + 1) * len(plain) // len(groups)]
+    return head + [it for it in rest if not real(it)] + (middle or plain) + by_role[2]
 
 
 def _expect_cells(config: pytest.Config, nodeids: list[str]) -> None:

@@ -37,7 +37,7 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
     if key in _DATA_FAILED:  # the same data already failed in this process: one line, no retry
         pytest.fail(_DATA_FAILED[key], pytrace=False)
     if source_kind(cell.source) == "real" and is_worker(pytestconfig):
-        evict_synthetic()
+        evict_data("synthetic")
     if key not in _DATA_CACHE:
         t = time.time()
         try:
@@ -54,14 +54,16 @@ def kvq_data(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, re
     return _DATA_CACHE[key]
 
 
-def evict_synthetic() -> bool:
-    """Drop the synthetic data this process holds (every seed's, ≈ 0.25 GiB at full size) and hand its
-    memory back (:func:`~kvqbench.data.memory.release_freed`). An xdist worker calls it at each real
-    cell: its real cells come after its synthetic ones (:func:`kvqbench.plugin.collection.real_capture_first`;
-    a serial run keeps pytest's order, which alternates them, and keeps the data), and a synthetic cell
-    after them would draw its data again from its seed (the same values). Returns whether anything was
-    dropped."""
-    gone = [k for k in _DATA_CACHE if source_kind(k[0]) != "real"]
+def evict_data(kind: str) -> bool:
+    """Drop the data of ``kind`` (``"synthetic"``: every seed's, ≈ 0.25 GiB at full size; ``"real"``: the
+    captures) this process holds and hand its memory back (:func:`~kvqbench.data.memory.release_freed`). An
+    xdist worker drops the synthetic data at each real cell, which comes after its synthetic cells, and at
+    each model cell the captures too when its model cells come after every cell reading them
+    (:func:`kvqbench.plugin.collection.real_capture_first`, :func:`~kvqbench.plugin.collection.model_cells_last`).
+    A serial run keeps pytest's order, which alternates them, and keeps the data. A cell that comes later
+    anyway loads its data again (from its seed, or the capture cache: the same values). Returns whether
+    anything was dropped."""
+    gone = [k for k in _DATA_CACHE if (source_kind(k[0]) == "real") == (kind == "real")]
     for k in gone:
         del _DATA_CACHE[k]
     if gone:
@@ -174,7 +176,11 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
 
     _pin_threads(kvq_settings.threads)
     if is_worker(pytestconfig):
-        evict_synthetic()
+        from kvqbench.plugin.collection import model_cells_last
+
+        evict_data("synthetic")
+        if model_cells_last(kvq_settings):  # no cell reading the capture follows on this worker
+            evict_data("real")
     cache_dir = capture_cache_dir(pytestconfig)
     size = CALIBRATION_SIZE.get(cell.size, cell.size)
     where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[size].window, "device": kvq_settings.device}

@@ -286,3 +286,63 @@ def test_xdist_order_spreads_seed_group_cells_and_puts_their_other_seeds_last():
     order = [it.name for it in real_capture_first(items, Settings(seeds=list(range(5)), windows=list(range(5))))]
     assert order == ["exp1-0", "exp5-0", "exp3-0", "exp1-1", "exp3-1", "exp1-2", "exp5-3", "exp3-2", "exp1-3",
                      "exp3-3", "exp1-4", "exp3-4", "exp5-1", "exp5-2", "exp5-4"]
+
+
+def test_xdist_order_puts_a_large_models_cells_after_the_capture_cells():
+    # a model whose weights exceed SHARED_WEIGHTS_LIMIT (gemma3-270m in float32; an unregistered one): the
+    # first capture cell, the items without real data, the other cells reading the capture, then the model
+    # cells, each part by seed, the groups' other seeds last; a small one (smollm2, or gemma3-270m in a
+    # 2-byte dtype) keeps the spread order
+    from types import SimpleNamespace
+
+    from kvqbench.cells import Cell
+    from kvqbench.data.capture.registry import MODELS
+    from kvqbench.plugin.collection import SHARED_WEIGHTS_LIMIT, model_cells_last, real_capture_first
+    from kvqbench.plugin.state import Settings
+
+    def item(exp, seed, fixtures, source="real"):
+        cell = Cell(exp, "fp16", 2, 2, seed, source, "full")
+        return SimpleNamespace(name=f"{exp}-{seed}{source[0]}", callspec=SimpleNamespace(params={"cell": cell}),
+                               fixturenames=fixtures)
+
+    assert MODELS["gemma3-270m"].params * 4 > SHARED_WEIGHTS_LIMIT >= MODELS["gemma3-270m"].params * 2
+    assert MODELS["smollm2"].params * 4 <= SHARED_WEIGHTS_LIMIT
+    lean = Settings(model="gemma3-270m", seeds=list(range(5)), windows=list(range(5)))
+    assert model_cells_last(lean) and model_cells_last(Settings(model="/x/other.gguf"))
+    assert not model_cells_last(Settings()) and not model_cells_last(Settings(model="gemma3-270m", dtype="bfloat16"))
+    cells = ("kvq_data", "kvq_run")
+    groups = ("kvq_model", "kvq_seed_rows")
+    items = ([item("exp5", s, groups) for s in range(5)] + [item("exp1", s, cells) for s in range(3)]
+             + [item("exp1", s, cells, "synthetic") for s in range(2)] + [item("exp6", s, ("kvq_model",)) for s in range(2)]
+             + [item("exp3", s, cells) for s in range(3)])
+    got = real_capture_first(items, lean)
+    assert [it.name for it in got] == ["exp1-0r", "exp1-0s", "exp1-1s", "exp3-0r", "exp1-1r", "exp3-1r",
+                                       "exp1-2r", "exp3-2r", "exp5-0r", "exp6-0r", "exp6-1r", "exp5-3r",
+                                       "exp5-1r", "exp5-2r", "exp5-4r"]
+    first_model = next(i for i, it in enumerate(got) if "kvq_model" in it.fixturenames)
+    assert not any("kvq_data" in it.fixturenames for it in got[first_model:])
+    assert sorted(it.name for it in got) == sorted(it.name for it in items)
+    no_model = [it for it in items if "kvq_model" not in it.fixturenames]  # e.g. -k "not endtoend"
+    assert sorted(it.name for it in real_capture_first(no_model, lean)) == sorted(it.name for it in no_model)
+
+
+def test_xdist_deals_a_few_cells_at_a_time_in_the_model_cells_last_order():
+    # xdist's default deals consecutive cells by the hundred; in the model-cells-last order the controller
+    # deals LEAN_CHUNK at a time unless the user chose --maxschedchunk; workers and the spread order keep
+    # what they have
+    from types import SimpleNamespace
+
+    from kvqbench.plugin import collection
+    from kvqbench.plugin.state import SETTINGS_KEY, Settings
+
+    def configured(settings, chunk=None, **extra):
+        config = SimpleNamespace(stash={SETTINGS_KEY: settings}, option=SimpleNamespace(maxschedchunk=chunk), **extra)
+        collection.pytest_configure(config)
+        return config.option.maxschedchunk
+
+    gemma = Settings(model="gemma3-270m", real=True)
+    assert configured(gemma) == collection.LEAN_CHUNK
+    assert configured(gemma, 50) == 50
+    assert configured(gemma, workerinput={}) is None
+    assert configured(Settings(model="gemma3-270m")) is None  # no real cells
+    assert configured(Settings(real=True)) is None  # smollm2: the spread order

@@ -163,7 +163,7 @@ def test_the_plugin_finds_a_capture_cache_folder_without_pytests_cache(tmp_path,
 
 
 def test_a_worker_moving_to_real_cells_drops_the_synthetic_data_only(monkeypatch) -> None:
-    """``evict_synthetic`` removes every synthetic entry of the per-process data cache and keeps the real
+    """``evict_data("synthetic")`` removes every synthetic entry of the per-process data cache and keeps the real
     captures; with nothing synthetic left it drops nothing."""
     from kvqbench.plugin import fixtures
 
@@ -172,6 +172,19 @@ def test_a_worker_moving_to_real_cells_drops_the_synthetic_data_only(monkeypatch
              ("real", "full", None, "cpu", "smollm2", "float32"): object(),
              ("real-gemma3-270m", "full", None, "cpu", "gemma3-270m", "float32"): object()}
     monkeypatch.setattr(fixtures, "_DATA_CACHE", dict(cache))
-    assert fixtures.evict_synthetic() is True
+    assert fixtures.evict_data("synthetic") is True
     assert sorted(fixtures._DATA_CACHE, key=str) == sorted((k for k in cache if k[0] != "synthetic"), key=str)
-    assert fixtures.evict_synthetic() is False
+    assert fixtures.evict_data("synthetic") is False
+
+
+def test_a_worker_moving_to_model_cells_drops_the_real_captures_only(monkeypatch) -> None:
+    """``evict_data("real")`` (a worker's model cells when they come after every cell reading the capture)
+    drops the captures and keeps any synthetic data."""
+    from kvqbench.plugin import fixtures
+
+    syn = ("synthetic", "full", 0, "cpu", "gemma3-270m", "float32")
+    cache = {syn: object(), ("real-gemma3-270m", "full", None, "cpu", "gemma3-270m", "float32"): object()}
+    monkeypatch.setattr(fixtures, "_DATA_CACHE", dict(cache))
+    assert fixtures.evict_data("real") is True
+    assert fixtures._DATA_CACHE == {syn: cache[syn]}
+    assert fixtures.evict_data("real") is False

