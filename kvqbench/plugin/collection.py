@@ -34,22 +34,21 @@ def _source(item: Any) -> str | None:
 #: the most bytes a model's weights may take for a worker to hold them beside the captured data (see
 #: :func:`model_cells_last`)
 SHARED_WEIGHTS_LIMIT = 768 << 20
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def model_cells_last(settings: Settings) -> bool:
     """Whether a worker runs the real model's cells only after every cell that reads the captured data and
     drops that data at its first model cell (:func:`kvqbench.plugin.fixtures.kvq_model`), so that it never
-    holds the two together: for a model whose weights, at the run's dtype, take more than
-    :data:`SHARED_WEIGHTS_LIMIT` (Gemma 3 270M: 268 M weights, 1.0 GiB in float32; with the 2,048-token
-    capture beside them and a cell's working memory a worker peaked at 3.3 GB, docs/PERFORMANCE.md), and for
-    a model whose size is not registered (a ``.gguf`` file or folder of the user's). A smaller registered
-    model (SmolLM2-135M: 0.5 GiB) keeps the spread order, which is faster: its model cells fill in between
-    the other real cells, and a cell reading a result another seed computes finds it done."""
+    holds the two together: for a model whose weights take more than :data:`SHARED_WEIGHTS_LIMIT` in float32,
+    the dtype the model cells run it in (Gemma 3 270M: 268 M weights, 1.0 GiB; with the 2,048-token capture
+    beside them and a cell's working memory a worker peaked at 3.3 GB, docs/PERFORMANCE.md), and for a model
+    whose size is not registered (a ``.gguf`` file or folder of the user's, a Hugging Face id). A smaller
+    registered model (SmolLM2-135M: 0.5 GiB) keeps the spread order, which is faster: its model cells fill
+    in between the other real cells, and a cell reading a result another seed computes finds it done."""
     from kvqbench.data.capture.registry import registered
 
     known = registered(settings.model)
-    return known is None or known.params * _DTYPE_BYTES.get(settings.dtype, 4) > SHARED_WEIGHTS_LIMIT
+    return known is None or not known.params or known.params * 4 > SHARED_WEIGHTS_LIMIT
 
 
 #: how many cells xdist hands a worker at a time (``--maxschedchunk``) in the model-cells-last order
@@ -87,11 +86,13 @@ def real_capture_first(items: list[Any], settings: Settings | None = None) -> li
     captured data, then every cell of the real model (``kvq_model`` without ``kvq_data``). A worker's
     cells are in this order too, so once it has run a model cell no cell reading the capture follows, and
     it drops the capture there (:func:`kvqbench.plugin.fixtures.evict_data`); xdist then deals the cells a
-    few at a time (:func:`pytest_configure`), so that the workers stay close together in the order.
+    few at a time (:func:`pytest_configure`), so that the workers stay close together in the order. That
+    holds under xdist's default ``--dist load``; with ``--dist worksteal`` a worker may take a capture cell
+    after a model cell and load the capture again (the same values, more memory and time).
 
     On a run whose capture is not cached yet, the worker that draws the first cell runs the model once
-    while the others work through synthetic cells instead of waiting on the capture lock (xdist deals the
-    first items round-robin); with a cached capture the order changes nothing but when cells run.
+    while the others work through synthetic cells instead of waiting on the capture lock; with a cached
+    capture the order changes nothing but when cells run.
     Deterministic, so every worker collects the same order. Without a cell that needs the capture (e.g.
     ``-k endtoend``) the real cells still come last, in the same order.
     """

